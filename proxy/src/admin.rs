@@ -1,0 +1,447 @@
+//! A small client for Envoy's admin API.
+//!
+//! Every call opens its own HTTP/1 connection and is bounded as a whole (connect, request,
+//! body) by the client's timeout: a drain POST that hangs is how Istio lost pods (#50596).
+//! Every call checks the status code, and every error names the address and the endpoint.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use tokio::net::TcpStream;
+
+/// The default bound on one admin call.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The largest admin response we read (a full `/stats` of a big Envoy is a few MiB).
+const MAX_BODY: usize = 64 << 20;
+
+/// Why an admin call failed. Every variant names the admin address and the endpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdminError {
+    /// Nothing accepted the connection.
+    #[error("envoy admin {addr}{endpoint}: cannot connect: {source}")]
+    Connect {
+        /// Admin address.
+        addr: SocketAddr,
+        /// Path and query called.
+        endpoint: String,
+        /// The connect error.
+        source: std::io::Error,
+    },
+    /// The call did not finish within the timeout.
+    #[error("envoy admin {addr}{endpoint}: no answer within {timeout:?}")]
+    Timeout {
+        /// Admin address.
+        addr: SocketAddr,
+        /// Path and query called.
+        endpoint: String,
+        /// The bound that ran out.
+        timeout: Duration,
+    },
+    /// The HTTP exchange failed.
+    #[error("envoy admin {addr}{endpoint}: {message}")]
+    Http {
+        /// Admin address.
+        addr: SocketAddr,
+        /// Path and query called.
+        endpoint: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// Envoy answered with an unexpected status.
+    #[error("envoy admin {addr}{endpoint}: HTTP {status}: {body}")]
+    Status {
+        /// Admin address.
+        addr: SocketAddr,
+        /// Path and query called.
+        endpoint: String,
+        /// The status code.
+        status: StatusCode,
+        /// The start of the response body.
+        body: String,
+    },
+    /// The body was not what the endpoint documents.
+    #[error("envoy admin {addr}{endpoint}: unexpected response: {message}")]
+    Decode {
+        /// Admin address.
+        addr: SocketAddr,
+        /// Path and query called.
+        endpoint: String,
+        /// What did not parse.
+        message: String,
+    },
+}
+
+/// Envoy's server state, from `/server_info`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ServerState {
+    /// Before the config is loaded.
+    PreInitializing,
+    /// Loading config, warming clusters.
+    Initializing,
+    /// Serving.
+    Live,
+    /// Health checks failed (`/healthcheck/fail`).
+    Draining,
+    /// A state this client does not know.
+    #[serde(other)]
+    Unknown,
+}
+
+/// The parts of `/server_info` a supervisor needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// Envoy's build version string.
+    pub version: String,
+    /// Server state.
+    pub state: ServerState,
+    /// `--restart-epoch` of the answering process.
+    pub restart_epoch: u32,
+    /// `--base-id` of the answering process.
+    pub base_id: u64,
+    /// E.g. `11.104`, or `disabled` when hot restart is off.
+    pub hot_restart_version: String,
+    /// Uptime of this epoch as Envoy prints it (e.g. `12s`).
+    pub uptime_current_epoch: String,
+}
+
+#[derive(Deserialize)]
+struct RawServerInfo {
+    version: String,
+    state: ServerState,
+    hot_restart_version: String,
+    #[serde(default)]
+    uptime_current_epoch: String,
+    command_line_options: RawOptions,
+}
+
+#[derive(Deserialize)]
+struct RawOptions {
+    #[serde(default)]
+    restart_epoch: u32,
+    // uint64 is a JSON string in proto3's JSON mapping.
+    #[serde(default)]
+    base_id: String,
+}
+
+/// Answer of `/ready`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// 200: LIVE.
+    Ready,
+    /// 503, with the state Envoy named.
+    NotReady(String),
+}
+
+/// Options of `POST /drain_listeners`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DrainListeners {
+    /// Only inbound listeners (sidecars); all listeners otherwise (gateways).
+    pub inbound_only: bool,
+    /// Drain gracefully over `--drain-time-s` instead of closing listeners at once.
+    pub graceful: bool,
+    /// Never stop the listeners (Envoy keeps accepting; answers get `Connection: close`).
+    pub skip_exit: bool,
+}
+
+impl DrainListeners {
+    /// The path and query of this drain.
+    pub fn endpoint(&self) -> String {
+        let mut flags = Vec::new();
+        if self.inbound_only {
+            flags.push("inboundonly");
+        }
+        if self.graceful {
+            flags.push("graceful");
+        }
+        if self.skip_exit {
+            flags.push("skip_exit");
+        }
+        if flags.is_empty() {
+            "/drain_listeners".to_owned()
+        } else {
+            format!("/drain_listeners?{}", flags.join("&"))
+        }
+    }
+}
+
+/// A listener and the address it is bound to, from `/listeners?format=json`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenerStatus {
+    /// Listener name.
+    pub name: String,
+    /// Bound address, when it is a socket address.
+    pub local_address: Option<SocketAddr>,
+}
+
+/// A client for one Envoy admin address.
+#[derive(Debug, Clone)]
+pub struct AdminClient {
+    addr: SocketAddr,
+    timeout: Duration,
+}
+
+// === impl AdminClient ===
+
+impl AdminClient {
+    /// A client with [`DEFAULT_TIMEOUT`].
+    pub fn new(addr: SocketAddr) -> Self {
+        AdminClient {
+            addr,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// The same client with another bound on each call.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The admin address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `GET /server_info`.
+    pub async fn server_info(&self) -> Result<ServerInfo, AdminError> {
+        let endpoint = "/server_info";
+        let body = self.call_ok(Method::GET, endpoint).await?;
+        let raw: RawServerInfo =
+            serde_json::from_slice(&body).map_err(|e| self.decode(endpoint, e))?;
+        let base_id = if raw.command_line_options.base_id.is_empty() {
+            0
+        } else {
+            raw.command_line_options
+                .base_id
+                .parse()
+                .map_err(|e| self.decode(endpoint, format!("base_id: {e}")))?
+        };
+        Ok(ServerInfo {
+            version: raw.version,
+            state: raw.state,
+            restart_epoch: raw.command_line_options.restart_epoch,
+            base_id,
+            hot_restart_version: raw.hot_restart_version,
+            uptime_current_epoch: raw.uptime_current_epoch,
+        })
+    }
+
+    /// `GET /ready`: 200 is ready, 503 is not (with the state), anything else is an error.
+    pub async fn ready(&self) -> Result<Readiness, AdminError> {
+        let endpoint = "/ready";
+        let (status, body) = self.call(Method::GET, endpoint).await?;
+        let text = String::from_utf8_lossy(&body).trim().to_owned();
+        match status {
+            StatusCode::OK => Ok(Readiness::Ready),
+            StatusCode::SERVICE_UNAVAILABLE => Ok(Readiness::NotReady(text)),
+            status => Err(self.status(endpoint, status, &body)),
+        }
+    }
+
+    /// `GET /stats?filter=<regex>` (plus `usedonly`), as Envoy's text format.
+    pub async fn stats(&self, filter: &str, used_only: bool) -> Result<String, AdminError> {
+        let mut endpoint = format!("/stats?filter={}", percent_encode(filter));
+        if used_only {
+            endpoint.push_str("&usedonly");
+        }
+        let body = self.call_ok(Method::GET, &endpoint).await?;
+        String::from_utf8(body.to_vec()).map_err(|e| self.decode(&endpoint, e))
+    }
+
+    /// `GET /stats/prometheus`, as Envoy serves it.
+    pub async fn prometheus_stats(&self) -> Result<Bytes, AdminError> {
+        self.call_ok(Method::GET, "/stats/prometheus").await
+    }
+
+    /// `POST /drain_listeners?...`.
+    pub async fn drain_listeners(&self, options: DrainListeners) -> Result<(), AdminError> {
+        self.call_ok(Method::POST, &options.endpoint()).await?;
+        Ok(())
+    }
+
+    /// `POST /healthcheck/fail`: Envoy fails its health checks and reports DRAINING.
+    pub async fn healthcheck_fail(&self) -> Result<(), AdminError> {
+        self.call_ok(Method::POST, "/healthcheck/fail").await?;
+        Ok(())
+    }
+
+    /// `GET /listeners?format=json`: each listener and its bound address (finds port-0 binds).
+    pub async fn listeners(&self) -> Result<Vec<ListenerStatus>, AdminError> {
+        #[derive(Deserialize)]
+        struct Raw {
+            #[serde(default)]
+            listener_statuses: Vec<RawListener>,
+        }
+        #[derive(Deserialize)]
+        struct RawListener {
+            name: String,
+            local_address: Option<RawAddress>,
+        }
+        #[derive(Deserialize)]
+        struct RawAddress {
+            socket_address: Option<RawSocketAddress>,
+        }
+        #[derive(Deserialize)]
+        struct RawSocketAddress {
+            address: String,
+            #[serde(default)]
+            port_value: u16,
+        }
+        let endpoint = "/listeners?format=json";
+        let body = self.call_ok(Method::GET, endpoint).await?;
+        let raw: Raw = serde_json::from_slice(&body).map_err(|e| self.decode(endpoint, e))?;
+        Ok(raw
+            .listener_statuses
+            .into_iter()
+            .map(|l| ListenerStatus {
+                name: l.name,
+                local_address: l
+                    .local_address
+                    .and_then(|a| a.socket_address)
+                    .and_then(|s| {
+                        s.address
+                            .parse::<std::net::IpAddr>()
+                            .ok()
+                            .map(|ip| SocketAddr::new(ip, s.port_value))
+                    }),
+            })
+            .collect())
+    }
+
+    async fn call_ok(&self, method: Method, endpoint: &str) -> Result<Bytes, AdminError> {
+        let (status, body) = self.call(method, endpoint).await?;
+        if status != StatusCode::OK {
+            return Err(self.status(endpoint, status, &body));
+        }
+        Ok(body)
+    }
+
+    /// One request on a fresh connection, bounded by the timeout as a whole.
+    async fn call(
+        &self,
+        method: Method,
+        endpoint: &str,
+    ) -> Result<(StatusCode, Bytes), AdminError> {
+        match tokio::time::timeout(self.timeout, self.exchange(method, endpoint)).await {
+            Ok(result) => result,
+            Err(_) => Err(AdminError::Timeout {
+                addr: self.addr,
+                endpoint: endpoint.to_owned(),
+                timeout: self.timeout,
+            }),
+        }
+    }
+
+    async fn exchange(
+        &self,
+        method: Method,
+        endpoint: &str,
+    ) -> Result<(StatusCode, Bytes), AdminError> {
+        let http = |message: String| AdminError::Http {
+            addr: self.addr,
+            endpoint: endpoint.to_owned(),
+            message,
+        };
+        let stream = TcpStream::connect(self.addr)
+            .await
+            .map_err(|source| AdminError::Connect {
+                addr: self.addr,
+                endpoint: endpoint.to_owned(),
+                source,
+            })?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| http(format!("handshake: {e}")))?;
+        // The connection task ends with the exchange: the sender is dropped when we return.
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let request = Request::builder()
+            .method(method)
+            .uri(endpoint)
+            .header(http::header::HOST, self.addr.to_string())
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| http(format!("building request: {e}")))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| http(format!("request: {e}")))?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), MAX_BODY)
+            .collect()
+            .await
+            .map_err(|e| http(format!("reading body: {e}")))?
+            .to_bytes();
+        Ok((status, body))
+    }
+
+    fn status(&self, endpoint: &str, status: StatusCode, body: &[u8]) -> AdminError {
+        let text = String::from_utf8_lossy(body);
+        AdminError::Status {
+            addr: self.addr,
+            endpoint: endpoint.to_owned(),
+            status,
+            body: text.trim().chars().take(200).collect(),
+        }
+    }
+
+    fn decode(&self, endpoint: &str, e: impl std::fmt::Display) -> AdminError {
+        AdminError::Decode {
+            addr: self.addr,
+            endpoint: endpoint.to_owned(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// Percent-encodes a query value: regexes carry `^`, `|`, `\` and friends.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drain_endpoint_flags() {
+        let d = DrainListeners {
+            inbound_only: true,
+            graceful: true,
+            skip_exit: false,
+        };
+        assert_eq!(d.endpoint(), "/drain_listeners?inboundonly&graceful");
+        let d = DrainListeners {
+            inbound_only: false,
+            graceful: true,
+            skip_exit: true,
+        };
+        assert_eq!(d.endpoint(), "/drain_listeners?graceful&skip_exit");
+        assert_eq!(DrainListeners::default().endpoint(), "/drain_listeners");
+    }
+
+    #[test]
+    fn query_values_are_percent_encoded() {
+        assert_eq!(
+            percent_encode("^(server\\.state|a)$"),
+            "%5E%28server%5C.state%7Ca%29%24"
+        );
+        assert_eq!(percent_encode("downstream_cx_active"), "downstream_cx_active");
+    }
+}

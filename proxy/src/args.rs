@@ -1,0 +1,365 @@
+//! Envoy's command line, built by one pure function so every rule has a unit test.
+//!
+//! The order follows Istio's pilot-agent (`pkg/envoy/proxy.go`), with the hot-restart flags in
+//! the place of `--disable-hot-restart`, and the caller's extra arguments last so they win
+//! where Envoy lets a later flag override an earlier one.
+
+use std::net::IpAddr;
+
+use crate::config::{AdminAddress, ProxyConfig};
+
+/// Envoy's log line as JSON: the format Istio passed as `--log-format` before moving it into
+/// the bootstrap. `%j` is Envoy's JSON-escaped message.
+pub const JSON_LOG_FORMAT: &str = r#"{"level":"%l","time":"%Y-%m-%dT%T.%fZ","scope":"envoy %n","msg":"%j","caller":"%g:%#","thread":%t}"#;
+
+/// A built command line plus what the builder had to leave out, for the caller to log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvoyArgs {
+    /// Arguments after the binary name.
+    pub args: Vec<String>,
+    /// One line per input the builder ignored, saying what and why.
+    pub warnings: Vec<String>,
+}
+
+/// Envoy's arguments for `config` at restart `epoch`. The epoch is ignored when hot restart is
+/// off (Envoy then runs with `--disable-hot-restart`, always epoch 0).
+pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
+    let mut args: Vec<String> = Vec::new();
+    let mut warnings = Vec::new();
+    let mut push = |flag: &str, value: String| {
+        args.push(flag.to_owned());
+        args.push(value);
+    };
+
+    push("-c", config.config_path.display().to_string());
+    push("--drain-time-s", config.drain_duration.as_secs().to_string());
+    push("--drain-strategy", config.drain_strategy.as_str().to_owned());
+    push(
+        "--local-address-ip-version",
+        ip_version(&config.node_ips).to_owned(),
+    );
+    push(
+        "--file-flush-interval-msec",
+        config.file_flush_interval.as_millis().to_string(),
+    );
+    match &config.hot_restart {
+        Some(hot) => {
+            push("--restart-epoch", epoch.to_string());
+            push("--base-id", hot.base_id.to_string());
+            push(
+                "--parent-shutdown-time-s",
+                hot.parent_shutdown_time.as_secs().to_string(),
+            );
+        }
+        None => args.push("--disable-hot-restart".to_owned()),
+    }
+    args.push("--allow-unknown-static-fields".to_owned());
+    if config.file_flush_min_size_kb > 0 {
+        args.push("--file-flush-min-size-kb".to_owned());
+        args.push(config.file_flush_min_size_kb.to_string());
+    }
+
+    let levels = LogLevels::parse(&config.log_level);
+    warnings.extend(levels.dropped.iter().map(|t| {
+        format!("log level token {t:?} has more than one ':' and is ignored")
+    }));
+    args.push("-l".to_owned());
+    args.push(levels.global.unwrap_or("warning").to_owned());
+    let components = if levels.components.is_empty() {
+        config.component_log_level.clone()
+    } else {
+        levels.components.join(",")
+    };
+    if !components.is_empty() {
+        args.push("--component-log-level".to_owned());
+        args.push(components);
+    }
+    if config.log_as_json {
+        args.push("--log-format".to_owned());
+        args.push(JSON_LOG_FORMAT.to_owned());
+    }
+    if config.skip_deprecated_logs {
+        args.push("--skip-deprecated-logs".to_owned());
+    }
+    if config.enable_core_dump {
+        args.push("--enable-core-dump".to_owned());
+    }
+    if let Some(path) = &config.outlier_log_path {
+        let overlay = serde_json::json!({
+            "cluster_manager": { "outlier_detection": { "event_log_path": path } }
+        });
+        args.push("--config-yaml".to_owned());
+        args.push(overlay.to_string());
+    }
+    if config.concurrency > 0 {
+        args.push("--concurrency".to_owned());
+        args.push(config.concurrency.to_string());
+    }
+    if let AdminAddress::FromFile(path) = &config.admin {
+        args.push("--admin-address-path".to_owned());
+        args.push(path.display().to_string());
+    }
+    args.extend(config.extra_args.iter().cloned());
+    EnvoyArgs { args, warnings }
+}
+
+/// `v6` only when every parseable node IP is IPv6 and there is at least one. Unparseable
+/// entries are skipped. Istio answers `v6` for an empty list (`AllIPv6([])`), which makes an
+/// IPv4 pod with no IPs configured bind upstream connections to IPv6; we answer `v4`.
+pub fn ip_version(node_ips: &[String]) -> &'static str {
+    let parsed: Vec<IpAddr> = node_ips.iter().filter_map(|ip| ip.parse().ok()).collect();
+    if !parsed.is_empty() && parsed.iter().all(IpAddr::is_ipv6) {
+        "v6"
+    } else {
+        "v4"
+    }
+}
+
+/// Istio's log level string split into Envoy's two flags.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct LogLevels<'a> {
+    /// The last token without `:`.
+    pub global: Option<&'a str>,
+    /// `component:level` tokens, in order.
+    pub components: Vec<&'a str>,
+    /// Tokens with more than one `:`.
+    pub dropped: Vec<&'a str>,
+}
+
+impl<'a> LogLevels<'a> {
+    /// Splits `warning,upstream:debug` into global `warning` and component `upstream:debug`.
+    pub fn parse(s: &'a str) -> Self {
+        let mut levels = LogLevels::default();
+        for token in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            match token.matches(':').count() {
+                0 => levels.global = Some(token),
+                1 => levels.components.push(token),
+                _ => levels.dropped.push(token),
+            }
+        }
+        levels
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::{DrainStrategy, HotRestart};
+
+    fn config() -> ProxyConfig {
+        ProxyConfig::new(
+            PathBuf::from("/usr/bin/envoy"),
+            PathBuf::from("/etc/envoy/bootstrap.yaml"),
+            AdminAddress::Fixed("127.0.0.1:15000".parse().unwrap()),
+        )
+    }
+
+    fn args(config: &ProxyConfig) -> Vec<String> {
+        envoy_args(config, 0).args
+    }
+
+    /// The value that follows `flag`, if the flag is there.
+    fn value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+        let i = args.iter().position(|a| a == flag)?;
+        args.get(i + 1).map(String::as_str)
+    }
+
+    #[test]
+    fn defaults_match_istio_in_order() {
+        assert_eq!(
+            args(&config()),
+            [
+                "-c",
+                "/etc/envoy/bootstrap.yaml",
+                "--drain-time-s",
+                "45",
+                "--drain-strategy",
+                "immediate",
+                "--local-address-ip-version",
+                "v4",
+                "--file-flush-interval-msec",
+                "1000",
+                "--disable-hot-restart",
+                "--allow-unknown-static-fields",
+                "-l",
+                "warning",
+                "--skip-deprecated-logs",
+            ]
+        );
+    }
+
+    #[test]
+    fn drain_time_is_truncated_to_whole_seconds() {
+        let mut c = config();
+        c.drain_duration = Duration::from_millis(2_900);
+        assert_eq!(value(&args(&c), "--drain-time-s"), Some("2"));
+    }
+
+    #[test]
+    fn drain_strategy_gradual() {
+        let mut c = config();
+        c.drain_strategy = DrainStrategy::Gradual;
+        assert_eq!(value(&args(&c), "--drain-strategy"), Some("gradual"));
+    }
+
+    #[test]
+    fn ip_version_v6_only_when_every_parseable_ip_is_v6() {
+        let ips = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(ip_version(&ips(&["fd00::1", "::1"])), "v6");
+        assert_eq!(ip_version(&ips(&["fd00::1", "not-an-ip"])), "v6");
+        assert_eq!(ip_version(&ips(&["fd00::1", "10.0.0.1"])), "v4");
+        assert_eq!(ip_version(&ips(&["10.0.0.1"])), "v4");
+        // Istio says v6 here; an empty or useless list must not flip an IPv4 pod to IPv6.
+        assert_eq!(ip_version(&ips(&[])), "v4");
+        assert_eq!(ip_version(&ips(&["garbage"])), "v4");
+
+        let mut c = config();
+        c.node_ips = ips(&["fd00::1"]);
+        assert_eq!(value(&args(&c), "--local-address-ip-version"), Some("v6"));
+    }
+
+    #[test]
+    fn file_flush_interval_in_milliseconds() {
+        let mut c = config();
+        c.file_flush_interval = Duration::from_millis(250);
+        assert_eq!(value(&args(&c), "--file-flush-interval-msec"), Some("250"));
+    }
+
+    #[test]
+    fn hot_restart_off_disables_it() {
+        let a = envoy_args(&config(), 7).args;
+        assert!(a.contains(&"--disable-hot-restart".to_owned()));
+        assert_eq!(value(&a, "--restart-epoch"), None);
+        assert_eq!(value(&a, "--base-id"), None);
+    }
+
+    #[test]
+    fn hot_restart_on_passes_epoch_base_id_and_parent_shutdown_time() {
+        let mut c = config();
+        c.hot_restart = Some(HotRestart {
+            base_id: 42,
+            parent_shutdown_time: Duration::from_secs(60),
+        });
+        let a = envoy_args(&c, 3).args;
+        assert!(!a.contains(&"--disable-hot-restart".to_owned()));
+        assert_eq!(value(&a, "--restart-epoch"), Some("3"));
+        assert_eq!(value(&a, "--base-id"), Some("42"));
+        assert_eq!(value(&a, "--parent-shutdown-time-s"), Some("60"));
+    }
+
+    #[test]
+    fn file_flush_min_size_only_when_set() {
+        let mut c = config();
+        assert_eq!(value(&args(&c), "--file-flush-min-size-kb"), None);
+        c.file_flush_min_size_kb = 64;
+        assert_eq!(value(&args(&c), "--file-flush-min-size-kb"), Some("64"));
+    }
+
+    #[test]
+    fn log_level_split_into_global_and_components() {
+        let mut c = config();
+        c.log_level = "info,upstream:debug,debug,http:trace".to_owned();
+        let a = args(&c);
+        assert_eq!(value(&a, "-l"), Some("debug"), "last global token wins");
+        assert_eq!(
+            value(&a, "--component-log-level"),
+            Some("upstream:debug,http:trace")
+        );
+    }
+
+    #[test]
+    fn log_level_tokens_with_two_colons_are_dropped_with_a_warning() {
+        let mut c = config();
+        c.log_level = "info,a:b:c".to_owned();
+        let built = envoy_args(&c, 0);
+        assert_eq!(value(&built.args, "-l"), Some("info"));
+        assert_eq!(value(&built.args, "--component-log-level"), None);
+        assert_eq!(built.warnings.len(), 1);
+        assert!(built.warnings[0].contains("a:b:c"), "{:?}", built.warnings);
+    }
+
+    #[test]
+    fn component_only_log_level_keeps_default_global() {
+        let mut c = config();
+        c.log_level = "upstream:debug".to_owned();
+        let a = args(&c);
+        assert_eq!(value(&a, "-l"), Some("warning"));
+        assert_eq!(value(&a, "--component-log-level"), Some("upstream:debug"));
+    }
+
+    #[test]
+    fn deprecated_component_log_level_used_only_when_log_level_has_none() {
+        let mut c = config();
+        c.component_log_level = "misc:error".to_owned();
+        assert_eq!(
+            value(&args(&c), "--component-log-level"),
+            Some("misc:error")
+        );
+        c.log_level = "info,http:debug".to_owned();
+        assert_eq!(
+            value(&args(&c), "--component-log-level"),
+            Some("http:debug")
+        );
+    }
+
+    #[test]
+    fn log_as_json_sets_a_json_log_format() {
+        let mut c = config();
+        assert_eq!(value(&args(&c), "--log-format"), None);
+        c.log_as_json = true;
+        assert_eq!(value(&args(&c), "--log-format"), Some(JSON_LOG_FORMAT));
+    }
+
+    #[test]
+    fn skip_deprecated_logs_and_core_dump_are_switches() {
+        let mut c = config();
+        c.skip_deprecated_logs = false;
+        c.enable_core_dump = true;
+        let a = args(&c);
+        assert!(!a.contains(&"--skip-deprecated-logs".to_owned()));
+        assert!(a.contains(&"--enable-core-dump".to_owned()));
+    }
+
+    #[test]
+    fn outlier_log_path_becomes_a_bootstrap_overlay() {
+        let mut c = config();
+        c.outlier_log_path = Some(PathBuf::from("/var/log/outlier \"x\".log"));
+        let a = args(&c);
+        let overlay: serde_json::Value =
+            serde_json::from_str(value(&a, "--config-yaml").unwrap()).unwrap();
+        assert_eq!(
+            overlay["cluster_manager"]["outlier_detection"]["event_log_path"],
+            "/var/log/outlier \"x\".log"
+        );
+    }
+
+    #[test]
+    fn concurrency_only_when_positive() {
+        let mut c = config();
+        assert_eq!(value(&args(&c), "--concurrency"), None);
+        c.concurrency = 2;
+        assert_eq!(value(&args(&c), "--concurrency"), Some("2"));
+    }
+
+    #[test]
+    fn admin_port_zero_asks_envoy_for_the_address_file() {
+        let mut c = config();
+        assert_eq!(value(&args(&c), "--admin-address-path"), None);
+        c.admin = AdminAddress::FromFile(PathBuf::from("/run/agent/admin"));
+        assert_eq!(
+            value(&args(&c), "--admin-address-path"),
+            Some("/run/agent/admin")
+        );
+    }
+
+    #[test]
+    fn extra_args_come_last_verbatim() {
+        let mut c = config();
+        c.extra_args = vec!["--service-cluster".into(), "edge".into()];
+        let a = args(&c);
+        assert_eq!(&a[a.len() - 2..], ["--service-cluster", "edge"]);
+    }
+}

@@ -1,0 +1,164 @@
+//! Reading what the agent needs from an Envoy bootstrap: the admin address.
+//!
+//! Only the `admin.address.socket_address` part is looked at; Envoy itself validates the rest.
+//! YAML and JSON bootstraps both parse (JSON is YAML).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Why the admin address could not be read from a bootstrap. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BootstrapError {
+    /// The file could not be read.
+    #[error("cannot read bootstrap {path}: {source}")]
+    Read {
+        /// The bootstrap.
+        path: PathBuf,
+        /// The read error.
+        source: std::io::Error,
+    },
+    /// The file is not YAML or JSON.
+    #[error("bootstrap {path} is not valid YAML or JSON: {message}")]
+    Parse {
+        /// The bootstrap.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// No `admin.address.socket_address` in the file.
+    #[error(
+        "bootstrap {path} has no admin address (admin.address.socket_address): \
+         the agent needs Envoy's admin API; add one or pass --admin-address"
+    )]
+    NoAdmin {
+        /// The bootstrap.
+        path: PathBuf,
+    },
+    /// The admin address is not an IP and port.
+    #[error("bootstrap {path}: admin address {address:?} is not an IP address")]
+    BadAddress {
+        /// The bootstrap.
+        path: PathBuf,
+        /// What the file says.
+        address: String,
+    },
+}
+
+#[derive(Deserialize)]
+struct Bootstrap {
+    admin: Option<Admin>,
+}
+
+#[derive(Deserialize)]
+struct Admin {
+    address: Option<Address>,
+}
+
+#[derive(Deserialize)]
+struct Address {
+    socket_address: Option<SocketAddress>,
+}
+
+#[derive(Deserialize)]
+struct SocketAddress {
+    address: String,
+    #[serde(default)]
+    port_value: u16,
+}
+
+/// The address to reach the admin API of a bootstrap's Envoy. A wildcard bind (`0.0.0.0`,
+/// `::`) is reached on loopback of the same family. Port 0 means "Envoy picks": see
+/// [`crate::AdminAddress::FromFile`].
+pub fn admin_address(path: &Path) -> Result<SocketAddr, BootstrapError> {
+    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    admin_address_from_str(path, &text)
+}
+
+fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, BootstrapError> {
+    let bootstrap: Bootstrap =
+        serde_yaml::from_str(text).map_err(|e| BootstrapError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+    let socket = bootstrap
+        .admin
+        .and_then(|a| a.address)
+        .and_then(|a| a.socket_address)
+        .ok_or_else(|| BootstrapError::NoAdmin {
+            path: path.to_owned(),
+        })?;
+    let ip: IpAddr = socket
+        .address
+        .trim_matches(|c| c == '[' || c == ']')
+        .parse()
+        .map_err(|_| BootstrapError::BadAddress {
+            path: path.to_owned(),
+            address: socket.address.clone(),
+        })?;
+    let ip = match ip {
+        IpAddr::V4(v4) if v4.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    Ok(SocketAddr::new(ip, socket.port_value))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<SocketAddr, BootstrapError> {
+        admin_address_from_str(Path::new("b.yaml"), text)
+    }
+
+    #[test]
+    fn yaml_admin_address() {
+        let yaml = "admin:\n  address:\n    socket_address: { address: 127.0.0.1, port_value: 9901 }\n";
+        assert_eq!(parse(yaml).unwrap(), "127.0.0.1:9901".parse().unwrap());
+    }
+
+    #[test]
+    fn json_admin_address() {
+        let json = r#"{"admin":{"address":{"socket_address":{"address":"::1","port_value":15000}}}}"#;
+        assert_eq!(parse(json).unwrap(), "[::1]:15000".parse().unwrap());
+    }
+
+    #[test]
+    fn wildcard_is_reached_on_loopback() {
+        let yaml = "admin: {address: {socket_address: {address: 0.0.0.0, port_value: 1}}}";
+        assert_eq!(parse(yaml).unwrap(), "127.0.0.1:1".parse().unwrap());
+        let yaml = "admin: {address: {socket_address: {address: '::', port_value: 1}}}";
+        assert_eq!(parse(yaml).unwrap(), "[::1]:1".parse().unwrap());
+    }
+
+    #[test]
+    fn port_zero_is_kept() {
+        let yaml = "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 0}}}";
+        assert_eq!(parse(yaml).unwrap().port(), 0);
+        let yaml = "admin: {address: {socket_address: {address: 127.0.0.1}}}";
+        assert_eq!(parse(yaml).unwrap().port(), 0);
+    }
+
+    #[test]
+    fn missing_admin_is_named() {
+        let err = parse("static_resources: {}").unwrap_err();
+        assert!(matches!(err, BootstrapError::NoAdmin { .. }), "{err}");
+        assert!(err.to_string().contains("b.yaml"), "{err}");
+        let err = parse("admin: {address: {pipe: {path: /tmp/admin}}}").unwrap_err();
+        assert!(matches!(err, BootstrapError::NoAdmin { .. }), "{err}");
+    }
+
+    #[test]
+    fn garbage_is_a_parse_error() {
+        let err = parse("admin: [unclosed").unwrap_err();
+        assert!(matches!(err, BootstrapError::Parse { .. }), "{err}");
+        let err = parse("admin: {address: {socket_address: {address: envoy.local}}}").unwrap_err();
+        assert!(matches!(err, BootstrapError::BadAddress { .. }), "{err}");
+    }
+}

@@ -1,0 +1,140 @@
+//! What the agent knows about the Envoy it runs: Istio's `ProxyConfig` plus the hot-restart
+//! fields. Plain data; [`crate::args::envoy_args`] turns it into a command line.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// How Envoy closes connections once a drain starts (`--drain-strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DrainStrategy {
+    /// Every connection is told to close at drain start. Istio's fixed choice.
+    #[default]
+    Immediate,
+    /// Connections are told to close with a probability rising over the drain time.
+    Gradual,
+}
+
+impl DrainStrategy {
+    /// The value Envoy's `--drain-strategy` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DrainStrategy::Immediate => "immediate",
+            DrainStrategy::Gradual => "gradual",
+        }
+    }
+}
+
+/// Hot-restart settings. `None` in [`ProxyConfig::hot_restart`] means hot restart is off and
+/// Envoy runs with `--disable-hot-restart` (no shared memory, no domain sockets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HotRestart {
+    /// `--base-id`: names the shared memory and domain sockets of one Envoy family. Must stay
+    /// the same across epochs and differ between families on one host.
+    pub base_id: u32,
+    /// `--parent-shutdown-time-s`: when a new epoch terminates its parent. Must exceed the drain
+    /// duration, or connections are cut before they drain.
+    pub parent_shutdown_time: Duration,
+}
+
+/// A uid/gid Envoy runs as when the agent itself runs as root (Istio runs Envoy as 1337).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunAs {
+    /// User id for Envoy.
+    pub uid: u32,
+    /// Group id for Envoy.
+    pub gid: u32,
+}
+
+/// Where the agent reaches Envoy's admin API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdminAddress {
+    /// A fixed address, known before Envoy starts (the bootstrap's, or `--admin-address`).
+    Fixed(SocketAddr),
+    /// The bootstrap asks for port 0: Envoy writes the bound address to this file
+    /// (`--admin-address-path`) and the agent reads it once Envoy has started.
+    FromFile(PathBuf),
+}
+
+/// Everything needed to start Envoy. Mirrors Istio's `ProxyConfig` field by field, plus the
+/// restart-epoch machinery Istio removed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProxyConfig {
+    /// Envoy's log level string, Istio style: `info`, or `warning,upstream:debug,http:trace`.
+    /// A token without `:` is the global level (last wins); `component:level` tokens become
+    /// `--component-log-level`.
+    pub log_level: String,
+    /// Component levels (`a:b,c:d`) used when `log_level` names none (Istio's deprecated flag).
+    pub component_log_level: String,
+    /// The node's IP addresses: Envoy gets `--local-address-ip-version v6` only when every
+    /// parseable one is IPv6.
+    pub node_ips: Vec<String>,
+    /// A sidecar drains inbound listeners only; a gateway drains all of them.
+    pub sidecar: bool,
+    /// Envoy's own log lines as JSON (`--log-format`).
+    pub log_as_json: bool,
+    /// Outlier-detection event log file, passed as a bootstrap overlay (`--config-yaml`).
+    pub outlier_log_path: Option<PathBuf>,
+    /// The Envoy binary.
+    pub binary_path: PathBuf,
+    /// The bootstrap file (`-c`).
+    pub config_path: PathBuf,
+    /// Delete the bootstrap file when Envoy has exited (for generated bootstraps).
+    pub config_cleanup: bool,
+    /// Envoy's admin API.
+    pub admin: AdminAddress,
+    /// `--drain-time-s`: how long a drain (shutdown or hot-restart parent) lasts.
+    pub drain_duration: Duration,
+    /// How connections are closed during a drain.
+    pub drain_strategy: DrainStrategy,
+    /// `--concurrency`, when above 0. Keep it constant across hot restarts.
+    pub concurrency: u32,
+    /// `--file-flush-interval-msec` (Istio's default 1s; Envoy's own is 10s).
+    pub file_flush_interval: Duration,
+    /// `--file-flush-min-size-kb`, when above 0.
+    pub file_flush_min_size_kb: u32,
+    /// `--skip-deprecated-logs`.
+    pub skip_deprecated_logs: bool,
+    /// `--enable-core-dump`.
+    pub enable_core_dump: bool,
+    /// Whether the agent runs as root; `run_as` applies only then.
+    pub agent_is_root: bool,
+    /// The uid/gid Envoy runs as when the agent is root.
+    pub run_as: Option<RunAs>,
+    /// Hot restart, or `None` for `--disable-hot-restart`.
+    pub hot_restart: Option<HotRestart>,
+    /// Appended verbatim after everything else.
+    pub extra_args: Vec<String>,
+    /// How long a stopping Envoy gets between SIGTERM and SIGKILL.
+    pub stop_grace: Duration,
+}
+
+impl ProxyConfig {
+    /// A config with Istio's defaults for everything but the two paths and the admin address.
+    pub fn new(binary_path: PathBuf, config_path: PathBuf, admin: AdminAddress) -> Self {
+        ProxyConfig {
+            log_level: "warning".to_owned(),
+            component_log_level: String::new(),
+            node_ips: Vec::new(),
+            sidecar: true,
+            log_as_json: false,
+            outlier_log_path: None,
+            binary_path,
+            config_path,
+            config_cleanup: false,
+            admin,
+            drain_duration: Duration::from_secs(45),
+            drain_strategy: DrainStrategy::Immediate,
+            concurrency: 0,
+            file_flush_interval: Duration::from_secs(1),
+            file_flush_min_size_kb: 0,
+            skip_deprecated_logs: true,
+            enable_core_dump: false,
+            agent_is_root: false,
+            run_as: None,
+            hot_restart: None,
+            extra_args: Vec::new(),
+            stop_grace: Duration::from_secs(5),
+        }
+    }
+}

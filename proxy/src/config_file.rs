@@ -1,0 +1,121 @@
+//! Writing a bootstrap so that a reader (Envoy, `--mode validate`, a file watcher) only ever
+//! sees the old file or the new one, never a mix.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Replaces `path` with `contents` atomically: write a temp file in the same directory (so the
+/// rename cannot cross filesystems), fsync it, rename it over `path`, fsync the directory.
+/// On failure the temp file is removed and `path` is untouched. The new file keeps the old
+/// file's permissions.
+pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let name = path.file_name().ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidInput, "the path names no file")
+    })?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let tmp = dir.join(format!(
+        ".{}.{}.{}.tmp",
+        name.to_string_lossy(),
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let result = write_then_rename(&tmp, path, &dir, contents);
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+fn write_then_rename(tmp: &Path, path: &Path, dir: &Path, contents: &[u8]) -> io::Result<()> {
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(tmp)?;
+    if let Ok(meta) = fs::metadata(path) {
+        file.set_permissions(meta.permissions())?;
+    }
+    file.write_all(contents)?;
+    file.sync_all()?;
+    drop(file);
+    fs::rename(tmp, path)?;
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    #[test]
+    fn replaces_content_and_keeps_permissions() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bootstrap.yaml");
+        fs::write(&path, "old").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o640)).unwrap();
+        write_atomically(&path, b"new").unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "new");
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o640);
+        let left: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1, "no temp file left behind: {left:?}");
+    }
+
+    #[test]
+    fn a_reader_never_sees_a_partial_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bootstrap.yaml");
+        // Large, distinct contents: a torn write would show a length or a byte of the other.
+        let a = vec![b'a'; 3 << 20];
+        let b = vec![b'b'; 1 << 20];
+        write_atomically(&path, &a).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let (path, stop, a, b) = (path.clone(), stop.clone(), a.clone(), b.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let seen = fs::read(&path).unwrap();
+                    assert!(seen == a || seen == b, "partial read of {} bytes", seen.len());
+                    reads += 1;
+                }
+                reads
+            })
+        };
+        for i in 0..100 {
+            write_atomically(&path, if i % 2 == 0 { &b } else { &a }).unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        let reads = reader.join().unwrap();
+        assert!(reads > 0);
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_target_and_no_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        // Renaming a file over a non-empty directory fails: the "old" target must survive.
+        let path = dir.path().join("bootstrap.yaml");
+        fs::create_dir(&path).unwrap();
+        fs::write(path.join("keep"), "old").unwrap();
+        let err = write_atomically(&path, b"new").unwrap_err();
+        assert!(err.kind() != io::ErrorKind::NotFound, "{err}");
+        assert_eq!(fs::read_to_string(path.join("keep")).unwrap(), "old");
+        let left: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1, "temp file removed: {left:?}");
+    }
+
+    #[test]
+    fn a_missing_directory_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nope/bootstrap.yaml");
+        assert!(write_atomically(&path, b"x").is_err());
+    }
+}
