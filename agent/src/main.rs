@@ -1,1 +1,56 @@
-fn main() {}
+//! The `envoy-agent` binary: parse, start tracing, run, pick the exit code.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use clap::Parser;
+use envoy_agent::cli::{Cli, Command};
+use envoy_agent::{EXIT_USAGE, SetupError, UnixSignals};
+use tracing_subscriber::EnvFilter;
+
+/// The agent itself failed (`EX_SOFTWARE`).
+const EXIT_FAILURE: u8 = 70;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = EnvFilter::try_from_env("RUST_LOG")
+        .or_else(|_| EnvFilter::try_new(&cli.log_level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("envoy-agent: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    let code = runtime.block_on(async {
+        match cli.command {
+            Command::Run(args) => {
+                let signals = UnixSignals::install()
+                    .map_err(|e| anyhow::anyhow!(e).context("installing signal handlers"))?;
+                envoy_agent::run(*args, signals).await
+            }
+        }
+    });
+    match code {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("envoy-agent: {e:#}");
+            if e.downcast_ref::<SetupError>().is_some() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::from(EXIT_FAILURE)
+            }
+        }
+    }
+}

@@ -235,6 +235,10 @@ impl Proxy for Envoy {
         }
     }
 
+    fn reopen_logs(&self) -> Result<(), ProxyError> {
+        self.signal(Signal::SIGUSR1)
+    }
+
     async fn update_config(&self, config: &[u8]) -> Result<(), ProxyError> {
         let path = self.config.config_path.clone();
         let bytes = config.to_vec();

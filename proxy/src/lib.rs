@@ -65,6 +65,11 @@ pub trait Proxy: Send + Sync + 'static {
 
     /// Replaces the proxy's config file atomically with `config`.
     fn update_config(&self, config: &[u8]) -> impl Future<Output = Result<(), ProxyError>> + Send;
+
+    /// Asks the proxy to reopen its log files (after rotation). Envoy: SIGUSR1.
+    fn reopen_logs(&self) -> Result<(), ProxyError> {
+        Ok(())
+    }
 }
 
 /// How a proxy process ended.

@@ -1,1 +1,273 @@
-//! placeholder
+//! Test kit shared by the in-process tests (in this crate's `tests/`) and the end-to-end
+//! tests of the real binary (in `agent/tests/`).
+//!
+//! - [`envoy_path`] finds the real Envoy (`ENVOY_PATH`, or `scripts/install-envoy.sh`'s
+//!   install) and fails the test with install instructions when there is none: a missing
+//!   Envoy is never a silent skip.
+//! - [`TestDir`] owns a temp dir and writes bootstraps whose admin and listener ports are 0,
+//!   so every test gets its own ports and tests run in parallel.
+//! - [`eventually`] bounds every wait; [`http_get`] is a plain HTTP/1.1 client.
+//! - [`silent_server`] fakes what a real Envoy will not do on purpose: accept a connection and
+//!   never answer.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// How long a test waits for something that should happen in well under a second. Generous:
+/// machines are shared and slow; a test that needs it is broken, not flaky.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// The real Envoy binary. Panics, saying how to install it, when there is none.
+pub fn envoy_path() -> PathBuf {
+    if let Some(path) = std::env::var_os("ENVOY_PATH") {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "ENVOY_PATH={} is not a file. Install Envoy with `scripts/install-envoy.sh` \
+             (it prints the path) or unset ENVOY_PATH.",
+            path.display()
+        );
+        return path;
+    }
+    let installed = repo_root().join(".envoy/1.40.0/envoy/_bin/envoy");
+    assert!(
+        installed.is_file(),
+        "No Envoy found: these tests run the real Envoy. Install it with \
+         `scripts/install-envoy.sh` (puts Envoy 1.40 under .envoy/) or set ENVOY_PATH to an \
+         Envoy 1.40 binary. Looked for {}.",
+        installed.display()
+    );
+    installed
+}
+
+/// The workspace root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// A temp dir owned by one test, removed when dropped.
+#[derive(Debug)]
+pub struct TestDir {
+    dir: tempfile::TempDir,
+}
+
+impl TestDir {
+    /// A fresh temp dir.
+    pub fn new() -> Self {
+        TestDir {
+            dir: tempfile::Builder::new()
+                .prefix("envoy-agent-test.")
+                .tempdir()
+                .unwrap_or_else(|e| panic!("cannot create a temp dir: {e}")),
+        }
+    }
+
+    /// The dir.
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `name` inside the dir.
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Writes `contents` to `name` and returns the path.
+    pub fn write(&self, name: &str, contents: &str) -> PathBuf {
+        let path = self.join(name);
+        std::fs::write(&path, contents)
+            .unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+        path
+    }
+
+    /// Writes a bootstrap (admin and one listener, both on port 0) that answers every request
+    /// with `body`, and returns its path.
+    pub fn bootstrap(&self, name: &str, body: &str) -> PathBuf {
+        self.write(name, &bootstrap_yaml(body))
+    }
+}
+
+impl Default for TestDir {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A bootstrap with the admin API and one HTTP listener (named `hello`), both on 127.0.0.1
+/// port 0, answering every request with 200 and `body`.
+pub fn bootstrap_yaml(body: &str) -> String {
+    format!(
+        r#"admin:
+  address:
+    socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+static_resources:
+  listeners:
+  - name: hello
+    address:
+      socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: hello
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                direct_response: {{ status: 200, body: {{ inline_string: "{body}" }} }}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#
+    )
+}
+
+/// Polls `check` every 20 ms until it returns `Some`, for at most `within`; panics naming
+/// `what` when time runs out.
+pub async fn eventually<T, F, Fut>(what: &str, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Reads the address Envoy wrote to its `--admin-address-path` file, waiting for it.
+pub async fn admin_address_from_file(path: &Path) -> SocketAddr {
+    eventually("envoy to write its admin address", PATIENCE, || async {
+        std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    })
+    .await
+}
+
+/// A minimal HTTP response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    /// Status code.
+    pub status: u16,
+    /// Headers, names lower-cased.
+    pub headers: Vec<(String, String)>,
+    /// Body.
+    pub body: String,
+}
+
+/// `GET path` on a fresh connection with `Connection: close`, bounded by [`PATIENCE`].
+pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<Response> {
+    http_request(addr, "GET", path).await
+}
+
+/// `method path` on a fresh connection with `Connection: close`, bounded by [`PATIENCE`].
+pub async fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+) -> std::io::Result<Response> {
+    let exchange = async {
+        let mut stream = TcpStream::connect(addr).await?;
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await?;
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await?;
+        parse_response(&raw)
+    };
+    tokio::time::timeout(PATIENCE, exchange)
+        .await
+        .map_err(|_| std::io::Error::other(format!("{method} {addr}{path}: no answer")))?
+}
+
+fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
+    let text = String::from_utf8_lossy(raw);
+    let bad = || std::io::Error::other(format!("not an HTTP response: {text:?}"));
+    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(bad)?;
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(bad)?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Ok(Response {
+        status,
+        headers,
+        body: body.to_owned(),
+    })
+}
+
+/// A TCP server on 127.0.0.1 port 0 that accepts connections, reads what comes and never
+/// answers: an admin API that hangs. Runs until the runtime ends.
+pub async fn silent_server() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("cannot bind a silent server: {e}"));
+    let addr = listener
+        .local_addr()
+        .unwrap_or_else(|e| panic!("silent server address: {e}"));
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = stream.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The pids of `pid`'s children (from `/proc/<pid>/task/*/children`).
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// Whether a process with `pid` exists (and is not a zombie).
+pub fn process_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| {
+            // The state follows the parenthesised command name.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state != "Z" && state != "X")
+        })
+        .unwrap_or(false)
+}

@@ -1,0 +1,243 @@
+//! Turning `envoy-agent run`'s arguments into a [`ProxyConfig`], refusing bad input early with
+//! one clear line (exit code 64) instead of a failed Envoy start later.
+
+use std::ffi::OsStr;
+use std::net::SocketAddr;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use envoy_agent_proxy::bootstrap::{self, BootstrapError};
+use envoy_agent_proxy::{AdminAddress, DrainStrategy, ProxyConfig, RunAs};
+
+use crate::cli::{DrainStrategyArg, RunArgs};
+
+/// `EX_USAGE`: the command was used incorrectly (bad flag, bootstrap, binary).
+pub const EXIT_USAGE: u8 = 64;
+
+/// Input the agent cannot start with. Each maps to exit code [`EXIT_USAGE`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// The bootstrap is missing, unreadable, not YAML/JSON, or has no admin address.
+    #[error(transparent)]
+    Bootstrap(#[from] BootstrapError),
+    /// The Envoy binary is not there.
+    #[error(
+        "envoy binary {path:?} not found{where_}: install it with scripts/install-envoy.sh \
+         and pass --envoy-path or set ENVOY_PATH"
+    )]
+    EnvoyNotFound {
+        /// What was asked for.
+        path: PathBuf,
+        /// Where it was looked for.
+        where_: String,
+    },
+    /// The Envoy path exists but cannot be executed.
+    #[error("envoy binary {path} is not an executable file")]
+    EnvoyNotExecutable {
+        /// The path.
+        path: PathBuf,
+    },
+    /// An extra Envoy argument conflicts with what the agent manages.
+    #[error("envoy argument {arg} needs a value")]
+    MissingArgValue {
+        /// The flag.
+        arg: String,
+    },
+}
+
+/// Finds the Envoy binary: a path with a `/` is taken as is, a bare name is looked up on PATH.
+pub fn resolve_envoy(path: &Path, search_path: Option<&OsStr>) -> Result<PathBuf, SetupError> {
+    if path.components().count() > 1 || path.is_absolute() {
+        return check_executable(path).map(|()| path.to_owned()).map_err(|found| {
+            if found {
+                SetupError::EnvoyNotExecutable {
+                    path: path.to_owned(),
+                }
+            } else {
+                SetupError::EnvoyNotFound {
+                    path: path.to_owned(),
+                    where_: String::new(),
+                }
+            }
+        });
+    }
+    let dirs = search_path.map(std::env::split_paths).into_iter().flatten();
+    for dir in dirs {
+        let candidate = dir.join(path);
+        if check_executable(&candidate).is_ok() {
+            return Ok(candidate);
+        }
+    }
+    Err(SetupError::EnvoyNotFound {
+        path: path.to_owned(),
+        where_: " on PATH".to_owned(),
+    })
+}
+
+/// `Err(true)`: exists but not an executable file; `Err(false)`: does not exist.
+fn check_executable(path: &Path) -> Result<(), bool> {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => Ok(()),
+        Ok(_) => Err(true),
+        Err(_) => Err(false),
+    }
+}
+
+/// Where the agent reaches Envoy's admin API, and the extra args with any
+/// `--admin-address-path` taken out (the agent passes it itself, exactly once).
+pub fn resolve_admin(
+    config_path: &Path,
+    flag: Option<SocketAddr>,
+    extra_args: &[String],
+    runtime_dir: &Path,
+) -> Result<(AdminAddress, Vec<String>), SetupError> {
+    // The bootstrap must be readable whatever the flag says: Envoy needs it.
+    let from_bootstrap = match bootstrap::admin_address(config_path) {
+        Ok(addr) => Some(addr),
+        Err(BootstrapError::NoAdmin { .. }) if flag.is_some() => None,
+        Err(e) => return Err(e.into()),
+    };
+    let (user_path, rest) = take_admin_address_path(extra_args)?;
+    let addr = flag.or(from_bootstrap);
+    let admin = match (addr, user_path) {
+        (Some(addr), None) if addr.port() != 0 => AdminAddress::Fixed(addr),
+        (_, Some(path)) => AdminAddress::FromFile(path),
+        (_, None) => AdminAddress::FromFile(runtime_dir.join("admin-address")),
+    };
+    Ok((admin, rest))
+}
+
+fn take_admin_address_path(args: &[String]) -> Result<(Option<PathBuf>, Vec<String>), SetupError> {
+    const FLAG: &str = "--admin-address-path";
+    let mut path = None;
+    let mut rest = Vec::with_capacity(args.len());
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if arg == FLAG {
+            let value = it.next().ok_or_else(|| SetupError::MissingArgValue {
+                arg: FLAG.to_owned(),
+            })?;
+            path = Some(PathBuf::from(value));
+        } else if let Some(value) = arg.strip_prefix("--admin-address-path=") {
+            path = Some(PathBuf::from(value));
+        } else {
+            rest.push(arg.clone());
+        }
+    }
+    Ok((path, rest))
+}
+
+/// The proxy config for `args`.
+pub fn proxy_config(
+    args: &RunArgs,
+    binary: PathBuf,
+    admin: AdminAddress,
+    extra_args: Vec<String>,
+) -> ProxyConfig {
+    let mut config = ProxyConfig::new(binary, args.config_path.clone(), admin);
+    config.log_level = args.proxy_log_level.clone();
+    config.component_log_level = args.proxy_component_log_level.clone();
+    config.log_as_json = args.proxy_log_as_json;
+    config.node_ips = args.node_ips.clone();
+    config.concurrency = args.concurrency;
+    config.drain_duration = args.drain_time;
+    config.drain_strategy = match args.drain_strategy {
+        DrainStrategyArg::Immediate => DrainStrategy::Immediate,
+        DrainStrategyArg::Gradual => DrainStrategy::Gradual,
+    };
+    config.sidecar = !args.drain_all_listeners;
+    config.outlier_log_path = args.outlier_log_path.clone();
+    config.file_flush_interval = args.file_flush_interval;
+    config.config_cleanup = args.config_cleanup;
+    config.agent_is_root = nix::unistd::geteuid().is_root();
+    config.run_as = args
+        .run_as_uid
+        .zip(args.run_as_gid)
+        .map(|(uid, gid)| RunAs { uid, gid });
+    config.stop_grace = args.stop_grace;
+    config.extra_args = extra_args;
+    config
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bare_name_is_looked_up_on_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("envoy");
+        std::fs::write(&bin, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = std::env::join_paths(["/nonexistent", dir.path().to_str().unwrap()]).unwrap();
+        assert_eq!(resolve_envoy(Path::new("envoy"), Some(&path)).unwrap(), bin);
+        let err = resolve_envoy(Path::new("envoy"), Some(OsStr::new("/nonexistent"))).unwrap_err();
+        assert!(err.to_string().contains("on PATH"), "{err}");
+    }
+
+    #[test]
+    fn a_path_must_be_an_executable_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = resolve_envoy(&dir.path().join("missing"), None).unwrap_err();
+        assert!(matches!(err, SetupError::EnvoyNotFound { .. }), "{err}");
+        let err = resolve_envoy(dir.path(), None).unwrap_err();
+        assert!(matches!(err, SetupError::EnvoyNotExecutable { .. }), "{err}");
+        let file = dir.path().join("envoy");
+        std::fs::write(&file, "").unwrap();
+        let err = resolve_envoy(&file, None).unwrap_err();
+        assert!(matches!(err, SetupError::EnvoyNotExecutable { .. }), "{err}");
+    }
+
+    fn bootstrap(dir: &Path, yaml: &str) -> PathBuf {
+        let path = dir.join("bootstrap.yaml");
+        std::fs::write(&path, yaml).unwrap();
+        path
+    }
+
+    #[test]
+    fn admin_from_bootstrap_flag_or_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let fixed = bootstrap(
+            dir.path(),
+            "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 9901}}}",
+        );
+        let (admin, _) = resolve_admin(&fixed, None, &[], &run).unwrap();
+        assert_eq!(admin, AdminAddress::Fixed("127.0.0.1:9901".parse().unwrap()));
+
+        let flag = Some("127.0.0.1:15000".parse().unwrap());
+        let (admin, _) = resolve_admin(&fixed, flag, &[], &run).unwrap();
+        assert_eq!(admin, AdminAddress::Fixed("127.0.0.1:15000".parse().unwrap()));
+
+        let zero = bootstrap(
+            dir.path(),
+            "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 0}}}",
+        );
+        let (admin, _) = resolve_admin(&zero, None, &[], &run).unwrap();
+        assert_eq!(admin, AdminAddress::FromFile(run.join("admin-address")));
+
+        let extra = ["--admin-address-path".to_owned(), "/x/a".to_owned(), "-l".to_owned()];
+        let (admin, rest) = resolve_admin(&zero, None, &extra, &run).unwrap();
+        assert_eq!(admin, AdminAddress::FromFile(PathBuf::from("/x/a")));
+        assert_eq!(rest, ["-l"]);
+        let extra = ["--admin-address-path=/y".to_owned()];
+        let (admin, rest) = resolve_admin(&zero, None, &extra, &run).unwrap();
+        assert_eq!(admin, AdminAddress::FromFile(PathBuf::from("/y")));
+        assert!(rest.is_empty());
+    }
+
+    #[test]
+    fn no_admin_is_fine_with_the_flag_but_not_without() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let none = bootstrap(dir.path(), "static_resources: {}");
+        let err = resolve_admin(&none, None, &[], &run).unwrap_err();
+        assert!(err.to_string().contains("no admin address"), "{err}");
+        let flag = Some("127.0.0.1:15000".parse().unwrap());
+        assert!(resolve_admin(&none, flag, &[], &run).is_ok());
+        // A missing bootstrap is an error even with the flag.
+        let err = resolve_admin(&dir.path().join("nope.yaml"), flag, &[], &run).unwrap_err();
+        assert!(err.to_string().contains("nope.yaml"), "{err}");
+    }
+}
