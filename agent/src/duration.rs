@@ -39,7 +39,11 @@ mod tests {
 
     #[test]
     fn errors_name_the_input() {
-        assert!(parse_duration("5 parsecs").unwrap_err().contains("5 parsecs"));
+        assert!(
+            parse_duration("5 parsecs")
+                .unwrap_err()
+                .contains("5 parsecs")
+        );
         assert!(parse_duration("fast").unwrap_err().contains("fast"));
         assert!(parse_duration("").is_err());
     }

@@ -40,7 +40,8 @@ pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Resu
         &runtime_dir,
     )?;
     let binary = setup::resolve_envoy(&args.envoy_path, std::env::var_os("PATH").as_deref())?;
-    let own_runtime_dir = matches!(&admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
+    let own_runtime_dir =
+        matches!(&admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
     if own_runtime_dir {
         std::fs::create_dir_all(&runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;

@@ -49,18 +49,20 @@ pub enum SetupError {
 /// Finds the Envoy binary: a path with a `/` is taken as is, a bare name is looked up on PATH.
 pub fn resolve_envoy(path: &Path, search_path: Option<&OsStr>) -> Result<PathBuf, SetupError> {
     if path.components().count() > 1 || path.is_absolute() {
-        return check_executable(path).map(|()| path.to_owned()).map_err(|found| {
-            if found {
-                SetupError::EnvoyNotExecutable {
-                    path: path.to_owned(),
+        return check_executable(path)
+            .map(|()| path.to_owned())
+            .map_err(|found| {
+                if found {
+                    SetupError::EnvoyNotExecutable {
+                        path: path.to_owned(),
+                    }
+                } else {
+                    SetupError::EnvoyNotFound {
+                        path: path.to_owned(),
+                        where_: String::new(),
+                    }
                 }
-            } else {
-                SetupError::EnvoyNotFound {
-                    path: path.to_owned(),
-                    where_: String::new(),
-                }
-            }
-        });
+            });
     }
     let dirs = search_path.map(std::env::split_paths).into_iter().flatten();
     for dir in dirs {
@@ -182,11 +184,17 @@ mod tests {
         let err = resolve_envoy(&dir.path().join("missing"), None).unwrap_err();
         assert!(matches!(err, SetupError::EnvoyNotFound { .. }), "{err}");
         let err = resolve_envoy(dir.path(), None).unwrap_err();
-        assert!(matches!(err, SetupError::EnvoyNotExecutable { .. }), "{err}");
+        assert!(
+            matches!(err, SetupError::EnvoyNotExecutable { .. }),
+            "{err}"
+        );
         let file = dir.path().join("envoy");
         std::fs::write(&file, "").unwrap();
         let err = resolve_envoy(&file, None).unwrap_err();
-        assert!(matches!(err, SetupError::EnvoyNotExecutable { .. }), "{err}");
+        assert!(
+            matches!(err, SetupError::EnvoyNotExecutable { .. }),
+            "{err}"
+        );
     }
 
     fn bootstrap(dir: &Path, yaml: &str) -> PathBuf {
@@ -204,11 +212,17 @@ mod tests {
             "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 9901}}}",
         );
         let (admin, _) = resolve_admin(&fixed, None, &[], &run).unwrap();
-        assert_eq!(admin, AdminAddress::Fixed("127.0.0.1:9901".parse().unwrap()));
+        assert_eq!(
+            admin,
+            AdminAddress::Fixed("127.0.0.1:9901".parse().unwrap())
+        );
 
         let flag = Some("127.0.0.1:15000".parse().unwrap());
         let (admin, _) = resolve_admin(&fixed, flag, &[], &run).unwrap();
-        assert_eq!(admin, AdminAddress::Fixed("127.0.0.1:15000".parse().unwrap()));
+        assert_eq!(
+            admin,
+            AdminAddress::Fixed("127.0.0.1:15000".parse().unwrap())
+        );
 
         let zero = bootstrap(
             dir.path(),
@@ -217,7 +231,11 @@ mod tests {
         let (admin, _) = resolve_admin(&zero, None, &[], &run).unwrap();
         assert_eq!(admin, AdminAddress::FromFile(run.join("admin-address")));
 
-        let extra = ["--admin-address-path".to_owned(), "/x/a".to_owned(), "-l".to_owned()];
+        let extra = [
+            "--admin-address-path".to_owned(),
+            "/x/a".to_owned(),
+            "-l".to_owned(),
+        ];
         let (admin, rest) = resolve_admin(&zero, None, &extra, &run).unwrap();
         assert_eq!(admin, AdminAddress::FromFile(PathBuf::from("/x/a")));
         assert_eq!(rest, ["-l"]);

@@ -442,6 +442,9 @@ mod tests {
             percent_encode("^(server\\.state|a)$"),
             "%5E%28server%5C.state%7Ca%29%24"
         );
-        assert_eq!(percent_encode("downstream_cx_active"), "downstream_cx_active");
+        assert_eq!(
+            percent_encode("downstream_cx_active"),
+            "downstream_cx_active"
+        );
     }
 }

@@ -32,8 +32,14 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
     };
 
     push("-c", config.config_path.display().to_string());
-    push("--drain-time-s", config.drain_duration.as_secs().to_string());
-    push("--drain-strategy", config.drain_strategy.as_str().to_owned());
+    push(
+        "--drain-time-s",
+        config.drain_duration.as_secs().to_string(),
+    );
+    push(
+        "--drain-strategy",
+        config.drain_strategy.as_str().to_owned(),
+    );
     push(
         "--local-address-ip-version",
         ip_version(&config.node_ips).to_owned(),
@@ -60,9 +66,12 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
     }
 
     let levels = LogLevels::parse(&config.log_level);
-    warnings.extend(levels.dropped.iter().map(|t| {
-        format!("log level token {t:?} has more than one ':' and is ignored")
-    }));
+    warnings.extend(
+        levels
+            .dropped
+            .iter()
+            .map(|t| format!("log level token {t:?} has more than one ':' and is ignored")),
+    );
     args.push("-l".to_owned());
     args.push(levels.global.unwrap_or("warning").to_owned());
     let components = if levels.components.is_empty() {

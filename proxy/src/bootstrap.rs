@@ -81,11 +81,10 @@ pub fn admin_address(path: &Path) -> Result<SocketAddr, BootstrapError> {
 }
 
 fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, BootstrapError> {
-    let bootstrap: Bootstrap =
-        serde_yaml::from_str(text).map_err(|e| BootstrapError::Parse {
-            path: path.to_owned(),
-            message: e.to_string(),
-        })?;
+    let bootstrap: Bootstrap = serde_yaml::from_str(text).map_err(|e| BootstrapError::Parse {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })?;
     let socket = bootstrap
         .admin
         .and_then(|a| a.address)
@@ -119,13 +118,15 @@ mod tests {
 
     #[test]
     fn yaml_admin_address() {
-        let yaml = "admin:\n  address:\n    socket_address: { address: 127.0.0.1, port_value: 9901 }\n";
+        let yaml =
+            "admin:\n  address:\n    socket_address: { address: 127.0.0.1, port_value: 9901 }\n";
         assert_eq!(parse(yaml).unwrap(), "127.0.0.1:9901".parse().unwrap());
     }
 
     #[test]
     fn json_admin_address() {
-        let json = r#"{"admin":{"address":{"socket_address":{"address":"::1","port_value":15000}}}}"#;
+        let json =
+            r#"{"admin":{"address":{"socket_address":{"address":"::1","port_value":15000}}}}"#;
         assert_eq!(parse(json).unwrap(), "[::1]:15000".parse().unwrap());
     }
 

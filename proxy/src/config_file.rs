@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// file's permissions.
 pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let name = path.file_name().ok_or_else(|| {
-        io::Error::new(io::ErrorKind::InvalidInput, "the path names no file")
-    })?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "the path names no file"))?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -64,7 +64,10 @@ mod tests {
         fs::set_permissions(&path, fs::Permissions::from_mode(0o640)).unwrap();
         write_atomically(&path, b"new").unwrap();
         assert_eq!(fs::read_to_string(&path).unwrap(), "new");
-        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o640);
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o640
+        );
         let left: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
         assert_eq!(left.len(), 1, "no temp file left behind: {left:?}");
     }
@@ -84,7 +87,11 @@ mod tests {
                 let mut reads = 0u64;
                 while !stop.load(Ordering::Relaxed) {
                     let seen = fs::read(&path).unwrap();
-                    assert!(seen == a || seen == b, "partial read of {} bytes", seen.len());
+                    assert!(
+                        seen == a || seen == b,
+                        "partial read of {} bytes",
+                        seen.len()
+                    );
                     reads += 1;
                 }
                 reads

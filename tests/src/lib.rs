@@ -179,11 +179,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<Response>
 }
 
 /// `method path` on a fresh connection with `Connection: close`, bounded by [`PATIENCE`].
-pub async fn http_request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-) -> std::io::Result<Response> {
+pub async fn http_request(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Response> {
     let exchange = async {
         let mut stream = TcpStream::connect(addr).await?;
         let request = format!(

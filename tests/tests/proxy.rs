@@ -1,6 +1,9 @@
 //! In-process tests of the proxy and drain crates against the real Envoy (and, where a real
 //! Envoy cannot misbehave on purpose, against a fake).
 
+// Test code: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,8 +11,7 @@ use std::time::{Duration, Instant};
 use envoy_agent_drain::{Exclusions, active_connections, drain_listeners};
 use envoy_agent_proxy::admin::Readiness;
 use envoy_agent_proxy::{
-    AdminAddress, AdminClient, AdminError, Envoy, Exit, Proxy, ProxyConfig, ProxyError,
-    ServerState,
+    AdminAddress, AdminClient, AdminError, Envoy, Exit, Proxy, ProxyConfig, ProxyError, ServerState,
 };
 use envoy_agent_tests::{PATIENCE, TestDir, envoy_path, eventually, http_get, silent_server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -102,7 +104,12 @@ async fn envoy_serves_and_admin_reads_server_info() {
     let exit = envoy.stop().await;
     assert!(exit.aborted);
     assert_eq!(exit.pid, pid);
-    assert_eq!(exit.code(), 0, "SIGTERM makes envoy exit 0: {}", exit.stderr_tail);
+    assert_eq!(
+        exit.code(),
+        0,
+        "SIGTERM makes envoy exit 0: {}",
+        exit.stderr_tail
+    );
 }
 
 #[tokio::test]
@@ -111,29 +118,50 @@ async fn stats_filter_and_active_connections_count_an_open_connection() {
     let listener = envoy.listener().await;
     // One keep-alive connection stays open through the count.
     let mut conn = tokio::net::TcpStream::connect(listener).await.unwrap();
-    conn.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    conn.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
     let mut buf = [0u8; 512];
     let n = conn.read(&mut buf).await.unwrap();
     assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
 
-    let stats = envoy.admin.stats("downstream_cx_active$", true).await.unwrap();
+    let stats = envoy
+        .admin
+        .stats("downstream_cx_active$", true)
+        .await
+        .unwrap();
     assert!(
         stats.contains("listener.127.0.0.1_"),
         "filtered stats name the listener: {stats}"
     );
-    assert!(stats.lines().all(|l| l.contains("downstream_cx_active")), "{stats}");
+    assert!(
+        stats.lines().all(|l| l.contains("downstream_cx_active")),
+        "{stats}"
+    );
 
-    let count = active_connections(&envoy.admin, &Exclusions::default()).await.unwrap();
+    let count = active_connections(&envoy.admin, &Exclusions::default())
+        .await
+        .unwrap();
     assert_eq!(count, 1, "{stats}");
     // Envoy names a listener's stats after its *configured* address: port 0 here, not the
     // port it bound. Exclusions match the configured port.
-    assert!(stats.contains("listener.127.0.0.1_0.downstream_cx_active"), "{stats}");
+    assert!(
+        stats.contains("listener.127.0.0.1_0.downstream_cx_active"),
+        "{stats}"
+    );
     let excluded = Exclusions::with_ports([0]);
-    assert_eq!(active_connections(&envoy.admin, &excluded).await.unwrap(), 0);
+    assert_eq!(
+        active_connections(&envoy.admin, &excluded).await.unwrap(),
+        0
+    );
 
     drop(conn);
     eventually("the closed connection to be gone", PATIENCE, || async {
-        (active_connections(&envoy.admin, &Exclusions::default()).await.ok()? == 0).then_some(())
+        (active_connections(&envoy.admin, &Exclusions::default())
+            .await
+            .ok()?
+            == 0)
+            .then_some(())
     })
     .await;
     envoy.stop().await;
@@ -234,8 +262,14 @@ async fn admin_call_to_a_silent_server_fails_within_its_timeout() {
     let took = started.elapsed();
     assert!(matches!(err, AdminError::Timeout { .. }), "{err}");
     let message = err.to_string();
-    assert!(message.contains(&addr.to_string()), "names the address: {message}");
-    assert!(message.contains("/server_info"), "names the endpoint: {message}");
+    assert!(
+        message.contains(&addr.to_string()),
+        "names the address: {message}"
+    );
+    assert!(
+        message.contains("/server_info"),
+        "names the endpoint: {message}"
+    );
     // Generous upper bound: the point is that it returns at all, not how fast.
     assert!(took < PATIENCE, "took {took:?}");
 
