@@ -24,13 +24,13 @@ pub enum AgentExit {
 }
 
 impl AgentExit {
-    /// Exit code: the proxy's own when it exited on its own, 0 after a requested stop, 1 when
-    /// the proxy could not be run.
+    /// Exit code: the proxy's own when it exited on its own, 0 after a requested stop, 70
+    /// (`EX_SOFTWARE`) when the proxy could not be run.
     pub fn code(&self) -> u8 {
         match self {
             AgentExit::ProxyExited(exit) => u8::try_from(exit.code()).unwrap_or(1),
             AgentExit::Stopped { .. } => 0,
-            AgentExit::ProxyFailed(_) => 1,
+            AgentExit::ProxyFailed(_) => 70,
         }
     }
 }

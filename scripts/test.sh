@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs the whole test suite against the real Envoy, installing Envoy first when needed.
+# Extra arguments go to `cargo test` (e.g. `scripts/test.sh -p envoy-agent-drain`).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [ -z "${ENVOY_PATH:-}" ]; then
+  ENVOY_PATH="$(scripts/install-envoy.sh)"
+  export ENVOY_PATH
+fi
+echo "test.sh: testing with Envoy at $ENVOY_PATH ($("$ENVOY_PATH" --version 2>&1 | grep -o 'version: [^ ]*' | head -n 1))" >&2
+if [ "$#" -eq 0 ]; then
+  set -- --workspace
+fi
+exec cargo test --locked "$@"
