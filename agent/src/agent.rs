@@ -1,80 +1,434 @@
-//! [`Agent`]: runs one proxy and turns intents into what happens to it.
+//! [`Agent`]: runs one proxy and decides when and how it stops.
+//!
+//! The agent is one actor task ([`Agent::run`]) that owns every decision, plus cloneable
+//! [`AgentHandle`]s (the status server's, later the gRPC service's) that send it commands and
+//! read its [`AgentState`] from a `watch` channel. Nothing else touches the proxy's lifecycle.
+//!
+//! # Exit paths
+//!
+//! | event | what happens | exit code |
+//! |---|---|---|
+//! | Envoy exits on its own | the agent exits | Envoy's (128+N for signal N) |
+//! | SIGTERM / SIGINT | [drain delay] → `drain_listeners?graceful` → wait the termination drain duration (less if Envoy exits) → stop Envoy | 0 |
+//! | same, exit-on-zero | … → drain → wait the minimum drain duration → poll active connections, stop at zero; the termination drain duration is a hard deadline; N stats errors in a row end the wait | 0 |
+//! | `POST /drain` | drain with `skip_exit`, Envoy keeps running; the next SIGTERM stops at once | 0 |
+//! | `POST /quitquitquit` | stop Envoy at once, no drain | 0 |
+//! | a second SIGTERM/SIGINT during a drain | stop Envoy at once | 0 |
+//!
+//! "Stop Envoy" is SIGTERM, then SIGKILL to its process group after the proxy's grace; the
+//! agent always waits for Envoy's exit status, so no Envoy outlives it.
+//!
+//! # Bounds
+//!
+//! Every admin call runs concurrently with the loop (a hanging admin never stalls a signal or
+//! a command) and is dropped when the agent moves on. The drain deadline starts when the
+//! drain does (after the optional delay) and covers the drain call itself: an Envoy whose
+//! admin API hangs is stopped when the deadline passes, not later.
 
+use std::fmt;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::{Exit, Proxy, ProxyError};
+use envoy_agent_drain::{DrainError, Exclusions, active_connections};
+use envoy_agent_proxy::{AdminClient, Exit, Proxy, ProxyError, ServerState};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::signal::{Intent, IntentSource};
 
-/// How the agent's run ended; [`AgentExit::code`] is the process exit code.
-#[derive(Debug)]
-pub enum AgentExit {
-    /// The proxy exited on its own; the agent passes its code on (128+N for signal N).
-    ProxyExited(Exit),
-    /// The agent stopped the proxy because it was told to.
-    Stopped {
-        /// What told it.
-        intent: Intent,
-        /// How the proxy ended.
-        exit: Exit,
-    },
-    /// The proxy could not be run at all.
-    ProxyFailed(ProxyError),
+/// `EX_SOFTWARE`: the proxy could not be run at all.
+pub const EXIT_SOFTWARE: u8 = 70;
+
+/// How the agent drains and stops. [`Default`] gives Istio's defaults.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// How long a shutdown drain lasts before Envoy is stopped; in exit-on-zero mode, the hard
+    /// deadline of the wait for zero connections.
+    pub termination_drain_duration: Duration,
+    /// In exit-on-zero mode, how long to wait after the drain starts before counting.
+    pub minimum_drain_duration: Duration,
+    /// Stop as soon as Envoy has no active downstream connections (after the minimum).
+    pub exit_on_zero_active_connections: bool,
+    /// On SIGTERM, report not-ready for this long before draining, so load balancers and
+    /// endpoint lists drop the pod first (Istio #36660).
+    pub drain_delay: Duration,
+    /// Listeners that do not count as active connections.
+    pub exclusions: Exclusions,
+    /// How often active connections are counted in exit-on-zero mode.
+    pub poll_interval: Duration,
+    /// Bound on one stats call in exit-on-zero mode.
+    pub stats_timeout: Duration,
+    /// Consecutive stats failures that end the wait for zero connections.
+    pub stats_error_budget: u32,
+    /// How often Envoy's state is read while it starts.
+    pub live_poll_interval: Duration,
 }
 
-impl AgentExit {
-    /// Exit code: the proxy's own when it exited on its own, 0 after a requested stop, 70
-    /// (`EX_SOFTWARE`) when the proxy could not be run.
-    pub fn code(&self) -> u8 {
-        match self {
-            AgentExit::ProxyExited(exit) => u8::try_from(exit.code()).unwrap_or(1),
-            AgentExit::Stopped { .. } => 0,
-            AgentExit::ProxyFailed(_) => 70,
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            termination_drain_duration: Duration::from_secs(5),
+            minimum_drain_duration: Duration::from_secs(5),
+            exit_on_zero_active_connections: false,
+            drain_delay: Duration::ZERO,
+            exclusions: Exclusions::with_ports([15021, 15090]),
+            poll_interval: Duration::from_millis(50),
+            stats_timeout: Duration::from_secs(2),
+            stats_error_budget: 5,
+            live_poll_interval: Duration::from_millis(100),
         }
     }
 }
 
-/// Runs a proxy until it exits or an intent stops it.
+/// Why a drain started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainReason {
+    /// A shutdown signal.
+    Signal(Intent),
+    /// `POST /drain` (native sidecars' preStop): drain with `skip_exit`, keep running.
+    DrainEndpoint,
+}
+
+impl fmt::Display for DrainReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DrainReason::Signal(intent) => f.write_str(intent.signal_name()),
+            DrainReason::DrainEndpoint => f.write_str("POST /drain"),
+        }
+    }
+}
+
+/// Where a drain is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DrainPhase {
+    /// Readiness is off; the drain starts when the delay ends.
+    Delay,
+    /// Envoy has been told to drain (or is being told).
+    Draining,
+}
+
+/// Why the agent is exiting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitPath {
+    /// Envoy exited on its own, with this code.
+    ProxyExited {
+        /// Envoy's exit code (128+N for signal N).
+        code: i32,
+    },
+    /// The termination drain duration passed.
+    DrainTimeElapsed,
+    /// Exit-on-zero: no active connections were left.
+    ZeroConnections,
+    /// Exit-on-zero: connections remained when the deadline passed.
+    DrainDeadline,
+    /// Exit-on-zero: the connection count could not be read, too often in a row.
+    StatsUnavailable,
+    /// `POST /quitquitquit`.
+    QuitQuitQuit,
+    /// A second SIGTERM/SIGINT during a drain.
+    SecondSignal,
+    /// SIGTERM/SIGINT after `POST /drain` (or with draining disabled).
+    SignalAfterDrain,
+    /// The proxy could not be run.
+    ProxyFailed,
+}
+
+impl fmt::Display for ExitPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitPath::ProxyExited { code } => write!(f, "envoy exited with code {code}"),
+            ExitPath::DrainTimeElapsed => f.write_str("termination drain duration elapsed"),
+            ExitPath::ZeroConnections => f.write_str("no active connections left"),
+            ExitPath::DrainDeadline => {
+                f.write_str("connections remained at the termination drain deadline")
+            }
+            ExitPath::StatsUnavailable => f.write_str("active connections could not be counted"),
+            ExitPath::QuitQuitQuit => f.write_str("POST /quitquitquit"),
+            ExitPath::SecondSignal => f.write_str("second signal during the drain"),
+            ExitPath::SignalAfterDrain => f.write_str("signal after POST /drain"),
+            ExitPath::ProxyFailed => f.write_str("envoy could not be run"),
+        }
+    }
+}
+
+/// The agent's state, published on a `watch` channel.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AgentState {
+    /// Envoy is starting (not LIVE yet).
+    Starting {
+        /// Since when.
+        since: SystemTime,
+    },
+    /// Envoy reported LIVE.
+    Live {
+        /// Since when.
+        since: SystemTime,
+    },
+    /// Draining.
+    Draining {
+        /// Since when.
+        since: SystemTime,
+        /// Why.
+        reason: DrainReason,
+        /// Where.
+        phase: DrainPhase,
+    },
+    /// Stopping Envoy and exiting.
+    Exiting {
+        /// Since when.
+        since: SystemTime,
+        /// Why.
+        path: ExitPath,
+    },
+}
+
+impl AgentState {
+    /// A short name: `starting`, `live`, `draining`, `exiting`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            AgentState::Starting { .. } => "starting",
+            AgentState::Live { .. } => "live",
+            AgentState::Draining { .. } => "draining",
+            AgentState::Exiting { .. } => "exiting",
+        }
+    }
+
+    /// When this state began.
+    pub fn since(&self) -> SystemTime {
+        match self {
+            AgentState::Starting { since }
+            | AgentState::Live { since }
+            | AgentState::Draining { since, .. }
+            | AgentState::Exiting { since, .. } => *since,
+        }
+    }
+}
+
+/// How the agent's run ended; [`AgentExit::code`] is the process exit code.
 #[derive(Debug)]
+pub struct AgentExit {
+    /// Why.
+    pub path: ExitPath,
+    /// How Envoy ended, when it ran.
+    pub exit: Option<Exit>,
+    /// Why Envoy could not be run, when it could not.
+    pub error: Option<ProxyError>,
+}
+
+impl AgentExit {
+    /// Envoy's own code when it exited on its own, 70 when it could not be run, else 0.
+    pub fn code(&self) -> u8 {
+        match self.path {
+            ExitPath::ProxyExited { code } => u8::try_from(code).unwrap_or(1),
+            ExitPath::ProxyFailed => EXIT_SOFTWARE,
+            _ => 0,
+        }
+    }
+}
+
+/// Why a command to the agent failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgentError {
+    /// The agent has exited or is exiting.
+    #[error("the agent is exiting")]
+    Gone,
+    /// Envoy refused or did not answer the drain; the agent still skips the drain on exit.
+    #[error("drain failed: {0}")]
+    DrainFailed(String),
+}
+
+enum Command {
+    DrainNow(oneshot::Sender<Result<(), String>>),
+    Quit,
+    DisableDraining,
+}
+
+/// A cloneable handle to a running [`Agent`].
+#[derive(Clone)]
+pub struct AgentHandle {
+    commands: mpsc::Sender<Command>,
+    state: watch::Receiver<AgentState>,
+    admin: Arc<dyn Fn() -> Option<SocketAddr> + Send + Sync>,
+}
+
+impl fmt::Debug for AgentHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentHandle")
+            .field("state", &*self.state.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+// === impl AgentHandle ===
+
+impl AgentHandle {
+    /// The agent's state, now and as it changes.
+    pub fn state(&self) -> watch::Receiver<AgentState> {
+        self.state.clone()
+    }
+
+    /// Envoy's admin API, when its address is known.
+    pub fn admin(&self) -> Option<AdminClient> {
+        (self.admin)().map(AdminClient::new)
+    }
+
+    /// `/drain`: drain with `skip_exit` (Envoy keeps running and accepting); the next
+    /// SIGTERM then exits at once. Resolves when Envoy has accepted the drain.
+    pub async fn drain_now(&self) -> Result<(), AgentError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(Command::DrainNow(reply))
+            .await
+            .map_err(|_| AgentError::Gone)?;
+        answer
+            .await
+            .map_err(|_| AgentError::Gone)?
+            .map_err(AgentError::DrainFailed)
+    }
+
+    /// `/quitquitquit`: stop Envoy at once, without draining, and exit.
+    pub async fn quit(&self) -> Result<(), AgentError> {
+        self.commands
+            .send(Command::Quit)
+            .await
+            .map_err(|_| AgentError::Gone)
+    }
+
+    /// Skip the drain on the next SIGTERM (stop at once).
+    pub async fn disable_draining(&self) -> Result<(), AgentError> {
+        self.commands
+            .send(Command::DisableDraining)
+            .await
+            .map_err(|_| AgentError::Gone)
+    }
+}
+
+/// Runs a proxy until it exits or an intent or command stops it. See the module docs.
 pub struct Agent<P> {
     proxy: Arc<P>,
+    config: AgentConfig,
+    commands: mpsc::Receiver<Command>,
+    state: watch::Sender<AgentState>,
+}
+
+impl<P> fmt::Debug for Agent<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Agent")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+type Pending<T> = Option<Pin<Box<dyn Future<Output = T> + Send>>>;
+
+/// Awaits the future in `slot`, or never when there is none.
+async fn settle<T>(slot: &mut Pending<T>) -> T {
+    match slot {
+        Some(future) => future.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A shutdown drain under way.
+#[derive(Debug)]
+struct Shutdown {
+    reason: DrainReason,
+    /// When the drain call goes out (after the delay).
+    drain_at: Instant,
+    drain_sent: bool,
+    /// Exit-on-zero: counting starts here.
+    count_from: Instant,
+    next_count: Instant,
+    deadline: Instant,
+    stats_errors: u32,
 }
 
 // === impl Agent ===
 
 impl<P: Proxy> Agent<P> {
-    /// An agent for `proxy`.
-    pub fn new(proxy: Arc<P>) -> Self {
-        Agent { proxy }
+    /// An agent for `proxy`, and a handle to it.
+    pub fn new(proxy: Arc<P>, config: AgentConfig) -> (Self, AgentHandle) {
+        let (commands_tx, commands) = mpsc::channel(16);
+        let state = watch::Sender::new(AgentState::Starting {
+            since: SystemTime::now(),
+        });
+        let admin = {
+            let proxy = proxy.clone();
+            Arc::new(move || proxy.admin_address())
+        };
+        let handle = AgentHandle {
+            commands: commands_tx,
+            state: state.subscribe(),
+            admin,
+        };
+        (
+            Agent {
+                proxy,
+                config,
+                commands,
+                state,
+            },
+            handle,
+        )
     }
 
-    /// Starts the proxy at epoch 0 and returns once it has exited, reaped.
-    ///
-    /// - The proxy exits on its own: its code is passed on.
-    /// - SIGTERM/SIGINT: the proxy is stopped (SIGTERM, SIGKILL after its grace); exit 0.
-    /// - SIGUSR1: the proxy reopens its logs.
-    /// - SIGHUP: logged and ignored (hot restart is off).
-    pub async fn run(self, mut intents: impl IntentSource) -> AgentExit {
+    fn publish(&self, state: AgentState) {
+        tracing::info!(state = state.name(), details = ?state, "agent state");
+        self.state.send_replace(state);
+    }
+
+    /// Starts the proxy at epoch 0 and returns once it has exited and been reaped.
+    pub async fn run(mut self, mut intents: impl IntentSource) -> AgentExit {
         let abort = CancellationToken::new();
-        let proxy = self.proxy.clone();
         let run = {
-            let abort = abort.clone();
+            let (proxy, abort) = (self.proxy.clone(), abort.clone());
             async move { proxy.run(0, abort).await }
         };
         tokio::pin!(run);
-        let mut stop_intent = None;
+
         let mut intents_open = true;
+        let mut commands_open = true;
+        let mut skip_drain = false;
+        let mut stopping: Option<ExitPath> = None;
+        let mut shutdown: Option<Shutdown> = None;
+        let mut live = false;
+        let mut next_live_check = Some(Instant::now());
+        let mut live_check: Pending<Result<ServerState, String>> = None;
+        let mut drain_call: Pending<Result<(), ProxyError>> = None;
+        let mut drain_reply: Option<oneshot::Sender<Result<(), String>>> = None;
+        let mut count_call: Pending<Result<u64, DrainError>> = None;
+
         let result = loop {
+            let wake = self.next_wake(
+                stopping.is_some(),
+                shutdown.as_ref(),
+                next_live_check,
+                count_call.is_some(),
+            );
+            // Decisions taken in a branch; applied below, where `self` is free again.
+            let mut stop_now: Option<ExitPath> = None;
             tokio::select! {
                 result = &mut run => break result,
+
                 intent = intents.next(), if intents_open => match intent {
                     None => intents_open = false,
                     Some(intent @ (Intent::Terminate | Intent::Interrupt)) => {
-                        if stop_intent.is_none() {
-                            tracing::info!(signal = intent.signal_name(), "stopping envoy");
-                            stop_intent = Some(intent);
-                            abort.cancel();
+                        if stopping.is_some() {
+                            tracing::info!(signal = intent.signal_name(), "already stopping");
+                        } else if shutdown.is_some() {
+                            stop_now = Some(ExitPath::SecondSignal);
+                        } else if skip_drain {
+                            stop_now = Some(ExitPath::SignalAfterDrain);
+                        } else {
+                            let s = self.begin_shutdown(DrainReason::Signal(intent));
+                            shutdown = Some(s);
+                            // A /drain call in flight is superseded by the shutdown drain.
+                            drain_call = None;
                         }
                     }
                     Some(Intent::ReopenLogs) => {
@@ -83,22 +437,255 @@ impl<P: Proxy> Agent<P> {
                         }
                     }
                     Some(Intent::Reload) => {
-                        tracing::warn!("SIGHUP ignored: hot restart is off (see --hot-restart)");
+                        tracing::warn!("SIGHUP ignored: hot restart is off");
                     }
                 },
+
+                command = self.commands.recv(), if commands_open => match command {
+                    None => commands_open = false,
+                    Some(Command::Quit) => {
+                        if stopping.is_none() {
+                            stop_now = Some(ExitPath::QuitQuitQuit);
+                        }
+                    }
+                    Some(Command::DisableDraining) => {
+                        tracing::info!("draining disabled: the next SIGTERM stops envoy at once");
+                        skip_drain = true;
+                    }
+                    Some(Command::DrainNow(reply)) => {
+                        if stopping.is_some() || shutdown.is_some() {
+                            // Already draining for shutdown: nothing more to ask of Envoy.
+                            let _ = reply.send(Ok(()));
+                        } else {
+                            skip_drain = true;
+                            self.publish(AgentState::Draining {
+                                since: SystemTime::now(),
+                                reason: DrainReason::DrainEndpoint,
+                                phase: DrainPhase::Draining,
+                            });
+                            drain_call = Some(self.drain_future(true));
+                            // A newer caller replaces an older one, which learns the outcome
+                            // of the same drain through its dropped channel only.
+                            drain_reply = Some(reply);
+                        }
+                    }
+                },
+
+                () = sleep_until(wake) => {
+                    let now = Instant::now();
+                    if next_live_check.is_some_and(|t| t <= now) && live_check.is_none() {
+                        next_live_check = None;
+                        live_check = self.live_future();
+                        if live_check.is_none() {
+                            // Admin address not known yet: look again shortly.
+                            next_live_check = Some(now + self.config.live_poll_interval);
+                        }
+                    }
+                    if let Some(s) = shutdown.as_mut().filter(|_| stopping.is_none()) {
+                        if !s.drain_sent && s.drain_at <= now {
+                            s.drain_sent = true;
+                            self.publish(AgentState::Draining {
+                                since: SystemTime::now(),
+                                reason: s.reason,
+                                phase: DrainPhase::Draining,
+                            });
+                            drain_call = Some(self.drain_future(false));
+                        }
+                        if s.deadline <= now {
+                            stop_now = Some(if self.config.exit_on_zero_active_connections {
+                                ExitPath::DrainDeadline
+                            } else {
+                                ExitPath::DrainTimeElapsed
+                            });
+                        } else if self.config.exit_on_zero_active_connections
+                            && s.drain_sent
+                            && s.count_from <= now
+                            && s.next_count <= now
+                            && count_call.is_none()
+                        {
+                            s.next_count = now + self.config.poll_interval;
+                            count_call = self.count_future();
+                        }
+                    }
+                }
+
+                state = settle(&mut live_check) => {
+                    live_check = None;
+                    match state {
+                        Ok(ServerState::Live) if !live && shutdown.is_none() && !skip_drain => {
+                            live = true;
+                            self.publish(AgentState::Live { since: SystemTime::now() });
+                        }
+                        Ok(ServerState::Live) => live = true,
+                        Ok(other) => {
+                            tracing::debug!(state = ?other, "envoy not LIVE yet");
+                            next_live_check = Some(Instant::now() + self.config.live_poll_interval);
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "envoy state unknown yet");
+                            next_live_check = Some(Instant::now() + self.config.live_poll_interval);
+                        }
+                    }
+                }
+
+                result = settle(&mut drain_call) => {
+                    drain_call = None;
+                    match &result {
+                        Ok(()) => tracing::info!("envoy is draining its listeners"),
+                        Err(e) => tracing::warn!(error = %e, "drain request failed"),
+                    }
+                    if let Some(reply) = drain_reply.take() {
+                        let _ = reply.send(result.map_err(|e| e.to_string()));
+                    }
+                }
+
+                count = settle(&mut count_call) => {
+                    count_call = None;
+                    if let Some(s) = shutdown.as_mut() {
+                        match count {
+                            Ok(0) => stop_now = Some(ExitPath::ZeroConnections),
+                            Ok(n) => {
+                                s.stats_errors = 0;
+                                tracing::debug!(active_connections = n, "waiting for zero");
+                            }
+                            Err(e) => {
+                                s.stats_errors += 1;
+                                tracing::warn!(
+                                    error = %e,
+                                    errors = s.stats_errors,
+                                    budget = self.config.stats_error_budget,
+                                    "cannot count active connections"
+                                );
+                                if s.stats_errors >= self.config.stats_error_budget {
+                                    stop_now = Some(ExitPath::StatsUnavailable);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+
+            if let (Some(path), None) = (stop_now, stopping) {
+                stopping = Some(path);
+                tracing::info!(%path, "stopping envoy");
+                self.publish(AgentState::Exiting {
+                    since: SystemTime::now(),
+                    path,
+                });
+                // In-flight admin calls are moot now; dropping them closes their connections.
+                live_check = None;
+                drain_call = None;
+                count_call = None;
+                abort.cancel();
             }
         };
         self.proxy.cleanup();
-        match result {
-            Err(e) => AgentExit::ProxyFailed(e),
+
+        let (path, exit, error) = match result {
+            Err(e) => {
+                tracing::error!(error = %e, "envoy could not be run");
+                (ExitPath::ProxyFailed, None, Some(e))
+            }
             Ok(exit) => {
                 log_exit(&exit);
-                match stop_intent {
-                    Some(intent) => AgentExit::Stopped { intent, exit },
-                    None => AgentExit::ProxyExited(exit),
-                }
+                let path = stopping.unwrap_or(ExitPath::ProxyExited { code: exit.code() });
+                (path, Some(exit), None)
+            }
+        };
+        self.publish(AgentState::Exiting {
+            since: SystemTime::now(),
+            path,
+        });
+        AgentExit { path, exit, error }
+    }
+
+    fn begin_shutdown(&self, reason: DrainReason) -> Shutdown {
+        let now = Instant::now();
+        let drain_at = now + self.config.drain_delay;
+        tracing::info!(
+            %reason,
+            drain_delay = ?self.config.drain_delay,
+            termination_drain_duration = ?self.config.termination_drain_duration,
+            exit_on_zero = self.config.exit_on_zero_active_connections,
+            "shutting down: draining envoy"
+        );
+        self.publish(AgentState::Draining {
+            since: SystemTime::now(),
+            reason,
+            phase: DrainPhase::Delay,
+        });
+        Shutdown {
+            reason,
+            drain_at,
+            drain_sent: false,
+            count_from: drain_at + self.config.minimum_drain_duration,
+            next_count: drain_at + self.config.minimum_drain_duration,
+            deadline: drain_at + self.config.termination_drain_duration,
+            stats_errors: 0,
+        }
+    }
+
+    /// The next moment the loop has something to do on its own.
+    fn next_wake(
+        &self,
+        stopping: bool,
+        shutdown: Option<&Shutdown>,
+        next_live_check: Option<Instant>,
+        counting: bool,
+    ) -> Option<Instant> {
+        if stopping {
+            return None;
+        }
+        let mut wake = next_live_check;
+        let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
+        if let Some(s) = shutdown {
+            if !s.drain_sent {
+                consider(s.drain_at);
+            }
+            consider(s.deadline);
+            if self.config.exit_on_zero_active_connections && s.drain_sent && !counting {
+                consider(s.next_count.max(s.count_from));
             }
         }
+        wake
+    }
+
+    fn drain_future(
+        &self,
+        skip_exit: bool,
+    ) -> Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>> {
+        let proxy = self.proxy.clone();
+        Box::pin(async move { proxy.drain(skip_exit).await })
+    }
+
+    fn live_future(&self) -> Pending<Result<ServerState, String>> {
+        let admin =
+            AdminClient::new(self.proxy.admin_address()?).with_timeout(self.config.stats_timeout);
+        Some(Box::pin(async move {
+            admin
+                .server_info()
+                .await
+                .map(|info| info.state)
+                .map_err(|e| e.to_string())
+        }))
+    }
+
+    fn count_future(&self) -> Pending<Result<u64, DrainError>> {
+        let Some(addr) = self.proxy.admin_address() else {
+            return Some(Box::pin(async { Err(DrainError::AdminUnknown) }));
+        };
+        let admin = AdminClient::new(addr).with_timeout(self.config.stats_timeout);
+        let exclusions = self.config.exclusions.clone();
+        Some(Box::pin(async move {
+            active_connections(&admin, &exclusions).await
+        }))
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -118,8 +705,8 @@ fn log_exit(exit: &Exit) {
             pid = exit.pid,
             code,
             ran_for = ?exit.ran_for,
-            stderr_tail = %exit.stderr_tail.trim_end(),
-            "envoy exited with code {code}{hint}"
+            "envoy exited with code {code}{hint}; the end of its stderr:\n{}",
+            exit.stderr_tail.trim_end()
         );
     }
 }

@@ -14,7 +14,12 @@ use crate::duration::parse_duration;
 #[command(name = "envoy-agent", version, propagate_version = true)]
 pub struct Cli {
     /// The agent's own log level or filter (e.g. `info`, `envoy_agent=debug`).
-    #[arg(long, global = true, env = "ENVOY_AGENT_LOG", default_value = "info")]
+    #[arg(
+        long,
+        global = true,
+        env = "ENVOY_AGENT_LOG_LEVEL",
+        default_value = "info"
+    )]
     pub log_level: String,
 
     /// What to do.
@@ -42,7 +47,7 @@ pub enum DrainStrategyArg {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Envoy's bootstrap (YAML or JSON). Its admin address is the agent's way into Envoy.
-    #[arg(short = 'c', long = "config-path", env = "ENVOY_CONFIG_PATH")]
+    #[arg(short = 'c', long = "config-path", env = "ENVOY_AGENT_CONFIG_PATH")]
     pub config_path: PathBuf,
 
     /// The Envoy binary: a path, or a name looked up on PATH.
@@ -50,64 +55,127 @@ pub struct RunArgs {
     pub envoy_path: PathBuf,
 
     /// Envoy's admin address, when not the bootstrap's (e.g. 127.0.0.1:15000).
-    #[arg(long, env = "ENVOY_ADMIN_ADDRESS")]
+    #[arg(long, env = "ENVOY_AGENT_ADMIN_ADDRESS")]
     pub admin_address: Option<SocketAddr>,
 
     /// Envoy's log level, Istio style: `warning` or `info,upstream:debug` (component levels).
-    #[arg(long, env = "PROXY_LOG_LEVEL", default_value = "warning")]
+    #[arg(long, env = "ENVOY_AGENT_PROXY_LOG_LEVEL", default_value = "warning")]
     pub proxy_log_level: String,
 
     /// Envoy's component log levels (`a:b,c:d`), used when --proxy-log-level names none.
-    #[arg(long, env = "PROXY_COMPONENT_LOG_LEVEL", default_value = "")]
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_PROXY_COMPONENT_LOG_LEVEL",
+        default_value = ""
+    )]
     pub proxy_component_log_level: String,
 
     /// Envoy logs as JSON lines.
-    #[arg(long, env = "PROXY_LOG_AS_JSON")]
+    #[arg(long, env = "ENVOY_AGENT_PROXY_LOG_AS_JSON")]
     pub proxy_log_as_json: bool,
 
     /// The node's IPs; Envoy binds upstream connections to IPv6 only when all are IPv6.
-    #[arg(long = "node-ip", env = "INSTANCE_IPS", value_delimiter = ',')]
+    #[arg(long = "node-ip", env = "ENVOY_AGENT_NODE_IPS", value_delimiter = ',')]
     pub node_ips: Vec<String>,
 
     /// Envoy's worker threads (`--concurrency`); 0 lets Envoy choose. Keep it constant.
-    #[arg(long, env = "ENVOY_CONCURRENCY", default_value_t = 0)]
+    #[arg(long, env = "ENVOY_AGENT_CONCURRENCY", default_value_t = 0)]
     pub concurrency: u32,
 
     /// How long Envoy drains (`--drain-time-s`, whole seconds).
-    #[arg(long, env = "ENVOY_DRAIN_TIME", value_parser = parse_duration, default_value = "45s")]
+    #[arg(long, env = "ENVOY_AGENT_DRAIN_TIME", value_parser = parse_duration, default_value = "45s")]
     pub drain_time: Duration,
 
     /// How Envoy closes connections during a drain.
-    #[arg(long, value_enum, default_value = "immediate")]
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_DRAIN_STRATEGY",
+        value_enum,
+        default_value = "immediate"
+    )]
     pub drain_strategy: DrainStrategyArg,
 
     /// Drain all listeners on shutdown, not only inbound ones (gateways).
-    #[arg(long, env = "DRAIN_ALL_LISTENERS")]
+    #[arg(long, env = "ENVOY_AGENT_DRAIN_ALL_LISTENERS")]
     pub drain_all_listeners: bool,
 
     /// Write Envoy's outlier-detection events to this file.
-    #[arg(long, env = "OUTLIER_LOG_PATH")]
+    #[arg(long, env = "ENVOY_AGENT_OUTLIER_LOG_PATH")]
     pub outlier_log_path: Option<PathBuf>,
 
     /// Envoy's access-log flush interval (`--file-flush-interval-msec`).
-    #[arg(long, value_parser = parse_duration, default_value = "1s")]
+    #[arg(long, env = "ENVOY_AGENT_FILE_FLUSH_INTERVAL", value_parser = parse_duration, default_value = "1s")]
     pub file_flush_interval: Duration,
 
     /// Delete the bootstrap once Envoy has exited (for generated bootstraps).
-    #[arg(long)]
+    #[arg(long, env = "ENVOY_AGENT_CONFIG_CLEANUP")]
     pub config_cleanup: bool,
 
     /// When the agent runs as root, run Envoy as this uid (with --run-as-gid).
-    #[arg(long, requires = "run_as_gid")]
+    #[arg(long, env = "ENVOY_AGENT_RUN_AS_UID", requires = "run_as_gid")]
     pub run_as_uid: Option<u32>,
 
     /// When the agent runs as root, run Envoy as this gid (with --run-as-uid).
-    #[arg(long, requires = "run_as_uid")]
+    #[arg(long, env = "ENVOY_AGENT_RUN_AS_GID", requires = "run_as_uid")]
     pub run_as_gid: Option<u32>,
 
     /// How long a stopping Envoy gets between SIGTERM and SIGKILL.
-    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    #[arg(long, env = "ENVOY_AGENT_STOP_GRACE", value_parser = parse_duration, default_value = "5s")]
     pub stop_grace: Duration,
+
+    /// On SIGTERM: how long Envoy drains before it is stopped. With
+    /// --exit-on-zero-active-connections, the hard deadline of the wait for zero.
+    #[arg(long, env = "ENVOY_AGENT_TERMINATION_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
+    pub termination_drain_duration: Duration,
+
+    /// With --exit-on-zero-active-connections: how long to drain before counting.
+    #[arg(long, env = "ENVOY_AGENT_MINIMUM_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
+    pub minimum_drain_duration: Duration,
+
+    /// On SIGTERM, stop Envoy as soon as it has no active downstream connections (after the
+    /// minimum drain duration, at the latest at the termination drain duration).
+    #[arg(long, env = "ENVOY_AGENT_EXIT_ON_ZERO_ACTIVE_CONNECTIONS")]
+    pub exit_on_zero_active_connections: bool,
+
+    /// On SIGTERM, report not-ready for this long before draining (endpoint removal
+    /// propagates first).
+    #[arg(long, env = "ENVOY_AGENT_DRAIN_DELAY", value_parser = parse_duration, default_value = "0s")]
+    pub drain_delay: Duration,
+
+    /// How often active connections are counted while waiting for zero.
+    #[arg(long, env = "ENVOY_AGENT_DRAIN_POLL_INTERVAL", value_parser = parse_duration, default_value = "50ms")]
+    pub drain_poll_interval: Duration,
+
+    /// Listener ports whose connections do not count as active (health, metrics listeners),
+    /// on any address.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_EXCLUDE_LISTENER_PORTS",
+        value_delimiter = ',',
+        default_value = "15021,15090"
+    )]
+    pub exclude_listener_ports: Vec<u16>,
+
+    /// Listener stat-name prefixes whose connections do not count as active, besides `admin`
+    /// and `envoy_internal_`.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_EXCLUDE_LISTENER_PREFIXES",
+        value_delimiter = ','
+    )]
+    pub exclude_listener_prefixes: Vec<String>,
+
+    /// The status server's address (readiness, /drain, /quitquitquit, /stats/prometheus).
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_STATUS_ADDRESS",
+        default_value = "127.0.0.1:15020"
+    )]
+    pub status_address: SocketAddr,
+
+    /// Write the status server's bound address to this file (useful with port 0).
+    #[arg(long, env = "ENVOY_AGENT_STATUS_ADDRESS_FILE")]
+    pub status_address_file: Option<PathBuf>,
 
     /// Extra arguments passed to Envoy verbatim, after `--`.
     #[arg(last = true)]

@@ -20,7 +20,9 @@ pub fn parse_duration(input: &str) -> Result<Duration, String> {
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(rest.len());
         let (number, tail) = rest.split_at(digits);
-        let unit_len = tail.find(|c: char| c.is_ascii_digit()).unwrap_or(tail.len());
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(tail.len());
         let (unit, tail) = tail.split_at(unit_len);
         let value: f64 = number
             .parse()
@@ -66,7 +68,11 @@ mod tests {
 
     #[test]
     fn errors_name_the_input() {
-        assert!(parse_duration("5 parsecs").unwrap_err().contains("5 parsecs"));
+        assert!(
+            parse_duration("5 parsecs")
+                .unwrap_err()
+                .contains("5 parsecs")
+        );
         assert!(parse_duration("fast").unwrap_err().contains("fast"));
         assert!(parse_duration("5x").unwrap_err().contains("5x"));
         assert!(parse_duration("-1s").is_err());

@@ -3,30 +3,60 @@
 //! # Theory of operation
 //!
 //! `main` parses the command line ([`cli`]), starts tracing and calls [`run`]. [`run`] checks
-//! its input first ([`setup`]: bootstrap, admin address, Envoy binary) so that bad input fails
-//! with one line and exit code 64 before anything starts. It then builds an
-//! [`envoy_agent_proxy::Envoy`] and hands it to an [`Agent`], which starts Envoy and reacts to
-//! [`Intent`]s (signals, turned into an enum by an injectable [`IntentSource`]) until Envoy has
-//! exited and been reaped. The exit code says how it ended ([`AgentExit::code`]).
+//! its input first ([`setup`]: bootstrap, admin address, Envoy binary, status address) so that
+//! bad input fails with one line and exit code 64 before anything starts. It then builds an
+//! [`envoy_agent_proxy::Envoy`], an [`Agent`] over it and the [`status`] server, and runs them:
+//!
+//! 1. **Decide when**: the agent actor alone decides when Envoy stops, from [`Intent`]s
+//!    (signals, from an injectable [`IntentSource`]), commands from its [`AgentHandle`]s
+//!    (`/drain`, `/quitquitquit`) and Envoy's own exit. See [`agent`] for the exit paths.
+//! 2. **Tell everyone**: once the agent has stopped and reaped Envoy, a `CancellationToken`
+//!    tells the status server to stop. The server stays up through the whole drain.
+//! 3. **Wait**: a `TaskTracker` waits for the server, bounded by [`SHUTDOWN_GRACE`].
 //!
 //! Nothing outlives [`run`]: Envoy is reaped before it returns, and dropping the future kills
 //! Envoy (it was spawned with kill-on-drop) rather than leaking it.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
+use envoy_agent_drain::Exclusions;
 use envoy_agent_proxy::{AdminAddress, Envoy};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 pub mod agent;
 pub mod cli;
 pub mod duration;
 pub mod setup;
 pub mod signal;
+pub mod status;
 
-pub use agent::{Agent, AgentExit};
+pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath};
 pub use setup::{EXIT_USAGE, SetupError};
 pub use signal::{Intent, IntentSource, UnixSignals};
+
+/// How long the agent waits for its own tasks (the status server) once Envoy is gone.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// The agent's drain settings from the command line.
+pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
+    let mut exclusions = Exclusions::with_ports(args.exclude_listener_ports.iter().copied());
+    exclusions
+        .name_prefixes
+        .extend(args.exclude_listener_prefixes.iter().cloned());
+    AgentConfig {
+        termination_drain_duration: args.termination_drain_duration,
+        minimum_drain_duration: args.minimum_drain_duration,
+        exit_on_zero_active_connections: args.exit_on_zero_active_connections,
+        drain_delay: args.drain_delay,
+        exclusions,
+        poll_interval: args.drain_poll_interval,
+        ..AgentConfig::default()
+    }
+}
 
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
 /// input (exit [`EXIT_USAGE`]); others are failures of the agent itself.
@@ -40,26 +70,66 @@ pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Resu
         &runtime_dir,
     )?;
     let binary = setup::resolve_envoy(&args.envoy_path, std::env::var_os("PATH").as_deref())?;
+    let status = status::StatusServer::bind(args.status_address)
+        .await
+        .map_err(SetupError::from)?;
+    if let Some(path) = &args.status_address_file {
+        envoy_agent_proxy::write_atomically(path, status.local_addr().to_string().as_bytes())
+            .with_context(|| format!("writing --status-address-file {}", path.display()))?;
+    }
     let own_runtime_dir =
         matches!(&admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
     if own_runtime_dir {
         std::fs::create_dir_all(&runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
     }
+
     let config = setup::proxy_config(&args, binary, admin, extra_args);
     let envoy = Arc::new(Envoy::new(config));
-    let exit = Agent::new(envoy).run(intents).await;
+    let (agent, handle) = Agent::new(envoy, agent_config(&args));
+
+    let cancel = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    tracker.spawn({
+        let cancel = cancel.clone();
+        async move {
+            if let Err(e) = status.serve(handle, cancel).await {
+                tracing::error!(error = %e, "status server failed");
+            }
+        }
+    });
+    tracker.close();
+
+    let exit = agent.run(intents).await;
+
+    cancel.cancel();
+    if tokio::time::timeout(SHUTDOWN_GRACE, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!(grace = ?SHUTDOWN_GRACE, "status server did not stop in time; exiting anyway");
+    }
     if own_runtime_dir {
         remove_dir(&runtime_dir);
     }
-    match exit {
-        AgentExit::ProxyFailed(e) => Err(e).context("running envoy"),
-        exit => Ok(exit.code()),
+    for path in [&args.status_address_file].into_iter().flatten() {
+        remove_file(path);
+    }
+    tracing::info!(path = %exit.path, code = exit.code(), "envoy-agent exiting");
+    match exit.error {
+        Some(e) => Err(e).context("running envoy"),
+        None => Ok(exit.code()),
     }
 }
 
 fn remove_dir(dir: &PathBuf) {
     if let Err(e) = std::fs::remove_dir_all(dir) {
         tracing::debug!(dir = %dir.display(), error = %e, "cannot remove runtime dir");
+    }
+}
+
+fn remove_file(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path) {
+        tracing::debug!(path = %path.display(), error = %e, "cannot remove");
     }
 }

@@ -12,7 +12,18 @@ use tracing_subscriber::EnvFilter;
 const EXIT_FAILURE: u8 = 70;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            // Help and version are not errors; a bad flag or value is a usage error.
+            return if e.use_stderr() {
+                ExitCode::from(EXIT_USAGE)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     let filter = EnvFilter::try_from_env("RUST_LOG")
         .or_else(|_| EnvFilter::try_new(&cli.log_level))
         .unwrap_or_else(|_| EnvFilter::new("info"));

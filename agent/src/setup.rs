@@ -11,7 +11,7 @@ use envoy_agent_proxy::{AdminAddress, DrainStrategy, ProxyConfig, RunAs};
 
 use crate::cli::{DrainStrategyArg, RunArgs};
 
-/// `EX_USAGE`: the command was used incorrectly (bad flag, bootstrap, binary).
+/// `EX_USAGE`: the command was used incorrectly (bad flag, bootstrap, binary, address).
 pub const EXIT_USAGE: u8 = 64;
 
 /// Input the agent cannot start with. Each maps to exit code [`EXIT_USAGE`].
@@ -38,6 +38,9 @@ pub enum SetupError {
         /// The path.
         path: PathBuf,
     },
+    /// The status server's address cannot be bound.
+    #[error(transparent)]
+    StatusBind(#[from] crate::status::BindError),
     /// An extra Envoy argument conflicts with what the agent manages.
     #[error("envoy argument {arg} needs a value")]
     MissingArgValue {

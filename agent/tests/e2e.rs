@@ -40,6 +40,8 @@ impl Agent {
             .arg(&bootstrap)
             .arg("--envoy-path")
             .arg(envoy_path())
+            .args(["--status-address", "127.0.0.1:0", "--status-address-file"])
+            .arg(dir.join("status-address"))
             .args(extra)
             .args(["--", "--concurrency", "1", "--admin-address-path"])
             .arg(&admin_file)

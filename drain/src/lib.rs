@@ -33,6 +33,9 @@ pub enum DrainError {
     /// The admin call failed (the error names address and endpoint).
     #[error(transparent)]
     Admin(#[from] AdminError),
+    /// Envoy's admin address is not known (Envoy has not bound it yet).
+    #[error("envoy's admin address is not known")]
+    AdminUnknown,
 }
 
 /// Starts a graceful drain of Envoy's listeners: inbound only (sidecars) or all (gateways);

@@ -81,7 +81,7 @@ impl Envoy {
     }
 
     /// The admin address once known (at once when fixed, after start when Envoy picks it).
-    pub fn admin_address(&self) -> watch::Receiver<Option<SocketAddr>> {
+    pub fn watch_admin_address(&self) -> watch::Receiver<Option<SocketAddr>> {
         self.admin.subscribe()
     }
 
@@ -237,6 +237,10 @@ impl Proxy for Envoy {
 
     fn reopen_logs(&self) -> Result<(), ProxyError> {
         self.signal(Signal::SIGUSR1)
+    }
+
+    fn admin_address(&self) -> Option<SocketAddr> {
+        *self.admin.borrow()
     }
 
     async fn update_config(&self, config: &[u8]) -> Result<(), ProxyError> {

@@ -12,7 +12,7 @@
 //!   last few KiB are kept, so an Envoy that refuses its config explains why in [`Exit`].
 //! - **Running.** `run` resolves when Envoy exits, whatever the reason, and reports how.
 //!   When the bootstrap asks for admin port 0, Envoy writes the bound address to a file and
-//!   `run` publishes it on [`Envoy::admin_address`] as soon as it appears.
+//!   `run` publishes it on [`Envoy::watch_admin_address`] as soon as it appears.
 //! - **Stopping.** Cancelling the `abort` token stops Envoy gracefully: SIGTERM (Envoy
 //!   flushes its logs and exits at once, no drain), then SIGKILL to its process group once
 //!   [`ProxyConfig::stop_grace`] has passed. `run` still waits for the exit status, so no
@@ -65,6 +65,11 @@ pub trait Proxy: Send + Sync + 'static {
 
     /// Replaces the proxy's config file atomically with `config`.
     fn update_config(&self, config: &[u8]) -> impl Future<Output = Result<(), ProxyError>> + Send;
+
+    /// The proxy's admin API address, when known (Envoy may pick it at start).
+    fn admin_address(&self) -> Option<std::net::SocketAddr> {
+        None
+    }
 
     /// Asks the proxy to reopen its log files (after rotation). Envoy: SIGUSR1.
     fn reopen_logs(&self) -> Result<(), ProxyError> {

@@ -48,7 +48,7 @@ impl Running {
             let (envoy, abort) = (envoy.clone(), abort.clone());
             async move { envoy.run(0, abort).await }
         });
-        let mut addr = envoy.admin_address();
+        let mut addr = envoy.watch_admin_address();
         let addr = tokio::time::timeout(PATIENCE, addr.wait_for(Option::is_some))
             .await
             .expect("envoy publishes its admin address")

@@ -1,0 +1,266 @@
+//! The status HTTP server (default `127.0.0.1:15020`).
+//!
+//! | path | method | who | answer |
+//! |---|---|---|---|
+//! | `/healthz/ready` | GET | anyone | 200 `ready` only when Envoy is LIVE and the agent is not draining; 503 with a one-line reason otherwise |
+//! | `/drain` | POST | loopback peers | drain with `skip_exit` (Envoy keeps running); the next SIGTERM exits at once |
+//! | `/quitquitquit` | POST | loopback peers | stop Envoy at once, no drain, and exit |
+//! | `/stats/prometheus` | GET | anyone | the agent's own metrics, then Envoy's Prometheus stats |
+//!
+//! Mutating endpoints answer 405 to other methods and 403 to non-loopback peers, whatever
+//! address the server binds. The server stays up through the drain (readiness answers 503,
+//! `/quitquitquit` still works) and stops only when the agent has exited.
+//!
+//! Routes come from [`router`], so they are tested without a socket.
+
+use std::fmt::Write as _;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use envoy_agent_proxy::admin::Readiness;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::agent::{AgentHandle, AgentState, DrainPhase};
+
+/// Bound on the admin calls a status request makes to Envoy.
+const ENVOY_CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why the status server could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot bind the status server to {addr}: {source}")]
+pub struct BindError {
+    /// The address.
+    pub addr: SocketAddr,
+    /// The bind error.
+    pub source: std::io::Error,
+}
+
+/// The routes, over `agent`.
+pub fn router(agent: AgentHandle) -> Router {
+    Router::new()
+        .route("/healthz/ready", get(ready))
+        .route("/drain", post(drain))
+        .route("/quitquitquit", post(quit))
+        .route("/stats/prometheus", get(prometheus))
+        .with_state(agent)
+}
+
+/// A bound status server.
+#[derive(Debug)]
+pub struct StatusServer {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl StatusServer {
+    /// Binds `addr` (port 0 picks a free port; see [`StatusServer::local_addr`]).
+    pub async fn bind(addr: SocketAddr) -> Result<Self, BindError> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|source| BindError { addr, source })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| BindError { addr, source })?;
+        Ok(StatusServer { listener, addr })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Serves until `cancel` fires, then finishes the requests in flight.
+    pub async fn serve(self, agent: AgentHandle, cancel: CancellationToken) -> std::io::Result<()> {
+        tracing::info!(addr = %self.addr, "status server listening");
+        axum::serve(
+            self.listener,
+            router(agent).into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await
+    }
+}
+
+fn text(status: StatusCode, body: impl Into<String>) -> Response {
+    let mut body = body.into();
+    body.push('\n');
+    (
+        status,
+        [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+fn is_loopback(ip: IpAddr) -> bool {
+    ip.to_canonical().is_loopback()
+}
+
+fn forbidden(peer: SocketAddr) -> Option<Response> {
+    (!is_loopback(peer.ip())).then(|| {
+        tracing::warn!(%peer, "refused a mutating request from a non-loopback peer");
+        text(
+            StatusCode::FORBIDDEN,
+            "forbidden: only loopback peers may do this",
+        )
+    })
+}
+
+fn ago(since: SystemTime) -> String {
+    let elapsed = since.elapsed().unwrap_or_default();
+    format!("{:.1}s ago", elapsed.as_secs_f64())
+}
+
+async fn ready(State(agent): State<AgentHandle>) -> Response {
+    let state = agent.state().borrow().clone();
+    match state {
+        AgentState::Live { .. } => {}
+        AgentState::Starting { since } => {
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: envoy is starting (since {})", ago(since)),
+            );
+        }
+        AgentState::Draining {
+            since,
+            reason,
+            phase,
+        } => {
+            let what = match phase {
+                DrainPhase::Delay => "about to drain",
+                DrainPhase::Draining => "draining",
+            };
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {what} since {} ({reason})", ago(since)),
+            );
+        }
+        AgentState::Exiting { path, .. } => {
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: exiting ({path})"),
+            );
+        }
+    }
+    let Some(admin) = agent.admin() else {
+        return text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: envoy admin address unknown",
+        );
+    };
+    match admin.with_timeout(ENVOY_CALL_TIMEOUT).ready().await {
+        Ok(Readiness::Ready) => text(StatusCode::OK, "ready"),
+        Ok(Readiness::NotReady(state)) => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: envoy reports {state}"),
+        ),
+        Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}")),
+    }
+}
+
+async fn drain(
+    State(agent): State<AgentHandle>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    if let Some(response) = forbidden(peer) {
+        return response;
+    }
+    tracing::info!(%peer, "POST /drain");
+    match agent.drain_now().await {
+        Ok(()) => text(StatusCode::OK, "OK"),
+        Err(e) => text(StatusCode::BAD_GATEWAY, e.to_string()),
+    }
+}
+
+async fn quit(
+    State(agent): State<AgentHandle>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    if let Some(response) = forbidden(peer) {
+        return response;
+    }
+    tracing::info!(%peer, "POST /quitquitquit");
+    match agent.quit().await {
+        Ok(()) => text(StatusCode::OK, "OK"),
+        // Already exiting: the request is satisfied.
+        Err(_) => text(StatusCode::OK, "OK (already exiting)"),
+    }
+}
+
+async fn prometheus(State(agent): State<AgentHandle>) -> Response {
+    let state = agent.state().borrow().clone();
+    let mut body = agent_metrics(&state);
+    let envoy = match agent.admin() {
+        Some(admin) => admin
+            .with_timeout(ENVOY_CALL_TIMEOUT)
+            .prometheus_stats()
+            .await
+            .map_err(|e| e.to_string()),
+        None => Err("envoy admin address unknown".to_owned()),
+    };
+    let up = u8::from(envoy.is_ok());
+    let _ = writeln!(
+        body,
+        "# HELP envoy_agent_envoy_stats_up Whether Envoy's stats could be read for this scrape.\n\
+         # TYPE envoy_agent_envoy_stats_up gauge\nenvoy_agent_envoy_stats_up {up}"
+    );
+    match envoy {
+        Ok(stats) => body.push_str(&String::from_utf8_lossy(&stats)),
+        Err(e) => {
+            let _ = writeln!(body, "# envoy stats unavailable: {}", e.replace('\n', " "));
+        }
+    }
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// The agent's own metrics in Prometheus text format.
+pub fn agent_metrics(state: &AgentState) -> String {
+    let mut out = String::new();
+    out.push_str(
+        "# HELP envoy_agent_state The agent's state: 1 for the current one.\n\
+         # TYPE envoy_agent_state gauge\n",
+    );
+    for name in ["starting", "live", "draining", "exiting"] {
+        let _ = writeln!(
+            out,
+            "envoy_agent_state{{state=\"{name}\"}} {}",
+            u8::from(state.name() == name)
+        );
+    }
+    let draining_since = match state {
+        AgentState::Draining { since, .. } => unix_seconds(*since),
+        _ => 0.0,
+    };
+    let _ = writeln!(
+        out,
+        "# HELP envoy_agent_draining Whether the agent is draining Envoy.\n\
+         # TYPE envoy_agent_draining gauge\nenvoy_agent_draining {}\n\
+         # HELP envoy_agent_drain_start_time_seconds When the current drain started (Unix time; 0 when not draining).\n\
+         # TYPE envoy_agent_drain_start_time_seconds gauge\nenvoy_agent_drain_start_time_seconds {draining_since:.3}\n\
+         # HELP envoy_agent_state_start_time_seconds When the current state began (Unix time).\n\
+         # TYPE envoy_agent_state_start_time_seconds gauge\nenvoy_agent_state_start_time_seconds {:.3}",
+        u8::from(matches!(state, AgentState::Draining { .. })),
+        unix_seconds(state.since()),
+    );
+    out
+}
+
+fn unix_seconds(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or_default()
+}
