@@ -484,11 +484,13 @@ impl<P: Proxy> Agent<P> {
                     if let Some(s) = shutdown.as_mut().filter(|_| stopping.is_none()) {
                         if !s.drain_sent && s.drain_at <= now {
                             s.drain_sent = true;
-                            self.publish(AgentState::Draining {
-                                since: SystemTime::now(),
-                                reason: s.reason,
-                                phase: DrainPhase::Draining,
-                            });
+                            if !self.config.drain_delay.is_zero() {
+                                self.publish(AgentState::Draining {
+                                    since: SystemTime::now(),
+                                    reason: s.reason,
+                                    phase: DrainPhase::Draining,
+                                });
+                            }
                             drain_call = Some(self.drain_future(false));
                         }
                         if s.deadline <= now {
@@ -609,10 +611,15 @@ impl<P: Proxy> Agent<P> {
             exit_on_zero = self.config.exit_on_zero_active_connections,
             "shutting down: draining envoy"
         );
+        let phase = if self.config.drain_delay.is_zero() {
+            DrainPhase::Draining
+        } else {
+            DrainPhase::Delay
+        };
         self.publish(AgentState::Draining {
             since: SystemTime::now(),
             reason,
-            phase: DrainPhase::Delay,
+            phase,
         });
         Shutdown {
             reason,
@@ -708,5 +715,235 @@ fn log_exit(exit: &Exit) {
             "envoy exited with code {code}{hint}; the end of its stderr:\n{}",
             exit.stderr_tail.trim_end()
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{Call, FakeProxy};
+
+    struct Harness {
+        proxy: Arc<FakeProxy>,
+        handle: AgentHandle,
+        intents: mpsc::Sender<Intent>,
+        task: tokio::task::JoinHandle<AgentExit>,
+        started: Instant,
+    }
+
+    fn start(proxy: FakeProxy, config: AgentConfig) -> Harness {
+        let proxy = Arc::new(proxy);
+        let (agent, handle) = Agent::new(proxy.clone(), config);
+        let (intents, source) = mpsc::channel(4);
+        Harness {
+            proxy,
+            handle,
+            intents,
+            task: tokio::spawn(agent.run(source)),
+            started: Instant::now(),
+        }
+    }
+
+    impl Harness {
+        async fn signal(&self, intent: Intent) {
+            self.intents.send(intent).await.unwrap();
+            // Let the agent act on it before the test moves time on.
+            tokio::task::yield_now().await;
+        }
+
+        async fn exit(self) -> (AgentExit, Arc<FakeProxy>, Instant) {
+            let exit = self.task.await.unwrap();
+            (exit, self.proxy, self.started)
+        }
+    }
+
+    fn config() -> AgentConfig {
+        AgentConfig::default()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sigterm_drains_then_stops_after_the_termination_drain_duration() {
+        let h = start(FakeProxy::default(), config());
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+        assert_eq!(exit.code(), 0);
+        assert_eq!(
+            proxy.calls(),
+            [Call::Drain { skip_exit: false }, Call::Stop]
+        );
+        let stopped = proxy.stopped_at().unwrap() - started;
+        assert_eq!(stopped.as_secs(), 5, "stopped after {stopped:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn envoy_exiting_during_the_drain_ends_the_wait_with_its_code() {
+        let h = start(FakeProxy::default(), config());
+        h.signal(Intent::Terminate).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        h.proxy.exit_on_its_own(0);
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::ProxyExited { code: 0 });
+        assert_eq!(proxy.calls(), [Call::Drain { skip_exit: false }]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn envoy_exiting_on_its_own_passes_its_code_on() {
+        let h = start(FakeProxy::default(), config());
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        h.proxy.exit_on_its_own(3);
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::ProxyExited { code: 3 });
+        assert_eq!(exit.code(), 3);
+        assert!(proxy.calls().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_second_signal_during_the_drain_stops_at_once() {
+        let h = start(FakeProxy::default(), config());
+        h.signal(Intent::Terminate).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        h.signal(Intent::Interrupt).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::SecondSignal);
+        assert_eq!(
+            (proxy.stopped_at().unwrap() - started).as_millis(),
+            500,
+            "stopped when the second signal came"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_endpoint_keeps_running_and_the_next_sigterm_stops_at_once() {
+        let h = start(FakeProxy::default(), config());
+        h.handle.drain_now().await.unwrap();
+        assert!(matches!(
+            *h.handle.state().borrow(),
+            AgentState::Draining {
+                reason: DrainReason::DrainEndpoint,
+                ..
+            }
+        ));
+        // Draining "forever": an hour later Envoy still runs.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        assert_eq!(h.proxy.calls(), [Call::Drain { skip_exit: true }]);
+        let before = Instant::now();
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::SignalAfterDrain);
+        assert_eq!(proxy.calls(), [Call::Drain { skip_exit: true }, Call::Stop]);
+        assert_eq!(proxy.stopped_at().unwrap(), before);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn quitquitquit_stops_without_draining() {
+        let h = start(FakeProxy::default(), config());
+        h.handle.quit().await.unwrap();
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
+        assert_eq!(exit.code(), 0);
+        assert_eq!(proxy.calls(), [Call::Stop]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn disable_draining_makes_sigterm_stop_at_once() {
+        let h = start(FakeProxy::default(), config());
+        h.handle.disable_draining().await.unwrap();
+        tokio::task::yield_now().await;
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::SignalAfterDrain);
+        assert_eq!(proxy.calls(), [Call::Stop]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_delay_reports_not_ready_before_draining() {
+        let mut c = config();
+        c.drain_delay = Duration::from_secs(3);
+        let h = start(FakeProxy::default(), c);
+        h.signal(Intent::Terminate).await;
+        assert!(matches!(
+            *h.handle.state().borrow(),
+            AgentState::Draining {
+                phase: DrainPhase::Delay,
+                ..
+            }
+        ));
+        tokio::time::sleep(Duration::from_millis(2900)).await;
+        assert!(h.proxy.calls().is_empty(), "no drain during the delay");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(h.proxy.calls(), [Call::Drain { skip_exit: false }]);
+        assert!(matches!(
+            *h.handle.state().borrow(),
+            AgentState::Draining {
+                phase: DrainPhase::Draining,
+                ..
+            }
+        ));
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+        // Delay plus the termination drain duration.
+        assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 8);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hanging_drain_call_does_not_extend_the_deadline() {
+        let proxy = FakeProxy {
+            hang_drain: true,
+            ..FakeProxy::default()
+        };
+        let h = start(proxy, config());
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+        assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exit_on_zero_gives_up_after_the_stats_error_budget() {
+        // The fake has no admin API: every count fails.
+        let mut c = config();
+        c.exit_on_zero_active_connections = true;
+        c.termination_drain_duration = Duration::from_secs(60);
+        let h = start(FakeProxy::default(), c);
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::StatsUnavailable);
+        let stopped = proxy.stopped_at().unwrap() - started;
+        // Minimum drain (5s), then five failures 50ms apart.
+        assert!(
+            stopped >= Duration::from_secs(5) && stopped < Duration::from_secs(6),
+            "{stopped:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exit_on_zero_is_bounded_by_the_termination_drain_duration() {
+        let mut c = config();
+        c.exit_on_zero_active_connections = true;
+        c.minimum_drain_duration = Duration::from_secs(10);
+        c.termination_drain_duration = Duration::from_secs(7);
+        let h = start(FakeProxy::default(), c);
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainDeadline);
+        assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 7);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn state_goes_exiting_with_the_path() {
+        let h = start(FakeProxy::default(), config());
+        let mut state = h.handle.state();
+        h.handle.quit().await.unwrap();
+        let (exit, _, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
+        state.changed().await.ok();
+        assert!(matches!(
+            *state.borrow(),
+            AgentState::Exiting {
+                path: ExitPath::QuitQuitQuit,
+                ..
+            }
+        ));
     }
 }

@@ -33,6 +33,8 @@ pub mod duration;
 pub mod setup;
 pub mod signal;
 pub mod status;
+#[cfg(test)]
+mod testing;
 
 pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath};
 pub use setup::{EXIT_USAGE, SetupError};

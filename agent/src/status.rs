@@ -264,3 +264,171 @@ fn unix_seconds(t: SystemTime) -> f64 {
         .map(|d| d.as_secs_f64())
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use axum::body::Body;
+    use axum::extract::connect_info::MockConnectInfo;
+    use axum::http::{Method, Request};
+    use http_body_util::BodyExt;
+    use tokio::sync::mpsc;
+    use tower::ServiceExt;
+
+    use super::*;
+    use crate::agent::{Agent, AgentConfig, AgentExit, ExitPath};
+    use crate::signal::Intent;
+    use crate::testing::{Call, FakeProxy};
+
+    struct Fixture {
+        proxy: Arc<FakeProxy>,
+        handle: AgentHandle,
+        intents: mpsc::Sender<Intent>,
+        task: tokio::task::JoinHandle<AgentExit>,
+    }
+
+    fn fixture() -> Fixture {
+        let proxy = Arc::new(FakeProxy::default());
+        let (agent, handle) = Agent::new(proxy.clone(), AgentConfig::default());
+        let (intents, source) = mpsc::channel(4);
+        let task = tokio::spawn(agent.run(source));
+        Fixture {
+            proxy,
+            handle,
+            intents,
+            task,
+        }
+    }
+
+    async fn call(f: &Fixture, method: Method, path: &str, peer: &str) -> (StatusCode, String) {
+        let peer: SocketAddr = peer.parse().unwrap();
+        let app = router(f.handle.clone()).layer(MockConnectInfo(peer));
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .body(Body::empty())
+            .unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        let status = response.status();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    }
+
+    const LOCAL: &str = "127.0.0.1:5000";
+    const LOCAL6: &str = "[::1]:5000";
+    const MAPPED: &str = "[::ffff:127.0.0.1]:5000";
+    const REMOTE: &str = "192.0.2.7:5000";
+
+    #[tokio::test(start_paused = true)]
+    async fn readiness_is_503_with_a_reason_while_starting_and_draining() {
+        let f = fixture();
+        let (status, body) = call(&f, Method::GET, "/healthz/ready", REMOTE).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.starts_with("not ready: envoy is starting"), "{body}");
+        assert_eq!(body.lines().count(), 1, "one line: {body:?}");
+
+        f.intents.send(Intent::Terminate).await.unwrap();
+        tokio::task::yield_now().await;
+        let (status, body) = call(&f, Method::GET, "/healthz/ready", LOCAL).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert!(
+            body.contains("draining") && body.contains("SIGTERM"),
+            "{body}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn mutating_endpoints_are_post_only() {
+        let f = fixture();
+        for path in ["/drain", "/quitquitquit"] {
+            let (status, _) = call(&f, Method::GET, path, LOCAL).await;
+            assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "GET {path}");
+            let (status, _) = call(&f, Method::PUT, path, LOCAL).await;
+            assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED, "PUT {path}");
+        }
+        assert!(f.proxy.calls().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn mutating_endpoints_refuse_non_loopback_peers() {
+        let f = fixture();
+        for path in ["/drain", "/quitquitquit"] {
+            let (status, body) = call(&f, Method::POST, path, REMOTE).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "POST {path}: {body}");
+        }
+        assert!(f.proxy.calls().is_empty(), "nothing reached the proxy");
+        assert_eq!(f.handle.state().borrow().name(), "starting");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drain_from_loopback_drains_with_skip_exit() {
+        for peer in [LOCAL, LOCAL6, MAPPED] {
+            let f = fixture();
+            let (status, body) = call(&f, Method::POST, "/drain", peer).await;
+            assert_eq!((status, body.as_str()), (StatusCode::OK, "OK\n"), "{peer}");
+            assert_eq!(f.proxy.calls(), [Call::Drain { skip_exit: true }]);
+            // The server keeps answering during the drain.
+            let (status, body) = call(&f, Method::GET, "/healthz/ready", peer).await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+            assert!(body.contains("POST /drain"), "{body}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn quitquitquit_from_loopback_stops_the_agent_without_draining() {
+        let f = fixture();
+        let (status, _) = call(&f, Method::POST, "/quitquitquit", LOCAL).await;
+        assert_eq!(status, StatusCode::OK);
+        let exit = f.task.await.unwrap();
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
+        assert_eq!(f.proxy.calls(), [Call::Stop]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn quitquitquit_works_during_a_drain() {
+        let f = fixture();
+        f.intents.send(Intent::Terminate).await.unwrap();
+        tokio::task::yield_now().await;
+        let (status, _) = call(&f, Method::POST, "/quitquitquit", LOCAL).await;
+        assert_eq!(status, StatusCode::OK);
+        let exit = f.task.await.unwrap();
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prometheus_has_the_agent_state_even_without_envoy_stats() {
+        let f = fixture();
+        let (status, body) = call(&f, Method::GET, "/stats/prometheus", REMOTE).await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            body.contains("envoy_agent_state{state=\"starting\"} 1"),
+            "{body}"
+        );
+        assert!(
+            body.contains("envoy_agent_state{state=\"live\"} 0"),
+            "{body}"
+        );
+        assert!(body.contains("envoy_agent_draining 0"), "{body}");
+        assert!(body.contains("envoy_agent_envoy_stats_up 0"), "{body}");
+    }
+
+    #[test]
+    fn metrics_while_draining() {
+        let state = AgentState::Draining {
+            since: UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+            reason: crate::agent::DrainReason::DrainEndpoint,
+            phase: DrainPhase::Draining,
+        };
+        let text = agent_metrics(&state);
+        assert!(
+            text.contains("envoy_agent_state{state=\"draining\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("envoy_agent_draining 1"), "{text}");
+        assert!(
+            text.contains("envoy_agent_drain_start_time_seconds 1700000000.000"),
+            "{text}"
+        );
+    }
+}

@@ -121,6 +121,8 @@ impl Envoy {
             .stderr(Stdio::piped())
             // Last resort only: if the future running Envoy is dropped, do not leak Envoy.
             .kill_on_drop(true);
+        // If the agent dies, so does Envoy (the spawner thread is the parent that counts).
+        crate::sys::die_with_parent(&mut command, Signal::SIGTERM);
         if let (true, Some(run_as)) = (self.config.agent_is_root, self.config.run_as) {
             command.uid(run_as.uid).gid(run_as.gid);
         }
@@ -222,7 +224,18 @@ impl Proxy for Envoy {
             graceful: true,
             skip_exit,
         };
-        self.admin()?.drain_listeners(options).await?;
+        // A drain asked for while Envoy is still binding its admin port waits for it (the
+        // caller bounds the whole drain) rather than failing and leaving Envoy undrained.
+        let mut admin = self.admin.subscribe();
+        let addr = tokio::time::timeout(
+            crate::admin::DEFAULT_TIMEOUT,
+            admin.wait_for(Option::is_some),
+        )
+        .await
+        .ok()
+        .and_then(|r| r.ok().and_then(|a| *a))
+        .ok_or(ProxyError::AdminUnknown)?;
+        AdminClient::new(addr).drain_listeners(options).await?;
         Ok(())
     }
 

@@ -37,6 +37,7 @@ mod config;
 mod config_file;
 mod envoy;
 mod spawner;
+mod sys;
 
 pub use admin::{AdminClient, AdminError, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, envoy_args};

@@ -18,6 +18,10 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+mod agent_process;
+
+pub use agent_process::{AgentBuilder, AgentProcess};
+
 /// How long a test waits for something that should happen in well under a second. Generous:
 /// machines are shared and slow; a test that needs it is broken, not flaky.
 pub const PATIENCE: Duration = Duration::from_secs(30);
@@ -101,8 +105,9 @@ impl Default for TestDir {
     }
 }
 
-/// A bootstrap with the admin API and one HTTP listener (named `hello`), both on 127.0.0.1
-/// port 0, answering every request with 200 and `body`.
+/// A bootstrap with the admin API and one inbound HTTP listener (named `hello`, as a
+/// sidecar's inbound listener), both on 127.0.0.1 port 0, answering every request with 200
+/// and `body`.
 pub fn bootstrap_yaml(body: &str) -> String {
     format!(
         r#"admin:
@@ -113,6 +118,7 @@ static_resources:
   - name: hello
     address:
       socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+    traffic_direction: INBOUND
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
@@ -266,4 +272,79 @@ pub fn process_alive(pid: u32) -> bool {
                 .is_some_and(|state| state != "Z" && state != "X")
         })
         .unwrap_or(false)
+}
+
+/// One HTTP/1.1 keep-alive connection making requests one after another.
+#[derive(Debug)]
+pub struct KeepAlive {
+    stream: tokio::io::BufReader<TcpStream>,
+    addr: SocketAddr,
+}
+
+impl KeepAlive {
+    /// Connects to `addr`.
+    pub async fn connect(addr: SocketAddr) -> std::io::Result<Self> {
+        let stream = TcpStream::connect(addr).await?;
+        Ok(KeepAlive {
+            stream: tokio::io::BufReader::new(stream),
+            addr,
+        })
+    }
+
+    /// `GET path` on this connection (bounded by [`PATIENCE`]).
+    pub async fn get(&mut self, path: &str) -> std::io::Result<Response> {
+        let addr = self.addr;
+        tokio::time::timeout(PATIENCE, self.exchange(path))
+            .await
+            .map_err(|_| std::io::Error::other(format!("GET {addr}{path}: no answer")))?
+    }
+
+    async fn exchange(&mut self, path: &str) -> std::io::Result<Response> {
+        use tokio::io::AsyncBufReadExt;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: {}\r\n\r\n", self.addr);
+        self.stream.get_mut().write_all(request.as_bytes()).await?;
+        let mut head = Vec::new();
+        loop {
+            let mut line = String::new();
+            if self.stream.read_line(&mut line).await? == 0 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed before a response",
+                ));
+            }
+            if line == "\r\n" {
+                break;
+            }
+            head.push(line);
+        }
+        let mut response = parse_response(format!("{}\r\n", head.concat()).as_bytes())?;
+        let length: usize = response
+            .headers
+            .iter()
+            .find(|(k, _)| k == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        let mut body = vec![0u8; length];
+        self.stream.read_exact(&mut body).await?;
+        response.body = String::from_utf8_lossy(&body).into_owned();
+        Ok(response)
+    }
+
+    /// Whether the peer has closed the connection (reads EOF within `within`).
+    pub async fn closed_by_peer(&mut self, within: Duration) -> bool {
+        let mut buf = [0u8; 1];
+        matches!(
+            tokio::time::timeout(within, self.stream.read(&mut buf)).await,
+            Ok(Ok(0)) | Ok(Err(_))
+        )
+    }
+}
+
+impl Response {
+    /// Whether the response asks the client to close the connection (a draining Envoy).
+    pub fn connection_close(&self) -> bool {
+        self.headers
+            .iter()
+            .any(|(k, v)| k == "connection" && v.eq_ignore_ascii_case("close"))
+    }
 }

@@ -1,0 +1,19 @@
+//! End-to-end: the real `envoy-agent` binary running the real Envoy, driven with real signals
+//! and real HTTP. One test binary, a module per area.
+
+// Test code: a panic is the failure report.
+#![allow(clippy::unwrap_used)]
+
+mod exit_paths;
+mod run;
+mod status;
+
+use envoy_agent_tests::{AgentBuilder, AgentProcess};
+
+/// The binary under test.
+pub(crate) const AGENT: &str = env!("CARGO_BIN_EXE_envoy-agent");
+
+/// A builder for the binary under test.
+pub(crate) fn agent() -> AgentBuilder {
+    AgentProcess::builder(AGENT)
+}

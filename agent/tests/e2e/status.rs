@@ -1,0 +1,265 @@
+//! The status server end to end: readiness through Envoy's life, the mutating endpoints'
+//! guards (also from a real non-loopback peer), and the merged Prometheus stats.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use envoy_agent_tests::{PATIENCE, eventually, http_get, http_request, process_alive};
+use nix::sched::{CloneFlags, setns};
+use nix::sys::signal::Signal;
+
+use crate::agent;
+
+/// A bootstrap whose Envoy stays INITIALIZING: its clusters come from an xDS server that
+/// accepts connections and never answers, with no initial-fetch timeout.
+fn initializing_bootstrap(xds: SocketAddr) -> String {
+    format!(
+        r#"admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
+node: {{ id: test, cluster: test }}
+dynamic_resources:
+  cds_config:
+    resource_api_version: V3
+    initial_fetch_timeout: 3600s
+    api_config_source:
+      api_type: GRPC
+      transport_api_version: V3
+      grpc_services: [{{ envoy_grpc: {{ cluster_name: xds }} }}]
+static_resources:
+  clusters:
+  - name: xds
+    type: STATIC
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: xds
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
+"#,
+        ip = xds.ip(),
+        port = xds.port()
+    )
+}
+
+#[tokio::test]
+async fn readiness_is_503_until_envoy_is_live() {
+    let xds = envoy_agent_tests::silent_server().await;
+    let mut agent = agent()
+        .bootstrap(initializing_bootstrap(xds))
+        .args(&["--termination-drain-duration", "0s"])
+        .no_wait_live()
+        .start()
+        .await;
+    let info = eventually("envoy's admin to answer", PATIENCE, || async {
+        agent.admin.server_info().await.ok()
+    })
+    .await;
+    assert_ne!(info.state, envoy_agent_proxy::ServerState::Live);
+    let response = http_get(agent.status, "/healthz/ready").await.unwrap();
+    assert_eq!(response.status, 503);
+    assert!(response.body.contains("starting"), "{}", response.body);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still_up() {
+    let mut agent = agent()
+        .args(&["--termination-drain-duration", "1h"])
+        .start()
+        .await;
+    let envoy = agent.envoy_pid();
+    let response = eventually("readiness 200", PATIENCE, || async {
+        http_get(agent.status, "/healthz/ready")
+            .await
+            .ok()
+            .filter(|r| r.status == 200)
+    })
+    .await;
+    assert_eq!(response.body, "ready\n");
+
+    agent.signal(Signal::SIGTERM);
+    let response = eventually("readiness 503 during the drain", PATIENCE, || async {
+        http_get(agent.status, "/healthz/ready")
+            .await
+            .ok()
+            .filter(|r| r.status == 503)
+    })
+    .await;
+    assert!(
+        response.body.starts_with("not ready: draining"),
+        "{}",
+        response.body
+    );
+    assert!(response.body.contains("SIGTERM"), "{}", response.body);
+    assert_eq!(response.body.lines().count(), 1);
+
+    // Still serving through the drain: metrics and /quitquitquit.
+    let metrics = http_get(agent.status, "/stats/prometheus").await.unwrap();
+    assert!(
+        metrics.body.contains("envoy_agent_draining 1"),
+        "{}",
+        metrics.body
+    );
+    let response = http_request(agent.status, "POST", "/quitquitquit")
+        .await
+        .unwrap();
+    assert_eq!(response.status, 200);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    assert!(!process_alive(envoy));
+}
+
+#[tokio::test]
+async fn drain_delay_fails_readiness_before_the_drain_starts() {
+    let mut agent = agent()
+        .args(&["--drain-delay", "1h", "--termination-drain-duration", "0s"])
+        .start()
+        .await;
+    let listener = agent.listener("hello").await;
+    agent.signal(Signal::SIGTERM);
+    let response = eventually("readiness 503 during the delay", PATIENCE, || async {
+        http_get(agent.status, "/healthz/ready")
+            .await
+            .ok()
+            .filter(|r| r.status == 503)
+    })
+    .await;
+    assert!(
+        response.body.contains("about to drain"),
+        "{}",
+        response.body
+    );
+    // Envoy is not draining yet: a keep-alive client is not told to close.
+    let mut client = envoy_agent_tests::KeepAlive::connect(listener)
+        .await
+        .unwrap();
+    let response = client.get("/").await.unwrap();
+    assert!(!response.connection_close(), "{:?}", response.headers);
+    // A second signal ends the delay at once.
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn mutating_endpoints_answer_405_to_get() {
+    let mut agent = agent()
+        .args(&["--termination-drain-duration", "0s"])
+        .start()
+        .await;
+    for path in ["/drain", "/quitquitquit"] {
+        let response = http_get(agent.status, path).await.unwrap();
+        assert_eq!(response.status, 405, "GET {path}");
+    }
+    assert!(agent.running());
+    let ready = http_get(agent.status, "/healthz/ready").await.unwrap();
+    assert_ne!(ready.body, "", "readiness still answers");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn prometheus_merges_agent_and_envoy_stats() {
+    let mut agent = agent()
+        .args(&["--termination-drain-duration", "0s"])
+        .start()
+        .await;
+    let response = http_get(agent.status, "/stats/prometheus").await.unwrap();
+    assert_eq!(response.status, 200);
+    assert!(
+        response
+            .body
+            .contains("envoy_agent_state{state=\"live\"} 1"),
+        "{}",
+        response.body
+    );
+    assert!(response.body.contains("envoy_agent_envoy_stats_up 1"));
+    assert!(
+        response.body.contains("envoy_server_live"),
+        "envoy's own stats follow"
+    );
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+/// A blocking HTTP/1.1 request from inside the network namespace of process `pid`.
+fn request_in_netns(pid: u32, addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    std::thread::spawn(move || {
+        // setns applies to this thread only: the test's other threads stay where they are.
+        let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+        setns(netns.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+        let mut stream = TcpStream::connect_timeout(&addr, PATIENCE).unwrap();
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).unwrap();
+        let status = raw
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap();
+        let body = raw
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap();
+        (status, body)
+    })
+    .join()
+    .unwrap()
+}
+
+/// The agent, its status server on 0.0.0.0, in a network namespace of its own with a second,
+/// non-loopback address (10.99.0.1 on a veth interface): a real non-loopback peer, on no
+/// network but the test's own.
+#[tokio::test]
+async fn mutating_endpoints_refuse_a_non_loopback_peer() {
+    const SETUP: &str = "ip link set lo up && ip link add v0 type veth peer name v1 && \
+                         ip addr add 10.99.0.1/24 dev v0 && ip link set v0 up && \
+                         ip link set v1 up && exec \"$@\"";
+    let mut agent = agent()
+        .wrapper(&["unshare", "--net", "--", "sh", "-c", SETUP, "sh"])
+        .args(&[
+            "--status-address",
+            "0.0.0.0:0",
+            "--termination-drain-duration",
+            "1h",
+        ])
+        .no_wait_live()
+        .start()
+        .await;
+    let port = agent.status.port();
+    let remote: SocketAddr = format!("10.99.0.1:{port}").parse().unwrap();
+    let local: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let pid = agent.pid();
+
+    for path in ["/drain", "/quitquitquit"] {
+        let (status, body) =
+            tokio::task::spawn_blocking(move || request_in_netns(pid, remote, "POST", path))
+                .await
+                .unwrap();
+        assert_eq!(status, 403, "POST {path} from 10.99.0.1: {body}");
+    }
+    // Readiness is open to anyone.
+    let (status, _) =
+        tokio::task::spawn_blocking(move || request_in_netns(pid, remote, "GET", "/healthz/ready"))
+            .await
+            .unwrap();
+    assert!(status == 200 || status == 503, "{status}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(agent.running(), "a refused /quitquitquit does nothing");
+
+    // The same request from loopback is obeyed.
+    let (status, _) =
+        tokio::task::spawn_blocking(move || request_in_netns(pid, local, "POST", "/quitquitquit"))
+            .await
+            .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
