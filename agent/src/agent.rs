@@ -186,6 +186,21 @@ pub enum AgentState {
     },
 }
 
+impl fmt::Display for AgentState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AgentState::Starting { .. } | AgentState::Live { .. } => f.write_str(self.name()),
+            AgentState::Draining {
+                reason,
+                phase: DrainPhase::Delay,
+                ..
+            } => write!(f, "draining soon ({reason}; drain delay)"),
+            AgentState::Draining { reason, .. } => write!(f, "draining ({reason})"),
+            AgentState::Exiting { path, .. } => write!(f, "exiting ({path})"),
+        }
+    }
+}
+
 impl AgentState {
     /// A short name: `starting`, `live`, `draining`, `exiting`.
     pub fn name(&self) -> &'static str {
@@ -378,7 +393,7 @@ impl<P: Proxy> Agent<P> {
     }
 
     fn publish(&self, state: AgentState) {
-        tracing::info!(state = state.name(), details = ?state, "agent state");
+        tracing::info!(state = %state, "agent state");
         self.state.send_replace(state);
     }
 
