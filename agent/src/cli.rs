@@ -177,6 +177,44 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_STATUS_ADDRESS_FILE")]
     pub status_address_file: Option<PathBuf>,
 
+    /// Hot restart: run Envoy with restart epochs under the hot-restart supervisor (SIGHUP or a
+    /// config change starts the next epoch). Without it Envoy runs with --disable-hot-restart.
+    #[arg(long, env = "ENVOY_AGENT_HOT_RESTART", requires = "base_id")]
+    pub hot_restart: bool,
+
+    /// Envoy's --base-id: names the shared memory and sockets of the Envoy family. Keep it
+    /// stable for the node; different families on one host need different ids.
+    #[arg(long, env = "ENVOY_AGENT_BASE_ID")]
+    pub base_id: Option<u32>,
+
+    /// When a new epoch terminates its draining parent (--parent-shutdown-time-s). Must exceed
+    /// --drain-time.
+    #[arg(long, env = "ENVOY_AGENT_PARENT_SHUTDOWN_TIME", value_parser = parse_duration, default_value = "60s")]
+    pub parent_shutdown_time: Duration,
+
+    /// With --hot-restart: hot-restart when the bootstrap changes (ConfigMap updates included).
+    #[arg(long, env = "ENVOY_AGENT_WATCH_CONFIG", requires = "hot_restart")]
+    pub watch_config: bool,
+
+    /// With --hot-restart: a file that exists exactly while the newest epoch is LIVE (for an exec
+    /// readiness probe).
+    #[arg(long, env = "ENVOY_AGENT_READY_MARKER", requires = "hot_restart")]
+    pub ready_marker: Option<PathBuf>,
+
+    /// With --hot-restart: the per-node state directory.
+    #[arg(long, env = "ENVOY_AGENT_STATE_DIR", requires = "hot_restart")]
+    pub state_dir: Option<PathBuf>,
+
+    /// With --hot-restart: how long a new epoch may take from trigger to LIVE before it is stopped
+    /// (the serving epoch keeps serving).
+    #[arg(long, env = "ENVOY_AGENT_HANDOFF_DEADLINE", value_parser = parse_duration, default_value = "60s")]
+    pub handoff_deadline: Duration,
+
+    /// With --hot-restart: how long the serving epoch's admin API may stay silent before the
+    /// supervisor declares a wedge and exits 75.
+    #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_duration, default_value = "30s")]
+    pub admin_unresponsive_deadline: Duration,
+
     /// Extra arguments passed to Envoy verbatim, after `--`.
     #[arg(last = true)]
     pub envoy_args: Vec<String>,

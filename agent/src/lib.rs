@@ -72,6 +72,32 @@ pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Resu
         &runtime_dir,
     )?;
     let binary = setup::resolve_envoy(&args.envoy_path, std::env::var_os("PATH").as_deref())?;
+
+    // PID 1 duties: orphans below us are ours to reap.
+    if let Err(e) = envoy_agent_proxy::reaper::become_subreaper() {
+        tracing::warn!(error = %e, "cannot become a subreaper; orphans may linger as zombies");
+    }
+    let reaper_stop = CancellationToken::new();
+    let reaper = tokio::spawn(envoy_agent_proxy::reaper::run(reaper_stop.clone()));
+    let code = if args.hot_restart {
+        run_hot_restart(&args, binary, admin, extra_args, intents).await
+    } else {
+        run_agent(&args, binary, admin, extra_args, &runtime_dir, intents).await
+    };
+    reaper_stop.cancel();
+    let _ = reaper.await;
+    code
+}
+
+/// Hot restart off: the [`Agent`] with its status server.
+async fn run_agent(
+    args: &cli::RunArgs,
+    binary: PathBuf,
+    admin: AdminAddress,
+    extra_args: Vec<String>,
+    runtime_dir: &Path,
+    intents: impl IntentSource,
+) -> anyhow::Result<u8> {
     let status = status::StatusServer::bind(args.status_address)
         .await
         .map_err(SetupError::from)?;
@@ -79,16 +105,15 @@ pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Resu
         envoy_agent_proxy::write_atomically(path, status.local_addr().to_string().as_bytes())
             .with_context(|| format!("writing --status-address-file {}", path.display()))?;
     }
-    let own_runtime_dir =
-        matches!(&admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
+    let own_runtime_dir = matches!(&admin, AdminAddress::FromFile(p) if p.starts_with(runtime_dir));
     if own_runtime_dir {
-        std::fs::create_dir_all(&runtime_dir)
+        std::fs::create_dir_all(runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
     }
 
-    let config = setup::proxy_config(&args, binary, admin, extra_args);
+    let config = setup::proxy_config(args, binary, admin, extra_args);
     let envoy = Arc::new(Envoy::new(config));
-    let (agent, handle) = Agent::new(envoy, agent_config(&args));
+    let (agent, handle) = Agent::new(envoy, agent_config(args));
 
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -112,7 +137,7 @@ pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Resu
         tracing::warn!(grace = ?SHUTDOWN_GRACE, "status server did not stop in time; exiting anyway");
     }
     if own_runtime_dir {
-        remove_dir(&runtime_dir);
+        remove_dir(runtime_dir);
     }
     for path in [&args.status_address_file].into_iter().flatten() {
         remove_file(path);
@@ -124,7 +149,46 @@ pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Resu
     }
 }
 
-fn remove_dir(dir: &PathBuf) {
+/// Hot restart on: the [`envoy_agent_hotrestart::Supervisor`]; signals become its commands.
+async fn run_hot_restart(
+    args: &cli::RunArgs,
+    binary: PathBuf,
+    admin: AdminAddress,
+    extra_args: Vec<String>,
+    mut intents: impl IntentSource,
+) -> anyhow::Result<u8> {
+    use envoy_agent_hotrestart::{Config, Supervisor};
+    let proxy = setup::proxy_config(args, binary, admin, extra_args);
+    let mut config = Config::new(proxy);
+    config.watch_config = args.watch_config;
+    config.state_dir = args.state_dir.clone();
+    config.ready_marker = args.ready_marker.clone();
+    config.handoff_deadline = args.handoff_deadline;
+    config.admin_unresponsive_deadline = args.admin_unresponsive_deadline;
+    let (supervisor, handle) = Supervisor::new(config).map_err(SetupError::from)?;
+    let cancel = CancellationToken::new();
+    let run = supervisor.run(cancel.clone());
+    tokio::pin!(run);
+    let mut intents_open = true;
+    let exit = loop {
+        tokio::select! {
+            exit = &mut run => break exit,
+            intent = intents.next(), if intents_open => match intent {
+                None => intents_open = false,
+                Some(Intent::Reload) => handle.trigger("SIGHUP"),
+                Some(Intent::ReopenLogs) => handle.reopen_logs(),
+                Some(intent @ (Intent::Terminate | Intent::Interrupt)) => {
+                    tracing::info!(signal = intent.signal_name(), "stopping every epoch");
+                    cancel.cancel();
+                }
+            },
+        }
+    };
+    tracing::info!(?exit, code = exit.code(), "envoy-agent exiting");
+    Ok(exit.code())
+}
+
+fn remove_dir(dir: &Path) {
     if let Err(e) = std::fs::remove_dir_all(dir) {
         tracing::debug!(dir = %dir.display(), error = %e, "cannot remove runtime dir");
     }

@@ -41,6 +41,9 @@ pub enum SetupError {
     /// The status server's address cannot be bound.
     #[error(transparent)]
     StatusBind(#[from] crate::status::BindError),
+    /// The hot-restart settings cannot work.
+    #[error(transparent)]
+    HotRestart(#[from] envoy_agent_hotrestart::ConfigError),
     /// An extra Envoy argument conflicts with what the agent manages.
     #[error("envoy argument {arg} needs a value")]
     MissingArgValue {
@@ -161,6 +164,13 @@ pub fn proxy_config(
         .zip(args.run_as_gid)
         .map(|(uid, gid)| RunAs { uid, gid });
     config.stop_grace = args.stop_grace;
+    config.hot_restart = match (args.hot_restart, args.base_id) {
+        (true, Some(base_id)) => Some(envoy_agent_proxy::HotRestart {
+            base_id,
+            parent_shutdown_time: args.parent_shutdown_time,
+        }),
+        _ => None,
+    };
     config.extra_args = extra_args;
     config
 }

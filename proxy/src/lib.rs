@@ -36,6 +36,9 @@ pub mod bootstrap;
 mod config;
 mod config_file;
 mod envoy;
+pub mod preflight;
+mod process;
+pub mod reaper;
 mod spawner;
 mod sys;
 
@@ -43,8 +46,9 @@ pub use admin::{AdminClient, AdminError, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, envoy_args};
 pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs};
 pub use config_file::write_atomically;
-pub use envoy::{Envoy, exit_code};
+pub use envoy::Envoy;
 pub use nix::sys::signal::Signal;
+pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
 
 /// A proxy process a supervisor runs, drains and reconfigures. Mirrors Istio's
 /// `pkg/envoy.Proxy`, with the restart epoch `run` starts at.

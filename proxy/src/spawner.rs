@@ -1,17 +1,21 @@
-//! The one thread that forks Envoy.
+//! The one thread that forks Envoy, and the registry of the children it forked.
 //!
-//! Envoy sets `PR_SET_PDEATHSIG(SIGTERM)` on itself, and Linux ties that to the *thread* that
-//! forked it, not the process: were Envoy spawned from a tokio worker or a `spawn_blocking`
-//! thread, that thread retiring would SIGTERM a healthy Envoy. So every spawn goes through this
-//! dedicated thread, started on first use and alive until the process exits. If the agent
-//! itself dies, this thread dies with it and Envoy gets its SIGTERM: no orphaned Envoys.
+//! Envoy sets `PR_SET_PDEATHSIG(SIGTERM)` on itself when hot restart is on (and we set it for
+//! it otherwise), and Linux ties that to the *thread* that forked it, not the process: were
+//! Envoy spawned from a tokio worker or a `spawn_blocking` thread, that thread retiring would
+//! SIGTERM a healthy Envoy. So every spawn goes through this dedicated thread, started on
+//! first use and alive until the process exits. If the agent itself dies, this thread dies
+//! with it and Envoy gets its SIGTERM: no orphaned Envoys.
 //!
 //! The spawn happens inside the caller's tokio runtime context, so the returned
-//! [`tokio::process::Child`] is reaped by that runtime and can be awaited as usual.
+//! [`tokio::process::Child`] is reaped by that runtime and can be awaited as usual. Its pid is
+//! recorded, under the same lock as the fork, in the set of children the agent reaps itself;
+//! the [`crate::reaper`] reaps every other zombie and must never steal one of these.
 
+use std::collections::BTreeSet;
 use std::io;
-use std::sync::OnceLock;
 use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use tokio::process::{Child, Command};
 use tokio::sync::oneshot;
@@ -23,6 +27,19 @@ struct SpawnRequest {
 }
 
 static SPAWNER: OnceLock<Result<mpsc::Sender<SpawnRequest>, String>> = OnceLock::new();
+static OWNED: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+
+/// The pids whose exit status belongs to their spawner, locked.
+pub(crate) fn owned() -> MutexGuard<'static, BTreeSet<u32>> {
+    OWNED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// `pid` has been reaped by its owner.
+pub(crate) fn release(pid: u32) {
+    owned().remove(&pid);
+}
 
 fn spawner() -> io::Result<&'static mpsc::Sender<SpawnRequest>> {
     SPAWNER
@@ -35,7 +52,13 @@ fn spawner() -> io::Result<&'static mpsc::Sender<SpawnRequest>> {
                     while let Ok(request) = rx.recv() {
                         let _runtime = request.runtime.enter();
                         let mut command = request.command;
-                        let _ = request.reply.send(command.spawn());
+                        let mut owned = owned();
+                        let spawned = command.spawn();
+                        if let Some(pid) = spawned.as_ref().ok().and_then(Child::id) {
+                            owned.insert(pid);
+                        }
+                        drop(owned);
+                        let _ = request.reply.send(spawned);
                     }
                 })
                 .map(|_| tx)
@@ -45,7 +68,8 @@ fn spawner() -> io::Result<&'static mpsc::Sender<SpawnRequest>> {
         .map_err(|e| io::Error::other(e.clone()))
 }
 
-/// Spawns `command` from the long-lived spawner thread, in the current runtime's context.
+/// Spawns `command` from the long-lived spawner thread, in the current runtime's context. The
+/// caller owns the child's exit status and must [`release`] the pid once it has reaped it.
 pub(crate) async fn spawn(command: Command) -> io::Result<Child> {
     let (reply, answer) = oneshot::channel();
     spawner()?

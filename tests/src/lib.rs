@@ -19,8 +19,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 mod agent_process;
+mod load;
 
 pub use agent_process::{AgentBuilder, AgentProcess};
+pub use load::{Load, LoadReport};
 
 /// How long a test waits for something that should happen in well under a second. Generous:
 /// machines are shared and slow; a test that needs it is broken, not flaky.

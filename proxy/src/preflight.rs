@@ -1,0 +1,120 @@
+//! Checks before a hot restart, run with the binary that would start: does Envoy accept the
+//! config (`--mode validate`, touches no shared memory or sockets), and can it hot-restart
+//! from the running Envoy (`--hot-restart-version`).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::Command;
+
+use crate::config::ProxyConfig;
+use crate::spawner;
+
+/// Bound on one pre-flight command (`--mode validate` takes ~50 ms; a broken binary may hang).
+pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a pre-flight check failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PreflightError {
+    /// Envoy rejects the config.
+    #[error("envoy rejects config {path}: {message}")]
+    Invalid {
+        /// The config.
+        path: PathBuf,
+        /// Envoy's own explanation (the end of its output).
+        message: String,
+    },
+    /// The check itself could not run.
+    #[error("cannot run {binary} {what}: {message}")]
+    Run {
+        /// The binary.
+        binary: PathBuf,
+        /// Which check.
+        what: &'static str,
+        /// Why.
+        message: String,
+    },
+}
+
+struct Output {
+    success: bool,
+    text: String,
+}
+
+async fn run(binary: &Path, args: &[String], what: &'static str) -> Result<Output, PreflightError> {
+    let fail = |message: String| PreflightError::Run {
+        binary: binary.to_owned(),
+        what,
+        message,
+    };
+    let mut command = Command::new(binary);
+    command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = spawner::spawn(command)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    let pid = child.id().unwrap_or_default();
+    let output = tokio::time::timeout(PREFLIGHT_TIMEOUT, child.wait_with_output()).await;
+    spawner::release(pid);
+    let output = output
+        .map_err(|_| fail(format!("no answer within {PREFLIGHT_TIMEOUT:?}")))?
+        .map_err(|e| fail(e.to_string()))?;
+    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&output.stderr));
+    Ok(Output {
+        success: output.status.success(),
+        text,
+    })
+}
+
+/// `envoy --mode validate` on `config`'s bootstrap, with its extra arguments (they may shape
+/// the config, e.g. `--config-yaml`).
+pub async fn validate(config: &ProxyConfig) -> Result<(), PreflightError> {
+    let mut args = vec![
+        "--mode".to_owned(),
+        "validate".to_owned(),
+        "-c".to_owned(),
+        config.config_path.display().to_string(),
+        "-l".to_owned(),
+        "error".to_owned(),
+    ];
+    args.extend(config.extra_args.iter().cloned());
+    let output = run(&config.binary_path, &args, "--mode validate").await?;
+    if output.success {
+        return Ok(());
+    }
+    Err(PreflightError::Invalid {
+        path: config.config_path.clone(),
+        message: last_lines(&output.text, 6),
+    })
+}
+
+/// `envoy --hot-restart-version` of `binary` (Envoy prints it on stderr), e.g. `11.104`.
+pub async fn hot_restart_version(binary: &Path) -> Result<String, PreflightError> {
+    let output = run(
+        binary,
+        &["--hot-restart-version".to_owned()],
+        "--hot-restart-version",
+    )
+    .await?;
+    let version = output.text.trim().to_owned();
+    if !output.success || version.is_empty() || version.contains(char::is_whitespace) {
+        return Err(PreflightError::Run {
+            binary: binary.to_owned(),
+            what: "--hot-restart-version",
+            message: format!("unexpected output {version:?}"),
+        });
+    }
+    Ok(version)
+}
+
+fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
+}

@@ -1,0 +1,261 @@
+//! [`EnvoyProcess`]: one Envoy process at one restart epoch, from spawn to reaped exit.
+//!
+//! [`crate::Envoy`] runs one of these at a time; the hot-restart supervisor runs several side
+//! by side (a draining parent and its child). Spawning goes through the spawner thread
+//! (`PR_SET_PDEATHSIG` follows it), into Envoy's own process group, with stderr copied through
+//! and its tail kept for error messages.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStderr, Command};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::args::envoy_args;
+use crate::config::ProxyConfig;
+use crate::{Exit, ProxyError, spawner};
+
+/// How much of Envoy's stderr is kept for error messages.
+const STDERR_TAIL_BYTES: usize = 8 << 10;
+/// How often an admin address file is looked for while Envoy starts.
+const ADMIN_FILE_POLL: Duration = Duration::from_millis(20);
+/// How long we wait for Envoy's stderr to reach end-of-file once it has exited.
+const STDERR_FLUSH_WAIT: Duration = Duration::from_secs(1);
+
+/// The last bytes Envoy wrote to stderr.
+#[derive(Debug, Default)]
+struct Tail(VecDeque<u8>);
+
+impl Tail {
+    fn push(&mut self, bytes: &[u8]) {
+        self.0.extend(bytes);
+        let excess = self.0.len().saturating_sub(STDERR_TAIL_BYTES);
+        self.0.drain(..excess);
+    }
+
+    fn text(&self) -> String {
+        let bytes: Vec<u8> = self.0.iter().copied().collect();
+        let text = String::from_utf8_lossy(&bytes);
+        // Start at a line boundary when we cut the front off.
+        match (self.0.len() >= STDERR_TAIL_BYTES, text.find('\n')) {
+            (true, Some(i)) => text[i + 1..].to_owned(),
+            _ => text.into_owned(),
+        }
+    }
+}
+
+/// One running Envoy process.
+#[derive(Debug)]
+pub struct EnvoyProcess {
+    child: Child,
+    pid: u32,
+    epoch: u32,
+    started: Instant,
+    stop_grace: Duration,
+    tail: Arc<Mutex<Tail>>,
+    forwarder: Option<JoinHandle<()>>,
+}
+
+// === impl EnvoyProcess ===
+
+impl EnvoyProcess {
+    /// Starts Envoy for `config` at restart `epoch`.
+    pub async fn spawn(config: &ProxyConfig, epoch: u32) -> Result<Self, ProxyError> {
+        let mut child = spawner::spawn(command(config, epoch))
+            .await
+            .map_err(|source| ProxyError::Spawn {
+                binary: config.binary_path.clone(),
+                source,
+            })?;
+        let pid = child.id().unwrap_or_default();
+        tracing::info!(pid, epoch, "envoy started");
+        let tail = Arc::new(Mutex::new(Tail::default()));
+        let forwarder = child
+            .stderr
+            .take()
+            .map(|stderr| tokio::spawn(forward_stderr(stderr, tail.clone())));
+        Ok(EnvoyProcess {
+            child,
+            pid,
+            epoch,
+            started: Instant::now(),
+            stop_grace: config.stop_grace,
+            tail,
+            forwarder,
+        })
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its restart epoch.
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// Waits for Envoy to exit; cancelling `abort` stops it first (SIGTERM, then SIGKILL to
+    /// its process group after the grace). Resolves once Envoy has been reaped.
+    pub async fn run(mut self, abort: CancellationToken) -> Result<Exit, ProxyError> {
+        let pid = self.pid;
+        let (status, aborted) = tokio::select! {
+            status = self.child.wait() => (status, false),
+            () = abort.cancelled() => {
+                tracing::info!(pid, epoch = self.epoch, "stopping envoy");
+                (self.stop().await, true)
+            }
+        };
+        spawner::release(pid);
+        let status = status.map_err(|source| ProxyError::Wait { pid, source })?;
+        if let Some(forwarder) = self.forwarder.take() {
+            // Envoy's last words arrive after its exit status; wait for them, boundedly (a
+            // grandchild holding the pipe open must not hold us).
+            let _ = tokio::time::timeout(STDERR_FLUSH_WAIT, forwarder).await;
+        }
+        let stderr_tail = self.tail.lock().map(|t| t.text()).unwrap_or_default();
+        Ok(Exit {
+            pid,
+            epoch: self.epoch,
+            status,
+            aborted,
+            ran_for: self.started.elapsed(),
+            stderr_tail,
+        })
+    }
+
+    async fn stop(&mut self) -> std::io::Result<ExitStatus> {
+        let pid = self.pid;
+        if let Err(errno) = kill(Pid::from_raw(pid as i32), Signal::SIGTERM) {
+            tracing::debug!(pid, %errno, "SIGTERM to envoy failed (already gone?)");
+        }
+        match tokio::time::timeout(self.stop_grace, self.child.wait()).await {
+            Ok(status) => status,
+            Err(_) => {
+                tracing::warn!(pid, grace = ?self.stop_grace, "envoy ignored SIGTERM; sending SIGKILL");
+                let _ = killpg(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                self.child.wait().await
+            }
+        }
+    }
+}
+
+/// Sends `signal` to process `pid`.
+pub fn signal_pid(pid: u32, signal: Signal) -> Result<(), ProxyError> {
+    kill(Pid::from_raw(pid as i32), signal).map_err(|errno| ProxyError::Signal {
+        pid,
+        signal,
+        errno,
+    })
+}
+
+fn command(config: &ProxyConfig, epoch: u32) -> Command {
+    let built = envoy_args(config, epoch);
+    for warning in &built.warnings {
+        tracing::warn!(%warning, "envoy command line");
+    }
+    let mut command = Command::new(&config.binary_path);
+    command
+        .args(&built.args)
+        // Its own process group: a terminal's Ctrl-C reaches the agent, which decides.
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::inherit())
+        .stderr(Stdio::piped())
+        // Last resort only: if the future running Envoy is dropped, do not leak Envoy.
+        .kill_on_drop(true);
+    // If the agent dies, so does Envoy (the spawner thread is the parent that counts).
+    crate::sys::die_with_parent(&mut command, Signal::SIGTERM);
+    if let (true, Some(run_as)) = (config.agent_is_root, config.run_as) {
+        command.uid(run_as.uid).gid(run_as.gid);
+    }
+    tracing::info!(
+        binary = %config.binary_path.display(),
+        args = ?built.args,
+        epoch,
+        "starting envoy"
+    );
+    command
+}
+
+/// Reads an address Envoy wrote with `--admin-address-path`, if it is there yet.
+pub fn read_admin_file(path: &Path) -> Option<SocketAddr> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Waits until Envoy has written its admin address to `path`.
+pub async fn wait_admin_file(path: &Path) -> SocketAddr {
+    let mut poll = tokio::time::interval(ADMIN_FILE_POLL);
+    loop {
+        poll.tick().await;
+        if let Some(addr) = read_admin_file(path) {
+            return addr;
+        }
+    }
+}
+
+/// Copies Envoy's stderr to ours as it comes and keeps the tail for error messages.
+async fn forward_stderr(mut stderr: ChildStderr, tail: Arc<Mutex<Tail>>) {
+    let mut out = tokio::io::stderr();
+    let mut buf = vec![0u8; 8 << 10];
+    loop {
+        match stderr.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let chunk = &buf[..n];
+                if let Ok(mut t) = tail.lock() {
+                    t.push(chunk);
+                }
+                // Our stderr failing (closed terminal) must not stop the draining of Envoy's.
+                let _ = out.write_all(chunk).await;
+            }
+        }
+    }
+    let _ = out.flush().await;
+}
+
+/// The exit code a supervisor passes on for `status`: the code, or 128+N for signal N.
+pub fn exit_code(status: &ExitStatus) -> i32 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => 128 + signal,
+        (None, None) => 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_keeps_the_last_bytes_from_a_line_start() {
+        let mut tail = Tail::default();
+        tail.push(b"first line\n");
+        assert_eq!(tail.text(), "first line\n");
+        for i in 0..2000 {
+            tail.push(format!("line {i}\n").as_bytes());
+        }
+        let text = tail.text();
+        assert!(text.len() <= STDERR_TAIL_BYTES);
+        assert!(text.starts_with("line "), "{:?}", &text[..20]);
+        assert!(text.ends_with("line 1999\n"));
+    }
+
+    #[test]
+    fn exit_codes_pass_signals_as_128_plus_n() {
+        assert_eq!(exit_code(&ExitStatus::from_raw(0)), 0);
+        assert_eq!(exit_code(&ExitStatus::from_raw(3 << 8)), 3);
+        assert_eq!(exit_code(&ExitStatus::from_raw(9)), 137);
+        assert_eq!(exit_code(&ExitStatus::from_raw(15)), 143);
+    }
+}

@@ -1,0 +1,174 @@
+//! A load generator for zero-downtime checks: real HTTP/1.1 requests on 127.0.0.1, from a
+//! fixed number of workers, until stopped. Two kinds of worker:
+//!
+//! - **keep-alive**: one connection, requests back to back; when the server says
+//!   `Connection: close` (a draining Envoy) the worker reconnects. Not a failure.
+//! - **new connection per request**: connect, one request, close.
+//!
+//! A failure is any request that does not get a complete `200` response: refused or reset
+//! connections, an early EOF, a timeout, another status. Every failure is kept (the first few
+//! with their error) so a test can say what went wrong.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::task::JoinHandle;
+
+use crate::KeepAlive;
+
+/// Bound on one request of the load.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Failures kept with their error text.
+const ERRORS_KEPT: usize = 20;
+
+/// What the load saw.
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    /// Requests answered 200.
+    pub ok: u64,
+    /// Requests that failed.
+    pub failed: u64,
+    /// The first failures, with their error.
+    pub errors: Vec<String>,
+}
+
+#[derive(Default)]
+struct Counters {
+    ok: AtomicU64,
+    failed: AtomicU64,
+    errors: std::sync::Mutex<Vec<String>>,
+}
+
+impl Counters {
+    fn fail(&self, kind: &str, error: String) {
+        self.failed.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut errors) = self.errors.lock() {
+            if errors.len() < ERRORS_KEPT {
+                errors.push(format!("{kind}: {error}"));
+            }
+        }
+    }
+}
+
+/// Load running in the background until [`Load::stop`].
+#[derive(Debug)]
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    counters: Arc<CountersHandle>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct CountersHandle(Counters);
+
+impl std::fmt::Debug for CountersHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Counters")
+            .field("ok", &self.0.ok.load(Ordering::Relaxed))
+            .field("failed", &self.0.failed.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Load {
+    /// Starts `keep_alive` keep-alive workers and `per_request` new-connection workers
+    /// against `addr`, each sending `GET path` in a loop.
+    pub fn start(addr: SocketAddr, path: &str, keep_alive: usize, per_request: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(CountersHandle::default());
+        let mut workers = Vec::new();
+        for _ in 0..keep_alive {
+            let (stop, counters, path) = (stop.clone(), counters.clone(), path.to_owned());
+            workers.push(tokio::spawn(async move {
+                let mut conn: Option<KeepAlive> = None;
+                while !stop.load(Ordering::Relaxed) {
+                    if conn.is_none() {
+                        match KeepAlive::connect(addr).await {
+                            Ok(c) => conn = Some(c),
+                            Err(e) => {
+                                counters.0.fail("keep-alive connect", e.to_string());
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                                continue;
+                            }
+                        }
+                    }
+                    let Some(c) = conn.as_mut() else { continue };
+                    match tokio::time::timeout(REQUEST_TIMEOUT, c.get(&path)).await {
+                        Ok(Ok(r)) if r.status == 200 => {
+                            counters.0.ok.fetch_add(1, Ordering::Relaxed);
+                            if r.connection_close() {
+                                conn = None;
+                            }
+                        }
+                        Ok(Ok(r)) => {
+                            counters
+                                .0
+                                .fail("keep-alive", format!("status {}", r.status));
+                            conn = None;
+                        }
+                        Ok(Err(e)) => {
+                            counters.0.fail("keep-alive", e.to_string());
+                            conn = None;
+                        }
+                        Err(_) => {
+                            counters.0.fail("keep-alive", "timed out".to_owned());
+                            conn = None;
+                        }
+                    }
+                }
+            }));
+        }
+        for _ in 0..per_request {
+            let (stop, counters, path) = (stop.clone(), counters.clone(), path.to_owned());
+            workers.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let request = async {
+                        let mut c = KeepAlive::connect(addr).await?;
+                        c.get(&path).await
+                    };
+                    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
+                        Ok(Ok(r)) if r.status == 200 => {
+                            counters.0.ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(Ok(r)) => counters
+                            .0
+                            .fail("new-connection", format!("status {}", r.status)),
+                        Ok(Err(e)) => counters.0.fail("new-connection", e.to_string()),
+                        Err(_) => counters.0.fail("new-connection", "timed out".to_owned()),
+                    }
+                }
+            }));
+        }
+        Load {
+            stop,
+            counters,
+            workers,
+        }
+    }
+
+    /// Requests answered so far.
+    pub fn ok(&self) -> u64 {
+        self.counters.0.ok.load(Ordering::Relaxed)
+    }
+
+    /// Stops the workers (each finishes its request in flight) and reports.
+    pub async fn stop(self) -> LoadReport {
+        self.stop.store(true, Ordering::Relaxed);
+        for worker in self.workers {
+            let _ = worker.await;
+        }
+        LoadReport {
+            ok: self.counters.0.ok.load(Ordering::Relaxed),
+            failed: self.counters.0.failed.load(Ordering::Relaxed),
+            errors: self
+                .counters
+                .0
+                .errors
+                .lock()
+                .map(|e| e.clone())
+                .unwrap_or_default(),
+        }
+    }
+}
