@@ -4,13 +4,23 @@
 //! terminates it (stats pulls, the final Terminate). If the parent dies first (OOM kill,
 //! SIGKILL), the child's sends fail with ECONNREFUSED, it retries with its main thread blocked
 //! (its admin stops answering) and aborts about 13 s later (Envoy #7468). Binding the dead
-//! parent's socket names and reading what arrives keeps the child serving (seen on 1.40).
+//! parent's socket names keeps the sends going through; and since a stats pull blocks the
+//! child's main thread until the parent replies, the stand-in answers each one with an empty
+//! stats reply (there are no parent stats left to merge). Other requests (Terminate,
+//! DrainListeners) expect no reply and get none.
+//!
+//! Wire format (Envoy's `hot_restart.proto`): an 8-byte big-endian length, then a
+//! `HotRestartMessage` whose `request` (field 1) or `reply` (field 2) holds a oneof; stats is
+//! field 3 in both. So a stats request starts `0a <len> 1a`, and the empty stats reply is
+//! `12 02 1a 00`: reply { stats {} }. The reply goes to the child's socket,
+//! `envoy_domain_socket_child_<base_id*10 + (parent_epoch + 1) % 3>`.
 //!
 //! Envoy names its sockets `@envoy_domain_socket_{parent,udp_parent}_<base_id*10 + epoch % 3>`
 //! and pads them with NULs to the full 108-byte `sun_path`, so the abstract name is the text
 //! plus NULs up to 107 bytes. The absorber must be dropped before an epoch that reuses the
 //! names starts (three epochs later), which single-flight handoffs guarantee.
 
+use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 
@@ -35,6 +45,38 @@ impl Drop for Absorber {
     }
 }
 
+/// `reply { stats {} }`, framed: length 4, then the message.
+const EMPTY_STATS_REPLY: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 4, 0x12, 0x02, 0x1a, 0x00];
+
+/// A framed `HotRestartMessage { request { stats {...} } }`.
+fn is_stats_request(datagram: &[u8]) -> bool {
+    // 8-byte length, then field 1 (request, length-delimited), its length (one varint byte for
+    // these small messages, or more), then field 3 (stats, length-delimited).
+    let Some(message) = datagram.get(8..) else {
+        return false;
+    };
+    if message.first() != Some(&0x0a) {
+        return false;
+    }
+    let mut i = 1;
+    while message.get(i).is_some_and(|b| b & 0x80 != 0) {
+        i += 1;
+    }
+    message.get(i + 1) == Some(&0x1a)
+}
+
+fn send_to(
+    socket: &tokio::net::UnixDatagram,
+    bytes: &[u8],
+    to: &SocketAddr,
+) -> std::io::Result<()> {
+    let std = socket
+        .as_fd()
+        .try_clone_to_owned()
+        .map(UnixDatagram::from)?;
+    std.send_to_addr(bytes, to).map(|_| ())
+}
+
 fn name(base_id: u32, role: &str, epoch: u32) -> Vec<u8> {
     let id = u64::from(base_id) * 10 + u64::from(epoch % 3);
     let mut name = format!("envoy_domain_socket_{role}_{id}").into_bytes();
@@ -46,14 +88,21 @@ impl Absorber {
     /// Binds the parent sockets of dead `parent_epoch` of family `base_id`.
     pub fn bind(base_id: u32, parent_epoch: u32) -> std::io::Result<Absorber> {
         let mut tasks = Vec::new();
-        for role in ["parent", "udp_parent"] {
+        for (role, child_role) in [("parent", "child"), ("udp_parent", "udp_child")] {
             let addr = SocketAddr::from_abstract_name(name(base_id, role, parent_epoch))?;
+            let child =
+                SocketAddr::from_abstract_name(name(base_id, child_role, parent_epoch + 1))?;
             let socket = UnixDatagram::bind_addr(&addr)?;
             socket.set_nonblocking(true)?;
             let socket = tokio::net::UnixDatagram::from_std(socket)?;
             tasks.push(tokio::spawn(async move {
                 let mut buf = vec![0u8; 8192];
-                while socket.recv(&mut buf).await.is_ok() {}
+                while let Ok(n) = socket.recv(&mut buf).await {
+                    if is_stats_request(&buf[..n]) {
+                        // Best effort: a child that is gone needs no answer.
+                        let _ = send_to(&socket, &EMPTY_STATS_REPLY, &child);
+                    }
+                }
             }));
         }
         Ok(Absorber {
@@ -73,6 +122,19 @@ mod tests {
         assert_eq!(n.len(), 107);
         assert!(n.starts_with(b"envoy_domain_socket_parent_51\0"));
         assert!(n[29..].iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn recognizes_stats_requests() {
+        assert!(is_stats_request(&[
+            0, 0, 0, 0, 0, 0, 0, 4, 0x0a, 0x02, 0x1a, 0x00
+        ]));
+        // Terminate (another oneof field): no reply expected.
+        assert!(!is_stats_request(&[
+            0, 0, 0, 0, 0, 0, 0, 4, 0x0a, 0x02, 0x2a, 0x00
+        ]));
+        assert!(!is_stats_request(&[0, 0, 0]));
+        assert!(!is_stats_request(&[0, 0, 0, 0, 0, 0, 0, 2, 0x18, 0x01]));
     }
 
     #[tokio::test]

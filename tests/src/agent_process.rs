@@ -13,15 +13,29 @@ use tokio::process::{Child, Command};
 
 use crate::{PATIENCE, TestDir, children_of, envoy_path, eventually};
 
+/// The fixed ports and base id of a hot-restart test.
+#[derive(Debug, Clone, Copy)]
+pub struct HotRestartPorts {
+    /// Envoy's `--base-id`.
+    pub base_id: u32,
+    /// The admin port every epoch binds.
+    pub admin_port: u16,
+    /// The `hello` listener's port.
+    pub listener_port: u16,
+}
+
 /// Builds an [`AgentProcess`].
 #[derive(Debug)]
 pub struct AgentBuilder {
     binary: PathBuf,
     dir: TestDir,
     bootstrap: Option<String>,
+    bootstrap_path: Option<PathBuf>,
     args: Vec<String>,
     wait_live: bool,
     wrapper: Vec<String>,
+    envoy_path: Option<PathBuf>,
+    hot_restart: Option<HotRestartPorts>,
 }
 
 impl AgentBuilder {
@@ -29,6 +43,23 @@ impl AgentBuilder {
     pub fn bootstrap(mut self, yaml: String) -> Self {
         self.bootstrap = Some(yaml);
         self
+    }
+
+    /// Runs on this bootstrap file (e.g. a symlink the test swaps) instead of writing one.
+    pub fn bootstrap_path(mut self, path: PathBuf) -> Self {
+        self.bootstrap_path = Some(path);
+        self
+    }
+
+    /// Runs this "Envoy" (e.g. a wrapper script that execs the real one).
+    pub fn envoy_path(mut self, path: PathBuf) -> Self {
+        self.envoy_path = Some(path);
+        self
+    }
+
+    /// The test's temp dir.
+    pub fn dir(&self) -> &TestDir {
+        &self.dir
     }
 
     /// Extra `envoy-agent run` arguments (before `--`).
@@ -50,16 +81,38 @@ impl AgentBuilder {
         self
     }
 
-    /// Starts the agent; waits for the status server and Envoy's admin address (and LIVE,
-    /// unless told not to).
+    /// Runs with `--hot-restart` on fixed ports and a base id of the test's own, with the
+    /// default bootstrap on those ports unless one is given. The agent has no status server
+    /// then; readiness is Envoy LIVE on the admin port.
+    pub fn hot_restart(mut self) -> Self {
+        self.hot_restart = Some(HotRestartPorts {
+            base_id: crate::unique_base_id(),
+            admin_port: crate::free_port(),
+            listener_port: crate::free_port(),
+        });
+        self
+    }
+
+    /// The ports and base id [`AgentBuilder::hot_restart`] picked.
+    pub fn ports(&self) -> Option<HotRestartPorts> {
+        self.hot_restart
+    }
+
+    /// Starts the agent; waits for Envoy's admin address (and the status server, without hot
+    /// restart), and for Envoy to be LIVE unless told not to.
     pub async fn start(mut self) -> AgentProcess {
         let dir = self.dir;
-        let bootstrap = dir.write(
-            "bootstrap.yaml",
-            &self
-                .bootstrap
-                .unwrap_or_else(|| crate::bootstrap_yaml("hello")),
-        );
+        let default_bootstrap = match self.hot_restart {
+            Some(p) => crate::bootstrap_yaml_on(p.admin_port, p.listener_port, "hello"),
+            None => crate::bootstrap_yaml("hello"),
+        };
+        let bootstrap = match self.bootstrap_path.take() {
+            Some(path) => path,
+            None => dir.write(
+                "bootstrap.yaml",
+                &self.bootstrap.take().unwrap_or(default_bootstrap),
+            ),
+        };
         let admin_file = dir.join("admin-address");
         let status_file = dir.join("status-address");
         let mut command = match self.wrapper.split_first() {
@@ -70,22 +123,43 @@ impl AgentBuilder {
             }
             None => Command::new(&self.binary),
         };
-        // Port 0 unless the test picks the address: tests run in parallel.
-        if !self.args.iter().any(|a| a == "--status-address") {
-            self.args
-                .extend(["--status-address".to_owned(), "127.0.0.1:0".to_owned()]);
-        }
         command
             .arg("run")
             .arg("-c")
             .arg(&bootstrap)
             .arg("--envoy-path")
-            .arg(envoy_path())
-            .arg("--status-address-file")
-            .arg(&status_file)
-            .args(&self.args)
-            .args(["--", "--concurrency", "1", "--admin-address-path"])
-            .arg(&admin_file)
+            .arg(self.envoy_path.take().unwrap_or_else(envoy_path));
+        // In hot-restart mode the marker says when the supervisor itself has seen LIVE.
+        let marker = match self.args.iter().position(|a| a == "--ready-marker") {
+            Some(i) => self.args.get(i + 1).map(PathBuf::from),
+            None if self.hot_restart.is_some() => {
+                let marker = dir.join("ready");
+                command.arg("--ready-marker").arg(&marker);
+                Some(marker)
+            }
+            None => None,
+        };
+        match self.hot_restart {
+            Some(p) => {
+                command
+                    .args(["--hot-restart", "--base-id", &p.base_id.to_string()])
+                    .args(&self.args)
+                    .args(["--", "--concurrency", "1"]);
+            }
+            None => {
+                // Port 0 unless the test picks the address: tests run in parallel.
+                if !self.args.iter().any(|a| a == "--status-address") {
+                    command.args(["--status-address", "127.0.0.1:0"]);
+                }
+                command
+                    .arg("--status-address-file")
+                    .arg(&status_file)
+                    .args(&self.args)
+                    .args(["--", "--concurrency", "1", "--admin-address-path"])
+                    .arg(&admin_file);
+            }
+        }
+        command
             .env_remove("ENVOY_PATH")
             .env("ENVOY_AGENT_LOG_LEVEL", "debug")
             .stdin(Stdio::null())
@@ -95,9 +169,10 @@ impl AgentBuilder {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.binary.display()));
         let stderr = Arc::new(Mutex::new(String::new()));
+        let mut stderr_reader = None;
         if let Some(pipe) = child.stderr.take() {
             let stderr = stderr.clone();
-            tokio::spawn(async move {
+            stderr_reader = Some(tokio::spawn(async move {
                 let mut lines = BufReader::new(pipe).lines();
                 while let Ok(Some(line)) = lines.next_line().await {
                     // Shown with the test's output when it fails.
@@ -107,10 +182,18 @@ impl AgentBuilder {
                         s.push('\n');
                     }
                 }
-            });
+            }));
         }
-        let status = crate::admin_address_from_file(&status_file).await;
-        let admin = AdminClient::new(crate::admin_address_from_file(&admin_file).await);
+        let (status, admin) = match self.hot_restart {
+            Some(p) => (
+                None,
+                AdminClient::new(SocketAddr::from(([127, 0, 0, 1], p.admin_port))),
+            ),
+            None => (
+                Some(crate::admin_address_from_file(&status_file).await),
+                AdminClient::new(crate::admin_address_from_file(&admin_file).await),
+            ),
+        };
         if self.wait_live {
             eventually("envoy to be LIVE", PATIENCE, || async {
                 matches!(admin.server_info().await, Ok(i) if i.state == ServerState::Live)
@@ -118,11 +201,19 @@ impl AgentBuilder {
             })
             .await;
             // The agent has seen it too: its readiness says so.
-            eventually("the agent to report ready", PATIENCE, || async {
-                let r = crate::http_get(status, "/healthz/ready").await.ok()?;
-                (r.status == 200).then_some(())
-            })
-            .await;
+            if let (Some(marker), Some(_)) = (&marker, self.hot_restart) {
+                eventually("the supervisor's readiness marker", PATIENCE, || async {
+                    marker.exists().then_some(())
+                })
+                .await;
+            }
+            if let Some(status) = status {
+                eventually("the agent to report ready", PATIENCE, || async {
+                    let r = crate::http_get(status, "/healthz/ready").await.ok()?;
+                    (r.status == 200).then_some(())
+                })
+                .await;
+            }
         }
         AgentProcess {
             child,
@@ -130,6 +221,8 @@ impl AgentBuilder {
             status,
             dir,
             stderr,
+            stderr_reader,
+            ports: self.hot_restart,
         }
     }
 }
@@ -140,11 +233,26 @@ pub struct AgentProcess {
     child: Child,
     /// Envoy's admin API.
     pub admin: AdminClient,
-    /// The agent's status server.
-    pub status: SocketAddr,
+    status: Option<SocketAddr>,
     /// The test's temp dir (bootstrap, address files).
     pub dir: TestDir,
     stderr: Arc<Mutex<String>>,
+    stderr_reader: Option<tokio::task::JoinHandle<()>>,
+    /// Hot restart's ports and base id, when on.
+    pub ports: Option<HotRestartPorts>,
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        // The agent is killed on drop (kill_on_drop) and Envoy follows it; Envoy's shared
+        // memory would stay in /dev/shm.
+        if let Some(p) = self.ports {
+            let _ = std::fs::remove_file(format!(
+                "/dev/shm/envoy_shared_memory_{}",
+                u64::from(p.base_id) * 10
+            ));
+        }
+    }
 }
 
 impl AgentProcess {
@@ -154,10 +262,19 @@ impl AgentProcess {
             binary: binary.as_ref().to_owned(),
             dir: TestDir::new(),
             bootstrap: None,
+            bootstrap_path: None,
             args: Vec::new(),
             wait_live: true,
             wrapper: Vec::new(),
+            envoy_path: None,
+            hot_restart: None,
         }
+    }
+
+    /// The agent's status server (not in hot-restart mode).
+    pub fn status(&self) -> SocketAddr {
+        self.status
+            .unwrap_or_else(|| panic!("no status server in hot-restart mode"))
     }
 
     /// The agent's pid (the wrapper's, when one execs it, is the same).
@@ -167,9 +284,14 @@ impl AgentProcess {
             .unwrap_or_else(|| panic!("the agent has exited"))
     }
 
+    /// The agent's children (Envoy epochs).
+    pub fn children(&self) -> Vec<u32> {
+        children_of(self.pid())
+    }
+
     /// Envoy's pid: the agent's one child.
     pub fn envoy_pid(&self) -> u32 {
-        let children = children_of(self.pid());
+        let children = self.children();
         assert_eq!(
             children.len(),
             1,
@@ -189,6 +311,11 @@ impl AgentProcess {
         self.stderr.lock().map(|s| s.clone()).unwrap_or_default()
     }
 
+    /// How many times `needle` appears in the agent's stderr so far.
+    pub fn count_in_stderr(&self, needle: &str) -> usize {
+        self.stderr().matches(needle).count()
+    }
+
     /// The bound address of Envoy's listener `name`.
     pub async fn listener(&self, name: &str) -> SocketAddr {
         self.admin
@@ -206,11 +333,21 @@ impl AgentProcess {
         matches!(self.child.try_wait(), Ok(None))
     }
 
-    /// Waits (bounded by [`PATIENCE`]) for the agent to exit.
+    /// Waits (bounded by [`PATIENCE`]) for the agent to exit, and for the last of its stderr.
     pub async fn exit(&mut self) -> ExitStatus {
-        tokio::time::timeout(PATIENCE, self.child.wait())
+        let status = tokio::time::timeout(PATIENCE, self.child.wait())
             .await
             .unwrap_or_else(|_| panic!("the agent did not exit within {PATIENCE:?}"))
-            .unwrap_or_else(|e| panic!("waiting for the agent: {e}"))
+            .unwrap_or_else(|e| panic!("waiting for the agent: {e}"));
+        if let Some(reader) = self.stderr_reader.take() {
+            // Ends at EOF; an orphan holding the pipe must not hang the test.
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), reader).await;
+        }
+        status
+    }
+
+    /// The Envoy processes (children started with `--restart-epoch`) of the agent.
+    pub fn envoys(&self) -> Vec<u32> {
+        crate::envoy_children_of(self.pid())
     }
 }

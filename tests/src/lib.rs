@@ -21,7 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 mod agent_process;
 mod load;
 
-pub use agent_process::{AgentBuilder, AgentProcess};
+pub use agent_process::{AgentBuilder, AgentProcess, HotRestartPorts};
 pub use load::{Load, LoadReport};
 
 /// How long a test waits for something that should happen in well under a second. Generous:
@@ -111,15 +111,21 @@ impl Default for TestDir {
 /// sidecar's inbound listener), both on 127.0.0.1 port 0, answering every request with 200
 /// and `body`.
 pub fn bootstrap_yaml(body: &str) -> String {
+    bootstrap_yaml_on(0, 0, body)
+}
+
+/// [`bootstrap_yaml`] with the admin API and the listener on the given ports (hot restart
+/// needs fixed ports: a port-0 listener is not handed over, the child binds a new port).
+pub fn bootstrap_yaml_on(admin_port: u16, listener_port: u16, body: &str) -> String {
     format!(
         r#"admin:
   address:
-    socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
 static_resources:
   listeners:
   - name: hello
     address:
-      socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+      socket_address: {{ address: 127.0.0.1, port_value: {listener_port} }}
     traffic_direction: INBOUND
     filter_chains:
     - filters:
@@ -140,6 +146,23 @@ static_resources:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#
     )
+}
+
+/// A port that was free a moment ago (bind port 0, note it, release it). Hot-restart tests
+/// need fixed ports; the race with another process taking it is accepted.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("cannot find a free port: {e}"))
+}
+
+/// A base id no other test uses: derived from the test process's pid and a counter, so test
+/// binaries running at once do not share Envoy's shared memory or sockets.
+pub fn unique_base_id() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    (std::process::id() % 40_000) * 100 + NEXT.fetch_add(1, Ordering::Relaxed) % 100 + 1
 }
 
 /// Polls `check` every 20 ms until it returns `Some`, for at most `within`; panics naming
@@ -261,6 +284,20 @@ pub fn children_of(pid: u32) -> Vec<u32> {
                 .filter_map(|p| p.parse().ok())
                 .collect::<Vec<u32>>()
         })
+        .collect()
+}
+
+/// The children of `pid` that are hot-restart Envoys (their command line has
+/// `--restart-epoch`), not pre-flight runs of the binary.
+pub fn envoy_children_of(pid: u32) -> Vec<u32> {
+    children_of(pid)
+        .into_iter()
+        .filter(|child| {
+            std::fs::read(format!("/proc/{child}/cmdline"))
+                .map(|c| c.split(|b| *b == 0).any(|arg| arg == b"--restart-epoch"))
+                .unwrap_or(false)
+        })
+        .filter(|child| process_alive(*child))
         .collect()
 }
 

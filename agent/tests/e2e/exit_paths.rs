@@ -81,7 +81,9 @@ async fn drain_endpoint_keeps_envoy_serving_and_the_next_sigterm_exits_at_once()
         .start()
         .await;
     let envoy = agent.envoy_pid();
-    let response = http_request(agent.status, "POST", "/drain").await.unwrap();
+    let response = http_request(agent.status(), "POST", "/drain")
+        .await
+        .unwrap();
     assert_eq!((response.status, response.body.as_str()), (200, "OK\n"));
 
     // The listener still accepts new connections; answers tell clients to close.
@@ -109,7 +111,7 @@ async fn quitquitquit_exits_at_once_without_draining() {
         .start()
         .await;
     let envoy = agent.envoy_pid();
-    let response = http_request(agent.status, "POST", "/quitquitquit")
+    let response = http_request(agent.status(), "POST", "/quitquitquit")
         .await
         .unwrap();
     assert_eq!(response.status, 200);

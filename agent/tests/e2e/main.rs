@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod exit_paths;
+mod hot_restart;
 mod run;
 mod status;
 

@@ -60,7 +60,7 @@ async fn readiness_is_503_until_envoy_is_live() {
     })
     .await;
     assert_ne!(info.state, envoy_agent_proxy::ServerState::Live);
-    let response = http_get(agent.status, "/healthz/ready").await.unwrap();
+    let response = http_get(agent.status(), "/healthz/ready").await.unwrap();
     assert_eq!(response.status, 503);
     assert!(response.body.contains("starting"), "{}", response.body);
     agent.signal(Signal::SIGTERM);
@@ -75,7 +75,7 @@ async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still
         .await;
     let envoy = agent.envoy_pid();
     let response = eventually("readiness 200", PATIENCE, || async {
-        http_get(agent.status, "/healthz/ready")
+        http_get(agent.status(), "/healthz/ready")
             .await
             .ok()
             .filter(|r| r.status == 200)
@@ -85,7 +85,7 @@ async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still
 
     agent.signal(Signal::SIGTERM);
     let response = eventually("readiness 503 during the drain", PATIENCE, || async {
-        http_get(agent.status, "/healthz/ready")
+        http_get(agent.status(), "/healthz/ready")
             .await
             .ok()
             .filter(|r| r.status == 503)
@@ -100,13 +100,13 @@ async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still
     assert_eq!(response.body.lines().count(), 1);
 
     // Still serving through the drain: metrics and /quitquitquit.
-    let metrics = http_get(agent.status, "/stats/prometheus").await.unwrap();
+    let metrics = http_get(agent.status(), "/stats/prometheus").await.unwrap();
     assert!(
         metrics.body.contains("envoy_agent_draining 1"),
         "{}",
         metrics.body
     );
-    let response = http_request(agent.status, "POST", "/quitquitquit")
+    let response = http_request(agent.status(), "POST", "/quitquitquit")
         .await
         .unwrap();
     assert_eq!(response.status, 200);
@@ -123,7 +123,7 @@ async fn drain_delay_fails_readiness_before_the_drain_starts() {
     let listener = agent.listener("hello").await;
     agent.signal(Signal::SIGTERM);
     let response = eventually("readiness 503 during the delay", PATIENCE, || async {
-        http_get(agent.status, "/healthz/ready")
+        http_get(agent.status(), "/healthz/ready")
             .await
             .ok()
             .filter(|r| r.status == 503)
@@ -152,11 +152,11 @@ async fn mutating_endpoints_answer_405_to_get() {
         .start()
         .await;
     for path in ["/drain", "/quitquitquit"] {
-        let response = http_get(agent.status, path).await.unwrap();
+        let response = http_get(agent.status(), path).await.unwrap();
         assert_eq!(response.status, 405, "GET {path}");
     }
     assert!(agent.running());
-    let ready = http_get(agent.status, "/healthz/ready").await.unwrap();
+    let ready = http_get(agent.status(), "/healthz/ready").await.unwrap();
     assert_ne!(ready.body, "", "readiness still answers");
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
@@ -168,7 +168,7 @@ async fn prometheus_merges_agent_and_envoy_stats() {
         .args(&["--termination-drain-duration", "0s"])
         .start()
         .await;
-    let response = http_get(agent.status, "/stats/prometheus").await.unwrap();
+    let response = http_get(agent.status(), "/stats/prometheus").await.unwrap();
     assert_eq!(response.status, 200);
     assert!(
         response
@@ -234,7 +234,7 @@ async fn mutating_endpoints_refuse_a_non_loopback_peer() {
         .no_wait_live()
         .start()
         .await;
-    let port = agent.status.port();
+    let port = agent.status().port();
     let remote: SocketAddr = format!("10.99.0.1:{port}").parse().unwrap();
     let local: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let pid = agent.pid();

@@ -1,0 +1,363 @@
+//! Hot restart end to end: the supervisor, the real Envoy, real load.
+//!
+//! Each test has its own base id and fixed ports (a port-0 listener is not handed over by
+//! Envoy), and short drain and parent-shutdown times so that handoffs follow each other fast.
+
+use std::time::Duration;
+
+use envoy_agent_proxy::{AdminClient, ServerState};
+use envoy_agent_tests::{
+    AgentProcess, Load, PATIENCE, bootstrap_yaml_on, eventually, http_get, process_alive,
+};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::agent;
+
+/// Drain 1s, parent shutdown 2s: a handoff is over (parent gone) about 2s after LIVE.
+const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
+
+async fn start(extra: &[&str]) -> AgentProcess {
+    agent().hot_restart().args(FAST).args(extra).start().await
+}
+
+/// Waits until the admin port reports LIVE at `epoch`.
+async fn live_at(admin: &AdminClient, epoch: u32) {
+    eventually(&format!("epoch {epoch} LIVE"), PATIENCE, || async {
+        let info = admin.server_info().await.ok()?;
+        (info.state == ServerState::Live && info.restart_epoch == epoch).then_some(())
+    })
+    .await;
+}
+
+/// Waits until the agent runs exactly one Envoy (the previous parent has exited).
+async fn one_generation(agent: &AgentProcess) {
+    eventually("the parent to exit", PATIENCE, || async {
+        (agent.envoys().len() == 1).then_some(())
+    })
+    .await;
+}
+
+fn listener(agent: &AgentProcess) -> std::net::SocketAddr {
+    let port = agent.ports.map(|p| p.listener_port).unwrap_or_default();
+    std::net::SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+fn write_bootstrap(agent: &AgentProcess, body: &str) {
+    let p = agent.ports.unwrap();
+    let path = agent.dir.join("bootstrap.yaml");
+    envoy_agent_proxy::write_atomically(
+        &path,
+        bootstrap_yaml_on(p.admin_port, p.listener_port, body).as_bytes(),
+    )
+    .unwrap();
+}
+
+#[tokio::test]
+async fn twenty_hot_restarts_under_load_lose_no_request() {
+    let mut agent = start(&[]).await;
+    let load = Load::start(listener(&agent), "/", 4, 4);
+    for epoch in 1..=20 {
+        agent.signal(Signal::SIGHUP);
+        live_at(&agent.admin, epoch).await;
+        one_generation(&agent).await;
+    }
+    let served_before_stop = load.ok();
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert!(served_before_stop > 100, "the load ran: {report:?}");
+    assert_eq!(agent.count_in_stderr("hot restart done: epoch LIVE"), 20);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn config_changes_trigger_one_restart_each_and_bursts_one() {
+    let mut agent = start(&["--watch-config"]).await;
+    let hello = listener(&agent);
+    write_bootstrap(&agent, "v1");
+    live_at(&agent.admin, 1).await;
+    assert_eq!(http_get(hello, "/").await.unwrap().body, "v1");
+    one_generation(&agent).await;
+
+    // A burst of ten writes: one restart.
+    for i in 0..10 {
+        write_bootstrap(&agent, &format!("burst {i}"));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    live_at(&agent.admin, 2).await;
+    assert_eq!(http_get(hello, "/").await.unwrap().body, "burst 9");
+    one_generation(&agent).await;
+    // Nothing else is coming: still epoch 2 well after the debounce.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(agent.admin.server_info().await.unwrap().restart_epoch, 2);
+    assert_eq!(agent.count_in_stderr("hot restart done: epoch LIVE"), 2);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn a_configmap_symlink_swap_triggers_a_restart() {
+    // The kubelet's layout: config/bootstrap.yaml -> ..data/bootstrap.yaml, ..data -> ..v1.
+    let builder = agent().hot_restart();
+    let p = builder.ports().unwrap();
+    let config = builder.dir().join("config");
+    std::fs::create_dir_all(config.join("..v1")).unwrap();
+    std::fs::write(
+        config.join("..v1/bootstrap.yaml"),
+        bootstrap_yaml_on(p.admin_port, p.listener_port, "one"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("..v1", config.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/bootstrap.yaml", config.join("bootstrap.yaml")).unwrap();
+    let mut agent = builder
+        .bootstrap_path(config.join("bootstrap.yaml"))
+        .args(FAST)
+        .args(&["--watch-config"])
+        .start()
+        .await;
+
+    std::fs::create_dir_all(config.join("..v2")).unwrap();
+    std::fs::write(
+        config.join("..v2/bootstrap.yaml"),
+        bootstrap_yaml_on(p.admin_port, p.listener_port, "two"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("..v2", config.join("..data_tmp")).unwrap();
+    std::fs::rename(config.join("..data_tmp"), config.join("..data")).unwrap();
+    std::fs::remove_dir_all(config.join("..v1")).unwrap();
+
+    live_at(&agent.admin, 1).await;
+    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "two");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(agent.count_in_stderr("hot restart done: epoch LIVE"), 1);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn a_bad_config_is_rejected_and_the_old_epoch_keeps_serving() {
+    let mut agent = start(&[]).await;
+    let p = agent.ports.unwrap();
+    let path = agent.dir.join("bootstrap.yaml");
+    let load = Load::start(listener(&agent), "/", 2, 2);
+
+    // A parse error, then a route to a cluster that does not exist.
+    let unknown_cluster = bootstrap_yaml_on(p.admin_port, p.listener_port, "x").replace(
+        "direct_response: { status: 200, body: { inline_string: \"x\" } }",
+        "route: { cluster: no_such_cluster }",
+    );
+    assert!(unknown_cluster.contains("no_such_cluster"));
+    for (i, bad) in [
+        "admin: [this is not, a bootstrap".to_owned(),
+        unknown_cluster,
+    ]
+    .iter()
+    .enumerate()
+    {
+        std::fs::write(&path, bad).unwrap();
+        agent.signal(Signal::SIGHUP);
+        eventually("the restart to be rejected", PATIENCE, || async {
+            (agent.count_in_stderr("hot restart rejected; the serving epoch keeps serving")
+                == i + 1)
+                .then_some(())
+        })
+        .await;
+        let info = agent.admin.server_info().await.unwrap();
+        assert_eq!(
+            (info.state, info.restart_epoch),
+            (ServerState::Live, 0),
+            "old epoch, admin intact"
+        );
+        assert_eq!(agent.envoys().len(), 1, "nothing was started");
+    }
+    assert!(
+        agent.stderr().contains("no_such_cluster"),
+        "envoy's reason is logged"
+    );
+
+    // A good config afterwards hot-restarts as usual, to the next epoch.
+    write_bootstrap(&agent, "good again");
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert_eq!(
+        http_get(listener(&agent), "/").await.unwrap().body,
+        "good again"
+    );
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn a_sighup_storm_is_coalesced_without_a_third_generation() {
+    let mut agent = start(&[]).await;
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    let pid = agent.pid();
+    let watcher = {
+        // Count generations throughout.
+        tokio::spawn(async move {
+            let mut most = 0;
+            for _ in 0..400 {
+                most = most.max(envoy_agent_tests::envoy_children_of(pid).len());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            most
+        })
+    };
+    for _ in 0..50 {
+        agent.signal(Signal::SIGHUP);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The first SIGHUP restarts at once; the other 49 are coalesced into one more restart
+    // after the first handoff's parent has exited.
+    live_at(&agent.admin, 2).await;
+    one_generation(&agent).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(agent.admin.server_info().await.unwrap().restart_epoch, 2);
+    let most = watcher.await.unwrap();
+    assert!(most <= 2, "at most two generations at once, saw {most}");
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn a_killed_draining_parent_does_not_take_the_child_down() {
+    // A long parent shutdown: the parent is still draining when it is killed.
+    let mut agent = agent()
+        .hot_restart()
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "60s"])
+        .start()
+        .await;
+    let parent = agent.envoy_pid();
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    kill(Pid::from_raw(parent as i32), Signal::SIGKILL).unwrap();
+    // Without a stand-in, the child aborts about 13s after its parent died (Envoy #7468).
+    tokio::time::sleep(Duration::from_secs(16)).await;
+    assert!(agent.running(), "the supervisor keeps running");
+    let info = agent.admin.server_info().await.unwrap();
+    assert_eq!((info.state, info.restart_epoch), (ServerState::Live, 1));
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert!(agent.stderr().contains("standing in for the dead parent"));
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn a_killed_serving_epoch_ends_the_supervisor_with_its_code() {
+    let mut agent = start(&[]).await;
+    let envoy = agent.envoy_pid();
+    kill(Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
+    assert_eq!(agent.exit().await.code(), Some(137));
+    assert!(!process_alive(envoy));
+    assert!(agent.stderr().contains("the serving epoch exited"));
+}
+
+#[tokio::test]
+async fn a_stopped_envoy_trips_the_admin_watchdog() {
+    let mut agent = start(&["--admin-unresponsive-deadline", "2s", "--stop-grace", "1s"]).await;
+    let envoy = agent.envoy_pid();
+    kill(Pid::from_raw(envoy as i32), Signal::SIGSTOP).unwrap();
+    assert_eq!(agent.exit().await.code(), Some(75), "the wedge exit code");
+    let stderr = agent.stderr();
+    assert!(stderr.contains("admin_unresponsive"), "{stderr}");
+    assert!(!process_alive(envoy), "the stopped envoy was killed");
+}
+
+#[tokio::test]
+async fn the_readiness_marker_follows_the_newest_live_epoch() {
+    let builder = agent().hot_restart();
+    let marker = builder.dir().join("ready");
+    let mut agent = builder
+        .args(FAST)
+        .args(&["--ready-marker", marker.to_str().unwrap()])
+        .start()
+        .await;
+    eventually("the marker", PATIENCE, || async {
+        marker.exists().then_some(())
+    })
+    .await;
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    assert!(marker.exists());
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    assert!(!marker.exists(), "removed on stop");
+}
+
+/// Zombie children of `pid`, from the host's /proc.
+fn zombies_of(pid: u32) -> Vec<u32> {
+    envoy_agent_tests::children_of(pid)
+        .into_iter()
+        .filter(|c| {
+            std::fs::read_to_string(format!("/proc/{c}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn as_pid_1_of_its_own_pid_namespace_it_reaps_orphans_and_handles_sigterm() {
+    // An "envoy" that leaves an orphan behind each time it runs (pre-flight runs included):
+    // the orphan is reparented to the agent, PID 1 of the namespace, and must be reaped.
+    let builder = agent().hot_restart();
+    let wrapper = builder.dir().join("envoy-with-orphans");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\n( sleep 0.2 & )\nexec {} \"$@\"\n",
+            envoy_agent_tests::envoy_path().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let mut agent = builder
+        .envoy_path(wrapper)
+        // --kill-child: if the test dies, so does the namespace.
+        .wrapper(&["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--"])
+        .args(FAST)
+        .start()
+        .await;
+    // `unshare --fork` is the test's child; the agent is its child, PID 1 inside.
+    let inner = envoy_agent_tests::children_of(agent.pid());
+    assert_eq!(inner.len(), 1, "{inner:?}");
+    let supervisor = inner[0];
+    let status = std::fs::read_to_string(format!("/proc/{supervisor}/status")).unwrap();
+    let nspid = status.lines().find(|l| l.starts_with("NSpid:")).unwrap();
+    assert!(nspid.trim_end().ends_with("\t1"), "PID 1 inside: {nspid}");
+
+    // More orphans, from the pre-flight runs and epoch 1.
+    kill(Pid::from_raw(supervisor as i32), Signal::SIGHUP).unwrap();
+    live_at(&agent.admin, 1).await;
+    // The orphans exit 0.2s after they are born; none may stay a zombie.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        zombies_of(supervisor),
+        Vec::<u32>::new(),
+        "zombies under PID 1"
+    );
+
+    kill(Pid::from_raw(supervisor as i32), Signal::SIGTERM).unwrap();
+    assert_eq!(
+        agent.exit().await.code(),
+        Some(0),
+        "SIGTERM handled by PID 1"
+    );
+    assert!(!process_alive(supervisor));
+}
