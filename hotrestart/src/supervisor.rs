@@ -242,6 +242,8 @@ struct Child {
     started: SystemTime,
     since: SystemTime,
     abort: CancellationToken,
+    /// Killed for missing the handoff deadline.
+    timed_out: bool,
 }
 
 struct Attempt {
@@ -251,6 +253,10 @@ struct Attempt {
     triggered_at: SystemTime,
     deadline: Instant,
     waiters: Vec<oneshot::Sender<Result<u32, RestartError>>>,
+    /// How long the pre-flight checks took.
+    preflight_took: Duration,
+    /// When the new epoch was spawned.
+    spawned: Option<Instant>,
 }
 
 /// Triggers waiting for the current handoff (and the parent it leaves) to finish.
@@ -365,6 +371,7 @@ impl Supervisor {
             started: now,
             since: now,
             abort: abort.clone(),
+            timed_out: false,
         });
         let exits = self.exits.clone();
         tokio::spawn(async move {
@@ -515,6 +522,8 @@ impl Supervisor {
                     triggered_at: SystemTime::now(),
                     deadline: now + self.config.handoff_deadline,
                     waiters: std::mem::take(&mut queued.waiters),
+                    preflight_took: Duration::ZERO,
+                    spawned: None,
                 });
                 tracing::info!(epoch = next, %reason, "hot restart: pre-flight checks");
                 self.publish(|s| {
@@ -579,7 +588,7 @@ impl Supervisor {
                             return SupervisorExit::StartFailed { code, message: last_line(&tail) };
                         }
                         EpochState::Starting => {
-                            let timed_out = child.abort.is_cancelled();
+                            let timed_out = child.timed_out;
                             let message = if timed_out {
                                 format!("not LIVE within the handoff deadline ({:?})", self.config.handoff_deadline)
                             } else {
@@ -649,10 +658,12 @@ impl Supervisor {
                             self.finish(a, Outcome::Rejected, message);
                         }
                         Ok(()) => {
+                            a.preflight_took = a.triggered.elapsed();
                             // Release a stand-in that holds names this epoch may reuse.
                             release(&mut absorber);
                             match self.spawn(a.epoch).await {
                                 Ok(()) => {
+                                    a.spawned = Some(Instant::now());
                                     a.deadline = Instant::now() + self.config.handoff_deadline;
                                     attempt = Some(a);
                                     next_live_check = Some(Instant::now());
@@ -726,8 +737,13 @@ impl Supervisor {
                     }
                     if let Some(a) = attempt.as_ref().filter(|a| now >= a.deadline) {
                         let epoch = a.epoch;
-                        if let Some(c) = self.child_mut(epoch).filter(|c| !c.abort.is_cancelled()) {
-                            c.abort.cancel();
+                        if let Some(c) = self.child_mut(epoch).filter(|c| !c.timed_out) {
+                            c.timed_out = true;
+                            // SIGKILL, not SIGTERM: Envoy's SIGTERM handler also terminates its
+                            // parent, which is the epoch still serving (seen on 1.40).
+                            if let Err(e) = signal_pid(c.pid, Signal::SIGKILL) {
+                                tracing::warn!(epoch, error = %e, "cannot kill the stuck epoch");
+                            }
                             let message = format!(
                                 "epoch {epoch} not LIVE within the handoff deadline ({:?}); stopping it, the serving epoch keeps serving",
                                 self.config.handoff_deadline

@@ -330,7 +330,14 @@ async fn as_pid_1_of_its_own_pid_namespace_it_reaps_orphans_and_handles_sigterm(
     let mut agent = builder
         .envoy_path(wrapper)
         // --kill-child: if the test dies, so does the namespace.
-        .wrapper(&["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--"])
+        .wrapper(&[
+            "unshare",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--kill-child",
+            "--",
+        ])
         .args(FAST)
         .start()
         .await;
@@ -360,4 +367,82 @@ async fn as_pid_1_of_its_own_pid_namespace_it_reaps_orphans_and_handles_sigterm(
         "SIGTERM handled by PID 1"
     );
     assert!(!process_alive(supervisor));
+}
+
+/// The hello bootstrap plus clusters from an xDS server that never answers: an Envoy on it
+/// stays initializing (its parent keeps serving the listener meanwhile).
+fn stuck_bootstrap(admin_port: u16, listener_port: u16, xds: std::net::SocketAddr) -> String {
+    let mut yaml = bootstrap_yaml_on(admin_port, listener_port, "stuck");
+    yaml.push_str(&format!(
+        r#"  clusters:
+  - name: xds
+    type: STATIC
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: xds
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
+node: {{ id: test, cluster: test }}
+dynamic_resources:
+  cds_config:
+    resource_api_version: V3
+    initial_fetch_timeout: 3600s
+    api_config_source:
+      api_type: GRPC
+      transport_api_version: V3
+      grpc_services: [{{ envoy_grpc: {{ cluster_name: xds }} }}]
+"#,
+        ip = xds.ip(),
+        port = xds.port()
+    ));
+    yaml
+}
+
+#[tokio::test]
+async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
+    let xds = envoy_agent_tests::silent_server().await;
+    let mut agent = start(&["--handoff-deadline", "3s"]).await;
+    let p = agent.ports.unwrap();
+    let path = agent.dir.join("bootstrap.yaml");
+    let load = Load::start(listener(&agent), "/", 2, 2);
+
+    std::fs::write(&path, stuck_bootstrap(p.admin_port, p.listener_port, xds)).unwrap();
+    agent.signal(Signal::SIGHUP);
+    // Epoch 1 has loaded the stuck config once it has taken the admin port from epoch 0 (and
+    // then answers nothing: its admin is not up before it initializes).
+    eventually("epoch 1 to hang initializing", PATIENCE, || async {
+        let info = agent.admin.server_info().await;
+        (agent.stderr().contains("epoch starting epoch=1") && info.is_err()).then_some(())
+    })
+    .await;
+    // While epoch 1 hangs, the operator fixes the config; no new trigger is sent.
+    write_bootstrap(&agent, "fixed");
+    // The deadline stops epoch 1; its INITIALIZING flag is cleared; the old epoch lost its
+    // admin to epoch 1, so the same epoch is retried, now on the fixed config.
+    live_at(&agent.admin, 1).await;
+    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "fixed");
+    let stderr = agent.stderr();
+    assert!(
+        stderr.contains("handoff_deadline"),
+        "the deadline is a wedge: {stderr}"
+    );
+    assert!(
+        stderr.contains("stale_initializing"),
+        "the stale flag was found: {stderr}"
+    );
+    // Envoy's own refusal (a bare line on its stderr) never happened.
+    assert!(
+        !stderr
+            .lines()
+            .any(|l| l.trim() == "previous envoy process is still initializing"),
+        "{stderr}"
+    );
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
 }
