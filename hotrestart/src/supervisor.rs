@@ -26,7 +26,7 @@ use crate::state::{
 pub const EXIT_WEDGED: u8 = 75;
 
 /// How often a starting epoch's admin is asked whether it is LIVE.
-const LIVE_POLL: Duration = Duration::from_millis(25);
+const LIVE_POLL: Duration = Duration::from_millis(10);
 /// How often the serving epoch's admin is checked by the watchdog.
 const WATCHDOG_POLL: Duration = Duration::from_secs(1);
 /// Bound on one admin call of the supervisor.
@@ -250,7 +250,6 @@ struct Attempt {
     epoch: u32,
     reason: String,
     triggered: Instant,
-    triggered_at: SystemTime,
     deadline: Instant,
     waiters: Vec<oneshot::Sender<Result<u32, RestartError>>>,
     /// How long the pre-flight checks took.
@@ -519,7 +518,6 @@ impl Supervisor {
                     epoch: next,
                     reason: reason.clone(),
                     triggered: queued.since.take().unwrap_or(now),
-                    triggered_at: SystemTime::now(),
                     deadline: now + self.config.handoff_deadline,
                     waiters: std::mem::take(&mut queued.waiters),
                     preflight_took: Duration::ZERO,
@@ -768,7 +766,14 @@ impl Supervisor {
         let duration = a.triggered.elapsed();
         match outcome {
             Outcome::Live => {
-                tracing::info!(epoch = a.epoch, reason = %a.reason, ?duration, "hot restart done: epoch LIVE")
+                tracing::info!(
+                    epoch = a.epoch,
+                    reason = %a.reason,
+                    ?duration,
+                    preflight = ?a.preflight_took,
+                    start_to_live = ?a.spawned.map(|s| s.elapsed()),
+                    "hot restart done: epoch LIVE"
+                )
             }
             _ => {
                 tracing::error!(epoch = a.epoch, reason = %a.reason, %outcome, %message, "hot restart did not happen; the serving epoch keeps serving")
@@ -781,7 +786,6 @@ impl Supervisor {
                 Outcome::Failed | Outcome::TimedOut => Err(RestartError::Failed(message.clone())),
             });
         }
-        let _ = a.triggered_at;
         self.publish(|s| {
             s.handoff = None;
             s.last_handoff = Some(HandoffResult {
