@@ -35,7 +35,15 @@ pub fn reap_orphans() -> Vec<WaitStatus> {
 
 /// This process's children that are zombies, from `/proc`.
 fn zombie_children() -> Vec<u32> {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+    children(std::process::id())
+        .into_iter()
+        .filter(|pid| is_zombie(*pid))
+        .collect()
+}
+
+/// The children of process `pid` (every thread's), from `/proc/<pid>/task/*/children`.
+pub fn children(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
     };
     tasks
@@ -46,7 +54,6 @@ fn zombie_children() -> Vec<u32> {
                 .filter_map(|p| p.parse::<u32>().ok())
                 .collect::<Vec<_>>()
         })
-        .filter(|pid| is_zombie(*pid))
         .collect()
 }
 

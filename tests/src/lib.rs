@@ -148,6 +148,44 @@ static_resources:
     )
 }
 
+/// [`bootstrap_yaml_on`] plus clusters from the xDS server at `xds`, with no initial-fetch
+/// timeout: pointed at a server that never answers, Envoy stays initializing.
+pub fn bootstrap_waiting_for_xds(
+    admin_port: u16,
+    listener_port: u16,
+    body: &str,
+    xds: SocketAddr,
+) -> String {
+    let mut yaml = bootstrap_yaml_on(admin_port, listener_port, body);
+    yaml.push_str(&format!(
+        r#"  clusters:
+  - name: xds
+    type: STATIC
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: xds
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
+node: {{ id: test, cluster: test }}
+dynamic_resources:
+  cds_config:
+    resource_api_version: V3
+    initial_fetch_timeout: 3600s
+    api_config_source:
+      api_type: GRPC
+      transport_api_version: V3
+      grpc_services: [{{ envoy_grpc: {{ cluster_name: xds }} }}]
+"#,
+        ip = xds.ip(),
+        port = xds.port()
+    ));
+    yaml
+}
+
 /// A port that was free a moment ago (bind port 0, note it, release it). Hot-restart tests
 /// need fixed ports; the race with another process taking it is accepted.
 pub fn free_port() -> u16 {
@@ -271,20 +309,9 @@ pub async fn silent_server() -> SocketAddr {
     addr
 }
 
-/// The pids of `pid`'s children (from `/proc/<pid>/task/*/children`).
+/// The pids of `pid`'s children.
 pub fn children_of(pid: u32) -> Vec<u32> {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return Vec::new();
-    };
-    tasks
-        .filter_map(Result::ok)
-        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
-        .flat_map(|s| {
-            s.split_whitespace()
-                .filter_map(|p| p.parse().ok())
-                .collect::<Vec<u32>>()
-        })
-        .collect()
+    envoy_agent_proxy::reaper::children(pid)
 }
 
 /// The children of `pid` that are hot-restart Envoys (their command line has

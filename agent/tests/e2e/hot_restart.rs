@@ -369,39 +369,6 @@ async fn as_pid_1_of_its_own_pid_namespace_it_reaps_orphans_and_handles_sigterm(
     assert!(!process_alive(supervisor));
 }
 
-/// The hello bootstrap plus clusters from an xDS server that never answers: an Envoy on it
-/// stays initializing (its parent keeps serving the listener meanwhile).
-fn stuck_bootstrap(admin_port: u16, listener_port: u16, xds: std::net::SocketAddr) -> String {
-    let mut yaml = bootstrap_yaml_on(admin_port, listener_port, "stuck");
-    yaml.push_str(&format!(
-        r#"  clusters:
-  - name: xds
-    type: STATIC
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-    load_assignment:
-      cluster_name: xds
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
-node: {{ id: test, cluster: test }}
-dynamic_resources:
-  cds_config:
-    resource_api_version: V3
-    initial_fetch_timeout: 3600s
-    api_config_source:
-      api_type: GRPC
-      transport_api_version: V3
-      grpc_services: [{{ envoy_grpc: {{ cluster_name: xds }} }}]
-"#,
-        ip = xds.ip(),
-        port = xds.port()
-    ));
-    yaml
-}
-
 #[tokio::test]
 async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
     let xds = envoy_agent_tests::silent_server().await;
@@ -410,7 +377,11 @@ async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
     let path = agent.dir.join("bootstrap.yaml");
     let load = Load::start(listener(&agent), "/", 2, 2);
 
-    std::fs::write(&path, stuck_bootstrap(p.admin_port, p.listener_port, xds)).unwrap();
+    std::fs::write(
+        &path,
+        envoy_agent_tests::bootstrap_waiting_for_xds(p.admin_port, p.listener_port, "stuck", xds),
+    )
+    .unwrap();
     agent.signal(Signal::SIGHUP);
     // Epoch 1 has loaded the stuck config once it has taken the admin port from epoch 0 (and
     // then answers nothing: its admin is not up before it initializes).

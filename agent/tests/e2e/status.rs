@@ -12,45 +12,12 @@ use nix::sys::signal::Signal;
 
 use crate::agent;
 
-/// A bootstrap whose Envoy stays INITIALIZING: its clusters come from an xDS server that
-/// accepts connections and never answers, with no initial-fetch timeout.
-fn initializing_bootstrap(xds: SocketAddr) -> String {
-    format!(
-        r#"admin:
-  address: {{ socket_address: {{ address: 127.0.0.1, port_value: 0 }} }}
-node: {{ id: test, cluster: test }}
-dynamic_resources:
-  cds_config:
-    resource_api_version: V3
-    initial_fetch_timeout: 3600s
-    api_config_source:
-      api_type: GRPC
-      transport_api_version: V3
-      grpc_services: [{{ envoy_grpc: {{ cluster_name: xds }} }}]
-static_resources:
-  clusters:
-  - name: xds
-    type: STATIC
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-    load_assignment:
-      cluster_name: xds
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
-"#,
-        ip = xds.ip(),
-        port = xds.port()
-    )
-}
-
 #[tokio::test]
 async fn readiness_is_503_until_envoy_is_live() {
     let xds = envoy_agent_tests::silent_server().await;
     let mut agent = agent()
-        .bootstrap(initializing_bootstrap(xds))
+        // Clusters from an xDS server that never answers: Envoy stays initializing.
+        .bootstrap(envoy_agent_tests::bootstrap_waiting_for_xds(0, 0, "x", xds))
         .args(&["--termination-drain-duration", "0s"])
         .no_wait_live()
         .start()
