@@ -417,3 +417,45 @@ async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
+
+#[tokio::test]
+async fn a_binary_with_another_hot_restart_version_is_rejected() {
+    // An "envoy" whose --hot-restart-version the test controls; otherwise the real one.
+    let builder = agent().hot_restart();
+    let version = builder.dir().join("version");
+    let wrapper = builder.dir().join("envoy-with-version");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nif [ \"$1\" = --hot-restart-version ] && [ -s {v} ]; then cat {v} >&2; exit 0; fi\nexec {envoy} \"$@\"\n",
+            v = version.display(),
+            envoy = envoy_agent_tests::envoy_path().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let mut agent = builder.envoy_path(wrapper).args(FAST).start().await;
+
+    // As after an upgrade of the binary on disk to an incompatible Envoy.
+    std::fs::write(&version, "12.999\n").unwrap();
+    agent.signal(Signal::SIGHUP);
+    eventually("the restart to be rejected", PATIENCE, || async {
+        agent.stderr().contains("cannot hot-restart").then_some(())
+    })
+    .await;
+    assert!(agent.stderr().contains("12.999"));
+    let info = agent.admin.server_info().await.unwrap();
+    assert_eq!((info.state, info.restart_epoch), (ServerState::Live, 0));
+    assert_eq!(agent.envoys().len(), 1, "nothing was started");
+
+    // Back to a compatible binary: hot restart works again.
+    std::fs::write(&version, "").unwrap();
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
