@@ -201,9 +201,15 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_READY_MARKER", requires = "hot_restart")]
     pub ready_marker: Option<PathBuf>,
 
-    /// With --hot-restart: the per-node state directory.
+    /// With --hot-restart (required): the per-node state directory, shared by the agents of a
+    /// node (a hostPath): heartbeats and the epoch lock, for hot restarts across pods.
     #[arg(long, env = "ENVOY_AGENT_STATE_DIR", requires = "hot_restart")]
     pub state_dir: Option<PathBuf>,
+
+    /// With --hot-restart: this agent's name in the state directory (default: $POD_NAME, else
+    /// host name and pid).
+    #[arg(long, env = "ENVOY_AGENT_IDENTITY", requires = "hot_restart")]
+    pub identity: Option<String>,
 
     /// With --hot-restart: how long a new epoch may take from trigger to LIVE before it is stopped
     /// (the serving epoch keeps serving).

@@ -161,7 +161,15 @@ async fn run_hot_restart(
     let proxy = setup::proxy_config(args, binary, admin, extra_args);
     let mut config = Config::new(proxy);
     config.watch_config = args.watch_config;
-    config.state_dir = args.state_dir.clone();
+    config.state_dir = Some(args.state_dir.clone().ok_or(SetupError::MissingStateDir)?);
+    config.identity = args
+        .identity
+        .clone()
+        .or_else(|| std::env::var("POD_NAME").ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}-{}", host.trim(), std::process::id())
+        });
     config.ready_marker = args.ready_marker.clone();
     config.handoff_deadline = args.handoff_deadline;
     config.admin_unresponsive_deadline = args.admin_unresponsive_deadline;

@@ -41,6 +41,11 @@ pub enum SetupError {
     /// The status server's address cannot be bound.
     #[error(transparent)]
     StatusBind(#[from] crate::status::BindError),
+    /// Hot restart needs the per-node state directory.
+    #[error(
+        "--hot-restart needs --state-dir (the per-node directory shared by the agents of a node)"
+    )]
+    MissingStateDir,
     /// The hot-restart settings cannot work.
     #[error(transparent)]
     HotRestart(#[from] envoy_agent_hotrestart::ConfigError),

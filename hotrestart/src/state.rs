@@ -161,4 +161,6 @@ pub struct SupervisorState {
     pub wedges: Vec<Wedge>,
     /// Whether the readiness marker exists.
     pub ready: bool,
+    /// The successor whose Envoy took over from this supervisor's (cross-pod handoff).
+    pub handed_over_to: Option<String>,
 }

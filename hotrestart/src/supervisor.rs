@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::absorber::Absorber;
+use crate::node::{self, EpochLock, Heartbeat};
 use crate::shm;
 use crate::state::{
     EpochInfo, EpochState, Handoff, HandoffResult, Outcome, Phase, SupervisorState, Wedge,
@@ -71,8 +72,13 @@ pub struct Config {
     pub watch_config: bool,
     /// Debounce of the config watch.
     pub watch_debounce: Duration,
-    /// The per-node state directory (shared between pods of a node).
+    /// The per-node state directory (shared between pods of a node): heartbeats and the
+    /// epoch lock. Without it the supervisor cannot find a predecessor and starts at epoch 0.
     pub state_dir: Option<PathBuf>,
+    /// This supervisor's name in the state directory (the pod name).
+    pub identity: String,
+    /// How often the heartbeat is rewritten.
+    pub heartbeat_period: Duration,
     /// A file that exists exactly while the newest epoch is LIVE.
     pub ready_marker: Option<PathBuf>,
     /// How long a new epoch may take from trigger to LIVE.
@@ -89,6 +95,8 @@ impl Config {
             watch_config: false,
             watch_debounce: Duration::from_millis(200),
             state_dir: None,
+            identity: format!("supervisor-{}", std::process::id()),
+            heartbeat_period: Duration::from_millis(500),
             ready_marker: None,
             handoff_deadline: Duration::from_secs(60),
             admin_unresponsive_deadline: Duration::from_secs(30),
@@ -276,6 +284,8 @@ pub struct Supervisor {
     exits: mpsc::UnboundedSender<(u32, Result<Exit, ProxyError>)>,
     exit_events: mpsc::UnboundedReceiver<(u32, Result<Exit, ProxyError>)>,
     children: Vec<Child>,
+    /// The epoch this supervisor started at (a predecessor's + 1, or 0).
+    first_epoch: u32,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -301,6 +311,7 @@ impl Supervisor {
             last_handoff: None,
             wedges: Vec::new(),
             ready: false,
+            handed_over_to: None,
         });
         let (exits, exit_events) = mpsc::unbounded_channel();
         let handle = SupervisorHandle {
@@ -317,6 +328,7 @@ impl Supervisor {
                 exits,
                 exit_events,
                 children: Vec::new(),
+                first_epoch: 0,
             },
             handle,
         ))
@@ -448,6 +460,9 @@ impl Supervisor {
         let exit = self.supervise(cancel).await;
         self.set_ready(false);
         self.stop_all().await;
+        if let Some(dir) = &self.config.state_dir {
+            node::remove(dir, &self.config.identity);
+        }
         self.publish(|s| {
             s.phase = Phase::Exited;
             s.handoff = None;
@@ -467,12 +482,51 @@ impl Supervisor {
             }
         };
         self.publish(|s| s.hot_restart_version = version.clone());
-        if let Err(e) = self.spawn(0).await {
+
+        // Cross-pod: under the node's epoch lock, find a live predecessor and start after it.
+        let mut epoch_lock = None;
+        let mut first_epoch = 0;
+        if let Some(dir) = self.config.state_dir.clone() {
+            if let Err(e) = std::fs::create_dir_all(&dir) {
+                return SupervisorExit::StartFailed {
+                    code: 1,
+                    message: format!("cannot create state dir {}: {e}", dir.display()),
+                };
+            }
+            let lock_wait = self.config.handoff_deadline
+                + self.config.proxy.drain_duration.max(
+                    self.config
+                        .proxy
+                        .hot_restart
+                        .as_ref()
+                        .map_or(Duration::ZERO, |h| h.parent_shutdown_time),
+                );
+            let lock = tokio::select! {
+                () = cancel.cancelled() => return SupervisorExit::Stopped,
+                lock = EpochLock::acquire(&dir, lock_wait) => lock,
+            };
+            match lock {
+                Ok(lock) => epoch_lock = Some(lock),
+                Err(e) => {
+                    return SupervisorExit::StartFailed {
+                        code: 1,
+                        message: format!("epoch lock: {e}"),
+                    };
+                }
+            }
+            match self.find_predecessor(&dir, &version, &cancel).await {
+                Some(epoch) => first_epoch = epoch,
+                None => return SupervisorExit::Stopped,
+            }
+        }
+        self.first_epoch = first_epoch;
+        if let Err(e) = self.spawn(first_epoch).await {
             return SupervisorExit::StartFailed {
                 code: 1,
                 message: e.to_string(),
             };
         }
+        self.write_heartbeat("starting", first_epoch, None);
 
         let mut watch = None;
         if self.config.watch_config {
@@ -497,6 +551,10 @@ impl Supervisor {
         let mut next_watchdog: Option<Instant> = None;
         let mut absorber: Option<Absorber> = None;
         let start_deadline = Instant::now() + self.config.handoff_deadline;
+        let mut next_heartbeat = Some(Instant::now() + self.config.heartbeat_period);
+        // A predecessor's Envoy (another pod's) drains as our first epoch's parent until then.
+        let mut foreign_parent_until: Option<Instant> = None;
+        let mut handed_over = false;
 
         loop {
             // Start a queued restart once nothing else is in flight and no parent drains.
@@ -504,9 +562,12 @@ impl Supervisor {
                 .children
                 .iter()
                 .any(|c| c.state == EpochState::Draining);
+            let foreign_parent = foreign_parent_until.is_some_and(|t| Instant::now() < t);
             if attempt.is_none()
                 && preflight_for.is_none()
                 && !draining
+                && !foreign_parent
+                && !handed_over
                 && newest_live.is_some()
                 && !queued.reasons.is_empty()
             {
@@ -543,13 +604,33 @@ impl Supervisor {
                 } else {
                     None
                 });
-            let wake = [next_live_check, next_watchdog, deadline]
-                .into_iter()
-                .flatten()
-                .min();
+            let wake = [
+                next_live_check,
+                next_watchdog,
+                deadline,
+                next_heartbeat,
+                foreign_parent_until.filter(|_| foreign_parent),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
 
             tokio::select! {
-                () = cancel.cancelled() => return SupervisorExit::Stopped,
+                () = cancel.cancelled() => {
+                    if handed_over || self.successor_starting(newest_live) {
+                        // Our Envoy drains as a successor's parent: killing it would cut its
+                        // connections and make the successor's Envoy abort. Wait until the
+                        // successor terminates it (bounded), as the kubelet's grace allows.
+                        self.set_ready(false);
+                        self.write_heartbeat("stopping", newest_live.unwrap_or(first_epoch), None);
+                        let bound = self.config.handoff_deadline + self.parent_shutdown_time() + Duration::from_secs(10);
+                        tracing::info!(?bound, "stopping while a successor takes over: waiting for our envoy to be terminated by the successor's");
+                        if !self.wait_children_exit(bound).await {
+                            tracing::error!(?bound, "our envoy was not terminated by the successor in time; stopping it");
+                        }
+                    }
+                    return SupervisorExit::Stopped;
+                }
 
                 Some((epoch, result)) = self.exit_events.recv() => {
                     let Some(index) = self.children.iter().position(|c| c.epoch == epoch) else {
@@ -576,6 +657,9 @@ impl Supervisor {
                                     Err(e) => tracing::error!(epoch, error = %e, "cannot stand in for the dead parent"),
                                 }
                             }
+                        }
+                        EpochState::Live if handed_over => {
+                            tracing::info!(epoch, code, "our envoy exited after the handover");
                         }
                         EpochState::Live => {
                             tracing::error!(epoch, code, "the serving epoch exited\n{}", tail.trim_end());
@@ -626,7 +710,9 @@ impl Supervisor {
                         queued.reasons.push(reason);
                         queued.since.get_or_insert(Instant::now());
                         queued.waiters.extend(reply);
-                        if attempt.is_some() || preflight_for.is_some() {
+                        if handed_over {
+                            tracing::warn!("handed over to a successor: hot restarts are the successor's now");
+                        } else if attempt.is_some() || preflight_for.is_some() {
                             tracing::info!("a handoff is under way: coalesced into the next restart");
                         }
                     }
@@ -675,7 +761,7 @@ impl Supervisor {
 
                 result = settle(&mut live_check) => {
                     live_check = None;
-                    let target = attempt.as_ref().map_or(0, |a| a.epoch);
+                    let target = attempt.as_ref().map_or(first_epoch, |a| a.epoch);
                     match result {
                         Ok((ServerState::Live, epoch)) if epoch == target
                             && self.children.iter().any(|c| c.epoch == epoch && c.state == EpochState::Starting) =>
@@ -683,6 +769,16 @@ impl Supervisor {
                             last_admin_ok = Instant::now();
                             if let Some(parent) = newest_live {
                                 self.set_epoch_state(parent, EpochState::Draining);
+                            } else if epoch > 0 {
+                                // Our first epoch took over from another pod's Envoy, which now
+                                // drains until ours terminates it.
+                                let until = Instant::now() + self.parent_shutdown_time() + Duration::from_secs(1);
+                                foreign_parent_until = Some(until);
+                                tracing::info!(epoch, "took over from the predecessor's envoy");
+                            }
+                            // Our first epoch is LIVE: the next successor may allocate.
+                            if epoch_lock.take().is_some() {
+                                tracing::debug!("released the epoch lock");
                             }
                             self.set_epoch_state(epoch, EpochState::Live);
                             newest_live = Some(epoch);
@@ -692,11 +788,28 @@ impl Supervisor {
                             }
                             self.publish(|s| { s.newest_live = Some(epoch); s.phase = Phase::Serving; });
                             self.set_ready(true);
+                            self.write_heartbeat("serving", epoch, foreign_parent_until);
                             // The previous stand-in's child is now a parent that terminates
                             // its own parent at once; nothing talks to the dead one anymore.
                             release(&mut absorber);
                             next_live_check = None;
                             next_watchdog = Some(Instant::now() + WATCHDOG_POLL);
+                        }
+                        Ok((ServerState::Live, epoch))
+                            if attempt.is_none() && newest_live.is_some_and(|n| epoch > n) && !handed_over =>
+                        {
+                            // Another pod's Envoy took the admin port at a newer epoch: a
+                            // successor took over. Ours drains until it is terminated.
+                            handed_over = true;
+                            let successor = self.successor_of(epoch);
+                            tracing::info!(epoch, %successor, "handed over to {successor}");
+                            if let Some(n) = newest_live {
+                                self.set_epoch_state(n, EpochState::Draining);
+                            }
+                            self.set_ready(false);
+                            self.publish(|s| s.handed_over_to = Some(successor));
+                            self.write_heartbeat("handed_over", newest_live.unwrap_or(first_epoch), None);
+                            next_watchdog = None;
                         }
                         Ok(_) => {
                             if attempt.is_none() && newest_live.is_some() {
@@ -728,6 +841,15 @@ impl Supervisor {
 
                 () = sleep_until(wake) => {
                     let now = Instant::now();
+                    if next_heartbeat.is_some_and(|t| t <= now) {
+                        next_heartbeat = Some(now + self.config.heartbeat_period);
+                        let state = match (handed_over, newest_live) {
+                            (true, _) => "handed_over",
+                            (false, Some(_)) => "serving",
+                            (false, None) => "starting",
+                        };
+                        self.write_heartbeat(state, newest_live.unwrap_or(first_epoch), foreign_parent_until);
+                    }
                     if newest_live.is_none() && attempt.is_none() && now >= start_deadline {
                         let message = format!("epoch 0 not LIVE within {:?}", self.config.handoff_deadline);
                         self.record_wedge(WedgeReason::HandoffDeadline, message);
@@ -760,6 +882,160 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    fn parent_shutdown_time(&self) -> Duration {
+        self.config
+            .proxy
+            .hot_restart
+            .as_ref()
+            .map_or(Duration::ZERO, |h| h.parent_shutdown_time)
+    }
+
+    fn write_heartbeat(&self, state: &str, newest_epoch: u32, parent_until: Option<Instant>) {
+        let Some(dir) = &self.config.state_dir else {
+            return;
+        };
+        let now = Instant::now();
+        let parent_until = parent_until
+            .filter(|t| *t > now)
+            .map_or(0, |t| node::unix_ms() + (t - now).as_millis() as u64);
+        let heartbeat = Heartbeat {
+            format: node::FORMAT.to_owned(),
+            identity: self.config.identity.clone(),
+            pid: std::process::id(),
+            base_id: self.base_id,
+            hot_restart_version: self.state.borrow().hot_restart_version.clone(),
+            newest_epoch,
+            envoy_pid: self
+                .children
+                .iter()
+                .find(|c| c.epoch == newest_epoch)
+                .map_or(0, |c| c.pid),
+            state: state.to_owned(),
+            updated_unix_ms: node::unix_ms(),
+            parent_draining_until_unix_ms: parent_until,
+        };
+        if let Err(e) = node::write(dir, &heartbeat) {
+            tracing::error!(dir = %dir.display(), error = %e, "cannot write the heartbeat");
+        }
+    }
+
+    fn fresh_heartbeats(&self, dir: &std::path::Path) -> Vec<Heartbeat> {
+        let (heartbeats, rejected) = node::read_all(dir);
+        for r in rejected {
+            tracing::warn!(path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
+        }
+        heartbeats
+            .into_iter()
+            .filter(|h| h.identity != self.config.identity && h.base_id == self.base_id)
+            .filter(|h| h.fresh(self.config.heartbeat_period * 4))
+            .collect()
+    }
+
+    /// The epoch to start at: a live predecessor's newest + 1, or 0 when there is none.
+    /// `None` when cancelled while waiting.
+    async fn find_predecessor(
+        &self,
+        dir: &std::path::Path,
+        version: &str,
+        cancel: &CancellationToken,
+    ) -> Option<u32> {
+        let give_up = Instant::now() + self.config.handoff_deadline;
+        loop {
+            let candidates: Vec<Heartbeat> = self
+                .fresh_heartbeats(dir)
+                .into_iter()
+                .filter(|h| h.state == "serving" || h.state == "starting")
+                .collect();
+            let Some(newest) = candidates.iter().max_by_key(|h| h.newest_epoch) else {
+                tracing::info!("no live predecessor on this node: starting at epoch 0");
+                return Some(0);
+            };
+            let wait = match self.admin.server_info().await {
+                Ok(info)
+                    if info.state == ServerState::Live
+                        && info.base_id == u64::from(self.base_id) =>
+                {
+                    if info.hot_restart_version != version {
+                        tracing::error!(
+                            predecessor = %newest.identity,
+                            theirs = %info.hot_restart_version,
+                            ours = %version,
+                            "the predecessor's envoy has another hot-restart version: it cannot be \
+                             hot-restarted from; not starting until it is gone (see the runbook)"
+                        );
+                        true
+                    } else if newest.state == "serving"
+                        && newest.parent_draining_until_unix_ms <= node::unix_ms()
+                    {
+                        let epoch = info.restart_epoch + 1;
+                        tracing::info!(predecessor = %newest.identity, epoch, "hot-restarting from the predecessor's envoy");
+                        return Some(epoch);
+                    } else {
+                        tracing::info!(predecessor = %newest.identity, "the predecessor is still handing over: waiting");
+                        true
+                    }
+                }
+                Ok(info) => {
+                    tracing::info!(state = ?info.state, "the node's envoy is not LIVE: waiting");
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(predecessor = %newest.identity, error = %e, "a fresh heartbeat but no admin answer: waiting");
+                    Instant::now() < give_up
+                }
+            };
+            if !wait {
+                tracing::warn!("the predecessor's admin never answered: starting at epoch 0");
+                return Some(0);
+            }
+            tokio::select! {
+                () = cancel.cancelled() => return None,
+                () = tokio::time::sleep(self.config.heartbeat_period) => {}
+            }
+        }
+    }
+
+    /// Whether another pod's supervisor is starting the epoch after `newest_live`.
+    fn successor_starting(&self, newest_live: Option<u32>) -> bool {
+        let (Some(dir), Some(newest)) = (&self.config.state_dir, newest_live) else {
+            return false;
+        };
+        self.fresh_heartbeats(dir)
+            .iter()
+            .any(|h| h.state == "starting" && h.newest_epoch > newest)
+    }
+
+    /// The identity of the supervisor running `epoch`, as its heartbeat says.
+    fn successor_of(&self, epoch: u32) -> String {
+        self.config
+            .state_dir
+            .as_ref()
+            .and_then(|dir| {
+                self.fresh_heartbeats(dir)
+                    .into_iter()
+                    .find(|h| h.newest_epoch == epoch)
+                    .map(|h| h.identity)
+            })
+            .unwrap_or_else(|| format!("the supervisor of epoch {epoch}"))
+    }
+
+    /// Waits for every child to exit on its own, up to `bound`; whether they all did.
+    async fn wait_children_exit(&mut self, bound: Duration) -> bool {
+        let deadline = Instant::now() + bound;
+        while !self.children.is_empty() {
+            match tokio::time::timeout_at(deadline, self.exit_events.recv()).await {
+                Ok(Some((epoch, result))) => {
+                    self.children.retain(|c| c.epoch != epoch);
+                    let code = result.map(|e| e.code()).unwrap_or(1);
+                    tracing::info!(epoch, code, "our envoy exited");
+                }
+                Ok(None) | Err(_) => return false,
+            }
+        }
+        self.publish(|_| {});
+        true
     }
 
     fn finish(&self, a: Attempt, outcome: Outcome, message: String) {

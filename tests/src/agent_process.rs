@@ -36,6 +36,8 @@ pub struct AgentBuilder {
     wrapper: Vec<String>,
     envoy_path: Option<PathBuf>,
     hot_restart: Option<HotRestartPorts>,
+    /// Whether this agent owns the family's shared memory (removes it when dropped).
+    owns_shm: bool,
 }
 
 impl AgentBuilder {
@@ -90,6 +92,16 @@ impl AgentBuilder {
             admin_port: crate::free_port(),
             listener_port: crate::free_port(),
         });
+        self.owns_shm = true;
+        self
+    }
+
+    /// Runs with `--hot-restart` on another agent's ports and base id (the next "pod" of the
+    /// same node).
+    pub fn hot_restart_on(mut self, ports: HotRestartPorts) -> Self {
+        self.hot_restart = Some(ports);
+        // The node's other agents share it; whoever picked the ports cleans up.
+        self.owns_shm = false;
         self
     }
 
@@ -141,6 +153,9 @@ impl AgentBuilder {
         };
         match self.hot_restart {
             Some(p) => {
+                if !self.args.iter().any(|a| a == "--state-dir") {
+                    command.arg("--state-dir").arg(dir.join("state"));
+                }
                 command
                     .args(["--hot-restart", "--base-id", &p.base_id.to_string()])
                     .args(&self.args)
@@ -222,7 +237,7 @@ impl AgentBuilder {
             dir,
             stderr,
             stderr_reader,
-            ports: self.hot_restart,
+            ports: self.hot_restart.filter(|_| self.owns_shm),
         }
     }
 }
@@ -268,6 +283,7 @@ impl AgentProcess {
             wrapper: Vec::new(),
             envoy_path: None,
             hot_restart: None,
+            owns_shm: false,
         }
     }
 
@@ -282,6 +298,31 @@ impl AgentProcess {
         self.child
             .id()
             .unwrap_or_else(|| panic!("the agent has exited"))
+    }
+
+    /// The process running envoy-agent: the agent's pid, or, under a wrapper that forks
+    /// (`unshare --fork`), the wrapper's one child.
+    pub fn agent_pid(&self) -> u32 {
+        let pid = self.pid();
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+        if exe.file_name().is_some_and(|n| n == "unshare") {
+            let children = children_of(pid);
+            assert_eq!(children.len(), 1, "unshare has one child: {children:?}");
+            children[0]
+        } else {
+            pid
+        }
+    }
+
+    /// Sends `signal` to the process running envoy-agent (past a forking wrapper).
+    pub fn signal_agent(&self, signal: Signal) {
+        kill(Pid::from_raw(self.agent_pid() as i32), signal)
+            .unwrap_or_else(|e| panic!("cannot send {signal} to the agent: {e}"));
+    }
+
+    /// Whether the readiness marker (hot restart) exists.
+    pub fn marker_present(&self) -> bool {
+        self.dir.join("ready").exists()
     }
 
     /// The agent's children (Envoy epochs).

@@ -1,0 +1,243 @@
+//! Cross-pod hot restart: each "pod" is an agent in a PID namespace of its own
+//! (`unshare --pid --fork --mount-proc`), sharing the state dir, /dev/shm and the network with
+//! the others, as the pods of a DaemonSet surge upgrade do on one node.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use envoy_agent_proxy::{AdminClient, ServerState};
+use envoy_agent_tests::{
+    AgentBuilder, AgentProcess, HotRestartPorts, Load, PATIENCE, TestDir, eventually,
+};
+use nix::sys::signal::Signal;
+
+use crate::agent;
+
+const POD: &[&str] = &[
+    "unshare",
+    "--pid",
+    "--fork",
+    "--mount-proc",
+    "--kill-child",
+    "--",
+];
+
+/// One node: the shared state dir, bootstrap, ports and base id.
+struct Node {
+    dir: TestDir,
+    ports: HotRestartPorts,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(format!(
+            "/dev/shm/envoy_shared_memory_{}",
+            u64::from(self.ports.base_id) * 10
+        ));
+    }
+}
+
+impl Node {
+    fn new() -> Node {
+        let ports = agent().hot_restart().ports().unwrap();
+        let dir = TestDir::new();
+        dir.write(
+            "bootstrap.yaml",
+            &envoy_agent_tests::bootstrap_yaml_on(ports.admin_port, ports.listener_port, "node"),
+        );
+        std::fs::create_dir_all(dir.join("state")).unwrap();
+        Node { dir, ports }
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    /// A pod of this node named `name`.
+    fn pod(&self, name: &str) -> AgentBuilder {
+        let state = self.state_dir();
+        agent()
+            .hot_restart_on(self.ports)
+            .bootstrap_path(self.dir.join("bootstrap.yaml"))
+            .wrapper(POD)
+            .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+            .args(&["--state-dir", state.to_str().unwrap(), "--identity", name])
+    }
+
+    fn admin(&self) -> AdminClient {
+        AdminClient::new(([127, 0, 0, 1], self.ports.admin_port).into())
+    }
+
+    fn listener(&self) -> std::net::SocketAddr {
+        ([127, 0, 0, 1], self.ports.listener_port).into()
+    }
+
+    fn heartbeat_state(&self, name: &str) -> Option<String> {
+        heartbeat(&self.state_dir(), name).map(|h| h.state)
+    }
+}
+
+fn heartbeat(dir: &Path, name: &str) -> Option<envoy_agent_hotrestart::node::Heartbeat> {
+    let (heartbeats, _) = envoy_agent_hotrestart::node::read_all(dir);
+    heartbeats.into_iter().find(|h| h.identity == name)
+}
+
+async fn live_at(admin: &AdminClient, epoch: u32) {
+    eventually(&format!("epoch {epoch} LIVE"), PATIENCE, || async {
+        let info = admin.server_info().await.ok()?;
+        (info.state == ServerState::Live && info.restart_epoch == epoch).then_some(())
+    })
+    .await;
+}
+
+async fn marker_gone(pod: &AgentProcess) {
+    eventually("the predecessor's marker to go", PATIENCE, || async {
+        (!pod.marker_present()).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn surge_upgrades_across_three_pods_lose_no_request() {
+    let node = Node::new();
+    let a = node.pod("pod-a").start().await;
+    live_at(&node.admin(), 0).await;
+    let load = Load::start(node.listener(), "/", 4, 4);
+
+    let mut previous = a;
+    for (epoch, name) in [(1, "pod-b"), (2, "pod-c")] {
+        let started = Instant::now();
+        // start() returns once the new pod's marker exists: LIVE at its epoch.
+        let next = node.pod(name).start().await;
+        let takeover = started.elapsed();
+        live_at(&node.admin(), epoch).await;
+        assert!(next.marker_present());
+        marker_gone(&previous).await;
+        assert_eq!(node.heartbeat_state(name).as_deref(), Some("serving"));
+        eventually(
+            "the predecessor to report the handover",
+            PATIENCE,
+            || async {
+                (previous
+                    .stderr()
+                    .contains(&format!("handed over to {name}")))
+                .then_some(())
+            },
+        )
+        .await;
+        eprintln!("takeover by {name}: {takeover:?} from start to marker");
+
+        // The kubelet deletes the old pod: it waits for its Envoy to be terminated by the
+        // successor's, then exits 0.
+        let sigterm = Instant::now();
+        previous.signal_agent(Signal::SIGTERM);
+        assert_eq!(previous.exit().await.code(), Some(0));
+        eprintln!("predecessor SIGTERM to exit: {:?}", sigterm.elapsed());
+        assert!(
+            previous.stderr().contains("our envoy exited"),
+            "{}",
+            previous.stderr()
+        );
+        let info = node.admin().server_info().await.unwrap();
+        assert_eq!((info.state, info.restart_epoch), (ServerState::Live, epoch));
+        previous = next;
+    }
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert!(report.ok > 100, "{report:?}");
+    let mut last = previous;
+    last.signal_agent(Signal::SIGTERM);
+    assert_eq!(last.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn sigterm_to_the_predecessor_during_the_handoff_loses_no_request() {
+    let node = Node::new();
+    let mut a = node.pod("pod-a").start().await;
+    let load = Load::start(node.listener(), "/", 2, 2);
+    let b = tokio::spawn(node.pod("pod-b").start());
+    let state = node.state_dir();
+    eventually("pod-b to start its handoff", PATIENCE, || async {
+        (heartbeat(&state, "pod-b").map(|h| h.state).as_deref() == Some("starting")).then_some(())
+    })
+    .await;
+    a.signal_agent(Signal::SIGTERM);
+    let mut b = b.await.unwrap();
+    live_at(&node.admin(), 1).await;
+    assert_eq!(a.exit().await.code(), Some(0));
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert!(b.marker_present());
+    b.signal_agent(Signal::SIGTERM);
+    assert_eq!(b.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn a_dead_predecessor_leaves_a_stale_heartbeat_and_the_successor_starts_at_zero() {
+    let node = Node::new();
+    let mut a = node.pod("pod-a").start().await;
+    a.signal_agent(Signal::SIGKILL);
+    a.exit().await;
+    assert!(
+        heartbeat(&node.state_dir(), "pod-a").is_some(),
+        "left behind"
+    );
+    let mut b = node.pod("pod-b").start().await;
+    live_at(&node.admin(), 0).await;
+    assert!(b.stderr().contains("no live predecessor"), "{}", b.stderr());
+    assert_eq!(
+        envoy_agent_tests::http_get(node.listener(), "/")
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    b.signal_agent(Signal::SIGTERM);
+    assert_eq!(b.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn two_successors_at_once_never_share_an_epoch() {
+    let node = Node::new();
+    let mut a = node.pod("pod-a").start().await;
+    let load = Load::start(node.listener(), "/", 2, 2);
+    let (b, c) = tokio::join!(node.pod("pod-b").start(), node.pod("pod-c").start());
+    let (mut b, mut c) = (b, c);
+    // One took over from A at epoch 1, the other waited for the lock and then for that
+    // handoff to finish, and took over at epoch 2.
+    live_at(&node.admin(), 2).await;
+    let epochs: Vec<u32> = ["pod-b", "pod-c"]
+        .iter()
+        .filter_map(|n| heartbeat(&node.state_dir(), n))
+        .map(|h| h.newest_epoch)
+        .collect();
+    let mut sorted = epochs.clone();
+    sorted.sort();
+    assert_eq!(sorted, [1, 2], "no epoch used twice: {epochs:?}");
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    for pod in [&mut a, &mut b, &mut c] {
+        pod.signal_agent(Signal::SIGTERM);
+    }
+    for pod in [&mut a, &mut b, &mut c] {
+        assert_eq!(pod.exit().await.code(), Some(0));
+    }
+}
+
+#[tokio::test]
+async fn a_corrupt_heartbeat_is_reported_and_ignored() {
+    let node = Node::new();
+    std::fs::write(
+        node.state_dir().join("heartbeat-garbage.json"),
+        "{\"format\": \"envoy-agent.heartbeat.v1\", \"identity\": ",
+    )
+    .unwrap();
+    std::fs::write(node.state_dir().join("heartbeat-truncated.json"), "").unwrap();
+    let mut a = node.pod("pod-a").start().await;
+    live_at(&node.admin(), 0).await;
+    let stderr = a.stderr();
+    assert!(stderr.contains("ignoring a heartbeat file"), "{stderr}");
+    assert!(stderr.contains("heartbeat-garbage.json"), "{stderr}");
+    a.signal_agent(Signal::SIGTERM);
+    assert_eq!(a.exit().await.code(), Some(0));
+}
