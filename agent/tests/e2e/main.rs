@@ -7,6 +7,7 @@
 mod cross_pod;
 mod exit_paths;
 mod hot_restart;
+mod manifests;
 mod run;
 mod status;
 
