@@ -258,7 +258,12 @@ pub enum AgentError {
 }
 
 enum Command {
-    DrainNow(oneshot::Sender<Result<(), String>>),
+    Drain {
+        /// `None`: the proxy's own choice (inbound only for sidecars).
+        inbound_only: Option<bool>,
+        skip_exit: bool,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
     Quit,
     DisableDraining,
 }
@@ -295,9 +300,24 @@ impl AgentHandle {
     /// `/drain`: drain with `skip_exit` (Envoy keeps running and accepting); the next
     /// SIGTERM then exits at once. Resolves when Envoy has accepted the drain.
     pub async fn drain_now(&self) -> Result<(), AgentError> {
+        self.drain(None, true).await
+    }
+
+    /// Drains Envoy's listeners (inbound only, or all; `None`: the proxy's own choice) and
+    /// keeps Envoy running: the next SIGTERM exits at once. With `skip_exit` the listeners keep
+    /// accepting; without, Envoy stops them when its drain time ends.
+    pub async fn drain(
+        &self,
+        inbound_only: Option<bool>,
+        skip_exit: bool,
+    ) -> Result<(), AgentError> {
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::DrainNow(reply))
+            .send(Command::Drain {
+                inbound_only,
+                skip_exit,
+                reply,
+            })
             .await
             .map_err(|_| AgentError::Gone)?;
         answer
@@ -467,7 +487,7 @@ impl<P: Proxy> Agent<P> {
                         tracing::info!("draining disabled: the next SIGTERM stops envoy at once");
                         skip_drain = true;
                     }
-                    Some(Command::DrainNow(reply)) => {
+                    Some(Command::Drain { inbound_only, skip_exit, reply }) => {
                         if stopping.is_some() || shutdown.is_some() {
                             // Already draining for shutdown: nothing more to ask of Envoy.
                             let _ = reply.send(Ok(()));
@@ -478,7 +498,10 @@ impl<P: Proxy> Agent<P> {
                                 reason: DrainReason::DrainEndpoint,
                                 phase: DrainPhase::Draining,
                             });
-                            drain_call = Some(self.drain_future(true));
+                            drain_call = Some(match inbound_only {
+                                None => self.drain_future(skip_exit),
+                                Some(inbound_only) => self.admin_drain_future(inbound_only, skip_exit),
+                            });
                             // A newer caller replaces an older one, which learns the outcome
                             // of the same drain through its dropped channel only.
                             drain_reply = Some(reply);
@@ -678,6 +701,24 @@ impl<P: Proxy> Agent<P> {
     ) -> Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>> {
         let proxy = self.proxy.clone();
         Box::pin(async move { proxy.drain(skip_exit).await })
+    }
+
+    /// A drain with explicit options, straight to the admin API.
+    fn admin_drain_future(
+        &self,
+        inbound_only: bool,
+        skip_exit: bool,
+    ) -> Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>> {
+        let admin = self.proxy.admin_address().map(AdminClient::new);
+        Box::pin(async move {
+            let admin = admin.ok_or(ProxyError::AdminUnknown)?;
+            envoy_agent_drain::drain_listeners(&admin, inbound_only, skip_exit)
+                .await
+                .map_err(|e| match e {
+                    DrainError::Admin(e) => ProxyError::Admin(e),
+                    _ => ProxyError::AdminUnknown,
+                })
+        })
     }
 
     fn live_future(&self) -> Pending<Result<ServerState, String>> {

@@ -25,6 +25,10 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+
+    /// Client settings (for the client subcommands).
+    #[command(flatten)]
+    pub client: ClientArgs,
 }
 
 /// Subcommands.
@@ -32,6 +36,58 @@ pub struct Cli {
 pub enum Command {
     /// Run Envoy under the agent until it exits or the agent is told to stop.
     Run(Box<RunArgs>),
+    /// Ask a running agent (over gRPC).
+    #[command(flatten)]
+    Client(ClientCommand),
+}
+
+/// The agent's gRPC address, shared by `run` (where it listens) and the client subcommands
+/// (where they connect).
+#[derive(Debug, Args)]
+pub struct ClientArgs {
+    /// The agent's gRPC address: unix:/path (a 0600 socket) or host:port. `run` listens there, the
+    /// client subcommands connect there. Default: grpc.sock in $XDG_RUNTIME_DIR/envoy-agent,
+    /// /run/envoy-agent for root, else /tmp/envoy-agent-UID.
+    #[arg(long, global = true, env = "ENVOY_AGENT_GRPC_ADDRESS")]
+    pub grpc_address: Option<crate::grpc::GrpcAddress>,
+
+    /// Client subcommands: bound on the call (not on `watch`).
+    #[arg(long, global = true, value_parser = parse_duration, default_value = "70s")]
+    pub timeout: Duration,
+}
+
+/// The client subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ClientCommand {
+    /// Show the agent's status.
+    Status {
+        /// One JSON object, for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show the status, then every change, until the agent exits.
+    Watch {
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drain Envoy's listeners.
+    Drain {
+        /// Keep the listeners accepting (like POST /drain); the next SIGTERM exits at once.
+        #[arg(long)]
+        skip_exit: bool,
+        /// Drain every listener, not only inbound ones.
+        #[arg(long)]
+        all_listeners: bool,
+    },
+    /// Stop Envoy at once, without draining, and exit (like POST /quitquitquit).
+    Quit,
+    /// Hot-restart Envoy (with --hot-restart); prints the new epoch once it is LIVE.
+    Restart {
+        /// Why, for the agent's logs and status.
+        #[arg(long, default_value = "envoy-agent restart")]
+        reason: String,
+    },
 }
 
 /// How connections are closed during a drain.
@@ -173,6 +229,10 @@ pub struct RunArgs {
     )]
     pub status_address: SocketAddr,
 
+    /// Accept mutating gRPC calls from non-loopback TCP peers.
+    #[arg(long, env = "ENVOY_AGENT_GRPC_ALLOW_REMOTE")]
+    pub grpc_allow_remote: bool,
+
     /// Write the status server's bound address to this file (useful with port 0).
     #[arg(long, env = "ENVOY_AGENT_STATUS_ADDRESS_FILE")]
     pub status_address_file: Option<PathBuf>,
@@ -249,7 +309,9 @@ mod tests {
             "x",
         ])
         .unwrap();
-        let Command::Run(run) = cli.command;
+        let Command::Run(run) = cli.command else {
+            panic!("run expected");
+        };
         assert_eq!(run.config_path, PathBuf::from("b.yaml"));
         assert_eq!(run.envoy_args, ["--service-cluster", "x"]);
     }

@@ -29,7 +29,9 @@ use tokio_util::task::TaskTracker;
 
 pub mod agent;
 pub mod cli;
+pub mod client;
 pub mod duration;
+pub mod grpc;
 pub mod setup;
 pub mod signal;
 pub mod status;
@@ -62,7 +64,12 @@ pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
 
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
 /// input (exit [`EXIT_USAGE`]); others are failures of the agent itself.
-pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Result<u8> {
+pub async fn run(
+    args: cli::RunArgs,
+    grpc: Option<grpc::GrpcAddress>,
+    intents: impl IntentSource,
+) -> anyhow::Result<u8> {
+    let grpc = grpc.unwrap_or_else(client::default_address);
     let runtime_dir = std::env::temp_dir().join(format!("envoy-agent-{}", std::process::id()));
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let (admin, extra_args) = setup::resolve_admin(
@@ -80,9 +87,18 @@ pub async fn run(args: cli::RunArgs, intents: impl IntentSource) -> anyhow::Resu
     let reaper_stop = CancellationToken::new();
     let reaper = tokio::spawn(envoy_agent_proxy::reaper::run(reaper_stop.clone()));
     let code = if args.hot_restart {
-        run_hot_restart(&args, binary, admin, extra_args, intents).await
+        run_hot_restart(&args, binary, admin, extra_args, grpc, intents).await
     } else {
-        run_agent(&args, binary, admin, extra_args, &runtime_dir, intents).await
+        run_agent(
+            &args,
+            binary,
+            admin,
+            extra_args,
+            &runtime_dir,
+            grpc,
+            intents,
+        )
+        .await
     };
     reaper_stop.cancel();
     let _ = reaper.await;
@@ -96,6 +112,7 @@ async fn run_agent(
     admin: AdminAddress,
     extra_args: Vec<String>,
     runtime_dir: &Path,
+    grpc_address: grpc::GrpcAddress,
     intents: impl IntentSource,
 ) -> anyhow::Result<u8> {
     let status = status::StatusServer::bind(args.status_address)
@@ -112,11 +129,21 @@ async fn run_agent(
     }
 
     let config = setup::proxy_config(args, binary, admin, extra_args);
-    let envoy = Arc::new(Envoy::new(config));
+    let envoy = Arc::new(Envoy::new(config.clone()));
     let (agent, handle) = Agent::new(envoy, agent_config(args));
 
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
+    let service = grpc::Service::new(
+        grpc::Target::Agent(handle.clone()),
+        config,
+        args.grpc_allow_remote,
+    );
+    tracker.spawn(
+        grpc::serve(grpc_address, service, cancel.clone())
+            .await
+            .map_err(SetupError::from)?,
+    );
     tracker.spawn({
         let cancel = cancel.clone();
         async move {
@@ -155,11 +182,12 @@ async fn run_hot_restart(
     binary: PathBuf,
     admin: AdminAddress,
     extra_args: Vec<String>,
+    grpc_address: grpc::GrpcAddress,
     mut intents: impl IntentSource,
 ) -> anyhow::Result<u8> {
     use envoy_agent_hotrestart::{Config, Supervisor};
     let proxy = setup::proxy_config(args, binary, admin, extra_args);
-    let mut config = Config::new(proxy);
+    let mut config = Config::new(proxy.clone());
     config.watch_config = args.watch_config;
     config.state_dir = Some(args.state_dir.clone().ok_or(SetupError::MissingStateDir)?);
     config.identity = args
@@ -175,6 +203,17 @@ async fn run_hot_restart(
     config.admin_unresponsive_deadline = args.admin_unresponsive_deadline;
     let (supervisor, handle) = Supervisor::new(config).map_err(SetupError::from)?;
     let cancel = CancellationToken::new();
+    let server_stop = CancellationToken::new();
+    let service = grpc::Service::new(
+        grpc::Target::Supervisor(handle.clone(), cancel.clone()),
+        proxy,
+        args.grpc_allow_remote,
+    );
+    let server = tokio::spawn(
+        grpc::serve(grpc_address, service, server_stop.clone())
+            .await
+            .map_err(SetupError::from)?,
+    );
     let run = supervisor.run(cancel.clone());
     tokio::pin!(run);
     let mut intents_open = true;
@@ -192,6 +231,10 @@ async fn run_hot_restart(
             },
         }
     };
+    server_stop.cancel();
+    if tokio::time::timeout(SHUTDOWN_GRACE, server).await.is_err() {
+        tracing::warn!(grace = ?SHUTDOWN_GRACE, "gRPC server did not stop in time; exiting anyway");
+    }
     tracing::info!(?exit, code = exit.code(), "envoy-agent exiting");
     Ok(exit.code())
 }

@@ -49,7 +49,14 @@ fn main() -> ExitCode {
             Command::Run(args) => {
                 let signals = UnixSignals::install()
                     .map_err(|e| anyhow::anyhow!(e).context("installing signal handlers"))?;
-                envoy_agent::run(*args, signals).await
+                envoy_agent::run(*args, cli.client.grpc_address, signals).await
+            }
+            Command::Client(command) => {
+                let addr = cli
+                    .client
+                    .grpc_address
+                    .unwrap_or_else(envoy_agent::client::default_address);
+                Ok(envoy_agent::client::run(&command, &addr, cli.client.timeout).await)
             }
         }
     });

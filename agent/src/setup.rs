@@ -41,6 +41,9 @@ pub enum SetupError {
     /// The status server's address cannot be bound.
     #[error(transparent)]
     StatusBind(#[from] crate::status::BindError),
+    /// The gRPC server cannot start.
+    #[error(transparent)]
+    GrpcBind(#[from] crate::grpc::GrpcBindError),
     /// Hot restart needs the per-node state directory.
     #[error(
         "--hot-restart needs --state-dir (the per-node directory shared by the agents of a node)"

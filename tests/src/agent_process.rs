@@ -135,6 +135,15 @@ impl AgentBuilder {
             }
             None => Command::new(&self.binary),
         };
+        // A gRPC socket of the test's own, unless the test picks the address.
+        let grpc = match self.args.iter().position(|a| a == "--grpc-address") {
+            Some(i) => self.args.get(i + 1).cloned().unwrap_or_default(),
+            None => {
+                let grpc = format!("unix:{}", dir.join("grpc.sock").display());
+                command.arg("--grpc-address").arg(&grpc);
+                grpc
+            }
+        };
         command
             .arg("run")
             .arg("-c")
@@ -238,6 +247,7 @@ impl AgentBuilder {
             stderr,
             stderr_reader,
             ports: self.hot_restart.filter(|_| self.owns_shm),
+            grpc,
         }
     }
 }
@@ -255,6 +265,8 @@ pub struct AgentProcess {
     stderr_reader: Option<tokio::task::JoinHandle<()>>,
     /// Hot restart's ports and base id, when on.
     pub ports: Option<HotRestartPorts>,
+    /// The agent's gRPC address (`unix:/path` or `host:port`).
+    pub grpc: String,
 }
 
 impl Drop for AgentProcess {

@@ -6,6 +6,7 @@
 
 mod cross_pod;
 mod exit_paths;
+mod grpc;
 mod hot_restart;
 mod manifests;
 mod run;
