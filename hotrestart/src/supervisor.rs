@@ -783,12 +783,13 @@ impl Supervisor {
                             self.set_epoch_state(epoch, EpochState::Live);
                             newest_live = Some(epoch);
                             retries = 0;
-                            if let Some(a) = attempt.take() {
-                                self.finish(a, Outcome::Live, String::new());
-                            }
                             self.publish(|s| { s.newest_live = Some(epoch); s.phase = Phase::Serving; });
                             self.set_ready(true);
                             self.write_heartbeat("serving", epoch, foreign_parent_until);
+                            // Last: whoever waits for this restart sees the new state at once.
+                            if let Some(a) = attempt.take() {
+                                self.finish(a, Outcome::Live, String::new());
+                            }
                             // The previous stand-in's child is now a parent that terminates
                             // its own parent at once; nothing talks to the dead one anymore.
                             release(&mut absorber);

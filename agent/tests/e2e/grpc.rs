@@ -166,7 +166,32 @@ async fn agent_over_tcp_and_an_unreachable_agent() {
         .unwrap()
         .into_inner();
     assert_eq!(status.state, "live");
+    // DisableDraining: the next SIGTERM stops at once (the drain would last an hour).
+    c.disable_draining(pb::DisableDrainingRequest {})
+        .await
+        .unwrap();
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    assert!(agent.stderr().contains("signal after POST /drain"));
+
+    // DrainNow and QuitQuitQuit over TCP.
+    let mut agent = super::agent()
+        .args(&[
+            "--grpc-address",
+            &addr,
+            "--termination-drain-duration",
+            "1h",
+        ])
+        .start()
+        .await;
+    let mut c = client(&agent).await;
     c.drain_now(pb::DrainNowRequest {}).await.unwrap();
+    let status = c
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.state, "draining");
     c.quit_quit_quit(pb::QuitQuitQuitRequest {}).await.unwrap();
     assert_eq!(agent.exit().await.code(), Some(0));
 
@@ -282,4 +307,120 @@ async fn supervisor_hot_restart_update_config_and_watch() {
         live0 < handoff && handoff < live1 && live1 < stopping,
         "{seen:?}"
     );
+}
+
+#[tokio::test]
+async fn many_slow_watchers_do_not_hold_the_supervisor_back() {
+    let mut agent = agent()
+        .hot_restart()
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+        .start()
+        .await;
+    // A hundred watchers that never read: each keeps only the latest state.
+    let mut idle = Vec::new();
+    for _ in 0..100 {
+        let mut c = client(&agent).await;
+        idle.push(
+            c.watch_status(pb::WatchStatusRequest {})
+                .await
+                .unwrap()
+                .into_inner(),
+        );
+    }
+    let mut c = client(&agent).await;
+    for epoch in 1..=2 {
+        let r = c
+            .hot_restart(pb::HotRestartRequest {
+                reason: "busy".into(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(r.into_inner().epoch, epoch);
+    }
+    // A lagging watcher catches up with the latest state. (What it has not read is bounded by
+    // HTTP/2 flow control; past that the server skips to the latest state.)
+    let now = c
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut read = 0;
+    loop {
+        let status = idle[0].next().await.unwrap().unwrap();
+        read += 1;
+        if status.newest_live_epoch == now.newest_live_epoch {
+            break;
+        }
+    }
+    assert!(read >= 1);
+    drop(idle);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+/// A tonic call from inside the network namespace of process `pid`.
+fn call_in_netns(pid: u32, addr: String, quit: bool) -> Result<(), tonic::Status> {
+    use std::os::fd::AsFd;
+    std::thread::spawn(move || {
+        let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+        nix::sched::setns(netns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let mut c = connect(&addr.parse().unwrap(), PATIENCE)
+                .await
+                .map_err(tonic::Status::unavailable)?;
+            c.get_status(pb::GetStatusRequest {}).await?;
+            if quit {
+                c.quit_quit_quit(pb::QuitQuitQuitRequest {}).await?;
+            }
+            Ok(())
+        })
+    })
+    .join()
+    .unwrap()
+}
+
+/// As in the status-server test: the agent in a network namespace of its own with a veth
+/// address (10.99.0.1), its gRPC server on 0.0.0.0.
+#[tokio::test]
+async fn mutating_rpcs_refuse_a_non_loopback_peer() {
+    const SETUP: &str = "ip link set lo up && ip link add v0 type veth peer name v1 && \
+                         ip addr add 10.99.0.1/24 dev v0 && ip link set v0 up && \
+                         ip link set v1 up && exec \"$@\"";
+    let port = free_port();
+    let mut agent = agent()
+        .wrapper(&["unshare", "--net", "--", "sh", "-c", SETUP, "sh"])
+        .args(&[
+            "--grpc-address",
+            &format!("0.0.0.0:{port}"),
+            "--termination-drain-duration",
+            "1h",
+        ])
+        .no_wait_live()
+        .start()
+        .await;
+    let pid = agent.pid();
+    let remote = format!("10.99.0.1:{port}");
+    let local = format!("127.0.0.1:{port}");
+    let err = eventually("the gRPC server to refuse", PATIENCE, || {
+        let remote = remote.clone();
+        async move {
+            tokio::task::spawn_blocking(move || call_in_netns(pid, remote, true))
+                .await
+                .unwrap()
+                .err()
+                .filter(|e| e.code() != tonic::Code::Unavailable)
+        }
+    })
+    .await;
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    assert!(agent.running(), "a refused QuitQuitQuit does nothing");
+    tokio::task::spawn_blocking(move || call_in_netns(pid, local, true))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(agent.exit().await.code(), Some(0));
 }
