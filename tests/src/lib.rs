@@ -223,6 +223,33 @@ where
     }
 }
 
+/// Waits until the admin API at `admin` reports LIVE at `epoch`.
+pub async fn live_at(admin: &envoy_agent_proxy::AdminClient, epoch: u32) {
+    eventually(&format!("epoch {epoch} LIVE"), PATIENCE, || async {
+        let info = admin.server_info().await.ok()?;
+        (info.state == envoy_agent_proxy::ServerState::Live && info.restart_epoch == epoch)
+            .then_some(())
+    })
+    .await;
+}
+
+/// The non-loopback address the agent has inside [`PRIVATE_NETNS`].
+pub const PRIVATE_NETNS_ADDR: &str = "10.99.0.1";
+
+/// A wrapper (for [`AgentBuilder::wrapper`]) that runs the agent in a network namespace of its
+/// own, with loopback and a veth interface holding [`PRIVATE_NETNS_ADDR`]: a real non-loopback
+/// peer on no network but the test's own. Clients join it with `setns` (needs root).
+pub const PRIVATE_NETNS: &[&str] = &[
+    "unshare",
+    "--net",
+    "--",
+    "sh",
+    "-c",
+    "ip link set lo up && ip link add v0 type veth peer name v1 && \
+     ip addr add 10.99.0.1/24 dev v0 && ip link set v0 up && ip link set v1 up && exec \"$@\"",
+    "sh",
+];
+
 /// Reads the address Envoy wrote to its `--admin-address-path` file, waiting for it.
 pub async fn admin_address_from_file(path: &Path) -> SocketAddr {
     eventually("envoy to write its admin address", PATIENCE, || async {

@@ -12,6 +12,7 @@ use envoy_agent_tests::{
 use nix::sys::signal::Signal;
 
 use crate::agent;
+use envoy_agent_tests::live_at;
 
 const POD: &[&str] = &[
     "unshare",
@@ -80,14 +81,6 @@ impl Node {
 fn heartbeat(dir: &Path, name: &str) -> Option<envoy_agent_hotrestart::node::Heartbeat> {
     let (heartbeats, _) = envoy_agent_hotrestart::node::read_all(dir);
     heartbeats.into_iter().find(|h| h.identity == name)
-}
-
-async fn live_at(admin: &AdminClient, epoch: u32) {
-    eventually(&format!("epoch {epoch} LIVE"), PATIENCE, || async {
-        let info = admin.server_info().await.ok()?;
-        (info.state == ServerState::Live && info.restart_epoch == epoch).then_some(())
-    })
-    .await;
 }
 
 async fn marker_gone(pod: &AgentProcess) {

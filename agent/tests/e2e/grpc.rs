@@ -387,12 +387,9 @@ fn call_in_netns(pid: u32, addr: String, quit: bool) -> Result<(), tonic::Status
 /// address (10.99.0.1), its gRPC server on 0.0.0.0.
 #[tokio::test]
 async fn mutating_rpcs_refuse_a_non_loopback_peer() {
-    const SETUP: &str = "ip link set lo up && ip link add v0 type veth peer name v1 && \
-                         ip addr add 10.99.0.1/24 dev v0 && ip link set v0 up && \
-                         ip link set v1 up && exec \"$@\"";
     let port = free_port();
     let mut agent = agent()
-        .wrapper(&["unshare", "--net", "--", "sh", "-c", SETUP, "sh"])
+        .wrapper(envoy_agent_tests::PRIVATE_NETNS)
         .args(&[
             "--grpc-address",
             &format!("0.0.0.0:{port}"),
@@ -403,7 +400,7 @@ async fn mutating_rpcs_refuse_a_non_loopback_peer() {
         .start()
         .await;
     let pid = agent.pid();
-    let remote = format!("10.99.0.1:{port}");
+    let remote = format!("{}:{port}", envoy_agent_tests::PRIVATE_NETNS_ADDR);
     let local = format!("127.0.0.1:{port}");
     let err = eventually("the gRPC server to refuse", PATIENCE, || {
         let remote = remote.clone();

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use envoy_agent_proxy::{AdminClient, ServerState};
+use envoy_agent_proxy::ServerState;
 use envoy_agent_tests::{
     AgentProcess, Load, PATIENCE, bootstrap_yaml_on, eventually, http_get, process_alive,
 };
@@ -13,21 +13,13 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 use crate::agent;
+use envoy_agent_tests::live_at;
 
 /// Drain 1s, parent shutdown 2s: a handoff is over (parent gone) about 2s after LIVE.
 const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
 
 async fn start(extra: &[&str]) -> AgentProcess {
     agent().hot_restart().args(FAST).args(extra).start().await
-}
-
-/// Waits until the admin port reports LIVE at `epoch`.
-async fn live_at(admin: &AdminClient, epoch: u32) {
-    eventually(&format!("epoch {epoch} LIVE"), PATIENCE, || async {
-        let info = admin.server_info().await.ok()?;
-        (info.state == ServerState::Live && info.restart_epoch == epoch).then_some(())
-    })
-    .await;
 }
 
 /// Waits until the agent runs exactly one Envoy (the previous parent has exited).

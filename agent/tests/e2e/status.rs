@@ -187,11 +187,8 @@ fn request_in_netns(pid: u32, addr: SocketAddr, method: &str, path: &str) -> (u1
 /// network but the test's own.
 #[tokio::test]
 async fn mutating_endpoints_refuse_a_non_loopback_peer() {
-    const SETUP: &str = "ip link set lo up && ip link add v0 type veth peer name v1 && \
-                         ip addr add 10.99.0.1/24 dev v0 && ip link set v0 up && \
-                         ip link set v1 up && exec \"$@\"";
     let mut agent = agent()
-        .wrapper(&["unshare", "--net", "--", "sh", "-c", SETUP, "sh"])
+        .wrapper(envoy_agent_tests::PRIVATE_NETNS)
         .args(&[
             "--status-address",
             "0.0.0.0:0",
@@ -202,7 +199,9 @@ async fn mutating_endpoints_refuse_a_non_loopback_peer() {
         .start()
         .await;
     let port = agent.status().port();
-    let remote: SocketAddr = format!("10.99.0.1:{port}").parse().unwrap();
+    let remote: SocketAddr = format!("{}:{port}", envoy_agent_tests::PRIVATE_NETNS_ADDR)
+        .parse()
+        .unwrap();
     let local: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let pid = agent.pid();
 
