@@ -22,6 +22,16 @@ pub struct Cli {
     )]
     pub log_level: String,
 
+    /// The agent's log format: `text` for people, `json` (one object per line) for collectors.
+    #[arg(
+        long,
+        global = true,
+        env = "ENVOY_AGENT_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
+
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -29,6 +39,15 @@ pub struct Cli {
     /// Client settings (for the client subcommands).
     #[command(flatten)]
     pub client: ClientArgs,
+}
+
+/// How the agent writes its logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, with every field (epoch, pid, ...) as a key.
+    Json,
 }
 
 /// Subcommands.

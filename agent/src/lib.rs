@@ -166,7 +166,7 @@ async fn run_agent(
     if own_runtime_dir {
         remove_dir(runtime_dir);
     }
-    for path in [&args.status_address_file].into_iter().flatten() {
+    if let Some(path) = &args.status_address_file {
         remove_file(path);
     }
     tracing::info!(path = %exit.path, code = exit.code(), "envoy-agent exiting");

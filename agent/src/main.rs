@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
-use envoy_agent::cli::{Cli, Command};
+use envoy_agent::cli::{Cli, Command, LogFormat};
 use envoy_agent::{EXIT_USAGE, SetupError, UnixSignals};
 use tracing_subscriber::EnvFilter;
 
@@ -27,11 +27,13 @@ fn main() -> ExitCode {
     let filter = EnvFilter::try_from_env("RUST_LOG")
         .or_else(|_| EnvFilter::try_new(&cli.log_level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -63,7 +65,7 @@ fn main() -> ExitCode {
     match code {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("envoy-agent: {e:#}");
+            eprintln!("envoy-agent: {}", one_line(&e));
             if e.downcast_ref::<SetupError>().is_some() {
                 ExitCode::from(EXIT_USAGE)
             } else {
@@ -71,4 +73,18 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// The error and its causes on one line, each cause once: our errors already name their source
+/// in their own message, which a plain `{:#}` would repeat.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !line.contains(&cause) {
+            line.push_str(": ");
+            line.push_str(&cause);
+        }
+    }
+    line
 }

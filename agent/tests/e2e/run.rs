@@ -279,3 +279,37 @@ async fn envoy_does_not_outlive_a_killed_agent() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line_with_fields() {
+    let mut agent = agent()
+        .args(&["--log-format", "json", "--termination-drain-duration", "0s"])
+        .start()
+        .await;
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    let stderr = agent.stderr();
+    // Envoy's own lines pass through as Envoy wrote them; the agent's are JSON.
+    let ours: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(ours.len() >= 5, "{stderr}");
+    assert!(
+        ours.iter()
+            .all(|l| l["level"].is_string() && l["message"].is_string())
+    );
+    let started = ours
+        .iter()
+        .find(|l| l["message"] == "envoy started")
+        .expect("an envoy started event");
+    assert_eq!(started["epoch"], 0);
+    assert!(started["pid"].as_u64().unwrap() > 0);
+    assert!(
+        !stderr
+            .lines()
+            .any(|l| l.starts_with("20") && l.contains(" INFO ")),
+        "no text lines"
+    );
+}
