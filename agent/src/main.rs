@@ -9,7 +9,7 @@ use envoy_agent::{EXIT_USAGE, SetupError, UnixSignals};
 use tracing_subscriber::EnvFilter;
 
 /// The agent itself failed (`EX_SOFTWARE`).
-const EXIT_FAILURE: u8 = 70;
+const EXIT_FAILURE: u8 = envoy_agent::agent::EXIT_SOFTWARE;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
