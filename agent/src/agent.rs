@@ -347,6 +347,7 @@ impl AgentHandle {
 pub struct Agent<P> {
     proxy: Arc<P>,
     config: AgentConfig,
+    metrics: crate::telemetry::AgentMetrics,
     commands: mpsc::Receiver<Command>,
     state: watch::Sender<AgentState>,
 }
@@ -405,6 +406,7 @@ impl<P: Proxy> Agent<P> {
             Agent {
                 proxy,
                 config,
+                metrics: crate::telemetry::AgentMetrics::default(),
                 commands,
                 state,
             },
@@ -412,8 +414,14 @@ impl<P: Proxy> Agent<P> {
         )
     }
 
+    /// Records into `metrics` (drain duration and exit path).
+    pub fn with_metrics(mut self, metrics: crate::telemetry::AgentMetrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
     fn publish(&self, state: AgentState) {
-        tracing::info!(state = %state, "agent state");
+        tracing::info!(event = "agent_state", state = %state, "agent state");
         self.state.send_replace(state);
     }
 
@@ -437,6 +445,7 @@ impl<P: Proxy> Agent<P> {
         let mut drain_call: Pending<Result<(), ProxyError>> = None;
         let mut drain_reply: Option<oneshot::Sender<Result<(), String>>> = None;
         let mut count_call: Pending<Result<u64, DrainError>> = None;
+        let mut drain_started: Option<Instant> = None;
 
         let result = loop {
             let wake = self.next_wake(
@@ -461,6 +470,7 @@ impl<P: Proxy> Agent<P> {
                             stop_now = Some(ExitPath::SignalAfterDrain);
                         } else {
                             let s = self.begin_shutdown(DrainReason::Signal(intent));
+                            drain_started.get_or_insert_with(Instant::now);
                             shutdown = Some(s);
                             // A /drain call in flight is superseded by the shutdown drain.
                             drain_call = None;
@@ -493,6 +503,7 @@ impl<P: Proxy> Agent<P> {
                             let _ = reply.send(Ok(()));
                         } else {
                             skip_drain = true;
+                            drain_started.get_or_insert_with(Instant::now);
                             self.publish(AgentState::Draining {
                                 since: SystemTime::now(),
                                 reason: DrainReason::DrainEndpoint,
@@ -636,6 +647,8 @@ impl<P: Proxy> Agent<P> {
             since: SystemTime::now(),
             path,
         });
+        self.metrics
+            .exit(&path.to_string(), drain_started.map(|t| t.elapsed()));
         AgentExit { path, exit, error }
     }
 

@@ -248,6 +248,15 @@ pub struct RunArgs {
     )]
     pub status_address: SocketAddr,
 
+    /// Push metrics over OTLP/gRPC to this collector (host:port or http://host:port). Also read
+    /// from OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT.
+    #[arg(long, env = "ENVOY_AGENT_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// How often metrics are pushed.
+    #[arg(long, env = "ENVOY_AGENT_OTLP_EXPORT_INTERVAL", value_parser = parse_duration, default_value = "10s")]
+    pub otlp_export_interval: Duration,
+
     /// Accept mutating gRPC calls from non-loopback TCP peers.
     #[arg(long, env = "ENVOY_AGENT_GRPC_ALLOW_REMOTE")]
     pub grpc_allow_remote: bool,

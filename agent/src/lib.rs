@@ -17,7 +17,7 @@
 //! Nothing outlives [`run`]: Envoy is reaped before it returns, and dropping the future kills
 //! Envoy (it was spawned with kill-on-drop) rather than leaking it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,6 +35,7 @@ pub mod grpc;
 pub mod setup;
 pub mod signal;
 pub mod status;
+pub mod telemetry;
 #[cfg(test)]
 mod testing;
 
@@ -86,20 +87,31 @@ pub async fn run(
     }
     let reaper_stop = CancellationToken::new();
     let reaper = tokio::spawn(envoy_agent_proxy::reaper::run(reaper_stop.clone()));
-    let code = if args.hot_restart {
-        run_hot_restart(&args, binary, admin, extra_args, grpc, intents).await
-    } else {
-        run_agent(
-            &args,
-            binary,
-            admin,
-            extra_args,
-            &runtime_dir,
-            grpc,
-            intents,
-        )
-        .await
+    let telemetry = match telemetry::endpoint(args.otlp_endpoint.as_deref()) {
+        Some(endpoint) => Some(telemetry::Telemetry::new(
+            endpoint,
+            args.otlp_export_interval,
+        )?),
+        None => None,
     };
+    let meter = telemetry.as_ref().map(telemetry::Telemetry::meter);
+    let proxy = setup::proxy_config(&args, binary, admin, extra_args);
+    let code = if args.hot_restart {
+        let metrics = meter
+            .as_ref()
+            .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
+            .unwrap_or_default();
+        run_hot_restart(&args, proxy, grpc, metrics, intents).await
+    } else {
+        let metrics = meter
+            .as_ref()
+            .map(telemetry::AgentMetrics::new)
+            .unwrap_or_default();
+        run_agent(&args, proxy, &runtime_dir, grpc, metrics, intents).await
+    };
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown().await;
+    }
     reaper_stop.cancel();
     let _ = reaper.await;
     code
@@ -108,11 +120,10 @@ pub async fn run(
 /// Hot restart off: the [`Agent`] with its status server.
 async fn run_agent(
     args: &cli::RunArgs,
-    binary: PathBuf,
-    admin: AdminAddress,
-    extra_args: Vec<String>,
+    config: envoy_agent_proxy::ProxyConfig,
     runtime_dir: &Path,
     grpc_address: grpc::GrpcAddress,
+    metrics: telemetry::AgentMetrics,
     intents: impl IntentSource,
 ) -> anyhow::Result<u8> {
     let status = status::StatusServer::bind(args.status_address)
@@ -122,15 +133,16 @@ async fn run_agent(
         envoy_agent_proxy::write_atomically(path, status.local_addr().to_string().as_bytes())
             .with_context(|| format!("writing --status-address-file {}", path.display()))?;
     }
-    let own_runtime_dir = matches!(&admin, AdminAddress::FromFile(p) if p.starts_with(runtime_dir));
+    let own_runtime_dir =
+        matches!(&config.admin, AdminAddress::FromFile(p) if p.starts_with(runtime_dir));
     if own_runtime_dir {
         std::fs::create_dir_all(runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
     }
 
-    let config = setup::proxy_config(args, binary, admin, extra_args);
     let envoy = Arc::new(Envoy::new(config.clone()));
     let (agent, handle) = Agent::new(envoy, agent_config(args));
+    let agent = agent.with_metrics(metrics);
 
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -179,14 +191,12 @@ async fn run_agent(
 /// Hot restart on: the [`envoy_agent_hotrestart::Supervisor`]; signals become its commands.
 async fn run_hot_restart(
     args: &cli::RunArgs,
-    binary: PathBuf,
-    admin: AdminAddress,
-    extra_args: Vec<String>,
+    proxy: envoy_agent_proxy::ProxyConfig,
     grpc_address: grpc::GrpcAddress,
+    metrics: envoy_agent_hotrestart::metrics::SupervisorMetrics,
     mut intents: impl IntentSource,
 ) -> anyhow::Result<u8> {
     use envoy_agent_hotrestart::{Config, Supervisor};
-    let proxy = setup::proxy_config(args, binary, admin, extra_args);
     let mut config = Config::new(proxy.clone());
     config.watch_config = args.watch_config;
     config.state_dir = Some(args.state_dir.clone().ok_or(SetupError::MissingStateDir)?);
@@ -201,7 +211,7 @@ async fn run_hot_restart(
     config.ready_marker = args.ready_marker.clone();
     config.handoff_deadline = args.handoff_deadline;
     config.admin_unresponsive_deadline = args.admin_unresponsive_deadline;
-    let (supervisor, handle) = Supervisor::new(config).map_err(SetupError::from)?;
+    let (supervisor, handle) = Supervisor::new(config, metrics).map_err(SetupError::from)?;
     let cancel = CancellationToken::new();
     let server_stop = CancellationToken::new();
     let service = grpc::Service::new(

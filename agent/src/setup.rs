@@ -41,6 +41,9 @@ pub enum SetupError {
     /// The status server's address cannot be bound.
     #[error(transparent)]
     StatusBind(#[from] crate::status::BindError),
+    /// The metrics pipeline cannot be built.
+    #[error(transparent)]
+    Telemetry(#[from] crate::telemetry::TelemetryError),
     /// The gRPC server cannot start.
     #[error(transparent)]
     GrpcBind(#[from] crate::grpc::GrpcBindError),

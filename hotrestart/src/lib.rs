@@ -38,6 +38,7 @@
 //!   (SIGTERM, SIGKILL after the grace), bounded; nothing is left running.
 
 pub mod absorber;
+pub mod metrics;
 pub mod node;
 pub mod shm;
 pub mod state;

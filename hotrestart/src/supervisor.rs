@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::absorber::Absorber;
+use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, EpochLock, Heartbeat};
 use crate::shm;
 use crate::state::{
@@ -286,6 +287,7 @@ pub struct Supervisor {
     children: Vec<Child>,
     /// The epoch this supervisor started at (a predecessor's + 1, or 0).
     first_epoch: u32,
+    metrics: SupervisorMetrics,
 }
 
 impl std::fmt::Debug for Supervisor {
@@ -298,7 +300,10 @@ impl std::fmt::Debug for Supervisor {
 
 impl Supervisor {
     /// A supervisor for `config` and a handle to it. Nothing starts until [`Supervisor::run`].
-    pub fn new(config: Config) -> Result<(Supervisor, SupervisorHandle), ConfigError> {
+    pub fn new(
+        config: Config,
+        metrics: SupervisorMetrics,
+    ) -> Result<(Supervisor, SupervisorHandle), ConfigError> {
         let (admin_addr, base_id) = config.validate()?;
         let (commands_tx, commands) = mpsc::channel(64);
         let state = watch::Sender::new(SupervisorState {
@@ -329,6 +334,7 @@ impl Supervisor {
                 exit_events,
                 children: Vec::new(),
                 first_epoch: 0,
+                metrics,
             },
             handle,
         ))
@@ -388,7 +394,12 @@ impl Supervisor {
         tokio::spawn(async move {
             let _ = exits.send((epoch, process.run(abort).await));
         });
-        tracing::info!(epoch, "epoch starting");
+        tracing::info!(
+            event = "epoch_starting",
+            epoch,
+            pid = self.children.last().map_or(0, |c| c.pid),
+            "epoch starting"
+        );
         self.publish(|_| {});
         Ok(())
     }
@@ -401,13 +412,14 @@ impl Supervisor {
         if let Some(c) = self.child_mut(epoch) {
             c.state = state;
             c.since = SystemTime::now();
-            tracing::info!(epoch, pid = c.pid, state = ?state, "epoch state");
+            tracing::info!(event = "epoch_state", epoch, pid = c.pid, state = ?state, "epoch state");
         }
         self.publish(|_| {});
     }
 
     fn record_wedge(&self, reason: WedgeReason, message: String) {
         tracing::error!(%reason, %message, "hot restart wedge");
+        self.metrics.wedge(reason.as_str());
         self.publish(|s| {
             s.wedges.push(Wedge {
                 reason,
@@ -642,6 +654,7 @@ impl Supervisor {
                         Ok(exit) => (exit.code(), exit.stderr_tail.clone()),
                         Err(e) => (1, e.to_string()),
                     };
+                    self.metrics.exit(exit_kind(&result, child.state == EpochState::Draining));
                     match child.state {
                         EpochState::Draining => {
                             if code == 0 {
@@ -783,6 +796,7 @@ impl Supervisor {
                             self.set_epoch_state(epoch, EpochState::Live);
                             newest_live = Some(epoch);
                             retries = 0;
+                            self.metrics.epoch(epoch);
                             self.publish(|s| { s.newest_live = Some(epoch); s.phase = Phase::Serving; });
                             self.set_ready(true);
                             self.write_heartbeat("serving", epoch, foreign_parent_until);
@@ -1029,6 +1043,7 @@ impl Supervisor {
             match tokio::time::timeout_at(deadline, self.exit_events.recv()).await {
                 Ok(Some((epoch, result))) => {
                     self.children.retain(|c| c.epoch != epoch);
+                    self.metrics.exit(exit_kind(&result, true));
                     let code = result.map(|e| e.code()).unwrap_or(1);
                     tracing::info!(epoch, code, "our envoy exited");
                 }
@@ -1041,6 +1056,10 @@ impl Supervisor {
 
     fn finish(&self, a: Attempt, outcome: Outcome, message: String) {
         let duration = a.triggered.elapsed();
+        self.metrics.handoff(duration, outcome.as_str());
+        if outcome == Outcome::Rejected {
+            self.metrics.config_rejected();
+        }
         match outcome {
             Outcome::Live => {
                 tracing::info!(
@@ -1110,6 +1129,7 @@ impl Supervisor {
             match tokio::time::timeout_at(deadline, self.exit_events.recv()).await {
                 Ok(Some((epoch, result))) => {
                     self.children.retain(|c| c.epoch != epoch);
+                    self.metrics.exit(exit_kind(&result, false));
                     if let Ok(exit) = result {
                         tracing::info!(epoch, code = exit.code(), "epoch stopped");
                     }
@@ -1121,6 +1141,17 @@ impl Supervisor {
             }
         }
         self.publish(|_| {});
+    }
+}
+
+/// How an Envoy ended, for the exit counter.
+fn exit_kind(result: &Result<Exit, ProxyError>, draining: bool) -> ExitKind {
+    use std::os::unix::process::ExitStatusExt;
+    match result {
+        Ok(exit) if exit.status.signal().is_some() => ExitKind::Signal,
+        Ok(exit) if exit.code() == 0 && draining => ExitKind::DrainedParent,
+        Ok(exit) if exit.code() == 0 => ExitKind::Clean,
+        _ => ExitKind::Crash,
     }
 }
 

@@ -78,7 +78,7 @@ impl EnvoyProcess {
                 source,
             })?;
         let pid = child.id().unwrap_or_default();
-        tracing::info!(pid, epoch, "envoy started");
+        tracing::info!(event = "envoy_started", pid, epoch, "envoy started");
         let tail = Arc::new(Mutex::new(Tail::default()));
         let forwarder = child
             .stderr

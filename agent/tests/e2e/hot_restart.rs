@@ -379,7 +379,11 @@ async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
     // then answers nothing: its admin is not up before it initializes).
     eventually("epoch 1 to hang initializing", PATIENCE, || async {
         let info = agent.admin.server_info().await;
-        (agent.stderr().contains("epoch starting epoch=1") && info.is_err()).then_some(())
+        let starting = agent
+            .stderr()
+            .lines()
+            .any(|l| l.contains("epoch starting") && l.contains(" epoch=1 "));
+        (starting && info.is_err()).then_some(())
     })
     .await;
     // While epoch 1 hangs, the operator fixes the config; no new trigger is sent.

@@ -11,6 +11,7 @@ mod hot_restart;
 mod manifests;
 mod run;
 mod status;
+mod telemetry;
 
 use envoy_agent_tests::{AgentBuilder, AgentProcess};
 

@@ -305,6 +305,12 @@ async fn json_logs_are_one_object_per_line_with_fields() {
         .find(|l| l["message"] == "envoy started")
         .expect("an envoy started event");
     assert_eq!(started["epoch"], 0);
+    assert_eq!(started["event"], "envoy_started");
+    assert!(
+        ours.iter()
+            .any(|l| l["event"] == "agent_state" && l["state"] == "live"),
+        "every state change is an event: {stderr}"
+    );
     assert!(started["pid"].as_u64().unwrap() > 0);
     assert!(
         !stderr

@@ -1,0 +1,219 @@
+//! OTLP metrics end to end: a real OTLP/gRPC receiver (a tonic server built from the official
+//! OpenTelemetry protos) collecting what the agent pushes.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use envoy_agent_tests::{PATIENCE, eventually, live_at};
+use nix::sys::signal::Signal;
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use opentelemetry_proto::tonic::metrics::v1::metric::Data;
+use opentelemetry_proto::tonic::metrics::v1::number_data_point::Value as Number;
+
+use crate::agent;
+
+#[derive(Clone, Default)]
+struct Receiver {
+    requests: Arc<Mutex<Vec<ExportMetricsServiceRequest>>>,
+}
+
+#[tonic::async_trait]
+impl MetricsService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        self.requests.lock().unwrap().push(request.into_inner());
+        Ok(tonic::Response::new(ExportMetricsServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+async fn receiver() -> (SocketAddr, Receiver) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let receiver = Receiver::default();
+    let service = MetricsServiceServer::new(receiver.clone());
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await
+    });
+    (addr, receiver)
+}
+
+fn attr(
+    attributes: &[opentelemetry_proto::tonic::common::v1::KeyValue],
+    key: &str,
+) -> Option<String> {
+    attributes.iter().find(|kv| kv.key == key).and_then(|kv| {
+        match kv.value.as_ref()?.value.as_ref()? {
+            AnyValue::StringValue(s) => Some(s.clone()),
+            other => Some(format!("{other:?}")),
+        }
+    })
+}
+
+/// The newest data of metric `name` across what was received (cumulative temporality: the
+/// last export holds the totals).
+fn latest(requests: &[ExportMetricsServiceRequest], name: &str) -> Option<Data> {
+    requests
+        .iter()
+        .rev()
+        .flat_map(|r| &r.resource_metrics)
+        .flat_map(|rm| &rm.scope_metrics)
+        .flat_map(|sm| &sm.metrics)
+        .find(|m| m.name == name)
+        .and_then(|m| m.data.clone())
+}
+
+#[tokio::test]
+async fn hot_restarts_and_a_rejection_reach_an_otlp_receiver() {
+    let (addr, receiver) = receiver().await;
+    let endpoint = format!("http://{addr}");
+    let mut agent = agent()
+        .hot_restart()
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+        .args(&[
+            "--otlp-endpoint",
+            &endpoint,
+            "--otlp-export-interval",
+            "500ms",
+        ])
+        .start()
+        .await;
+    for epoch in 1..=2 {
+        agent.signal(Signal::SIGHUP);
+        live_at(&agent.admin, epoch).await;
+        eventually("the parent to exit", PATIENCE, || async {
+            (agent.envoys().len() == 1).then_some(())
+        })
+        .await;
+    }
+    std::fs::write(agent.dir.join("bootstrap.yaml"), "admin: [broken").unwrap();
+    agent.signal(Signal::SIGHUP);
+    eventually("the rejection", PATIENCE, || async {
+        agent
+            .stderr()
+            .contains("hot restart rejected")
+            .then_some(())
+    })
+    .await;
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+
+    // The final flush at exit carries the totals.
+    let requests = receiver.requests.lock().unwrap().clone();
+    assert!(!requests.is_empty(), "metrics were pushed");
+    let resource = requests.last().unwrap().resource_metrics[0]
+        .resource
+        .clone()
+        .unwrap();
+    assert_eq!(
+        attr(&resource.attributes, "service.name").as_deref(),
+        Some("envoy-agent")
+    );
+    assert!(attr(&resource.attributes, "service.version").is_some());
+
+    let Some(Data::Gauge(epoch)) = latest(&requests, "envoy_agent.hot_restart.epoch") else {
+        panic!("no epoch gauge");
+    };
+    assert_eq!(
+        epoch.data_points.last().unwrap().value,
+        Some(Number::AsInt(2))
+    );
+
+    let Some(Data::Histogram(handoffs)) =
+        latest(&requests, "envoy_agent.hot_restart.handoff.duration")
+    else {
+        panic!("no handoff histogram");
+    };
+    let count = |outcome: &str| {
+        handoffs
+            .data_points
+            .iter()
+            .filter(|p| attr(&p.attributes, "outcome").as_deref() == Some(outcome))
+            .map(|p| p.count)
+            .sum::<u64>()
+    };
+    assert_eq!(count("live"), 2);
+    assert_eq!(count("rejected"), 1);
+
+    let Some(Data::Sum(rejected)) = latest(&requests, "envoy_agent.config.rejected") else {
+        panic!("no rejection counter");
+    };
+    assert_eq!(
+        rejected.data_points.last().unwrap().value,
+        Some(Number::AsInt(1))
+    );
+
+    let Some(Data::Sum(exits)) = latest(&requests, "envoy_agent.envoy.exits") else {
+        panic!("no exit counter");
+    };
+    let drained: i64 = exits
+        .data_points
+        .iter()
+        .filter(|p| attr(&p.attributes, "kind").as_deref() == Some("drained_parent"))
+        .map(|p| match p.value {
+            Some(Number::AsInt(n)) => n,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(drained, 2, "two parents drained away");
+}
+
+/// SIGHUP to LIVE at the next epoch.
+async fn handoff_time(agent: &envoy_agent_tests::AgentProcess, epoch: u32) -> std::time::Duration {
+    let started = std::time::Instant::now();
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, epoch).await;
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn a_collector_that_is_down_changes_nothing() {
+    // The same hot restart without telemetry, for comparison.
+    let mut plain = agent()
+        .hot_restart()
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+        .start()
+        .await;
+    let baseline = handoff_time(&plain, 1).await;
+    plain.signal(Signal::SIGTERM);
+    assert_eq!(plain.exit().await.code(), Some(0));
+
+    // Nothing listens at the collector's address.
+    let port = envoy_agent_tests::free_port();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let mut agent = agent()
+        .hot_restart()
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+        .args(&[
+            "--otlp-endpoint",
+            &endpoint,
+            "--otlp-export-interval",
+            "200ms",
+        ])
+        .start()
+        .await;
+    let with_collector_down = handoff_time(&agent, 1).await;
+    // A generous bound: the point is that exports failing on their own thread never sit in
+    // the handoff's way, not how fast a handoff is.
+    assert!(
+        with_collector_down < baseline * 5 + std::time::Duration::from_secs(3),
+        "{with_collector_down:?} against {baseline:?}"
+    );
+    let stopping = std::time::Instant::now();
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    // The final flush is bounded (5s) however the collector behaves.
+    assert!(stopping.elapsed() < PATIENCE);
+}
