@@ -314,6 +314,66 @@ pub struct RunArgs {
     pub envoy_args: Vec<String>,
 }
 
+/// The flag reference of every subcommand as Markdown, generated from the CLI definition
+/// itself so it cannot drift (`docs/flags.md` is this text; a test keeps it current).
+pub fn flag_reference() -> String {
+    use clap::CommandFactory;
+    let cli = Cli::command();
+    let mut out = String::from(
+        "# Flag reference\n\nGenerated from `envoy-agent`'s own CLI definition; do not edit \
+         (`UPDATE_FLAG_DOCS=1 cargo test -p envoy-agent --test e2e flag_reference` rewrites it). \
+         Every flag can also be set with the environment variable shown.\n",
+    );
+    let mut commands: Vec<&clap::Command> = vec![&cli];
+    commands.extend(cli.get_subcommands());
+    for command in commands {
+        let name = if command.get_name() == cli.get_name() {
+            "envoy-agent (every subcommand)".to_owned()
+        } else {
+            format!("envoy-agent {}", command.get_name())
+        };
+        out.push_str(&format!("\n## {name}\n\n"));
+        if let Some(about) = command.get_about() {
+            out.push_str(&format!("{about}\n\n"));
+        }
+        let args: Vec<&clap::Arg> = command
+            .get_arguments()
+            .filter(|a| a.get_long().is_some() && !a.is_hide_set())
+            .filter(|a| command.get_name() == cli.get_name() || !a.is_global_set())
+            .collect();
+        if args.is_empty() {
+            out.push_str("No flags of its own.\n");
+            continue;
+        }
+        out.push_str("| flag | environment | default | meaning |\n|---|---|---|---|\n");
+        for arg in args {
+            let long = arg.get_long().unwrap_or_default();
+            let env = arg
+                .get_env()
+                .map(|e| format!("`{}`", e.to_string_lossy()))
+                .unwrap_or_default();
+            let default = arg
+                .get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(",");
+            let default = if default.is_empty() {
+                String::new()
+            } else {
+                format!("`{default}`")
+            };
+            let help = arg
+                .get_long_help()
+                .or(arg.get_help())
+                .map(|h| h.to_string().replace('\n', " ").replace('|', "\\|"))
+                .unwrap_or_default();
+            out.push_str(&format!("| `--{long}` | {env} | {default} | {help} |\n"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
