@@ -444,6 +444,16 @@ pub async fn serve(
         let service = service.clone();
         let cancel = cancel.clone();
         async move {
+            // One receiver for the task's life: a fresh clone per wait would see every past
+            // change as new and spin.
+            enum Changes {
+                Agent(tokio::sync::watch::Receiver<AgentState>),
+                Supervisor(tokio::sync::watch::Receiver<SupervisorState>),
+            }
+            let mut changes = match &service.target {
+                Target::Agent(h) => Changes::Agent(h.state()),
+                Target::Supervisor(h, _) => Changes::Supervisor(h.state()),
+            };
             let mut last = None;
             loop {
                 let status = service.status();
@@ -460,9 +470,9 @@ pub async fn serve(
                     last = Some(serving);
                 }
                 let changed = async {
-                    match &service.target {
-                        Target::Agent(h) => h.state().changed().await.is_ok(),
-                        Target::Supervisor(h, _) => h.state().changed().await.is_ok(),
+                    match &mut changes {
+                        Changes::Agent(rx) => rx.changed().await.is_ok(),
+                        Changes::Supervisor(rx) => rx.changed().await.is_ok(),
                     }
                 };
                 tokio::select! {

@@ -616,9 +616,19 @@ impl Supervisor {
                 } else {
                     None
                 });
+            // Only timers whose action can run now: a due timer whose action waits for something
+            // else (a check in flight, a killed epoch's exit) would wake the loop in a spin.
+            let checking = live_check.is_some();
+            let deadline = deadline.filter(|_| {
+                attempt.as_ref().is_none_or(|a| {
+                    self.children
+                        .iter()
+                        .any(|c| c.epoch == a.epoch && !c.timed_out)
+                })
+            });
             let wake = [
-                next_live_check,
-                next_watchdog,
+                next_live_check.filter(|_| !checking),
+                next_watchdog.filter(|_| !checking && attempt.is_none()),
                 deadline,
                 next_heartbeat,
                 foreign_parent_until.filter(|_| foreign_parent),

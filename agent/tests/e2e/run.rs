@@ -3,6 +3,7 @@
 use std::ffi::OsStr;
 use std::path::Path;
 use std::process::Stdio;
+use std::time::Duration;
 
 use envoy_agent_proxy::ServerState;
 use envoy_agent_tests::{
@@ -318,4 +319,45 @@ async fn json_logs_are_one_object_per_line_with_fields() {
             .any(|l| l.starts_with("20") && l.contains(" INFO ")),
         "no text lines"
     );
+}
+
+/// CPU time (user + system) of `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<u64> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .map(|f| f.parse().unwrap())
+        .collect();
+    fields.iter().sum()
+}
+
+/// An idle agent waits on events: it does not spin. A spinning task burns a whole core (about
+/// 200 ticks in two seconds); the bound is a tenth of that core, far above an idle agent's ~0.
+#[tokio::test]
+async fn an_idle_agent_does_not_spin() {
+    for hot_restart in [false, true] {
+        let builder = if hot_restart {
+            agent().hot_restart()
+        } else {
+            agent()
+        };
+        let mut agent = builder
+            .args(&["--termination-drain-duration", "0s"])
+            .start()
+            .await;
+        let before = cpu_ticks(agent.pid());
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let used = cpu_ticks(agent.pid()) - before;
+        assert!(
+            used < 20,
+            "hot restart {hot_restart}: {used} ticks of CPU in 2s idle"
+        );
+        agent.signal(Signal::SIGTERM);
+        assert_eq!(agent.exit().await.code(), Some(0));
+    }
 }
