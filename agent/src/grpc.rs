@@ -83,8 +83,9 @@ fn unix_ms(t: SystemTime) -> u64 {
         .unwrap_or_default()
 }
 
-/// The status of an agent.
-pub fn agent_status(state: &AgentState, ready: bool, pid: Option<u32>) -> pb::Status {
+/// The status of an agent. Ready means LIVE and not draining, as `/healthz/ready` says before
+/// it asks Envoy's own `/ready`.
+pub fn agent_status(state: &AgentState) -> pb::Status {
     let (reason, draining) = match state {
         AgentState::Draining { reason, phase, .. } => (
             match phase {
@@ -101,17 +102,8 @@ pub fn agent_status(state: &AgentState, ready: bool, pid: Option<u32>) -> pb::St
         state: state.name().to_owned(),
         reason,
         state_since_unix_ms: unix_ms(state.since()),
-        ready,
+        ready: matches!(state, AgentState::Live { .. }),
         draining,
-        epochs: pid
-            .map(|pid| pb::Epoch {
-                epoch: 0,
-                pid,
-                state: state.name().to_owned(),
-                started_unix_ms: 0,
-            })
-            .into_iter()
-            .collect(),
         newest_live_epoch: -1,
         ..pb::Status::default()
     }
@@ -193,11 +185,7 @@ impl Service {
 
     fn status(&self) -> pb::Status {
         match &self.target {
-            Target::Agent(h) => {
-                let state = h.state().borrow().clone();
-                let ready = matches!(state, AgentState::Live { .. });
-                agent_status(&state, ready, None)
-            }
+            Target::Agent(h) => agent_status(&h.state().borrow()),
             Target::Supervisor(h, _) => supervisor_status(&h.state().borrow()),
         }
     }
@@ -255,12 +243,10 @@ impl AgentService for Service {
         _request: Request<pb::WatchStatusRequest>,
     ) -> Result<Response<Self::WatchStatusStream>, Status> {
         let stream: StatusStream = match &self.target {
-            Target::Agent(h) => Box::pin(tokio_stream::wrappers::WatchStream::new(h.state()).map(
-                |state| {
-                    let ready = matches!(state, AgentState::Live { .. });
-                    Ok(agent_status(&state, ready, None))
-                },
-            )),
+            Target::Agent(h) => Box::pin(
+                tokio_stream::wrappers::WatchStream::new(h.state())
+                    .map(|state| Ok(agent_status(&state))),
+            ),
             Target::Supervisor(h, _) => Box::pin(
                 tokio_stream::wrappers::WatchStream::new(h.state())
                     .map(|state| Ok(supervisor_status(&state))),
