@@ -1,25 +1,47 @@
-//! The Kubernetes manifests in `deploy/kubernetes/` checked against the agent's real flags and
-//! the invariants the cross-pod handoff depends on.
+//! The deployment artefacts checked against the agent's real CLI and the invariants they depend
+//! on: the Kubernetes manifests (one kustomization per directory under `deploy/kubernetes/`, as
+//! `kubectl apply -k` takes them; `scripts/check-deploy.sh` also renders them and validates
+//! them against the API schemas), the Dockerfile and the systemd unit.
+
+use std::path::{Path, PathBuf};
 
 use clap::CommandFactory;
 use envoy_agent::cli::Cli;
 use envoy_agent::duration::parse_duration;
+use serde::Deserialize as _;
 use serde_yaml::Value;
 
-fn repo() -> std::path::PathBuf {
+const NODE_PROXY: &str = "deploy/kubernetes/node-proxy";
+const SIDECAR_EXAMPLE: &str = "deploy/kubernetes/sidecar-example";
+
+/// How long the status server's `/healthz/ready` may wait on Envoy's admin API
+/// (`ENVOY_CALL_TIMEOUT` in `agent/src/status.rs`): an HTTP probe's timeout must exceed it.
+const READY_HANDLER_WAIT_SECS: u64 = 2;
+
+/// The image's user (`USER` in the Dockerfile).
+const IMAGE_UID: u64 = 101;
+
+fn repo() -> PathBuf {
     envoy_agent_tests::repo_root()
 }
 
-/// The long flags of `envoy-agent run`.
+/// The long flags of `envoy-agent run` (and the global ones).
 fn run_flags() -> Vec<String> {
     let cli = Cli::command();
     let run = cli.find_subcommand("run").expect("run subcommand");
     run.get_arguments()
+        .chain(cli.get_arguments())
         .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
-        .chain(
-            cli.get_arguments()
-                .filter_map(|a| a.get_long().map(|l| format!("--{l}"))),
-        )
+        .collect()
+}
+
+/// The environment variables that `envoy-agent run` (and every subcommand) reads.
+fn flag_env_vars() -> Vec<String> {
+    let cli = Cli::command();
+    let run = cli.find_subcommand("run").expect("run subcommand");
+    run.get_arguments()
+        .chain(cli.get_arguments())
+        .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
         .collect()
 }
 
@@ -36,39 +58,254 @@ fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     })
 }
 
+fn strings(v: &Value) -> Vec<String> {
+    v.as_sequence()
+        .map(|s| s.iter().map(|a| a.as_str().unwrap().to_owned()).collect())
+        .unwrap_or_default()
+}
+
+/// Every YAML document of a file.
+fn yaml_docs(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// One kustomization directory, read as `kubectl kustomize` would find it.
+struct Kustomization {
+    dir: String,
+    spec: Value,
+    /// The objects of its `resources:`.
+    objects: Vec<Value>,
+}
+
+impl Kustomization {
+    fn load(dir: &str) -> Self {
+        let path = repo().join(dir).join("kustomization.yaml");
+        let spec = yaml_docs(&path).remove(0);
+        let objects = strings(&spec["resources"])
+            .iter()
+            .flat_map(|r| yaml_docs(&repo().join(dir).join(r)))
+            .collect();
+        Kustomization {
+            dir: dir.to_owned(),
+            spec,
+            objects,
+        }
+    }
+
+    fn all() -> Vec<Self> {
+        let mut dirs: Vec<String> = std::fs::read_dir(repo().join("deploy/kubernetes"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.join("kustomization.yaml").is_file())
+            .map(|p| {
+                format!(
+                    "deploy/kubernetes/{}",
+                    p.file_name().unwrap().to_string_lossy()
+                )
+            })
+            .collect();
+        dirs.sort();
+        dirs.iter().map(|d| Self::load(d)).collect()
+    }
+
+    fn object(&self, kind: &str) -> &Value {
+        self.objects
+            .iter()
+            .find(|o| o["kind"] == kind)
+            .unwrap_or_else(|| panic!("{}: no {kind}", self.dir))
+    }
+
+    /// The files its configMapGenerator entries take, by ConfigMap name.
+    fn generated_config_maps(&self) -> Vec<(String, Vec<String>)> {
+        self.spec["configMapGenerator"]
+            .as_sequence()
+            .map(|gens| {
+                gens.iter()
+                    .map(|g| (g["name"].as_str().unwrap().to_owned(), strings(&g["files"])))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+/// The pod spec of a workload.
+fn pod_spec(workload: &Value) -> &Value {
+    &workload["spec"]["template"]["spec"]
+}
+
+/// The containers (and init containers) of a pod that run the agent: the envoy-agent image
+/// with its entrypoint, which is the agent.
+fn agent_containers(pod: &Value) -> Vec<&Value> {
+    ["initContainers", "containers"]
+        .iter()
+        .filter_map(|k| pod[*k].as_sequence())
+        .flatten()
+        .filter(|c| {
+            c["image"]
+                .as_str()
+                .is_some_and(|i| i.starts_with("envoy-agent"))
+                && c["command"].is_null()
+        })
+        .collect()
+}
+
+fn args_of(container: &Value) -> Vec<String> {
+    strings(&container["args"])
+}
+
+/// The volume mounted at `mount_path` in `container`.
+fn volume_at<'a>(pod: &'a Value, container: &Value, mount_path: &str) -> &'a Value {
+    let mount = container["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == mount_path)
+        .unwrap_or_else(|| panic!("nothing mounted at {mount_path}"));
+    pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap_or_else(|| panic!("no volume for {mount_path}"))
+}
+
+/// The writable mount that holds `path`, if any.
+fn writable_mount_of<'a>(container: &'a Value, path: &str) -> Option<&'a Value> {
+    container["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter(|m| m["readOnly"] != true)
+        .find(|m| Path::new(path).starts_with(m["mountPath"].as_str().unwrap()))
+}
+
+/// An environment variable's value or downward-API field.
+fn env_var<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
+    container["env"]
+        .as_sequence()?
+        .iter()
+        .find(|e| e["name"] == name)
+}
+
+fn assert_downward_api(container: &Value, name: &str, field: &str, what: &str) {
+    let env = env_var(container, name).unwrap_or_else(|| panic!("{what}: no {name}"));
+    assert_eq!(
+        env["valueFrom"]["fieldRef"]["fieldPath"], field,
+        "{what}: {name} from the downward API's {field}"
+    );
+}
+
+/// The `restricted` Pod Security profile, and a read-only root filesystem, for one container;
+/// pod-level settings count. Returns the container's uid.
+fn assert_restricted(pod: &Value, container: &Value, what: &str) -> u64 {
+    let sc = &container["securityContext"];
+    let pod_sc = &pod["securityContext"];
+    let either = |key: &str| {
+        if sc[key].is_null() {
+            &pod_sc[key]
+        } else {
+            &sc[key]
+        }
+    };
+    assert_eq!(*either("runAsNonRoot"), true, "{what}: runAsNonRoot");
+    let uid = either("runAsUser")
+        .as_u64()
+        .unwrap_or_else(|| panic!("{what}: a numeric runAsUser"));
+    assert_ne!(uid, 0, "{what}: not root");
+    assert!(
+        either("runAsGroup").as_u64().is_some(),
+        "{what}: a numeric runAsGroup"
+    );
+    assert_eq!(
+        sc["allowPrivilegeEscalation"], false,
+        "{what}: allowPrivilegeEscalation"
+    );
+    assert_ne!(sc["privileged"], true, "{what}: not privileged");
+    assert_eq!(
+        strings(&sc["capabilities"]["drop"]),
+        ["ALL"],
+        "{what}: every capability dropped"
+    );
+    assert!(
+        sc["capabilities"]["add"].is_null(),
+        "{what}: no capability added"
+    );
+    assert_eq!(
+        either("seccompProfile")["type"],
+        "RuntimeDefault",
+        "{what}: the runtime's seccomp profile"
+    );
+    assert_eq!(
+        sc["readOnlyRootFilesystem"], true,
+        "{what}: read-only root filesystem"
+    );
+    uid
+}
+
+fn assert_resources(container: &Value, what: &str) {
+    let resources = &container["resources"];
+    for kind in ["requests", "limits"] {
+        assert!(
+            resources[kind]["memory"].is_string(),
+            "{what}: a memory {kind}"
+        );
+    }
+    assert!(
+        resources["requests"]["cpu"].is_string(),
+        "{what}: a CPU request"
+    );
+}
+
+fn assert_real_flags(container: &Value, what: &str) {
+    let args = args_of(container);
+    assert_eq!(args.first().map(String::as_str), Some("run"), "{what}");
+    let known = run_flags();
+    for arg in args.iter().filter(|a| a.starts_with("--")) {
+        let name = arg.split('=').next().unwrap();
+        assert!(
+            known.iter().any(|k| k == name),
+            "{what}: {name} is not a flag of envoy-agent run"
+        );
+    }
+    let envs = flag_env_vars();
+    for env in container["env"].as_sequence().into_iter().flatten() {
+        let name = env["name"].as_str().unwrap();
+        if name.starts_with("ENVOY_AGENT_") {
+            assert!(
+                envs.iter().any(|e| e == name),
+                "{what}: {name} is not an environment variable the agent reads"
+            );
+        }
+    }
+}
+
 #[test]
 fn daemonset_supports_the_cross_pod_handoff() {
-    let path = repo().join("deploy/kubernetes/daemonset.yaml");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let ds: Value = serde_yaml::from_str(&text).unwrap();
-    assert_eq!(ds["kind"], "DaemonSet");
+    let k = Kustomization::load(NODE_PROXY);
+    let ds = k.object("DaemonSet");
     let spec = &ds["spec"];
     assert_eq!(spec["updateStrategy"]["rollingUpdate"]["maxSurge"], 1);
     assert_eq!(spec["updateStrategy"]["rollingUpdate"]["maxUnavailable"], 0);
-    let pod = &spec["template"]["spec"];
+    let pod = pod_spec(ds);
     assert_eq!(
         pod["hostNetwork"], true,
         "the Envoys must share a network namespace"
     );
 
     let container = &pod["containers"][0];
-    let args: Vec<String> = container["args"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|a| a.as_str().unwrap().to_owned())
-        .collect();
-    assert_eq!(args[0], "run");
-    let known = run_flags();
-    for arg in args.iter().filter(|a| a.starts_with("--")) {
-        let name = arg.split('=').next().unwrap();
-        assert!(
-            known.iter().any(|k| k == name),
-            "{name} is not a flag of envoy-agent run"
-        );
-    }
+    assert_real_flags(container, "the DaemonSet");
+    let args = args_of(container);
     assert!(args.iter().any(|a| a == "--hot-restart"));
     assert!(flag(&args, "--base-id").is_some(), "a fixed base id");
+    assert!(
+        container["ports"].is_null(),
+        "no container ports: with hostNetwork they are host ports, and the surge pod could not be scheduled beside the old one"
+    );
 
     // The grace period covers the old pod's wait for its Envoy to be terminated.
     let parent_shutdown = parse_duration(flag(&args, "--parent-shutdown-time").unwrap()).unwrap();
@@ -82,159 +319,283 @@ fn daemonset_supports_the_cross_pod_handoff() {
 
     // Readiness is the pod-local marker, not the shared admin port.
     let marker = flag(&args, "--ready-marker").unwrap();
-    let probe: Vec<&str> = container["readinessProbe"]["exec"]["command"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .map(|c| c.as_str().unwrap())
-        .collect();
+    let probe = strings(&container["readinessProbe"]["exec"]["command"]);
     assert!(
-        probe.contains(&marker),
+        probe.iter().any(|c| c == marker),
         "the probe checks {marker}: {probe:?}"
     );
 
     // /dev/shm and the state dir are the node's; the marker's dir is the pod's own.
-    let mounts = container["volumeMounts"].as_sequence().unwrap();
-    let volumes = pod["volumes"].as_sequence().unwrap();
-    let volume_of = |mount_path: &str| -> &Value {
-        let mount = mounts
-            .iter()
-            .find(|m| m["mountPath"] == mount_path)
-            .unwrap_or_else(|| panic!("nothing mounted at {mount_path}"));
-        volumes
-            .iter()
-            .find(|v| v["name"] == mount["name"])
-            .unwrap_or_else(|| panic!("no volume for {mount_path}"))
-    };
-    assert_eq!(volume_of("/dev/shm")["hostPath"]["path"], "/dev/shm");
+    assert_eq!(
+        volume_at(pod, container, "/dev/shm")["hostPath"]["path"],
+        "/dev/shm"
+    );
     let state_dir = flag(&args, "--state-dir").unwrap();
     assert!(
-        volume_of(state_dir)["hostPath"]["path"].is_string(),
+        volume_at(pod, container, state_dir)["hostPath"]["path"].is_string(),
         "the state dir is a hostPath"
     );
-    let marker_dir = std::path::Path::new(marker)
-        .parent()
-        .unwrap()
-        .to_str()
-        .unwrap();
+    let marker_dir = Path::new(marker).parent().unwrap().to_str().unwrap();
     assert!(
-        volume_of(marker_dir)["hostPath"].is_null(),
+        volume_at(pod, container, marker_dir)["emptyDir"].is_mapping(),
         "the marker must be pod-local"
     );
 
     // The identity in the state dir is the pod's name.
-    let env = container["env"].as_sequence().unwrap();
-    assert!(
-        env.iter().any(|e| e["name"] == "POD_NAME"
-            && e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name")
-    );
-}
-
-/// Every YAML document under `deploy/kubernetes/`, with its file name.
-fn manifests() -> Vec<(String, Value)> {
-    let dir = repo().join("deploy/kubernetes");
-    let mut docs = Vec::new();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.extension().is_some_and(|e| e == "yaml") {
-            let text = std::fs::read_to_string(&path).unwrap();
-            for doc in serde_yaml::Deserializer::from_str(&text) {
-                let value =
-                    Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                docs.push((
-                    path.file_name().unwrap().to_string_lossy().into_owned(),
-                    value,
-                ));
-            }
-        }
-    }
-    docs
-}
-
-use serde::Deserialize as _;
-
-/// The containers (and init containers) of a workload that run envoy-agent.
-fn agent_containers(doc: &Value) -> Vec<Value> {
-    let pod = &doc["spec"]["template"]["spec"];
-    ["containers", "initContainers"]
-        .iter()
-        .filter_map(|k| pod[*k].as_sequence())
-        .flatten()
-        .filter(|c| {
-            c["image"]
-                .as_str()
-                .is_some_and(|i| i.starts_with("envoy-agent"))
-        })
-        .cloned()
-        .collect()
-}
-
-fn strings(v: &Value) -> Vec<String> {
-    v.as_sequence()
-        .map(|s| s.iter().map(|a| a.as_str().unwrap().to_owned()).collect())
-        .unwrap_or_default()
+    assert_downward_api(container, "POD_NAME", "metadata.name", "the DaemonSet");
 }
 
 #[test]
-fn every_manifest_uses_real_flags_and_the_kustomization_lists_them_all() {
-    let docs = manifests();
-    let known = run_flags();
-    let mut checked = 0;
-    for (file, doc) in &docs {
-        for container in agent_containers(doc) {
-            let args = strings(&container["args"]);
-            assert_eq!(args[0], "run", "{file}");
-            for arg in args.iter().filter(|a| a.starts_with("--")) {
-                let name = arg.split('=').next().unwrap();
-                assert!(
-                    known.iter().any(|k| k == name),
-                    "{file}: {name} is not a flag of run"
-                );
-            }
-            checked += 1;
-        }
+fn the_node_proxy_runs_unprivileged_and_can_write_what_it_must() {
+    let k = Kustomization::load(NODE_PROXY);
+    let ds = k.object("DaemonSet");
+    let pod = pod_spec(ds);
+    let container = &pod["containers"][0];
+    let what = "the DaemonSet's agent";
+    let uid = assert_restricted(pod, container, what);
+    assert_eq!(uid, IMAGE_UID, "{what}: the image's user");
+    assert_resources(container, what);
+    for (name, field) in [
+        ("POD_NAME", "metadata.name"),
+        ("POD_NAMESPACE", "metadata.namespace"),
+        ("NODE_NAME", "spec.nodeName"),
+    ] {
+        assert_downward_api(container, name, field, what);
     }
-    assert!(checked >= 2, "the DaemonSet and the sidecar");
-    let kustomization = docs
-        .iter()
-        .find(|(f, _)| f == "kustomization.yaml")
-        .map(|(_, d)| strings(&d["resources"]))
-        .unwrap();
-    for (file, _) in docs.iter().filter(|(f, _)| f != "kustomization.yaml") {
+    assert_eq!(pod["priorityClassName"], "system-node-critical");
+    assert_eq!(pod["nodeSelector"]["kubernetes.io/os"], "linux");
+    assert!(
+        pod["tolerations"]
+            .as_sequence()
+            .is_some_and(|t| t.iter().any(|t| t["operator"] == "Exists")),
+        "tolerates tainted nodes"
+    );
+
+    // What it writes is mounted, the root filesystem being read-only: the state dir and
+    // /dev/shm (the node's), the marker, the gRPC socket and /tmp (the pod's).
+    let args = args_of(container);
+    let state_dir = flag(&args, "--state-dir").unwrap();
+    let marker = flag(&args, "--ready-marker").unwrap();
+    let grpc = env_var(container, "ENVOY_AGENT_GRPC_ADDRESS")
+        .and_then(|e| e["value"].as_str())
+        .and_then(|a| a.strip_prefix("unix:"))
+        .expect("a pod-local gRPC socket (ENVOY_AGENT_GRPC_ADDRESS=unix:...)");
+    for path in [state_dir, "/dev/shm", marker, grpc, "/tmp"] {
         assert!(
-            kustomization.contains(file),
-            "kustomization.yaml lists {file}"
+            writable_mount_of(container, path).is_some(),
+            "{what}: {path} is on a writable volume"
+        );
+    }
+    let grpc_mount = writable_mount_of(container, grpc).unwrap()["mountPath"]
+        .as_str()
+        .unwrap();
+    assert!(
+        volume_at(pod, container, grpc_mount)["emptyDir"].is_mapping(),
+        "the gRPC socket is pod-local: the successor pod's agent has its own"
+    );
+
+    // The kubelet creates the hostPath state dir as root: an init container hands it to the
+    // agent's user before the agent starts.
+    let init = pod["initContainers"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|c| {
+            c["volumeMounts"]
+                .as_sequence()
+                .is_some_and(|m| m.iter().any(|m| m["mountPath"] == state_dir))
+        })
+        .expect("an init container that prepares the state dir");
+    let command = strings(&init["command"]);
+    let gid = container["securityContext"]["runAsGroup"].as_u64().unwrap();
+    let owner = format!("{uid}:{gid}");
+    assert_eq!(
+        command,
+        ["chown", owner.as_str(), state_dir],
+        "the init container gives the state dir to the agent's user"
+    );
+    assert_eq!(
+        strings(&init["securityContext"]["capabilities"]["add"]),
+        ["CHOWN"],
+        "the init container needs CAP_CHOWN only"
+    );
+    assert_eq!(
+        strings(&init["securityContext"]["capabilities"]["drop"]),
+        ["ALL"]
+    );
+    assert_eq!(init["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_resources(init, "the state-dir init container");
+}
+
+#[test]
+fn the_node_proxy_bootstrap_has_fixed_ports() {
+    let k = Kustomization::load(NODE_PROXY);
+    let ds = k.object("DaemonSet");
+    let args = args_of(&pod_spec(ds)["containers"][0]);
+    let config = Path::new(flag(&args, "--config-path").unwrap());
+    let (_, files) = k
+        .generated_config_maps()
+        .into_iter()
+        .next()
+        .expect("a configMapGenerator");
+    let file = config.file_name().unwrap().to_str().unwrap();
+    assert!(files.iter().any(|f| f == file), "the ConfigMap has {file}");
+    let bootstrap = yaml_docs(&repo().join(NODE_PROXY).join(file)).remove(0);
+
+    // Every epoch, and the successor pod's Envoy, binds the same admin port; on the node's
+    // loopback only.
+    let admin = &bootstrap["admin"]["address"]["socket_address"];
+    assert!(
+        admin["port_value"].as_u64().is_some_and(|p| p > 0),
+        "a fixed admin port"
+    );
+    assert_eq!(admin["address"], "127.0.0.1", "the admin API on loopback");
+    // Envoy hands listening sockets over by their configured address.
+    for listener in bootstrap["static_resources"]["listeners"]
+        .as_sequence()
+        .unwrap()
+    {
+        assert!(
+            listener["address"]["socket_address"]["port_value"]
+                .as_u64()
+                .is_some_and(|p| p > 0),
+            "listener {:?} has a fixed port",
+            listener["name"]
         );
     }
 }
 
 #[test]
-fn the_sidecar_drains_on_prestop_and_is_ready_from_the_status_server() {
-    let docs = manifests();
-    let (_, deployment) = docs.iter().find(|(f, _)| f == "sidecar.yaml").unwrap();
-    let pod = &deployment["spec"]["template"]["spec"];
+fn every_kustomization_creates_what_its_workloads_need() {
+    let all = Kustomization::all();
+    let dirs: Vec<&str> = all.iter().map(|k| k.dir.as_str()).collect();
+    assert_eq!(dirs, [NODE_PROXY, SIDECAR_EXAMPLE]);
+    let mut agents = 0;
+    for k in &all {
+        let dir = &k.dir;
+        // Every manifest in the directory is applied; the generators' files exist.
+        let resources = strings(&k.spec["resources"]);
+        let generated: Vec<String> = k
+            .generated_config_maps()
+            .into_iter()
+            .flat_map(|(_, files)| files)
+            .collect();
+        for entry in std::fs::read_dir(repo().join(dir)).unwrap() {
+            let file = entry.unwrap().file_name().to_string_lossy().into_owned();
+            if file.ends_with(".yaml") && file != "kustomization.yaml" {
+                assert!(
+                    resources.contains(&file) || generated.contains(&file),
+                    "{dir}: kustomization.yaml uses {file}"
+                );
+            }
+        }
+        for file in &generated {
+            assert!(
+                repo().join(dir).join(file).is_file(),
+                "{dir}: {file} exists"
+            );
+        }
+
+        // It creates its own namespace.
+        let namespace = k.spec["namespace"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{dir}: a namespace"));
+        assert_eq!(
+            k.object("Namespace")["metadata"]["name"],
+            namespace,
+            "{dir}: creates its namespace"
+        );
+
+        // The agent's image can be pointed at a registry.
+        let images: Vec<&str> = k.spec["images"]
+            .as_sequence()
+            .unwrap_or_else(|| panic!("{dir}: an images: entry"))
+            .iter()
+            .map(|i| i["name"].as_str().unwrap())
+            .collect();
+
+        for workload in k
+            .objects
+            .iter()
+            .filter(|o| o["spec"]["template"].is_mapping())
+        {
+            let pod = pod_spec(workload);
+            let names: Vec<String> = k
+                .generated_config_maps()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
+            for volume in pod["volumes"].as_sequence().into_iter().flatten() {
+                if let Some(cm) = volume["configMap"]["name"].as_str() {
+                    assert!(
+                        names.iter().any(|n| n == cm),
+                        "{dir}: the ConfigMap {cm} is generated here"
+                    );
+                }
+            }
+            for container in agent_containers(pod) {
+                let what = format!("{dir}: container {}", container["name"].as_str().unwrap());
+                assert_real_flags(container, &what);
+                let image = container["image"].as_str().unwrap();
+                let name = image.split(':').next().unwrap();
+                assert!(images.contains(&name), "{what}: images: names {name}");
+                // The bootstrap is a generated ConfigMap file, mounted where --config-path says.
+                let args = args_of(container);
+                let config = Path::new(flag(&args, "--config-path").expect("--config-path"));
+                let volume = volume_at(pod, container, config.parent().unwrap().to_str().unwrap());
+                assert!(
+                    volume["configMap"].is_mapping(),
+                    "{what}: bootstrap from a ConfigMap"
+                );
+                let file = config.file_name().unwrap().to_string_lossy().into_owned();
+                assert!(
+                    generated.contains(&file),
+                    "{what}: the ConfigMap has {file}"
+                );
+                agents += 1;
+            }
+        }
+    }
+    assert!(agents >= 2, "the DaemonSet and the sidecar");
+}
+
+#[test]
+fn the_sidecar_starts_before_the_app_drains_on_prestop_and_is_ready_from_the_status_server() {
+    let k = Kustomization::load(SIDECAR_EXAMPLE);
+    let deployment = k.object("Deployment");
+    let pod = pod_spec(deployment);
     let sidecar = &pod["initContainers"][0];
     assert_eq!(sidecar["restartPolicy"], "Always", "a native sidecar");
-    let args = strings(&sidecar["args"]);
+    let what = "the sidecar";
+    let uid = assert_restricted(pod, sidecar, what);
+    assert_eq!(uid, IMAGE_UID, "{what}: the image's user");
+    assert_resources(sidecar, what);
+    let args = args_of(sidecar);
 
-    // Readiness on the agent's own endpoint and port.
+    // Startup and readiness on the agent's own endpoint and port, with timeouts that cover
+    // the handler's own wait on Envoy.
     let status: std::net::SocketAddr = flag(&args, "--status-address").unwrap().parse().unwrap();
     assert!(
         status.ip().is_unspecified(),
         "the kubelet probes the pod IP"
     );
-    let probe = &sidecar["readinessProbe"]["httpGet"];
-    assert_eq!(probe["path"], "/healthz/ready");
-    assert_eq!(probe["port"].as_u64(), Some(u64::from(status.port())));
-    let router_paths = [
-        "/healthz/ready",
-        "/drain",
-        "/quitquitquit",
-        "/stats/prometheus",
-    ];
-    assert!(router_paths.contains(&probe["path"].as_str().unwrap()));
+    for kind in ["startupProbe", "readinessProbe"] {
+        let probe = &sidecar[kind];
+        assert_eq!(probe["httpGet"]["path"], "/healthz/ready", "{kind}");
+        assert_eq!(
+            probe["httpGet"]["port"].as_u64(),
+            Some(u64::from(status.port())),
+            "{kind}"
+        );
+        let timeout = probe["timeoutSeconds"].as_u64().unwrap_or(1);
+        assert!(
+            timeout > READY_HANDLER_WAIT_SECS,
+            "{kind}: timeoutSeconds {timeout} must exceed the handler's {READY_HANDLER_WAIT_SECS}s wait on Envoy"
+        );
+    }
 
-    // preStop: the agent's own drain subcommand, which exists.
+    // preStop: the agent's own drain subcommand, which exists, over the socket `run` listens
+    // on (the same container, so the same environment).
     let pre_stop = strings(&sidecar["lifecycle"]["preStop"]["exec"]["command"]);
     assert_eq!(pre_stop[1..], ["drain", "--skip-exit"]);
     let cli = Cli::command();
@@ -244,8 +605,38 @@ fn the_sidecar_drains_on_prestop_and_is_ready_from_the_status_server() {
             .get_arguments()
             .any(|a| a.get_long() == Some("skip-exit"))
     );
+    assert!(
+        flag(&args, "--grpc-address").is_none(),
+        "the address comes from the environment both read"
+    );
+    let grpc = env_var(sidecar, "ENVOY_AGENT_GRPC_ADDRESS")
+        .and_then(|e| e["value"].as_str())
+        .and_then(|a| a.strip_prefix("unix:"))
+        .expect("ENVOY_AGENT_GRPC_ADDRESS=unix:...");
+    assert!(
+        writable_mount_of(sidecar, grpc).is_some(),
+        "{grpc} is writable"
+    );
+    assert!(
+        writable_mount_of(sidecar, "/tmp").is_some(),
+        "/tmp is writable"
+    );
 
-    // The grace covers the drain: delay + termination drain + the stop grace.
+    // The preStop drains inbound listeners: the bootstrap's served listener is one.
+    let bootstrap = yaml_docs(&repo().join(SIDECAR_EXAMPLE).join("bootstrap.yaml")).remove(0);
+    let listener = &bootstrap["static_resources"]["listeners"][0];
+    assert_eq!(listener["traffic_direction"], "INBOUND");
+    let inbound_port = listener["address"]["socket_address"]["port_value"]
+        .as_u64()
+        .unwrap();
+    let service = k.object("Service");
+    assert_eq!(
+        service["spec"]["ports"][0]["targetPort"].as_u64(),
+        Some(inbound_port),
+        "the Service sends clients through Envoy"
+    );
+
+    // The grace covers the fallback drain: delay + termination drain + the stop grace.
     let secs = |name: &str, default: &str| {
         parse_duration(flag(&args, name).unwrap_or(default))
             .unwrap()
@@ -259,11 +650,23 @@ fn the_sidecar_drains_on_prestop_and_is_ready_from_the_status_server() {
         grace > needed,
         "terminationGracePeriodSeconds {grace} must exceed {needed}s"
     );
+
+    // The app runs restricted too (the namespace enforces it).
+    assert_restricted(pod, &pod["containers"][0], "the app");
+    assert_eq!(
+        k.object("Namespace")["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "restricted"
+    );
 }
 
 #[test]
-fn the_dockerfile_runs_the_agent_with_real_flags() {
+fn the_dockerfile_builds_from_the_workspace_and_runs_the_agent_unprivileged() {
     let text = std::fs::read_to_string(repo().join("Dockerfile")).unwrap();
+    assert_eq!(
+        text.lines().next(),
+        Some("# syntax=docker/dockerfile:1"),
+        "BuildKit syntax (cache mounts)"
+    );
     let json_line = |directive: &str| -> Vec<String> {
         let line = text
             .lines()
@@ -278,30 +681,61 @@ fn the_dockerfile_runs_the_agent_with_real_flags() {
         "the agent is PID 1"
     );
     assert!(
-        text.contains(
-            "COPY --from=build /src/target/release/envoy-agent /usr/local/bin/envoy-agent"
-        )
-    );
-    assert!(
         text.contains("FROM envoyproxy/envoy:v1.40"),
         "the official Envoy 1.40 image"
     );
+
+    // The build stage builds the workspace as it is: no placeholder crates, the cargo command
+    // in one script (which CI runs too), registry and target dir in cache mounts.
     assert!(
-        text.lines()
-            .any(|l| l.starts_with("USER ") && !l.contains("root")),
-        "non-root"
+        !text.contains("fn main() {}") && !text.contains("touch"),
+        "no placeholder crates"
     );
+    assert!(text.contains("scripts/docker-build-stage.sh compile /out"));
+    let script = repo().join("scripts/docker-build-stage.sh");
+    assert!(
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&script).unwrap().permissions())
+            & 0o111
+            != 0,
+        "{} is executable",
+        script.display()
+    );
+    for cache in ["/usr/local/cargo/registry", "/src/target"] {
+        assert!(
+            text.contains(&format!("--mount=type=cache,target={cache}")),
+            "a cache mount for {cache}"
+        );
+    }
+    assert!(text.contains("COPY --from=build /out/envoy-agent /usr/local/bin/envoy-agent"));
+
+    // A numeric non-root user, so that runAsNonRoot can check it; the manifests use the same.
+    let user = text
+        .lines()
+        .find_map(|l| l.strip_prefix("USER "))
+        .expect("a USER");
+    let (uid, gid) = user.split_once(':').expect("USER uid:gid");
+    assert_eq!(uid.parse::<u64>().ok(), Some(IMAGE_UID), "USER {user}");
+    assert!(gid.parse::<u64>().is_ok_and(|g| g != 0), "USER {user}");
+
     let cmd = json_line("CMD");
     assert_eq!(cmd[0], "run");
     let known = run_flags();
     for arg in cmd.iter().filter(|a| a.starts_with("--")) {
         assert!(known.contains(arg), "{arg} is not a flag of run");
     }
+    // The status port is exposed.
+    let status: std::net::SocketAddr = flag(&cmd, "--status-address").unwrap().parse().unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == format!("EXPOSE {}", status.port())),
+        "EXPOSE {}",
+        status.port()
+    );
     assert!(repo().join(".dockerignore").exists());
 }
 
 #[test]
-fn the_systemd_unit_uses_real_flags() {
+fn the_systemd_unit_uses_real_flags_and_leaves_stopping_envoy_to_the_agent() {
     let text = std::fs::read_to_string(repo().join("deploy/systemd/envoy-agent.service")).unwrap();
     let exec = text.replace("\\\n", " ");
     let line = exec.lines().find(|l| l.starts_with("ExecStart=")).unwrap();
@@ -312,7 +746,41 @@ fn the_systemd_unit_uses_real_flags() {
             "{word} is not a flag of run"
         );
     }
-    assert!(text.contains("ExecReload=/bin/kill -HUP $MAINPID"));
+    let directive = |key: &str| -> Vec<&str> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(&format!("{key}=")))
+            .collect()
+    };
+    assert_eq!(directive("ExecReload"), ["/bin/kill -HUP $MAINPID"]);
+    assert_eq!(
+        directive("KillMode"),
+        ["mixed"],
+        "SIGTERM to the agent alone, which stops every epoch itself"
+    );
+    let user = directive("User");
+    assert!(
+        user.len() == 1 && user[0] != "root" && user[0] != "0",
+        "a non-root User=: {user:?}"
+    );
+    assert_eq!(directive("AmbientCapabilities"), ["CAP_NET_BIND_SERVICE"]);
+    assert_eq!(directive("CapabilityBoundingSet"), ["CAP_NET_BIND_SERVICE"]);
+    assert_eq!(directive("NoNewPrivileges"), ["yes"]);
+    assert_eq!(directive("ProtectSystem"), ["strict"]);
+    // What the agent writes is in the directories systemd creates for User= (writable under
+    // ProtectSystem=strict).
+    for path_flag in ["--state-dir", "--ready-marker", "--grpc-address"] {
+        let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+        let value = flag(&words, path_flag).unwrap();
+        let path = value.strip_prefix("unix:").unwrap_or(value);
+        let in_runtime_dir = path.starts_with("/run/envoy-agent/")
+            && directive("RuntimeDirectory") == ["envoy-agent"];
+        let in_state_dir = path.starts_with("/var/lib/envoy-agent")
+            && directive("StateDirectory") == ["envoy-agent"];
+        assert!(
+            in_runtime_dir || in_state_dir,
+            "{path_flag} {path} is in RuntimeDirectory= or StateDirectory="
+        );
+    }
 }
 
 #[test]
