@@ -1,39 +1,46 @@
-//! [`Agent`]: runs one proxy and decides when and how it stops.
+//! [`Agent`]: runs one [`Proxy`] (a single Envoy, or a hot-restart family of Envoy epochs) and
+//! decides when and how it stops.
 //!
 //! The agent is one actor task ([`Agent::run`]) that owns every decision, plus cloneable
-//! [`AgentHandle`]s (the status server's, later the gRPC service's) that send it commands and
-//! read its [`AgentState`] from a `watch` channel. Nothing else touches the proxy's lifecycle.
+//! [`AgentHandle`]s (the status server's, the gRPC service's) that send it commands and read
+//! its [`Status`] from a `watch` channel: the agent's own [`AgentState`] beside the proxy's
+//! typed state, one snapshot. Nothing else touches the proxy's lifecycle. Commands resolve
+//! once the agent has acted on them.
 //!
-//! # Exit paths
+//! # Exit paths (both modes)
 //!
 //! | event | what happens | exit code |
 //! |---|---|---|
 //! | Envoy exits on its own | the agent exits | Envoy's (128+N for signal N) |
-//! | SIGTERM / SIGINT | [drain delay] → `drain_listeners?graceful` → wait the termination drain duration (less if Envoy exits) → stop Envoy | 0 |
-//! | same, exit-on-zero | … → drain → wait the minimum drain duration → poll active connections, stop at zero; the termination drain duration is a hard deadline; N stats errors in a row end the wait | 0 |
-//! | `POST /drain` | drain with `skip_exit`, Envoy keeps running; the next SIGTERM stops at once | 0 |
-//! | `POST /quitquitquit` | stop Envoy at once, no drain | 0 |
-//! | a second SIGTERM/SIGINT during a drain | stop Envoy at once | 0 |
+//! | SIGTERM / SIGINT, no successor pod | [drain delay] → graceful drain of every epoch → wait the termination drain duration (less if Envoy exits) → stop | 0 |
+//! | same, exit-on-zero | … → drain → wait the minimum drain duration → count active connections, stop at zero (and no parent epoch still draining); the termination drain duration is a hard deadline; N stats errors in a row end the wait | 0 |
+//! | SIGTERM / SIGINT while a successor pod takes over | wait until the successor's Envoy has terminated ours (bounded), then exit | 0 |
+//! | `/drain`, gRPC `Drain` | every epoch drains (with `skip_exit`: keeps accepting); the next SIGTERM stops at once | 0 |
+//! | `/quitquitquit`, gRPC `QuitQuitQuit` | stop at once, no drain | 0 |
+//! | a second SIGTERM/SIGINT during a drain or a handover wait | stop at once | 0 |
 //!
-//! "Stop Envoy" is SIGTERM, then SIGKILL to its process group after the proxy's grace; the
-//! agent always waits for Envoy's exit status, so no Envoy outlives it.
+//! "Stop" cancels the proxy's run: it stops every Envoy (SIGTERM, SIGKILL after its grace;
+//! SIGKILL at once for an epoch that is not LIVE while its parent lives) and the agent waits
+//! for them all to be reaped, so no Envoy outlives it.
 //!
 //! # Bounds
 //!
-//! Every admin call runs concurrently with the loop (a hanging admin never stalls a signal or
-//! a command) and is dropped when the agent moves on. The drain deadline starts when the
-//! drain does (after the optional delay) and covers the drain call itself: an Envoy whose
-//! admin API hangs is stopped when the deadline passes, not later.
+//! Every call to the proxy that may take time (drain, the successor question, connection
+//! counts) runs concurrently with the loop, so a hanging admin API never stalls a signal or a
+//! command, and is dropped when the agent moves on. The drain deadline starts when the drain
+//! does (after the optional delay) and covers the drain call itself.
 
 use std::fmt;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use envoy_agent_drain::{DrainError, Exclusions, active_connections};
-use envoy_agent_proxy::{AdminClient, Exit, Proxy, ProxyError, ServerState};
+use envoy_agent_proxy::{
+    AdminClient, ConfigApplied, DrainOptions, Ended, Proxy, ProxyError, ProxyPhase, ProxyState,
+    RestartError, WedgeReason,
+};
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -42,6 +49,9 @@ use crate::signal::{Intent, IntentSource};
 
 /// `EX_SOFTWARE`: the proxy could not be run at all.
 pub const EXIT_SOFTWARE: u8 = 70;
+
+/// Bound on asking the proxy whether a successor takes over (it asks the admin API).
+const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How the agent drains and stops. [`Default`] gives Istio's defaults.
 #[derive(Debug, Clone)]
@@ -64,8 +74,8 @@ pub struct AgentConfig {
     pub stats_timeout: Duration,
     /// Consecutive stats failures that end the wait for zero connections.
     pub stats_error_budget: u32,
-    /// How often Envoy's state is read while it starts.
-    pub live_poll_interval: Duration,
+    /// How long a stopping agent waits for a successor pod's Envoy to terminate its own.
+    pub handover_timeout: Duration,
 }
 
 impl Default for AgentConfig {
@@ -79,25 +89,35 @@ impl Default for AgentConfig {
             poll_interval: Duration::from_millis(50),
             stats_timeout: Duration::from_secs(2),
             stats_error_budget: 5,
-            live_poll_interval: Duration::from_millis(100),
+            handover_timeout: Duration::from_secs(130),
         }
     }
+}
+
+/// Where a request came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// The status server (`POST /drain`, `POST /quitquitquit`).
+    Http,
+    /// The gRPC API.
+    Grpc,
 }
 
 /// Why a drain started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DrainReason {
-    /// A shutdown signal.
+    /// A shutdown signal (or gRPC `Stop`, which takes the same path).
     Signal(Intent),
-    /// `POST /drain` (native sidecars' preStop): drain with `skip_exit`, keep running.
-    DrainEndpoint,
+    /// A drain request (`POST /drain`, gRPC `Drain`): Envoy keeps running.
+    Request(Via),
 }
 
 impl fmt::Display for DrainReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DrainReason::Signal(intent) => f.write_str(intent.signal_name()),
-            DrainReason::DrainEndpoint => f.write_str("POST /drain"),
+            DrainReason::Request(Via::Http) => f.write_str("POST /drain"),
+            DrainReason::Request(Via::Grpc) => f.write_str("gRPC Drain"),
         }
     }
 }
@@ -105,6 +125,8 @@ impl fmt::Display for DrainReason {
 /// Where a drain is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DrainPhase {
+    /// Asking the proxy whether a successor pod takes over (then there is no drain of ours).
+    Deciding,
     /// Readiness is off; the drain starts when the delay ends.
     Delay,
     /// Envoy has been told to drain (or is being told).
@@ -119,6 +141,21 @@ pub enum ExitPath {
         /// Envoy's exit code (128+N for signal N).
         code: i32,
     },
+    /// The serving Envoy exited while nothing else served and no successor took over.
+    ProxyLost {
+        /// Its exit code (never 0).
+        code: u8,
+    },
+    /// The first Envoy never served.
+    StartFailed {
+        /// Its exit code (never 0).
+        code: u8,
+    },
+    /// The hot-restart family was judged wedged.
+    Wedged {
+        /// Why.
+        reason: WedgeReason,
+    },
     /// The termination drain duration passed.
     DrainTimeElapsed,
     /// Exit-on-zero: no active connections were left.
@@ -127,12 +164,16 @@ pub enum ExitPath {
     DrainDeadline,
     /// Exit-on-zero: the connection count could not be read, too often in a row.
     StatsUnavailable,
-    /// `POST /quitquitquit`.
-    QuitQuitQuit,
+    /// `/quitquitquit` or gRPC `QuitQuitQuit`.
+    QuitQuitQuit(Via),
     /// A second SIGTERM/SIGINT during a drain.
     SecondSignal,
-    /// SIGTERM/SIGINT after `POST /drain` (or with draining disabled).
+    /// SIGTERM/SIGINT after a drain request (or with draining disabled).
     SignalAfterDrain,
+    /// A successor pod's Envoy took over and terminated ours.
+    HandedOver,
+    /// A successor pod took over but did not terminate our Envoy in time: it was stopped.
+    HandoverTimedOut,
     /// The proxy could not be run.
     ProxyFailed,
 }
@@ -141,21 +182,64 @@ impl fmt::Display for ExitPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ExitPath::ProxyExited { code } => write!(f, "envoy exited with code {code}"),
+            ExitPath::ProxyLost { code } => {
+                write!(f, "the serving envoy was lost (exit {code})")
+            }
+            ExitPath::StartFailed { code } => write!(f, "envoy failed to start (exit {code})"),
+            ExitPath::Wedged { reason } => write!(f, "wedged ({reason})"),
             ExitPath::DrainTimeElapsed => f.write_str("termination drain duration elapsed"),
             ExitPath::ZeroConnections => f.write_str("no active connections left"),
             ExitPath::DrainDeadline => {
                 f.write_str("connections remained at the termination drain deadline")
             }
             ExitPath::StatsUnavailable => f.write_str("active connections could not be counted"),
-            ExitPath::QuitQuitQuit => f.write_str("POST /quitquitquit"),
+            ExitPath::QuitQuitQuit(Via::Http) => f.write_str("POST /quitquitquit"),
+            ExitPath::QuitQuitQuit(Via::Grpc) => f.write_str("gRPC QuitQuitQuit"),
             ExitPath::SecondSignal => f.write_str("second signal during the drain"),
-            ExitPath::SignalAfterDrain => f.write_str("signal after POST /drain"),
+            ExitPath::SignalAfterDrain => f.write_str("signal after a drain request"),
+            ExitPath::HandedOver => f.write_str("handed over to the successor pod"),
+            ExitPath::HandoverTimedOut => {
+                f.write_str("the successor did not terminate our envoy in time")
+            }
             ExitPath::ProxyFailed => f.write_str("envoy could not be run"),
         }
     }
 }
 
-/// The agent's state, published on a `watch` channel.
+impl ExitPath {
+    /// The process exit code this path means.
+    pub fn code(self) -> u8 {
+        match self {
+            ExitPath::ProxyExited { code } => u8::try_from(code).unwrap_or(1),
+            ExitPath::ProxyLost { code } | ExitPath::StartFailed { code } => code,
+            ExitPath::Wedged { .. } => envoy_agent_proxy::EXIT_WEDGED,
+            ExitPath::ProxyFailed => EXIT_SOFTWARE,
+            _ => 0,
+        }
+    }
+
+    /// A short name (`drain_time_elapsed`, `quitquitquit`, ...) for metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExitPath::ProxyExited { .. } => "proxy_exited",
+            ExitPath::ProxyLost { .. } => "proxy_lost",
+            ExitPath::StartFailed { .. } => "start_failed",
+            ExitPath::Wedged { .. } => "wedged",
+            ExitPath::DrainTimeElapsed => "drain_time_elapsed",
+            ExitPath::ZeroConnections => "zero_connections",
+            ExitPath::DrainDeadline => "drain_deadline",
+            ExitPath::StatsUnavailable => "stats_unavailable",
+            ExitPath::QuitQuitQuit(_) => "quitquitquit",
+            ExitPath::SecondSignal => "second_signal",
+            ExitPath::SignalAfterDrain => "signal_after_drain",
+            ExitPath::HandedOver => "handed_over",
+            ExitPath::HandoverTimedOut => "handover_timed_out",
+            ExitPath::ProxyFailed => "proxy_failed",
+        }
+    }
+}
+
+/// The agent's state.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AgentState {
     /// Envoy is starting (not LIVE yet).
@@ -163,7 +247,7 @@ pub enum AgentState {
         /// Since when.
         since: SystemTime,
     },
-    /// Envoy reported LIVE.
+    /// The newest Envoy is LIVE and nothing drains.
     Live {
         /// Since when.
         since: SystemTime,
@@ -176,6 +260,20 @@ pub enum AgentState {
         reason: DrainReason,
         /// Where.
         phase: DrainPhase,
+    },
+    /// A successor pod's Envoy took over from ours (ours drains until it terminates it).
+    HandedOver {
+        /// Since when.
+        since: SystemTime,
+        /// Who.
+        successor: String,
+    },
+    /// Told to stop while a successor pod takes over: waiting for it to terminate our Envoy.
+    HandingOver {
+        /// Since when.
+        since: SystemTime,
+        /// Who.
+        successor: String,
     },
     /// Stopping Envoy and exiting.
     Exiting {
@@ -192,22 +290,33 @@ impl fmt::Display for AgentState {
             AgentState::Starting { .. } | AgentState::Live { .. } => f.write_str(self.name()),
             AgentState::Draining {
                 reason,
+                phase: DrainPhase::Deciding,
+                ..
+            } => write!(f, "stopping ({reason}; is a successor taking over?)"),
+            AgentState::Draining {
+                reason,
                 phase: DrainPhase::Delay,
                 ..
             } => write!(f, "draining soon ({reason}; drain delay)"),
             AgentState::Draining { reason, .. } => write!(f, "draining ({reason})"),
+            AgentState::HandedOver { successor, .. } => write!(f, "handed over to {successor}"),
+            AgentState::HandingOver { successor, .. } => {
+                write!(f, "handing over to {successor}")
+            }
             AgentState::Exiting { path, .. } => write!(f, "exiting ({path})"),
         }
     }
 }
 
 impl AgentState {
-    /// A short name: `starting`, `live`, `draining`, `exiting`.
+    /// A short name: `starting`, `live`, `draining`, `handed_over`, `handing_over`, `exiting`.
     pub fn name(&self) -> &'static str {
         match self {
             AgentState::Starting { .. } => "starting",
             AgentState::Live { .. } => "live",
             AgentState::Draining { .. } => "draining",
+            AgentState::HandedOver { .. } => "handed_over",
+            AgentState::HandingOver { .. } => "handing_over",
             AgentState::Exiting { .. } => "exiting",
         }
     }
@@ -218,9 +327,64 @@ impl AgentState {
             AgentState::Starting { since }
             | AgentState::Live { since }
             | AgentState::Draining { since, .. }
+            | AgentState::HandedOver { since, .. }
+            | AgentState::HandingOver { since, .. }
             | AgentState::Exiting { since, .. } => *since,
         }
     }
+
+    /// Whether the agent serves: the newest Envoy LIVE and nothing draining, handing over or
+    /// stopping. What readiness and gRPC health report (a hot-restart handoff is not a drain:
+    /// the serving epoch serves through it).
+    pub fn serving(&self) -> bool {
+        matches!(self, AgentState::Live { .. })
+    }
+
+    /// Whether Envoy drains (or is about to): a drain, a handover, an exit.
+    pub fn draining(&self) -> bool {
+        matches!(
+            self,
+            AgentState::Draining { .. }
+                | AgentState::HandedOver { .. }
+                | AgentState::HandingOver { .. }
+        )
+    }
+
+    fn same_kind(&self, other: &AgentState) -> bool {
+        match (self, other) {
+            (AgentState::Starting { .. }, AgentState::Starting { .. })
+            | (AgentState::Live { .. }, AgentState::Live { .. }) => true,
+            (
+                AgentState::Draining { reason, phase, .. },
+                AgentState::Draining {
+                    reason: r,
+                    phase: p,
+                    ..
+                },
+            ) => reason == r && phase == p,
+            (
+                AgentState::HandedOver { successor, .. },
+                AgentState::HandedOver { successor: s, .. },
+            )
+            | (
+                AgentState::HandingOver { successor, .. },
+                AgentState::HandingOver { successor: s, .. },
+            ) => successor == s,
+            (AgentState::Exiting { path, .. }, AgentState::Exiting { path: p, .. }) => path == p,
+            _ => false,
+        }
+    }
+}
+
+/// What the agent publishes: its own state and the proxy's, taken together.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Status {
+    /// The agent's state.
+    pub agent: AgentState,
+    /// The proxy's state (every epoch; hot restart's handoffs and cross-pod facts).
+    pub proxy: ProxyState,
+    /// When the drain in progress stops Envoy at the latest, if one is under way.
+    pub drain_deadline: Option<SystemTime>,
 }
 
 /// How the agent's run ended; [`AgentExit::code`] is the process exit code.
@@ -228,20 +392,16 @@ impl AgentState {
 pub struct AgentExit {
     /// Why.
     pub path: ExitPath,
-    /// How Envoy ended, when it ran.
-    pub exit: Option<Exit>,
-    /// Why Envoy could not be run, when it could not.
+    /// How the proxy ended, when it ran.
+    pub ended: Option<Ended>,
+    /// Why the proxy could not be run, when it could not.
     pub error: Option<ProxyError>,
 }
 
 impl AgentExit {
-    /// Envoy's own code when it exited on its own, 70 when it could not be run, else 0.
+    /// The process exit code (see [`ExitPath::code`]).
     pub fn code(&self) -> u8 {
-        match self.path {
-            ExitPath::ProxyExited { code } => u8::try_from(code).unwrap_or(1),
-            ExitPath::ProxyFailed => EXIT_SOFTWARE,
-            _ => 0,
-        }
+        self.path.code()
     }
 }
 
@@ -255,31 +415,58 @@ pub enum AgentError {
     /// Envoy refused or did not answer the drain; the agent still skips the drain on exit.
     #[error("drain failed: {0}")]
     DrainFailed(String),
+    /// The hot restart did not happen.
+    #[error(transparent)]
+    Restart(#[from] RestartError),
+    /// The config update did not happen (or its restart did not).
+    #[error(transparent)]
+    Config(ProxyError),
 }
+
+type Reply<T> = oneshot::Sender<Result<T, AgentError>>;
 
 enum Command {
     Drain {
-        /// `None`: the proxy's own choice (inbound only for sidecars).
-        inbound_only: Option<bool>,
-        skip_exit: bool,
-        reply: oneshot::Sender<Result<(), String>>,
+        options: DrainOptions,
+        via: Via,
+        reply: Reply<()>,
     },
-    Quit,
-    DisableDraining,
+    Quit {
+        via: Via,
+        reply: Reply<()>,
+    },
+    Stop {
+        reply: Reply<()>,
+    },
+    DisableDraining {
+        reply: Reply<()>,
+    },
+    HotRestart {
+        reason: String,
+        reply: Reply<u32>,
+    },
+    UpdateConfig {
+        config: Vec<u8>,
+        reason: String,
+        reply: Reply<ConfigApplied>,
+    },
+    ReopenLogs {
+        reply: Reply<usize>,
+    },
 }
 
-/// A cloneable handle to a running [`Agent`].
+/// A cloneable handle to a running [`Agent`]. Every method resolves once the agent has acted.
 #[derive(Clone)]
 pub struct AgentHandle {
     commands: mpsc::Sender<Command>,
-    state: watch::Receiver<AgentState>,
-    admin: Arc<dyn Fn() -> Option<SocketAddr> + Send + Sync>,
+    status: watch::Receiver<Status>,
+    admin: Arc<dyn Fn() -> Option<std::net::SocketAddr> + Send + Sync>,
 }
 
 impl fmt::Debug for AgentHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AgentHandle")
-            .field("state", &*self.state.borrow())
+            .field("state", &self.status.borrow().agent)
             .finish_non_exhaustive()
     }
 }
@@ -287,9 +474,14 @@ impl fmt::Debug for AgentHandle {
 // === impl AgentHandle ===
 
 impl AgentHandle {
-    /// The agent's state, now and as it changes.
-    pub fn state(&self) -> watch::Receiver<AgentState> {
-        self.state.clone()
+    /// The agent's and the proxy's state, now and as it changes.
+    pub fn status(&self) -> watch::Receiver<Status> {
+        self.status.clone()
+    }
+
+    /// The agent's own state now.
+    pub fn state(&self) -> AgentState {
+        self.status.borrow().agent.clone()
     }
 
     /// Envoy's admin API, when its address is known.
@@ -297,49 +489,80 @@ impl AgentHandle {
         (self.admin)().map(AdminClient::new)
     }
 
-    /// `/drain`: drain with `skip_exit` (Envoy keeps running and accepting); the next
-    /// SIGTERM then exits at once. Resolves when Envoy has accepted the drain.
-    pub async fn drain_now(&self) -> Result<(), AgentError> {
-        self.drain(None, true).await
-    }
-
-    /// Drains Envoy's listeners (inbound only, or all; `None`: the proxy's own choice) and
-    /// keeps Envoy running: the next SIGTERM exits at once. With `skip_exit` the listeners keep
-    /// accepting; without, Envoy stops them when its drain time ends.
-    pub async fn drain(
-        &self,
-        inbound_only: Option<bool>,
-        skip_exit: bool,
-    ) -> Result<(), AgentError> {
+    async fn ask<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, AgentError> {
         let (reply, answer) = oneshot::channel();
         self.commands
-            .send(Command::Drain {
-                inbound_only,
-                skip_exit,
-                reply,
-            })
+            .send(command(reply))
             .await
             .map_err(|_| AgentError::Gone)?;
-        answer
-            .await
-            .map_err(|_| AgentError::Gone)?
-            .map_err(AgentError::DrainFailed)
+        answer.await.map_err(|_| AgentError::Gone)?
     }
 
-    /// `/quitquitquit`: stop Envoy at once, without draining, and exit.
-    pub async fn quit(&self) -> Result<(), AgentError> {
-        self.commands
-            .send(Command::Quit)
-            .await
-            .map_err(|_| AgentError::Gone)
+    /// `/drain`: drain with `skip_exit` (Envoy keeps running and accepting); the next SIGTERM
+    /// then exits at once. Resolves when Envoy has accepted the drain.
+    pub async fn drain_now(&self, via: Via) -> Result<(), AgentError> {
+        self.drain(
+            DrainOptions {
+                inbound_only: None,
+                skip_exit: true,
+            },
+            via,
+        )
+        .await
     }
 
-    /// Skip the drain on the next SIGTERM (stop at once).
+    /// Drains every serving epoch and keeps Envoy running: the next SIGTERM exits at once.
+    /// With `skip_exit` the listeners keep accepting; without, Envoy stops them when its drain
+    /// time ends. Resolves when Envoy has accepted the drain.
+    pub async fn drain(&self, options: DrainOptions, via: Via) -> Result<(), AgentError> {
+        self.ask(|reply| Command::Drain {
+            options,
+            via,
+            reply,
+        })
+        .await
+    }
+
+    /// `/quitquitquit`: stop Envoy at once, without draining, and exit. Resolves once the stop
+    /// has begun.
+    pub async fn quit(&self, via: Via) -> Result<(), AgentError> {
+        self.ask(|reply| Command::Quit { via, reply }).await
+    }
+
+    /// The SIGTERM path: hand over to a successor pod, or drain gracefully, then stop.
+    /// Resolves once the agent has taken the path.
+    pub async fn stop(&self) -> Result<(), AgentError> {
+        self.ask(|reply| Command::Stop { reply }).await
+    }
+
+    /// Skip the drain on the next SIGTERM (stop at once). Resolves once set.
     pub async fn disable_draining(&self) -> Result<(), AgentError> {
-        self.commands
-            .send(Command::DisableDraining)
+        self.ask(|reply| Command::DisableDraining { reply }).await
+    }
+
+    /// Hot-restarts; the new epoch once it is LIVE, or why not.
+    pub async fn hot_restart(&self, reason: String) -> Result<u32, AgentError> {
+        self.ask(|reply| Command::HotRestart { reason, reply })
             .await
-            .map_err(|_| AgentError::Gone)
+    }
+
+    /// Validates, writes and (with hot restart) restarts onto a new config.
+    pub async fn update_config(
+        &self,
+        config: Vec<u8>,
+        reason: String,
+    ) -> Result<ConfigApplied, AgentError> {
+        self.ask(|reply| Command::UpdateConfig {
+            config,
+            reason,
+            reply,
+        })
+        .await
+    }
+
+    /// SIGUSR1 to every Envoy that can take it; how many were signalled.
+    pub async fn reopen_logs(&self) -> Result<usize, AgentError> {
+        self.ask(|reply| Command::ReopenLogs { reply }).await
     }
 }
 
@@ -349,7 +572,7 @@ pub struct Agent<P> {
     config: AgentConfig,
     metrics: crate::telemetry::AgentMetrics,
     commands: mpsc::Receiver<Command>,
-    state: watch::Sender<AgentState>,
+    status: watch::Sender<Status>,
 }
 
 impl<P> fmt::Debug for Agent<P> {
@@ -370,6 +593,15 @@ async fn settle<T>(slot: &mut Pending<T>) -> T {
     }
 }
 
+/// What the next SIGTERM does while the agent runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OnSignal {
+    /// Hand over or drain gracefully.
+    Drain,
+    /// Stop at once (draining was disabled).
+    StopAtOnce,
+}
+
 /// A shutdown drain under way.
 #[derive(Debug)]
 struct Shutdown {
@@ -384,14 +616,35 @@ struct Shutdown {
     stats_errors: u32,
 }
 
+/// The agent's mode: one enum, never flags that must agree.
+#[derive(Debug)]
+enum Mode {
+    /// Envoy runs (starting or LIVE).
+    Running(OnSignal),
+    /// A drain request was accepted: Envoy drains and keeps running; the next SIGTERM stops.
+    Drained { reason: DrainReason },
+    /// A stop is coming: asking the proxy whether a successor pod takes over.
+    Deciding { intent: Intent },
+    /// The graceful shutdown: delay, drain, wait.
+    ShuttingDown(Shutdown),
+    /// A successor pod takes over: waiting for it to terminate our Envoy.
+    HandingOver { successor: String, until: Instant },
+    /// The proxy was told to stop; waiting for it to end.
+    Stopping(ExitPath),
+}
+
 // === impl Agent ===
 
 impl<P: Proxy> Agent<P> {
     /// An agent for `proxy`, and a handle to it.
     pub fn new(proxy: Arc<P>, config: AgentConfig) -> (Self, AgentHandle) {
         let (commands_tx, commands) = mpsc::channel(16);
-        let state = watch::Sender::new(AgentState::Starting {
-            since: SystemTime::now(),
+        let status = watch::Sender::new(Status {
+            agent: AgentState::Starting {
+                since: SystemTime::now(),
+            },
+            proxy: proxy.state().borrow().clone(),
+            drain_deadline: None,
         });
         let admin = {
             let proxy = proxy.clone();
@@ -399,7 +652,7 @@ impl<P: Proxy> Agent<P> {
         };
         let handle = AgentHandle {
             commands: commands_tx,
-            state: state.subscribe(),
+            status: status.subscribe(),
             admin,
         };
         (
@@ -408,7 +661,7 @@ impl<P: Proxy> Agent<P> {
                 config,
                 metrics: crate::telemetry::AgentMetrics::default(),
                 commands,
-                state,
+                status,
             },
             handle,
         )
@@ -420,184 +673,231 @@ impl<P: Proxy> Agent<P> {
         self
     }
 
-    fn publish(&self, state: AgentState) {
-        tracing::info!(event = "agent_state", state = %state, "agent state");
-        self.state.send_replace(state);
-    }
-
-    /// Starts the proxy at epoch 0 and returns once it has exited and been reaped.
+    /// Starts the proxy and returns once it has ended and every Envoy has been reaped.
     pub async fn run(mut self, mut intents: impl IntentSource) -> AgentExit {
         let abort = CancellationToken::new();
         let run = {
             let (proxy, abort) = (self.proxy.clone(), abort.clone());
-            async move { proxy.run(0, abort).await }
+            async move { proxy.run(abort).await }
         };
         tokio::pin!(run);
+        let mut proxy_state = self.proxy.state();
 
+        let mut mode = Mode::Running(OnSignal::Drain);
         let mut intents_open = true;
         let mut commands_open = true;
-        let mut skip_drain = false;
-        let mut stopping: Option<ExitPath> = None;
-        let mut shutdown: Option<Shutdown> = None;
-        let mut live = false;
-        let mut next_live_check = Some(Instant::now());
-        let mut live_check: Pending<Result<ServerState, String>> = None;
+        let mut successor_call: Pending<Option<String>> = None;
         let mut drain_call: Pending<Result<(), ProxyError>> = None;
-        let mut drain_reply: Option<oneshot::Sender<Result<(), String>>> = None;
+        let mut drain_replies: Vec<Reply<()>> = Vec::new();
         let mut count_call: Pending<Result<u64, DrainError>> = None;
         let mut drain_started: Option<Instant> = None;
+        let mut quit_replies: Vec<Reply<()>> = Vec::new();
+        let mut proxy_state_open = true;
 
         let result = loop {
-            let wake = self.next_wake(
-                stopping.is_some(),
-                shutdown.as_ref(),
-                next_live_check,
-                count_call.is_some(),
-            );
+            self.publish(&mode, &proxy_state.borrow_and_update());
+            let wake = self.next_wake(&mode, count_call.is_some());
             // Decisions taken in a branch; applied below, where `self` is free again.
             let mut stop_now: Option<ExitPath> = None;
+            let mut shutdown_now: Option<DrainReason> = None;
             tokio::select! {
                 result = &mut run => break result,
 
+                changed = proxy_state.changed(), if proxy_state_open => {
+                    // Closed: the proxy is ending; only its run's end is left to see.
+                    proxy_state_open = changed.is_ok();
+                }
+
                 intent = intents.next(), if intents_open => match intent {
                     None => intents_open = false,
-                    Some(intent @ (Intent::Terminate | Intent::Interrupt)) => {
-                        if stopping.is_some() {
-                            tracing::info!(signal = intent.signal_name(), "already stopping");
-                        } else if shutdown.is_some() {
+                    Some(intent @ (Intent::Terminate | Intent::Interrupt)) => match &mode {
+                        Mode::Stopping(_) => tracing::info!(signal = intent.signal_name(), "already stopping"),
+                        Mode::ShuttingDown(_) | Mode::Deciding { .. } | Mode::HandingOver { .. } => {
                             stop_now = Some(ExitPath::SecondSignal);
-                        } else if skip_drain {
+                        }
+                        Mode::Drained { .. } | Mode::Running(OnSignal::StopAtOnce) => {
                             stop_now = Some(ExitPath::SignalAfterDrain);
-                        } else {
-                            let s = self.begin_shutdown(DrainReason::Signal(intent));
+                        }
+                        Mode::Running(OnSignal::Drain) => {
+                            tracing::info!(signal = intent.signal_name(), "stopping: is a successor pod taking over?");
+                            mode = Mode::Deciding { intent };
                             drain_started.get_or_insert_with(Instant::now);
-                            shutdown = Some(s);
-                            // A /drain call in flight is superseded by the shutdown drain.
+                            // A drain request in flight is superseded by the shutdown.
                             drain_call = None;
+                            successor_call = Some(self.successor_future());
                         }
-                    }
-                    Some(Intent::ReopenLogs) => {
-                        if let Err(e) = self.proxy.reopen_logs() {
-                            tracing::warn!(error = %e, "cannot forward SIGUSR1 to envoy");
+                    },
+                    Some(Intent::ReopenLogs) => self.spawn_reply(None, |p| async move {
+                        let n = p.reopen_logs().await;
+                        match &n {
+                            Ok(n) => tracing::info!(envoys = n, "SIGUSR1: asked envoy to reopen its logs"),
+                            Err(e) => tracing::warn!(error = %e, "cannot forward SIGUSR1 to envoy"),
                         }
-                    }
+                        n.map_err(AgentError::Config)
+                    }),
                     Some(Intent::Reload) => {
-                        tracing::warn!("SIGHUP ignored: hot restart is off");
+                        if matches!(mode, Mode::Running(_)) {
+                            self.spawn_reply(None, |p| async move {
+                                let r = p.hot_restart("SIGHUP".to_owned()).await;
+                                if let Err(RestartError::Unsupported) = &r {
+                                    tracing::warn!("SIGHUP ignored: hot restart is off");
+                                }
+                                r.map_err(AgentError::Restart)
+                            });
+                        } else {
+                            tracing::warn!("SIGHUP ignored: the agent is draining or stopping");
+                        }
                     }
                 },
 
                 command = self.commands.recv(), if commands_open => match command {
                     None => commands_open = false,
-                    Some(Command::Quit) => {
-                        if stopping.is_none() {
-                            stop_now = Some(ExitPath::QuitQuitQuit);
+                    Some(Command::Quit { via, reply }) => {
+                        if !matches!(mode, Mode::Stopping(_)) {
+                            stop_now = Some(ExitPath::QuitQuitQuit(via));
                         }
+                        // Answered below, once the stop has begun.
+                        quit_replies.push(reply);
                     }
-                    Some(Command::DisableDraining) => {
-                        tracing::info!("draining disabled: the next SIGTERM stops envoy at once");
-                        skip_drain = true;
+                    Some(Command::Stop { reply }) => {
+                        match &mode {
+                            Mode::Running(OnSignal::Drain) => {
+                                mode = Mode::Deciding { intent: Intent::Terminate };
+                                drain_started.get_or_insert_with(Instant::now);
+                                drain_call = None;
+                                successor_call = Some(self.successor_future());
+                            }
+                            Mode::Drained { .. } | Mode::Running(OnSignal::StopAtOnce) => {
+                                stop_now = Some(ExitPath::SignalAfterDrain);
+                            }
+                            _ => {}
+                        }
+                        let _ = reply.send(Ok(()));
                     }
-                    Some(Command::Drain { inbound_only, skip_exit, reply }) => {
-                        if stopping.is_some() || shutdown.is_some() {
-                            // Already draining for shutdown: nothing more to ask of Envoy.
+                    Some(Command::DisableDraining { reply }) => {
+                        if let Mode::Running(on_signal) = &mut mode {
+                            tracing::info!("draining disabled: the next SIGTERM stops envoy at once");
+                            *on_signal = OnSignal::StopAtOnce;
+                        }
+                        let _ = reply.send(Ok(()));
+                    }
+                    Some(Command::Drain { options, via, reply }) => match &mode {
+                        Mode::Running(_) | Mode::Drained { .. } => {
+                            let reason = DrainReason::Request(via);
+                            if matches!(mode, Mode::Running(_)) {
+                                tracing::info!(%reason, skip_exit = options.skip_exit, "draining on request: envoy keeps running, the next SIGTERM stops it");
+                                drain_started.get_or_insert_with(Instant::now);
+                                mode = Mode::Drained { reason };
+                            }
+                            drain_call = Some(self.drain_future(options));
+                            drain_replies.push(reply);
+                        }
+                        // Already draining, handing over or stopping: nothing more to ask.
+                        _ => {
                             let _ = reply.send(Ok(()));
+                        }
+                    },
+                    Some(Command::HotRestart { reason, reply }) => {
+                        // After a drain request the proxy refuses on its own (or has no hot
+                        // restart at all); on the way out, the agent refuses.
+                        if matches!(mode, Mode::Running(_) | Mode::Drained { .. }) {
+                            self.spawn_reply(Some(reply), |p| async move {
+                                p.hot_restart(reason).await.map_err(AgentError::Restart)
+                            });
                         } else {
-                            skip_drain = true;
-                            drain_started.get_or_insert_with(Instant::now);
-                            self.publish(AgentState::Draining {
-                                since: SystemTime::now(),
-                                reason: DrainReason::DrainEndpoint,
-                                phase: DrainPhase::Draining,
-                            });
-                            drain_call = Some(match inbound_only {
-                                None => self.drain_future(skip_exit),
-                                Some(inbound_only) => self.admin_drain_future(inbound_only, skip_exit),
-                            });
-                            // A newer caller replaces an older one, which learns the outcome
-                            // of the same drain through its dropped channel only.
-                            drain_reply = Some(reply);
+                            let _ = reply.send(Err(AgentError::Restart(RestartError::Refused(
+                                "the agent is draining or stopping".to_owned(),
+                            ))));
                         }
                     }
+                    Some(Command::UpdateConfig { config, reason, reply }) => {
+                        if matches!(mode, Mode::Running(_)) {
+                            self.spawn_reply(Some(reply), |p| async move {
+                                p.update_config(config, reason).await.map_err(AgentError::Config)
+                            });
+                        } else {
+                            let _ = reply.send(Err(AgentError::Restart(RestartError::Refused(
+                                "the agent is draining or stopping".to_owned(),
+                            ))));
+                        }
+                    }
+                    Some(Command::ReopenLogs { reply }) => self.spawn_reply(Some(reply), |p| async move {
+                        p.reopen_logs().await.map_err(AgentError::Config)
+                    }),
                 },
 
-                () = sleep_until(wake) => {
-                    let now = Instant::now();
-                    if next_live_check.is_some_and(|t| t <= now) && live_check.is_none() {
-                        next_live_check = None;
-                        live_check = self.live_future();
-                        if live_check.is_none() {
-                            // Admin address not known yet: look again shortly.
-                            next_live_check = Some(now + self.config.live_poll_interval);
-                        }
-                    }
-                    if let Some(s) = shutdown.as_mut().filter(|_| stopping.is_none()) {
-                        if !s.drain_sent && s.drain_at <= now {
-                            s.drain_sent = true;
-                            if !self.config.drain_delay.is_zero() {
-                                self.publish(AgentState::Draining {
-                                    since: SystemTime::now(),
-                                    reason: s.reason,
-                                    phase: DrainPhase::Draining,
-                                });
+                successor = settle(&mut successor_call) => {
+                    successor_call = None;
+                    if let Mode::Deciding { intent } = mode {
+                        match successor {
+                            Some(successor) => {
+                                tracing::info!(event = "handing_over", %successor, bound = ?self.config.handover_timeout,
+                                    "a successor pod takes over: waiting for its envoy to terminate ours");
+                                mode = Mode::HandingOver {
+                                    successor,
+                                    until: Instant::now() + self.config.handover_timeout,
+                                };
                             }
-                            drain_call = Some(self.drain_future(false));
-                        }
-                        if s.deadline <= now {
-                            stop_now = Some(if self.config.exit_on_zero_active_connections {
-                                ExitPath::DrainDeadline
-                            } else {
-                                ExitPath::DrainTimeElapsed
-                            });
-                        } else if self.config.exit_on_zero_active_connections
-                            && s.drain_sent
-                            && s.count_from <= now
-                            && s.next_count <= now
-                            && count_call.is_none()
-                        {
-                            s.next_count = now + self.config.poll_interval;
-                            count_call = self.count_future();
+                            None => shutdown_now = Some(DrainReason::Signal(intent)),
                         }
                     }
                 }
 
-                state = settle(&mut live_check) => {
-                    live_check = None;
-                    match state {
-                        Ok(ServerState::Live) if !live && shutdown.is_none() && !skip_drain => {
-                            live = true;
-                            self.publish(AgentState::Live { since: SystemTime::now() });
+                () = sleep_until(wake) => {
+                    let now = Instant::now();
+                    match &mut mode {
+                        Mode::HandingOver { until, successor } if *until <= now => {
+                            tracing::error!(%successor, bound = ?self.config.handover_timeout, "the successor did not terminate our envoy in time; stopping it");
+                            stop_now = Some(ExitPath::HandoverTimedOut);
                         }
-                        Ok(ServerState::Live) => live = true,
-                        Ok(other) => {
-                            tracing::debug!(state = ?other, "envoy not LIVE yet");
-                            next_live_check = Some(Instant::now() + self.config.live_poll_interval);
+                        Mode::ShuttingDown(s) => {
+                            if !s.drain_sent && s.drain_at <= now {
+                                s.drain_sent = true;
+                                drain_call = Some(self.drain_future(DrainOptions::default()));
+                            }
+                            if s.deadline <= now {
+                                stop_now = Some(if self.config.exit_on_zero_active_connections {
+                                    ExitPath::DrainDeadline
+                                } else {
+                                    ExitPath::DrainTimeElapsed
+                                });
+                            } else if self.config.exit_on_zero_active_connections
+                                && s.drain_sent
+                                && s.count_from <= now
+                                && s.next_count <= now
+                                && count_call.is_none()
+                            {
+                                s.next_count = now + self.config.poll_interval;
+                                count_call = Some(self.count_future());
+                            }
                         }
-                        Err(e) => {
-                            tracing::debug!(error = %e, "envoy state unknown yet");
-                            next_live_check = Some(Instant::now() + self.config.live_poll_interval);
-                        }
+                        _ => {}
                     }
                 }
 
                 result = settle(&mut drain_call) => {
                     drain_call = None;
                     match &result {
-                        Ok(()) => tracing::info!("envoy is draining its listeners"),
+                        Ok(()) => tracing::info!(event = "drain_accepted", "envoy is draining its listeners"),
                         Err(e) => tracing::warn!(error = %e, "drain request failed"),
                     }
-                    if let Some(reply) = drain_reply.take() {
-                        let _ = reply.send(result.map_err(|e| e.to_string()));
+                    for reply in drain_replies.drain(..) {
+                        let _ = reply.send(result.as_ref().map(|_| ()).map_err(|e| AgentError::DrainFailed(e.to_string())));
                     }
                 }
 
                 count = settle(&mut count_call) => {
                     count_call = None;
-                    if let Some(s) = shutdown.as_mut() {
+                    if let Mode::ShuttingDown(s) = &mut mode {
                         match count {
-                            Ok(0) => stop_now = Some(ExitPath::ZeroConnections),
+                            // A parent epoch still drains its own connections, which the count
+                            // may not show: zero means zero only once it is gone.
+                            Ok(0) if !proxy_state.borrow().parent_draining() => {
+                                stop_now = Some(ExitPath::ZeroConnections)
+                            }
                             Ok(n) => {
                                 s.stats_errors = 0;
-                                tracing::debug!(active_connections = n, "waiting for zero");
+                                tracing::debug!(event = "active_connections", active_connections = n, "waiting for zero");
                             }
                             Err(e) => {
                                 s.stats_errors += 1;
@@ -616,40 +916,152 @@ impl<P: Proxy> Agent<P> {
                 }
             }
 
-            if let (Some(path), None) = (stop_now, stopping) {
-                stopping = Some(path);
-                tracing::info!(%path, "stopping envoy");
-                self.publish(AgentState::Exiting {
-                    since: SystemTime::now(),
-                    path,
-                });
-                // In-flight admin calls are moot now; dropping them closes their connections.
-                live_check = None;
-                drain_call = None;
-                count_call = None;
-                abort.cancel();
+            // A handover ends when our Envoy is gone, or falls back to our own drain when the
+            // successor went away without taking over.
+            if let (Mode::HandingOver { successor, .. }, None) = (&mode, stop_now) {
+                let state = proxy_state.borrow();
+                if state.phase == ProxyPhase::HandedOver && state.epochs.is_empty() {
+                    tracing::info!(%successor, "our envoy was terminated by the successor's");
+                    stop_now = Some(ExitPath::HandedOver);
+                } else if state.phase == ProxyPhase::Serving
+                    && state
+                        .family
+                        .as_ref()
+                        .is_none_or(|f| f.successor_starting.is_none())
+                {
+                    tracing::warn!(%successor, "the successor is gone without taking over: draining our own envoy");
+                    shutdown_now = Some(DrainReason::Signal(Intent::Terminate));
+                }
+            }
+            if let (Some(reason), None) = (shutdown_now, stop_now) {
+                if matches!(mode, Mode::Deciding { .. } | Mode::HandingOver { .. }) {
+                    mode = Mode::ShuttingDown(self.begin_shutdown(reason));
+                }
+            }
+            if let Some(path) = stop_now {
+                if !matches!(mode, Mode::Stopping(_)) {
+                    tracing::info!(event = "stopping", %path, "stopping envoy");
+                    mode = Mode::Stopping(path);
+                    // In-flight calls are moot now; dropping them closes their connections.
+                    successor_call = None;
+                    drain_call = None;
+                    count_call = None;
+                    for reply in drain_replies.drain(..) {
+                        let _ = reply.send(Ok(()));
+                    }
+                    abort.cancel();
+                }
+            }
+            for reply in quit_replies.drain(..) {
+                let _ = reply.send(Ok(()));
             }
         };
         self.proxy.cleanup();
 
-        let (path, exit, error) = match result {
+        let stopping = match mode {
+            Mode::Stopping(path) => Some(path),
+            _ => None,
+        };
+        let (path, ended, error) = match result {
             Err(e) => {
                 tracing::error!(error = %e, "envoy could not be run");
                 (ExitPath::ProxyFailed, None, Some(e))
             }
-            Ok(exit) => {
-                log_exit(&exit);
-                let path = stopping.unwrap_or(ExitPath::ProxyExited { code: exit.code() });
-                (path, Some(exit), None)
+            Ok(ended) => {
+                let path = match (&ended, stopping) {
+                    (Ended::Stopped { .. }, Some(path)) => path,
+                    (Ended::Stopped { .. }, None) => ExitPath::DrainTimeElapsed,
+                    (Ended::Exited(exit), _) => ExitPath::ProxyExited { code: exit.code() },
+                    (Ended::Lost { .. }, _) => ExitPath::ProxyLost { code: ended.code() },
+                    (Ended::StartFailed { .. }, _) => ExitPath::StartFailed { code: ended.code() },
+                    (Ended::Wedged { reason, .. }, _) => ExitPath::Wedged { reason: *reason },
+                };
+                log_ended(&ended);
+                (path, Some(ended), None)
             }
         };
-        self.publish(AgentState::Exiting {
+        let final_state = AgentState::Exiting {
             since: SystemTime::now(),
             path,
+        };
+        tracing::info!(event = "agent_state", state = %final_state, "agent state");
+        self.status.send_modify(|s| {
+            s.agent = final_state;
+            s.proxy = self.proxy.state().borrow().clone();
+            s.drain_deadline = None;
         });
         self.metrics
-            .exit(&path.to_string(), drain_started.map(|t| t.elapsed()));
-        AgentExit { path, exit, error }
+            .exit(path.name(), drain_started.map(|t| t.elapsed()));
+        AgentExit { path, ended, error }
+    }
+
+    /// Publishes the agent's state, derived from its mode and the proxy's state, when it
+    /// changed.
+    fn publish(&self, mode: &Mode, proxy: &ProxyState) {
+        let now = SystemTime::now();
+        let state = match mode {
+            Mode::Stopping(path) => AgentState::Exiting {
+                since: now,
+                path: *path,
+            },
+            Mode::ShuttingDown(s) => AgentState::Draining {
+                since: now,
+                reason: s.reason,
+                phase: if s.drain_sent || s.drain_at <= Instant::now() {
+                    DrainPhase::Draining
+                } else {
+                    DrainPhase::Delay
+                },
+            },
+            Mode::Deciding { intent } => AgentState::Draining {
+                since: now,
+                reason: DrainReason::Signal(*intent),
+                phase: DrainPhase::Deciding,
+            },
+            Mode::HandingOver { successor, .. } => AgentState::HandingOver {
+                since: now,
+                successor: successor.clone(),
+            },
+            Mode::Drained { reason } => AgentState::Draining {
+                since: now,
+                reason: *reason,
+                phase: DrainPhase::Draining,
+            },
+            Mode::Running(_) => match proxy.phase {
+                ProxyPhase::Serving => AgentState::Live { since: now },
+                ProxyPhase::HandedOver => AgentState::HandedOver {
+                    since: now,
+                    successor: proxy
+                        .family
+                        .as_ref()
+                        .and_then(|f| f.handed_over_to.clone())
+                        .unwrap_or_default(),
+                },
+                _ => AgentState::Starting { since: now },
+            },
+        };
+        let deadline = match mode {
+            Mode::ShuttingDown(s) => Some(SystemTime::now() + (s.deadline - Instant::now())),
+            _ => None,
+        };
+        self.status.send_if_modified(|s| {
+            let mut changed = false;
+            if !s.agent.same_kind(&state) {
+                tracing::info!(event = "agent_state", state = %state, "agent state");
+                s.agent = state;
+                changed = true;
+            }
+            if s.proxy != *proxy {
+                s.proxy = proxy.clone();
+                changed = true;
+            }
+            // The deadline is fixed for a drain; only its presence changes.
+            if s.drain_deadline.is_some() != deadline.is_some() {
+                s.drain_deadline = deadline;
+                changed = true;
+            }
+            changed
+        });
     }
 
     fn begin_shutdown(&self, reason: DrainReason) -> Shutdown {
@@ -662,16 +1074,6 @@ impl<P: Proxy> Agent<P> {
             exit_on_zero = self.config.exit_on_zero_active_connections,
             "shutting down: draining envoy"
         );
-        let phase = if self.config.drain_delay.is_zero() {
-            DrainPhase::Draining
-        } else {
-            DrainPhase::Delay
-        };
-        self.publish(AgentState::Draining {
-            since: SystemTime::now(),
-            reason,
-            phase,
-        });
         Shutdown {
             reason,
             drain_at,
@@ -684,77 +1086,69 @@ impl<P: Proxy> Agent<P> {
     }
 
     /// The next moment the loop has something to do on its own.
-    fn next_wake(
-        &self,
-        stopping: bool,
-        shutdown: Option<&Shutdown>,
-        next_live_check: Option<Instant>,
-        counting: bool,
-    ) -> Option<Instant> {
-        if stopping {
-            return None;
-        }
-        let mut wake = next_live_check;
-        let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
-        if let Some(s) = shutdown {
-            if !s.drain_sent {
-                consider(s.drain_at);
+    fn next_wake(&self, mode: &Mode, counting: bool) -> Option<Instant> {
+        match mode {
+            Mode::HandingOver { until, .. } => Some(*until),
+            Mode::ShuttingDown(s) => {
+                let mut wake = s.deadline;
+                if !s.drain_sent {
+                    wake = wake.min(s.drain_at);
+                }
+                if self.config.exit_on_zero_active_connections && s.drain_sent && !counting {
+                    wake = wake.min(s.next_count.max(s.count_from));
+                }
+                Some(wake)
             }
-            consider(s.deadline);
-            if self.config.exit_on_zero_active_connections && s.drain_sent && !counting {
-                consider(s.next_count.max(s.count_from));
-            }
+            _ => None,
         }
-        wake
     }
 
-    fn drain_future(
-        &self,
-        skip_exit: bool,
-    ) -> Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>> {
+    fn successor_future(&self) -> Pin<Box<dyn Future<Output = Option<String>> + Send>> {
         let proxy = self.proxy.clone();
-        Box::pin(async move { proxy.drain(skip_exit).await })
-    }
-
-    /// A drain with explicit options, straight to the admin API.
-    fn admin_drain_future(
-        &self,
-        inbound_only: bool,
-        skip_exit: bool,
-    ) -> Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>> {
-        let admin = self.proxy.admin_address().map(AdminClient::new);
         Box::pin(async move {
-            let admin = admin.ok_or(ProxyError::AdminUnknown)?;
-            envoy_agent_drain::drain_listeners(&admin, inbound_only, skip_exit)
+            tokio::time::timeout(SUCCESSOR_TIMEOUT, proxy.successor())
                 .await
-                .map_err(|e| match e {
-                    DrainError::Admin(e) => ProxyError::Admin(e),
-                    _ => ProxyError::AdminUnknown,
+                .unwrap_or_else(|_| {
+                    tracing::warn!(bound = ?SUCCESSOR_TIMEOUT, "no answer whether a successor takes over: draining");
+                    None
                 })
         })
     }
 
-    fn live_future(&self) -> Pending<Result<ServerState, String>> {
-        let admin =
-            AdminClient::new(self.proxy.admin_address()?).with_timeout(self.config.stats_timeout);
-        Some(Box::pin(async move {
-            admin
-                .server_info()
-                .await
-                .map(|info| info.state)
-                .map_err(|e| e.to_string())
-        }))
+    fn drain_future(
+        &self,
+        options: DrainOptions,
+    ) -> Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>> {
+        let proxy = self.proxy.clone();
+        Box::pin(async move { proxy.drain(options).await })
     }
 
-    fn count_future(&self) -> Pending<Result<u64, DrainError>> {
-        let Some(addr) = self.proxy.admin_address() else {
-            return Some(Box::pin(async { Err(DrainError::AdminUnknown) }));
-        };
-        let admin = AdminClient::new(addr).with_timeout(self.config.stats_timeout);
+    fn count_future(&self) -> Pin<Box<dyn Future<Output = Result<u64, DrainError>> + Send>> {
+        let admin = self
+            .proxy
+            .admin_address()
+            .map(|a| AdminClient::new(a).with_timeout(self.config.stats_timeout));
         let exclusions = self.config.exclusions.clone();
-        Some(Box::pin(async move {
+        Box::pin(async move {
+            let admin = admin.ok_or(DrainError::AdminUnknown)?;
             active_connections(&admin, &exclusions).await
-        }))
+        })
+    }
+
+    /// Runs a proxy call beside the loop and answers `reply` with its result.
+    fn spawn_reply<T, F, Fut>(&self, reply: Option<Reply<T>>, call: F)
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<P>) -> Fut,
+        Fut: Future<Output = Result<T, AgentError>> + Send + 'static,
+    {
+        let future = call(self.proxy.clone());
+        tokio::spawn(async move {
+            let result = future.await;
+            if let Some(reply) = reply {
+                let _ = reply.send(result);
+            }
+        });
     }
 }
 
@@ -765,32 +1159,44 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-fn log_exit(exit: &Exit) {
+fn log_ended(ended: &Ended) {
     use std::os::unix::process::ExitStatusExt;
-    let code = exit.code();
-    if exit.aborted {
-        tracing::info!(pid = exit.pid, code, ran_for = ?exit.ran_for, "envoy stopped");
-    } else if code == 0 {
-        tracing::info!(pid = exit.pid, ran_for = ?exit.ran_for, "envoy exited");
-    } else {
-        let hint = match exit.status.signal() {
-            Some(9) => " (SIGKILL: it may have been OOM-killed)",
-            _ => "",
-        };
-        tracing::error!(
-            pid = exit.pid,
-            code,
-            ran_for = ?exit.ran_for,
-            "envoy exited with code {code}{hint}; the end of its stderr:\n{}",
-            exit.stderr_tail.trim_end()
-        );
+    match ended {
+        Ended::Stopped { last: Some(exit) } => {
+            tracing::info!(pid = exit.pid, code = exit.code(), ran_for = ?exit.ran_for, "envoy stopped");
+        }
+        Ended::Stopped { last: None } => tracing::info!("every envoy stopped"),
+        Ended::Exited(exit) if exit.code() == 0 => {
+            tracing::info!(pid = exit.pid, ran_for = ?exit.ran_for, "envoy exited");
+        }
+        Ended::Exited(exit) | Ended::Lost { exit, .. } => {
+            let code = exit.code();
+            let hint = match exit.status.signal() {
+                Some(9) => " (SIGKILL: it may have been OOM-killed)",
+                _ => "",
+            };
+            tracing::error!(
+                pid = exit.pid,
+                code,
+                ran_for = ?exit.ran_for,
+                "envoy exited with code {code}{hint}; the end of its stderr:\n{}",
+                exit.stderr_tail.trim_end()
+            );
+        }
+        Ended::StartFailed { code, message } => {
+            tracing::error!(code, %message, "envoy failed to start");
+        }
+        Ended::Wedged { reason, message } => {
+            tracing::error!(%reason, %message, "wedged");
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{Call, FakeProxy};
+    use crate::testing::{Call, FakeProxy, epoch};
+    use envoy_agent_proxy::{EpochState, FamilyState};
 
     struct Harness {
         proxy: Arc<FakeProxy>,
@@ -816,8 +1222,12 @@ mod tests {
     impl Harness {
         async fn signal(&self, intent: Intent) {
             self.intents.send(intent).await.unwrap();
-            // Let the agent act on it before the test moves time on.
-            tokio::task::yield_now().await;
+        }
+
+        /// Waits (paused time: instantly) until the agent's state satisfies `check`.
+        async fn state(&self, check: impl Fn(&AgentState) -> bool) {
+            let mut status = self.handle.status();
+            status.wait_for(|s| check(&s.agent)).await.unwrap();
         }
 
         async fn exit(self) -> (AgentExit, Arc<FakeProxy>, Instant) {
@@ -830,16 +1240,39 @@ mod tests {
         AgentConfig::default()
     }
 
+    fn without_successor(calls: Vec<Call>) -> Vec<Call> {
+        calls
+            .into_iter()
+            .filter(|c| *c != Call::Successor)
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn live_follows_the_proxy_state() {
+        let h = start(FakeProxy::default(), config());
+        assert_eq!(h.handle.state().name(), "starting");
+        h.proxy.go_live();
+        h.state(AgentState::serving).await;
+        h.handle.quit(Via::Http).await.unwrap();
+        h.exit().await;
+    }
+
     #[tokio::test(start_paused = true)]
     async fn sigterm_drains_then_stops_after_the_termination_drain_duration() {
         let h = start(FakeProxy::default(), config());
+        h.proxy.go_live();
         h.signal(Intent::Terminate).await;
         let (exit, proxy, started) = h.exit().await;
         assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
         assert_eq!(exit.code(), 0);
         assert_eq!(
             proxy.calls(),
-            [Call::Drain { skip_exit: false }, Call::Stop]
+            [
+                Call::Successor,
+                Call::Drain { skip_exit: false },
+                Call::Stop
+            ],
+            "asked about a successor first, then drained and stopped"
         );
         let stopped = proxy.stopped_at().unwrap() - started;
         assert_eq!(stopped.as_secs(), 5, "stopped after {stopped:?}");
@@ -853,7 +1286,10 @@ mod tests {
         h.proxy.exit_on_its_own(0);
         let (exit, proxy, _) = h.exit().await;
         assert_eq!(exit.path, ExitPath::ProxyExited { code: 0 });
-        assert_eq!(proxy.calls(), [Call::Drain { skip_exit: false }]);
+        assert_eq!(
+            without_successor(proxy.calls()),
+            [Call::Drain { skip_exit: false }]
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -871,6 +1307,16 @@ mod tests {
     async fn a_second_signal_during_the_drain_stops_at_once() {
         let h = start(FakeProxy::default(), config());
         h.signal(Intent::Terminate).await;
+        h.state(|s| {
+            matches!(
+                s,
+                AgentState::Draining {
+                    phase: DrainPhase::Draining,
+                    ..
+                }
+            )
+        })
+        .await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         h.signal(Intent::Interrupt).await;
         let (exit, proxy, started) = h.exit().await;
@@ -883,19 +1329,27 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn drain_endpoint_keeps_running_and_the_next_sigterm_stops_at_once() {
+    async fn drain_request_keeps_running_and_the_next_sigterm_stops_at_once() {
         let h = start(FakeProxy::default(), config());
-        h.handle.drain_now().await.unwrap();
+        h.proxy.go_live();
+        h.handle.drain_now(Via::Http).await.unwrap();
+        // Resolved once applied: the state says so already.
         assert!(matches!(
-            *h.handle.state().borrow(),
+            h.handle.state(),
             AgentState::Draining {
-                reason: DrainReason::DrainEndpoint,
+                reason: DrainReason::Request(Via::Http),
                 ..
             }
         ));
         // Draining "forever": an hour later Envoy still runs.
         tokio::time::sleep(Duration::from_secs(3600)).await;
         assert_eq!(h.proxy.calls(), [Call::Drain { skip_exit: true }]);
+        // After a drain request, the proxy answers hot restarts itself (a family refuses).
+        let answer = h.handle.hot_restart("x".to_owned()).await.unwrap_err();
+        assert!(
+            matches!(answer, AgentError::Restart(RestartError::Unsupported)),
+            "{answer}"
+        );
         let before = Instant::now();
         h.signal(Intent::Terminate).await;
         let (exit, proxy, _) = h.exit().await;
@@ -905,11 +1359,22 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn quitquitquit_stops_without_draining() {
+    async fn quitquitquit_stops_without_draining_and_resolves_once_applied() {
         let h = start(FakeProxy::default(), config());
-        h.handle.quit().await.unwrap();
+        h.handle.quit(Via::Grpc).await.unwrap();
+        assert!(
+            matches!(
+                h.handle.state(),
+                AgentState::Exiting {
+                    path: ExitPath::QuitQuitQuit(Via::Grpc),
+                    ..
+                }
+            ),
+            "{:?}",
+            h.handle.state()
+        );
         let (exit, proxy, _) = h.exit().await;
-        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit(Via::Grpc));
         assert_eq!(exit.code(), 0);
         assert_eq!(proxy.calls(), [Call::Stop]);
     }
@@ -918,7 +1383,6 @@ mod tests {
     async fn disable_draining_makes_sigterm_stop_at_once() {
         let h = start(FakeProxy::default(), config());
         h.handle.disable_draining().await.unwrap();
-        tokio::task::yield_now().await;
         h.signal(Intent::Terminate).await;
         let (exit, proxy, _) = h.exit().await;
         assert_eq!(exit.path, ExitPath::SignalAfterDrain);
@@ -930,20 +1394,31 @@ mod tests {
         let mut c = config();
         c.drain_delay = Duration::from_secs(3);
         let h = start(FakeProxy::default(), c);
+        h.proxy.go_live();
         h.signal(Intent::Terminate).await;
-        assert!(matches!(
-            *h.handle.state().borrow(),
-            AgentState::Draining {
-                phase: DrainPhase::Delay,
-                ..
-            }
-        ));
+        h.state(|s| {
+            matches!(
+                s,
+                AgentState::Draining {
+                    phase: DrainPhase::Delay,
+                    ..
+                }
+            )
+        })
+        .await;
         tokio::time::sleep(Duration::from_millis(2900)).await;
-        assert!(h.proxy.calls().is_empty(), "no drain during the delay");
+        assert_eq!(
+            h.proxy.calls(),
+            [Call::Successor],
+            "no drain during the delay"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
-        assert_eq!(h.proxy.calls(), [Call::Drain { skip_exit: false }]);
+        assert_eq!(
+            without_successor(h.proxy.calls()),
+            [Call::Drain { skip_exit: false }]
+        );
         assert!(matches!(
-            *h.handle.state().borrow(),
+            h.handle.state(),
             AgentState::Draining {
                 phase: DrainPhase::Draining,
                 ..
@@ -1000,17 +1475,122 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn sigterm_with_a_successor_waits_for_it_to_terminate_our_envoy() {
+        let proxy = FakeProxy::default();
+        *proxy.successor.lock().unwrap() = Some("pod-b".to_owned());
+        let family = FamilyState {
+            successor_starting: Some("pod-b".to_owned()),
+            ..FamilyState::default()
+        };
+        proxy.set(
+            ProxyPhase::Serving,
+            vec![epoch(3, EpochState::Live)],
+            Some(family.clone()),
+        );
+        let h = start(proxy, config());
+        h.signal(Intent::Terminate).await;
+        h.state(|s| matches!(s, AgentState::HandingOver { successor, .. } if successor == "pod-b"))
+            .await;
+        // Well past the drain duration: no drain of ours, Envoy not stopped.
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        assert_eq!(h.proxy.calls(), [Call::Successor]);
+        // The successor took over and its Envoy terminated ours.
+        h.proxy.set(
+            ProxyPhase::HandedOver,
+            vec![epoch(3, EpochState::Draining)],
+            Some(family.clone()),
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(h.proxy.calls(), [Call::Successor], "ours still drains");
+        h.proxy.set(ProxyPhase::HandedOver, vec![], Some(family));
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::HandedOver);
+        assert_eq!(exit.code(), 0);
+        assert_eq!(proxy.calls(), [Call::Successor, Call::Stop]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_successor_that_goes_away_falls_back_to_our_own_drain() {
+        let proxy = FakeProxy::default();
+        *proxy.successor.lock().unwrap() = Some("pod-b".to_owned());
+        let starting = FamilyState {
+            successor_starting: Some("pod-b".to_owned()),
+            ..FamilyState::default()
+        };
+        proxy.set(
+            ProxyPhase::Serving,
+            vec![epoch(3, EpochState::Live)],
+            Some(starting),
+        );
+        let h = start(proxy, config());
+        h.signal(Intent::Terminate).await;
+        h.state(|s| matches!(s, AgentState::HandingOver { .. }))
+            .await;
+        // The successor's pre-flight failed; its heartbeat is gone.
+        h.proxy.set(
+            ProxyPhase::Serving,
+            vec![epoch(3, EpochState::Live)],
+            Some(FamilyState::default()),
+        );
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+        assert_eq!(
+            proxy.calls(),
+            [
+                Call::Successor,
+                Call::Drain { skip_exit: false },
+                Call::Stop
+            ]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_handover_wait_is_bounded() {
+        let proxy = FakeProxy::default();
+        *proxy.successor.lock().unwrap() = Some("pod-b".to_owned());
+        proxy.set(
+            ProxyPhase::HandedOver,
+            vec![epoch(3, EpochState::Draining)],
+            Some(FamilyState::default()),
+        );
+        let mut c = config();
+        c.handover_timeout = Duration::from_secs(40);
+        let h = start(proxy, c);
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::HandoverTimedOut);
+        assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 40);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exit_on_zero_waits_for_a_draining_parent() {
+        // A count of zero while a hot-restart parent still drains its own connections is not
+        // zero yet: the fake has no admin, so the counts fail; with the parent gone, the
+        // budget ends the wait. Here the check is on the decision input: a parent draining.
+        let state = ProxyState {
+            epochs: vec![epoch(1, EpochState::Draining), epoch(2, EpochState::Live)],
+            ..ProxyState::starting()
+        };
+        assert!(state.parent_draining());
+        let state = ProxyState {
+            epochs: vec![epoch(2, EpochState::Live)],
+            ..ProxyState::starting()
+        };
+        assert!(!state.parent_draining());
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn state_goes_exiting_with_the_path() {
         let h = start(FakeProxy::default(), config());
-        let mut state = h.handle.state();
-        h.handle.quit().await.unwrap();
+        let mut status = h.handle.status();
+        h.handle.quit(Via::Http).await.unwrap();
         let (exit, _, _) = h.exit().await;
-        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
-        state.changed().await.ok();
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit(Via::Http));
+        status.changed().await.ok();
         assert!(matches!(
-            *state.borrow(),
+            status.borrow().agent,
             AgentState::Exiting {
-                path: ExitPath::QuitQuitQuit,
+                path: ExitPath::QuitQuitQuit(Via::Http),
                 ..
             }
         ));

@@ -240,7 +240,9 @@ pub struct RunArgs {
     )]
     pub exclude_listener_prefixes: Vec<String>,
 
-    /// The status server's address (readiness, /drain, /quitquitquit, /stats/prometheus).
+    /// The status server's address (readiness, /drain, /quitquitquit, /stats/prometheus), in both
+    /// modes. With --hot-restart, a surge successor that finds it taken by its predecessor on
+    /// the node binds it once it is free.
     #[arg(
         long,
         env = "ENVOY_AGENT_STATUS_ADDRESS",
@@ -267,18 +269,20 @@ pub struct RunArgs {
 
     /// Hot restart: run Envoy with restart epochs under the hot-restart supervisor (SIGHUP or a
     /// config change starts the next epoch). Without it Envoy runs with --disable-hot-restart.
-    #[arg(long, env = "ENVOY_AGENT_HOT_RESTART", requires = "base_id")]
+    /// Every other flag means the same in both modes.
+    #[arg(long, env = "ENVOY_AGENT_HOT_RESTART", requires_all = ["base_id", "state_dir"])]
     pub hot_restart: bool,
 
-    /// Envoy's --base-id: names the shared memory and sockets of the Envoy family. Keep it
-    /// stable for the node; different families on one host need different ids.
-    #[arg(long, env = "ENVOY_AGENT_BASE_ID")]
+    /// With --hot-restart (required): Envoy's --base-id, which names the shared memory and
+    /// sockets of the Envoy family. Keep it stable for the node; different families on one host
+    /// need different ids.
+    #[arg(long, env = "ENVOY_AGENT_BASE_ID", requires = "hot_restart")]
     pub base_id: Option<u32>,
 
-    /// When a new epoch terminates its draining parent (--parent-shutdown-time-s). Must exceed
-    /// --drain-time.
-    #[arg(long, env = "ENVOY_AGENT_PARENT_SHUTDOWN_TIME", value_parser = parse_duration, default_value = "60s")]
-    pub parent_shutdown_time: Duration,
+    /// With --hot-restart: when a new epoch terminates its draining parent
+    /// (--parent-shutdown-time-s). Must exceed --drain-time. [default: 60s]
+    #[arg(long, env = "ENVOY_AGENT_PARENT_SHUTDOWN_TIME", value_parser = parse_duration, requires = "hot_restart")]
+    pub parent_shutdown_time: Option<Duration>,
 
     /// With --hot-restart: hot-restart when the bootstrap changes (ConfigMap updates included).
     #[arg(long, env = "ENVOY_AGENT_WATCH_CONFIG", requires = "hot_restart")]
@@ -294,24 +298,56 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_STATE_DIR", requires = "hot_restart")]
     pub state_dir: Option<PathBuf>,
 
-    /// With --hot-restart: this agent's name in the state directory (default: $POD_NAME, else
-    /// host name and pid).
+    /// With --hot-restart: this agent's name on the node (default: $POD_NAME, else the host
+    /// name). A random suffix made at start is always added, so that no two agents share one.
     #[arg(long, env = "ENVOY_AGENT_IDENTITY", requires = "hot_restart")]
     pub identity: Option<String>,
 
-    /// With --hot-restart: how long a new epoch may take from trigger to LIVE before it is stopped
-    /// (the serving epoch keeps serving).
-    #[arg(long, env = "ENVOY_AGENT_HANDOFF_DEADLINE", value_parser = parse_duration, default_value = "60s")]
-    pub handoff_deadline: Duration,
+    /// With --hot-restart: how long a new epoch may take from spawn to LIVE before it is killed
+    /// (the serving epoch keeps serving). [default: 60s]
+    #[arg(long, env = "ENVOY_AGENT_HANDOFF_DEADLINE", value_parser = parse_duration, requires = "hot_restart")]
+    pub handoff_deadline: Option<Duration>,
 
     /// With --hot-restart: how long the serving epoch's admin API may stay silent before the
-    /// supervisor declares a wedge and exits 75.
-    #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_duration, default_value = "30s")]
-    pub admin_unresponsive_deadline: Duration,
+    /// supervisor declares a wedge and exits 75. [default: 30s]
+    #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_duration, requires = "hot_restart")]
+    pub admin_unresponsive_deadline: Option<Duration>,
 
     /// Extra arguments passed to Envoy verbatim, after `--`.
     #[arg(last = true)]
     pub envoy_args: Vec<String>,
+}
+
+/// Defaults of the hot-restart flags (they are `Option`s so that giving one without
+/// `--hot-restart` is refused instead of silently ignored).
+pub mod defaults {
+    use std::time::Duration;
+
+    /// `--parent-shutdown-time`.
+    pub const PARENT_SHUTDOWN_TIME: Duration = Duration::from_secs(60);
+    /// `--handoff-deadline`.
+    pub const HANDOFF_DEADLINE: Duration = Duration::from_secs(60);
+    /// `--admin-unresponsive-deadline`.
+    pub const ADMIN_UNRESPONSIVE_DEADLINE: Duration = Duration::from_secs(30);
+}
+
+impl RunArgs {
+    /// `--parent-shutdown-time` or its default.
+    pub fn parent_shutdown_time(&self) -> Duration {
+        self.parent_shutdown_time
+            .unwrap_or(defaults::PARENT_SHUTDOWN_TIME)
+    }
+
+    /// `--handoff-deadline` or its default.
+    pub fn handoff_deadline(&self) -> Duration {
+        self.handoff_deadline.unwrap_or(defaults::HANDOFF_DEADLINE)
+    }
+
+    /// `--admin-unresponsive-deadline` or its default.
+    pub fn admin_unresponsive_deadline(&self) -> Duration {
+        self.admin_unresponsive_deadline
+            .unwrap_or(defaults::ADMIN_UNRESPONSIVE_DEADLINE)
+    }
 }
 
 /// The flag reference of every subcommand as Markdown, generated from the CLI definition

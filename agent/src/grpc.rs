@@ -9,18 +9,18 @@
 
 use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use envoy_agent_hotrestart::{RestartError, SupervisorHandle, SupervisorState};
 use envoy_agent_proto::pb;
 use envoy_agent_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
+use envoy_agent_proxy::{DrainOptions, ProxyError, RestartError};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::agent::{AgentHandle, AgentState, DrainPhase};
+use crate::agent::{AgentError, AgentHandle, AgentState, DrainPhase, Status as AgentStatus, Via};
 
 /// The service name, as health checks and reflection know it.
 pub const SERVICE_NAME: &str = "envoyagent.v1.AgentService";
@@ -59,22 +59,12 @@ impl std::fmt::Display for GrpcAddress {
     }
 }
 
-/// What the service steers.
-#[derive(Debug, Clone)]
-pub enum Target {
-    /// Hot restart off: the agent.
-    Agent(AgentHandle),
-    /// Hot restart on: the supervisor, and the token that stops it.
-    Supervisor(SupervisorHandle, CancellationToken),
-}
-
-/// The `AgentService` implementation.
+/// The `AgentService` implementation: a handle to the agent, nothing else. Every RPC goes
+/// through the agent actor; no admin call or file write happens here.
 #[derive(Debug, Clone)]
 pub struct Service {
-    target: Target,
+    agent: AgentHandle,
     allow_remote: bool,
-    config_path: PathBuf,
-    proxy: envoy_agent_proxy::ProxyConfig,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -83,110 +73,90 @@ fn unix_ms(t: SystemTime) -> u64 {
         .unwrap_or_default()
 }
 
-/// The status of an agent. Ready means LIVE and not draining, as `/healthz/ready` says before
-/// it asks Envoy's own `/ready`.
-pub fn agent_status(state: &AgentState) -> pb::Status {
-    let (reason, draining) = match state {
-        AgentState::Draining { reason, phase, .. } => (
-            match phase {
-                DrainPhase::Delay => format!("{reason} (drain delay)"),
-                DrainPhase::Draining => reason.to_string(),
-            },
-            true,
-        ),
-        AgentState::Exiting { path, .. } => (path.to_string(), false),
-        _ => (String::new(), false),
+/// The status message for `status`: the agent's state, and the proxy's epochs (one Envoy
+/// without hot restart; with it, every epoch plus the family's handoffs and wedges).
+pub fn status_message(status: &AgentStatus) -> pb::Status {
+    let agent = &status.agent;
+    let reason = match agent {
+        AgentState::Draining { reason, phase, .. } => match phase {
+            DrainPhase::Deciding => format!("{reason} (is a successor taking over?)"),
+            DrainPhase::Delay => format!("{reason} (drain delay)"),
+            DrainPhase::Draining => reason.to_string(),
+        },
+        AgentState::HandedOver { successor, .. } => format!("handed over to {successor}"),
+        AgentState::HandingOver { successor, .. } => format!("handing over to {successor}"),
+        AgentState::Exiting { path, .. } => path.to_string(),
+        AgentState::Starting { .. } | AgentState::Live { .. } => String::new(),
     };
+    let proxy = &status.proxy;
+    let family = proxy.family.as_ref();
     pb::Status {
-        mode: "agent".to_owned(),
-        state: state.name().to_owned(),
-        reason,
-        state_since_unix_ms: unix_ms(state.since()),
-        ready: matches!(state, AgentState::Live { .. }),
-        draining,
-        newest_live_epoch: -1,
-        ..pb::Status::default()
-    }
-}
-
-/// The status of a supervisor.
-pub fn supervisor_status(s: &SupervisorState) -> pb::Status {
-    use envoy_agent_hotrestart::{EpochState, Phase};
-    pb::Status {
-        mode: "supervisor".to_owned(),
-        state: match s.phase {
-            Phase::Starting => "starting",
-            Phase::Serving => "serving",
-            Phase::Stopping => "stopping",
-            Phase::Exited => "exited",
+        mode: if family.is_some() {
+            "supervisor"
+        } else {
+            "agent"
         }
         .to_owned(),
-        reason: s
-            .handed_over_to
-            .as_ref()
-            .map(|to| format!("handed over to {to}"))
-            .unwrap_or_default(),
-        state_since_unix_ms: 0,
-        ready: s.ready,
-        draining: s.handoff.is_some(),
-        epochs: s
+        state: agent.name().to_owned(),
+        reason,
+        state_since_unix_ms: unix_ms(agent.since()),
+        ready: agent.serving(),
+        draining: agent.draining(),
+        epochs: proxy
             .epochs
             .iter()
             .map(|e| pb::Epoch {
                 epoch: e.epoch,
                 pid: e.pid,
-                state: match e.state {
-                    EpochState::Starting => "starting",
-                    EpochState::Live => "live",
-                    EpochState::Draining => "draining",
-                }
-                .to_owned(),
+                state: e.state.as_str().to_owned(),
                 started_unix_ms: unix_ms(e.started),
             })
             .collect(),
-        newest_live_epoch: s.newest_live.map_or(-1, i64::from),
-        base_id: s.base_id,
-        hot_restart_version: s.hot_restart_version.clone(),
-        handoff: s.handoff.as_ref().map(|h| pb::Handoff {
-            epoch: h.epoch,
-            reason: h.reason.clone(),
-            since_unix_ms: unix_ms(h.since),
-        }),
-        last_handoff: s.last_handoff.as_ref().map(|h| pb::HandoffResult {
-            epoch: h.epoch,
-            reason: h.reason.clone(),
-            outcome: h.outcome.as_str().to_owned(),
-            duration_ms: h.duration.as_millis() as u64,
-            message: h.message.clone(),
-        }),
-        wedges: s
-            .wedges
-            .iter()
-            .map(|w| pb::Wedge {
-                reason: w.reason.as_str().to_owned(),
-                at_unix_ms: unix_ms(w.at),
-                message: w.message.clone(),
+        newest_live_epoch: proxy.newest_live.map_or(-1, i64::from),
+        base_id: family.map_or(0, |f| f.base_id),
+        hot_restart_version: family
+            .map(|f| f.hot_restart_version.clone())
+            .unwrap_or_default(),
+        handoff: family
+            .and_then(|f| f.handoff.as_ref())
+            .map(|h| pb::Handoff {
+                epoch: h.epoch,
+                reason: h.reason.clone(),
+                since_unix_ms: unix_ms(h.since),
+            }),
+        last_handoff: family
+            .and_then(|f| f.last_handoff.as_ref())
+            .map(|h| pb::HandoffResult {
+                epoch: h.epoch,
+                reason: h.reason.clone(),
+                outcome: h.outcome.as_str().to_owned(),
+                duration_ms: h.duration.as_millis() as u64,
+                message: h.message.clone(),
+            }),
+        wedges: family
+            .map(|f| {
+                f.wedges
+                    .iter()
+                    .map(|w| pb::Wedge {
+                        reason: w.reason.as_str().to_owned(),
+                        at_unix_ms: unix_ms(w.at),
+                        message: w.message.clone(),
+                    })
+                    .collect()
             })
-            .collect(),
-        handed_over_to: s.handed_over_to.clone().unwrap_or_default(),
+            .unwrap_or_default(),
+        handed_over_to: family
+            .and_then(|f| f.handed_over_to.clone())
+            .unwrap_or_default(),
     }
 }
 
 impl Service {
-    /// A service over `target`. `proxy` is Envoy's config (for validation of new configs).
-    pub fn new(target: Target, proxy: envoy_agent_proxy::ProxyConfig, allow_remote: bool) -> Self {
+    /// A service over the agent behind `agent`.
+    pub fn new(agent: AgentHandle, allow_remote: bool) -> Self {
         Service {
-            target,
+            agent,
             allow_remote,
-            config_path: proxy.config_path.clone(),
-            proxy,
-        }
-    }
-
-    fn status(&self) -> pb::Status {
-        match &self.target {
-            Target::Agent(h) => agent_status(&h.state().borrow()),
-            Target::Supervisor(h, _) => supervisor_status(&h.state().borrow()),
         }
     }
 
@@ -201,27 +171,29 @@ impl Service {
             _ => Ok(()),
         }
     }
-
-    fn admin(&self) -> Result<envoy_agent_proxy::AdminClient, Status> {
-        let addr = match &self.target {
-            Target::Agent(h) => h.admin().map(|a| a.addr()),
-            Target::Supervisor(..) => match &self.proxy.admin {
-                envoy_agent_proxy::AdminAddress::Fixed(a) => Some(*a),
-                envoy_agent_proxy::AdminAddress::FromFile(p) => {
-                    envoy_agent_proxy::read_admin_file(p)
-                }
-            },
-        };
-        addr.map(envoy_agent_proxy::AdminClient::new)
-            .ok_or_else(|| Status::unavailable("envoy's admin address is not known yet"))
-    }
 }
 
-fn restart_status(e: RestartError) -> Status {
+fn agent_error(e: AgentError) -> Status {
     match e {
-        RestartError::Rejected(m) => Status::failed_precondition(m),
-        RestartError::Failed(m) => Status::aborted(m),
-        other => Status::unavailable(other.to_string()),
+        AgentError::Restart(RestartError::Rejected(m)) => Status::failed_precondition(m),
+        AgentError::Restart(RestartError::Unsupported) => {
+            Status::failed_precondition("hot restart is off (run envoy-agent with --hot-restart)")
+        }
+        AgentError::Restart(RestartError::Refused(m)) => Status::failed_precondition(m),
+        AgentError::Restart(RestartError::Failed(m)) => Status::aborted(m),
+        AgentError::Config(ProxyError::ConfigRejected { path, message }) => {
+            Status::invalid_argument(format!(
+                "envoy rejects the config for {}: {message}",
+                path.display()
+            ))
+        }
+        AgentError::Config(ProxyError::Restart { source, .. }) => {
+            agent_error(AgentError::Restart(source))
+        }
+        AgentError::Config(e) => Status::internal(e.to_string()),
+        AgentError::DrainFailed(m) => Status::unavailable(m),
+        AgentError::Gone => Status::unavailable("the agent is exiting"),
+        other => Status::internal(other.to_string()),
     }
 }
 
@@ -233,7 +205,7 @@ impl AgentService for Service {
         &self,
         _request: Request<pb::GetStatusRequest>,
     ) -> Result<Response<pb::Status>, Status> {
-        Ok(Response::new(self.status()))
+        Ok(Response::new(status_message(&self.agent.status().borrow())))
     }
 
     type WatchStatusStream = StatusStream;
@@ -242,16 +214,10 @@ impl AgentService for Service {
         &self,
         _request: Request<pb::WatchStatusRequest>,
     ) -> Result<Response<Self::WatchStatusStream>, Status> {
-        let stream: StatusStream = match &self.target {
-            Target::Agent(h) => Box::pin(
-                tokio_stream::wrappers::WatchStream::new(h.state())
-                    .map(|state| Ok(agent_status(&state))),
-            ),
-            Target::Supervisor(h, _) => Box::pin(
-                tokio_stream::wrappers::WatchStream::new(h.state())
-                    .map(|state| Ok(supervisor_status(&state))),
-            ),
-        };
+        let stream: StatusStream = Box::pin(
+            tokio_stream::wrappers::WatchStream::new(self.agent.status())
+                .map(|status| Ok(status_message(&status))),
+        );
         Ok(Response::new(stream))
     }
 
@@ -261,18 +227,14 @@ impl AgentService for Service {
     ) -> Result<Response<pb::DrainResponse>, Status> {
         self.check_mutation(&request)?;
         let r = request.into_inner();
-        match &self.target {
-            Target::Agent(h) => h
-                .drain(Some(r.inbound_only), r.skip_exit)
-                .await
-                .map_err(|e| Status::unavailable(e.to_string()))?,
-            Target::Supervisor(..) => {
-                let admin = self.admin()?;
-                envoy_agent_drain::drain_listeners(&admin, r.inbound_only, r.skip_exit)
-                    .await
-                    .map_err(|e| Status::unavailable(e.to_string()))?;
-            }
-        }
+        let options = DrainOptions {
+            inbound_only: Some(r.inbound_only),
+            skip_exit: r.skip_exit,
+        };
+        self.agent
+            .drain(options, Via::Grpc)
+            .await
+            .map_err(agent_error)?;
         Ok(Response::new(pb::DrainResponse {}))
     }
 
@@ -281,20 +243,8 @@ impl AgentService for Service {
         request: Request<pb::DrainNowRequest>,
     ) -> Result<Response<pb::DrainResponse>, Status> {
         self.check_mutation(&request)?;
-        match &self.target {
-            Target::Agent(h) => h
-                .drain_now()
-                .await
-                .map(|()| Response::new(pb::DrainResponse {}))
-                .map_err(|e| Status::unavailable(e.to_string())),
-            Target::Supervisor(..) => {
-                let admin = self.admin()?;
-                envoy_agent_drain::drain_listeners(&admin, false, true)
-                    .await
-                    .map_err(|e| Status::unavailable(e.to_string()))?;
-                Ok(Response::new(pb::DrainResponse {}))
-            }
-        }
+        self.agent.drain_now(Via::Grpc).await.map_err(agent_error)?;
+        Ok(Response::new(pb::DrainResponse {}))
     }
 
     async fn disable_draining(
@@ -302,16 +252,8 @@ impl AgentService for Service {
         request: Request<pb::DisableDrainingRequest>,
     ) -> Result<Response<pb::DisableDrainingResponse>, Status> {
         self.check_mutation(&request)?;
-        match &self.target {
-            Target::Agent(h) => h
-                .disable_draining()
-                .await
-                .map(|()| Response::new(pb::DisableDrainingResponse {}))
-                .map_err(|e| Status::unavailable(e.to_string())),
-            Target::Supervisor(..) => Err(Status::failed_precondition(
-                "the hot-restart supervisor does not drain on SIGTERM: nothing to disable",
-            )),
-        }
+        self.agent.disable_draining().await.map_err(agent_error)?;
+        Ok(Response::new(pb::DisableDrainingResponse {}))
     }
 
     async fn quit_quit_quit(
@@ -319,13 +261,8 @@ impl AgentService for Service {
         request: Request<pb::QuitQuitQuitRequest>,
     ) -> Result<Response<pb::QuitQuitQuitResponse>, Status> {
         self.check_mutation(&request)?;
-        match &self.target {
-            Target::Agent(h) => {
-                // Already exiting is fine: the request is satisfied.
-                let _ = h.quit().await;
-            }
-            Target::Supervisor(_, stop) => stop.cancel(),
-        }
+        // Already exiting is fine: the request is satisfied.
+        let _ = self.agent.quit(Via::Grpc).await;
         Ok(Response::new(pb::QuitQuitQuitResponse {}))
     }
 
@@ -335,16 +272,11 @@ impl AgentService for Service {
     ) -> Result<Response<pb::HotRestartResponse>, Status> {
         self.check_mutation(&request)?;
         let reason = request.into_inner().reason;
-        match &self.target {
-            Target::Agent(_) => Err(Status::failed_precondition(
-                "hot restart is off (run envoy-agent with --hot-restart)",
-            )),
-            Target::Supervisor(h, _) => h
-                .hot_restart(format!("grpc: {reason}"))
-                .await
-                .map(|epoch| Response::new(pb::HotRestartResponse { epoch }))
-                .map_err(restart_status),
-        }
+        self.agent
+            .hot_restart(format!("grpc: {reason}"))
+            .await
+            .map(|epoch| Response::new(pb::HotRestartResponse { epoch }))
+            .map_err(agent_error)
     }
 
     async fn update_config(
@@ -353,51 +285,16 @@ impl AgentService for Service {
     ) -> Result<Response<pb::UpdateConfigResponse>, Status> {
         self.check_mutation(&request)?;
         let r = request.into_inner();
-        // Validate a copy beside the real file (same directory: relative paths resolve alike);
-        // the real file is only replaced once Envoy accepts the copy.
-        let candidate = sibling(&self.config_path, "candidate");
-        envoy_agent_proxy::write_atomically(&candidate, &r.bootstrap)
-            .map_err(|e| Status::internal(format!("writing {}: {e}", candidate.display())))?;
-        let mut proxy = self.proxy.clone();
-        proxy.config_path = candidate.clone();
-        let validated = envoy_agent_proxy::preflight::validate(&proxy).await;
-        let _ = std::fs::remove_file(&candidate);
-        validated.map_err(|e| Status::invalid_argument(e.to_string()))?;
-        envoy_agent_proxy::write_atomically(&self.config_path, &r.bootstrap).map_err(|e| {
-            Status::internal(format!("writing {}: {e}", self.config_path.display()))
-        })?;
-        tracing::info!(path = %self.config_path.display(), reason = %r.reason, "config updated over gRPC");
-        match &self.target {
-            Target::Agent(_) => Ok(Response::new(pb::UpdateConfigResponse {
-                restarted: false,
-                epoch: 0,
-            })),
-            Target::Supervisor(h, _) => h
-                .hot_restart(format!("grpc update config: {}", r.reason))
-                .await
-                .map(|epoch| {
-                    Response::new(pb::UpdateConfigResponse {
-                        restarted: true,
-                        epoch,
-                    })
-                })
-                .map_err(restart_status),
-        }
+        let applied = self
+            .agent
+            .update_config(r.bootstrap, format!("grpc: {}", r.reason))
+            .await
+            .map_err(agent_error)?;
+        Ok(Response::new(pb::UpdateConfigResponse {
+            restarted: applied.restarted_epoch.is_some(),
+            epoch: applied.restarted_epoch.unwrap_or_default(),
+        }))
     }
-}
-
-/// A hidden file beside `path` that keeps its extension: Envoy picks the config format (YAML,
-/// JSON, proto) from it.
-fn sibling(path: &Path, what: &str) -> PathBuf {
-    let stem = path
-        .file_stem()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let ext = path
-        .extension()
-        .map(|e| format!(".{}", e.to_string_lossy()))
-        .unwrap_or_default();
-    path.with_file_name(format!(".{stem}.{what}.{}{ext}", std::process::id()))
 }
 
 /// Why the gRPC server could not start.
@@ -410,12 +307,14 @@ pub struct GrpcBindError {
     pub message: String,
 }
 
-/// Binds `addr` and serves until `cancel` fires. Health reports NOT_SERVING while `draining`
-/// says so.
+/// Binds `addr` and serves until `cancel` fires. Health says SERVING exactly while the agent
+/// serves (the newest Envoy LIVE, nothing draining, handing over or stopping). `node_proxy`: a
+/// TCP address taken (by a surge predecessor on the same host network) is bound once free.
 pub async fn serve(
     addr: GrpcAddress,
     service: Service,
     cancel: CancellationToken,
+    node_proxy: bool,
 ) -> Result<impl std::future::Future<Output = ()>, GrpcBindError> {
     let (reporter, health) = tonic_health::server::health_reporter();
     let reflection = tonic_reflection::server::Builder::configure()
@@ -425,26 +324,15 @@ pub async fn serve(
             addr: addr.clone(),
             message: e.to_string(),
         })?;
-    // Health follows the drain: NOT_SERVING from its start.
     let health_task = {
-        let service = service.clone();
+        // One receiver for the task's life: a fresh clone per wait would see every past
+        // change as new and spin.
+        let mut changes = service.agent.status();
         let cancel = cancel.clone();
         async move {
-            // One receiver for the task's life: a fresh clone per wait would see every past
-            // change as new and spin.
-            enum Changes {
-                Agent(tokio::sync::watch::Receiver<AgentState>),
-                Supervisor(tokio::sync::watch::Receiver<SupervisorState>),
-            }
-            let mut changes = match &service.target {
-                Target::Agent(h) => Changes::Agent(h.state()),
-                Target::Supervisor(h, _) => Changes::Supervisor(h.state()),
-            };
             let mut last = None;
             loop {
-                let status = service.status();
-                let serving = !status.draining
-                    && !matches!(status.state.as_str(), "exiting" | "stopping" | "exited");
+                let serving = changes.borrow_and_update().agent.serving();
                 if last != Some(serving) {
                     let s = if serving {
                         tonic_health::ServingStatus::Serving
@@ -455,15 +343,9 @@ pub async fn serve(
                     reporter.set_service_status("", s).await;
                     last = Some(serving);
                 }
-                let changed = async {
-                    match &mut changes {
-                        Changes::Agent(rx) => rx.changed().await.is_ok(),
-                        Changes::Supervisor(rx) => rx.changed().await.is_ok(),
-                    }
-                };
                 tokio::select! {
                     () = cancel.cancelled() => return,
-                    ok = changed => if !ok { return },
+                    changed = changes.changed() => if changed.is_err() { return },
                 }
             }
         }
@@ -476,18 +358,35 @@ pub async fn serve(
         addr: addr.clone(),
         message,
     };
-    let served: Pin<
-        Box<dyn std::future::Future<Output = Result<(), tonic::transport::Error>> + Send>,
-    > = match &addr {
+    let served: Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>> = match &addr
+    {
         GrpcAddress::Tcp(a) => {
-            let listener = tokio::net::TcpListener::bind(a)
-                .await
-                .map_err(|e| fail(e.to_string()))?;
-            tracing::info!(addr = %listener.local_addr().map_err(|e| fail(e.to_string()))?, "gRPC server listening");
-            Box::pin(router.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                cancel.clone().cancelled_owned(),
-            ))
+            let listener = match tokio::net::TcpListener::bind(a).await {
+                Ok(l) => Some(l),
+                Err(e) if node_proxy && e.kind() == std::io::ErrorKind::AddrInUse => {
+                    tracing::warn!(addr = %a, "the gRPC address is in use (by the predecessor pod's agent on this node?): binding it once it is free");
+                    None
+                }
+                Err(e) => return Err(fail(e.to_string())),
+            };
+            let (a, cancel) = (*a, cancel.clone());
+            Box::pin(async move {
+                let listener = match listener {
+                    Some(l) => l,
+                    None => match bind_when_free(a, &cancel).await {
+                        Some(l) => l,
+                        None => return Ok(()),
+                    },
+                };
+                tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "gRPC server listening");
+                router
+                    .serve_with_incoming_shutdown(
+                        tokio_stream::wrappers::TcpListenerStream::new(listener),
+                        cancel.cancelled_owned(),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())
+            })
         }
         GrpcAddress::Unix(path) => {
             if let Some(dir) = path.parent() {
@@ -500,10 +399,15 @@ pub async fn serve(
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
                 .map_err(|e| fail(e.to_string()))?;
             tracing::info!(path = %path.display(), "gRPC server listening");
-            Box::pin(router.serve_with_incoming_shutdown(
-                tokio_stream::wrappers::UnixListenerStream::new(listener),
-                cancel.clone().cancelled_owned(),
-            ))
+            Box::pin(async move {
+                router
+                    .serve_with_incoming_shutdown(
+                        tokio_stream::wrappers::UnixListenerStream::new(listener),
+                        cancel.cancelled_owned(),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())
+            })
         }
     };
     let unix_path = match &addr {
@@ -519,4 +423,27 @@ pub async fn serve(
             let _ = std::fs::remove_file(path);
         }
     })
+}
+
+/// How often a taken address is tried again.
+pub(crate) const BIND_RETRY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Binds `addr` once it is free (retrying), or `None` when cancelled first.
+async fn bind_when_free(
+    addr: SocketAddr,
+    cancel: &CancellationToken,
+) -> Option<tokio::net::TcpListener> {
+    loop {
+        tokio::select! {
+            () = cancel.cancelled() => return None,
+            () = tokio::time::sleep(BIND_RETRY) => {}
+        }
+        match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => {
+                tracing::info!(%addr, "the gRPC address is free now: bound it");
+                return Some(l);
+            }
+            Err(e) => tracing::debug!(%addr, error = %e, "the gRPC address is still taken"),
+        }
+    }
 }

@@ -3,19 +3,26 @@
 //! # Theory of operation
 //!
 //! `main` parses the command line ([`cli`]), starts tracing and calls [`run`]. [`run`] checks
-//! its input first ([`setup`]: bootstrap, admin address, Envoy binary, status address) so that
-//! bad input fails with one line and exit code 64 before anything starts. It then builds an
-//! [`envoy_agent_proxy::Envoy`], an [`Agent`] over it and the [`status`] server, and runs them:
+//! its input first ([`setup`]: flags that cannot apply in the mode, bootstrap, admin address,
+//! Envoy binary) so that bad input fails with one line and exit code 64 before anything
+//! starts. It then builds the proxy, one Envoy ([`envoy_agent_proxy::Envoy`]) or a hot-restart
+//! family ([`envoy_agent_hotrestart::EnvoyFamily`]), an [`Agent`] over it, the [`status`]
+//! server and the [`grpc`] server, and runs them. Both modes take this one path:
 //!
 //! 1. **Decide when**: the agent actor alone decides when Envoy stops, from [`Intent`]s
 //!    (signals, from an injectable [`IntentSource`]), commands from its [`AgentHandle`]s
-//!    (`/drain`, `/quitquitquit`) and Envoy's own exit. See [`agent`] for the exit paths.
-//! 2. **Tell everyone**: once the agent has stopped and reaped Envoy, a `CancellationToken`
-//!    tells the status server to stop. The server stays up through the whole drain.
-//! 3. **Wait**: a `TaskTracker` waits for the server, bounded by [`SHUTDOWN_GRACE`].
+//!    (status server, gRPC) and the proxy's own end. See [`agent`] for the exit paths.
+//! 2. **Tell everyone**: once the agent has stopped and reaped every Envoy, a
+//!    `CancellationToken` tells the servers to stop. They stay up through the whole drain.
+//! 3. **Wait**: a `TaskTracker` waits for them, bounded by [`SHUTDOWN_GRACE`].
 //!
-//! Nothing outlives [`run`]: Envoy is reaped before it returns, and dropping the future kills
-//! Envoy (it was spawned with kill-on-drop) rather than leaking it.
+//! A node proxy's surge successor runs the same command line on the same host network as its
+//! predecessor, so it finds the status port (and a TCP gRPC port) taken: it serves without
+//! them and binds each once the predecessor releases it. It never shares them: a request to
+//! `/quitquitquit` reaches the agent it was meant for.
+//!
+//! Nothing outlives [`run`]: every Envoy is reaped before it returns, and dropping the future
+//! kills Envoy (it was spawned with kill-on-drop) rather than leaking it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -23,7 +30,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use envoy_agent_drain::Exclusions;
-use envoy_agent_proxy::{AdminAddress, Envoy};
+use envoy_agent_proxy::{AdminAddress, Envoy, Proxy};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -39,11 +46,11 @@ pub mod telemetry;
 #[cfg(test)]
 mod testing;
 
-pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath};
+pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath, Status};
 pub use setup::{EXIT_USAGE, SetupError};
 pub use signal::{Intent, IntentSource, UnixSignals};
 
-/// How long the agent waits for its own tasks (the status server) once Envoy is gone.
+/// How long the agent waits for its own tasks (the servers) once Envoy is gone.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// The agent's drain settings from the command line.
@@ -59,6 +66,11 @@ pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
         drain_delay: args.drain_delay,
         exclusions,
         poll_interval: args.drain_poll_interval,
+        // A successor terminates our Envoy at most its handoff deadline plus the parent
+        // shutdown time after it starts; then some margin.
+        handover_timeout: args.handoff_deadline()
+            + args.parent_shutdown_time()
+            + Duration::from_secs(10),
         ..AgentConfig::default()
     }
 }
@@ -71,6 +83,7 @@ pub async fn run(
     intents: impl IntentSource,
 ) -> anyhow::Result<u8> {
     let grpc = grpc.unwrap_or_else(client::default_address);
+    setup::check_mode(&args)?;
     let runtime_dir = std::env::temp_dir().join(format!("envoy-agent-{}", std::process::id()));
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let (admin, extra_args) = setup::resolve_admin(
@@ -95,20 +108,41 @@ pub async fn run(
         None => None,
     };
     let meter = telemetry.as_ref().map(telemetry::Telemetry::meter);
+    let agent_metrics = meter
+        .as_ref()
+        .map(telemetry::AgentMetrics::new)
+        .unwrap_or_default();
     let proxy = setup::proxy_config(&args, binary, admin, extra_args);
+    let own_runtime_dir =
+        matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
+    if own_runtime_dir {
+        std::fs::create_dir_all(&runtime_dir)
+            .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
+    }
     let code = if args.hot_restart {
         let metrics = meter
             .as_ref()
             .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
             .unwrap_or_default();
-        run_hot_restart(&args, proxy, grpc, metrics, intents).await
+        let config = setup::family_config(&args, proxy)?;
+        tracing::info!(identity = %config.identity, "node identity");
+        let family =
+            envoy_agent_hotrestart::EnvoyFamily::new(config, metrics).map_err(SetupError::from)?;
+        serve(&args, Arc::new(family), grpc, agent_metrics, intents, true).await
     } else {
-        let metrics = meter
-            .as_ref()
-            .map(telemetry::AgentMetrics::new)
-            .unwrap_or_default();
-        run_agent(&args, proxy, &runtime_dir, grpc, metrics, intents).await
+        serve(
+            &args,
+            Arc::new(Envoy::new(proxy)),
+            grpc,
+            agent_metrics,
+            intents,
+            false,
+        )
+        .await
     };
+    if own_runtime_dir {
+        remove_dir(&runtime_dir);
+    }
     if let Some(telemetry) = telemetry {
         telemetry.shutdown().await;
     }
@@ -117,53 +151,64 @@ pub async fn run(
     code
 }
 
-/// Hot restart off: the [`Agent`] with its status server.
-async fn run_agent(
+/// Runs `proxy` under an [`Agent`] with the status and gRPC servers: the one path of both
+/// modes. `node_proxy`: a surge successor may find its ports taken by its predecessor, and
+/// waits for them instead of failing.
+async fn serve<P: Proxy>(
     args: &cli::RunArgs,
-    config: envoy_agent_proxy::ProxyConfig,
-    runtime_dir: &Path,
+    proxy: Arc<P>,
     grpc_address: grpc::GrpcAddress,
     metrics: telemetry::AgentMetrics,
     intents: impl IntentSource,
+    node_proxy: bool,
 ) -> anyhow::Result<u8> {
-    let status = status::StatusServer::bind(args.status_address)
-        .await
-        .map_err(SetupError::from)?;
-    if let Some(path) = &args.status_address_file {
-        envoy_agent_proxy::write_atomically(path, status.local_addr().to_string().as_bytes())
-            .with_context(|| format!("writing --status-address-file {}", path.display()))?;
-    }
-    let own_runtime_dir =
-        matches!(&config.admin, AdminAddress::FromFile(p) if p.starts_with(runtime_dir));
-    if own_runtime_dir {
-        std::fs::create_dir_all(runtime_dir)
-            .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
-    }
-
-    let envoy = Arc::new(Envoy::new(config.clone()));
-    let (agent, handle) = Agent::new(envoy, agent_config(args));
+    let (agent, handle) = Agent::new(proxy, agent_config(args));
     let agent = agent.with_metrics(metrics);
-
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
-    let service = grpc::Service::new(
-        grpc::Target::Agent(handle.clone()),
-        config,
-        args.grpc_allow_remote,
-    );
-    tracker.spawn(
-        grpc::serve(grpc_address, service, cancel.clone())
-            .await
-            .map_err(SetupError::from)?,
-    );
+
+    let status = match status::StatusServer::bind(args.status_address).await {
+        Ok(server) => Some(server),
+        Err(e) if node_proxy && e.in_use() => {
+            tracing::warn!(
+                addr = %args.status_address,
+                "the status address is in use (by the predecessor pod's agent on this node?): \
+                 serving without it and binding it once it is free; readiness is the marker file"
+            );
+            None
+        }
+        Err(e) => return Err(SetupError::from(e).into()),
+    };
+    let status_file = args.status_address_file.clone();
     tracker.spawn({
-        let cancel = cancel.clone();
+        let (cancel, handle, addr) = (cancel.clone(), handle.clone(), args.status_address);
         async move {
-            if let Err(e) = status.serve(handle, cancel).await {
+            let server = match status {
+                Some(server) => server,
+                None => match status::StatusServer::bind_when_free(addr, &cancel).await {
+                    Some(server) => server,
+                    None => return,
+                },
+            };
+            if let Some(path) = &status_file {
+                if let Err(e) = envoy_agent_proxy::write_atomically(
+                    path,
+                    server.local_addr().to_string().as_bytes(),
+                ) {
+                    tracing::error!(path = %path.display(), error = %e, "cannot write --status-address-file");
+                }
+            }
+            if let Err(e) = server.serve(handle, cancel).await {
                 tracing::error!(error = %e, "status server failed");
             }
         }
     });
+    let service = grpc::Service::new(handle.clone(), args.grpc_allow_remote);
+    tracker.spawn(
+        grpc::serve(grpc_address, service, cancel.clone(), node_proxy)
+            .await
+            .map_err(SetupError::from)?,
+    );
     tracker.close();
 
     let exit = agent.run(intents).await;
@@ -173,80 +218,22 @@ async fn run_agent(
         .await
         .is_err()
     {
-        tracing::warn!(grace = ?SHUTDOWN_GRACE, "status server did not stop in time; exiting anyway");
-    }
-    if own_runtime_dir {
-        remove_dir(runtime_dir);
+        tracing::warn!(grace = ?SHUTDOWN_GRACE, "servers did not stop in time; exiting anyway");
     }
     if let Some(path) = &args.status_address_file {
         remove_file(path);
     }
-    tracing::info!(path = %exit.path, code = exit.code(), "envoy-agent exiting");
+    tracing::info!(
+        event = "exit",
+        exit_path = exit.path.name(),
+        code = exit.code(),
+        "envoy-agent exiting: {}",
+        exit.path
+    );
     match exit.error {
         Some(e) => Err(e).context("running envoy"),
         None => Ok(exit.code()),
     }
-}
-
-/// Hot restart on: the [`envoy_agent_hotrestart::Supervisor`]; signals become its commands.
-async fn run_hot_restart(
-    args: &cli::RunArgs,
-    proxy: envoy_agent_proxy::ProxyConfig,
-    grpc_address: grpc::GrpcAddress,
-    metrics: envoy_agent_hotrestart::metrics::SupervisorMetrics,
-    mut intents: impl IntentSource,
-) -> anyhow::Result<u8> {
-    use envoy_agent_hotrestart::{Config, Supervisor};
-    let mut config = Config::new(proxy.clone());
-    config.watch_config = args.watch_config;
-    config.state_dir = Some(args.state_dir.clone().ok_or(SetupError::MissingStateDir)?);
-    config.identity = args
-        .identity
-        .clone()
-        .or_else(|| std::env::var("POD_NAME").ok().filter(|s| !s.is_empty()))
-        .unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            format!("{}-{}", host.trim(), std::process::id())
-        });
-    config.ready_marker = args.ready_marker.clone();
-    config.handoff_deadline = args.handoff_deadline;
-    config.admin_unresponsive_deadline = args.admin_unresponsive_deadline;
-    let (supervisor, handle) = Supervisor::new(config, metrics).map_err(SetupError::from)?;
-    let cancel = CancellationToken::new();
-    let server_stop = CancellationToken::new();
-    let service = grpc::Service::new(
-        grpc::Target::Supervisor(handle.clone(), cancel.clone()),
-        proxy,
-        args.grpc_allow_remote,
-    );
-    let server = tokio::spawn(
-        grpc::serve(grpc_address, service, server_stop.clone())
-            .await
-            .map_err(SetupError::from)?,
-    );
-    let run = supervisor.run(cancel.clone());
-    tokio::pin!(run);
-    let mut intents_open = true;
-    let exit = loop {
-        tokio::select! {
-            exit = &mut run => break exit,
-            intent = intents.next(), if intents_open => match intent {
-                None => intents_open = false,
-                Some(Intent::Reload) => handle.trigger("SIGHUP"),
-                Some(Intent::ReopenLogs) => handle.reopen_logs(),
-                Some(intent @ (Intent::Terminate | Intent::Interrupt)) => {
-                    tracing::info!(signal = intent.signal_name(), "stopping every epoch");
-                    cancel.cancel();
-                }
-            },
-        }
-    };
-    server_stop.cancel();
-    if tokio::time::timeout(SHUTDOWN_GRACE, server).await.is_err() {
-        tracing::warn!(grace = ?SHUTDOWN_GRACE, "gRPC server did not stop in time; exiting anyway");
-    }
-    tracing::info!(?exit, code = exit.code(), "envoy-agent exiting");
-    Ok(exit.code())
 }
 
 fn remove_dir(dir: &Path) {

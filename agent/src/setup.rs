@@ -63,6 +63,35 @@ pub enum SetupError {
     },
 }
 
+/// Refuses flags that cannot apply in the mode chosen (most are refused by the command line
+/// parser already: every hot-restart flag requires `--hot-restart`).
+pub fn check_mode(args: &RunArgs) -> Result<(), SetupError> {
+    if args.hot_restart && args.state_dir.is_none() {
+        return Err(SetupError::MissingStateDir);
+    }
+    Ok(())
+}
+
+/// The hot-restart supervisor's settings.
+pub fn family_config(
+    args: &RunArgs,
+    proxy: ProxyConfig,
+) -> Result<envoy_agent_hotrestart::Config, SetupError> {
+    let mut config = envoy_agent_hotrestart::Config::new(proxy);
+    config.watch_config = args.watch_config;
+    config.state_dir = Some(args.state_dir.clone().ok_or(SetupError::MissingStateDir)?);
+    let name = args
+        .identity
+        .clone()
+        .or_else(|| std::env::var("POD_NAME").ok())
+        .filter(|s| !s.trim().is_empty());
+    config.identity = envoy_agent_hotrestart::unique_identity(name.as_deref());
+    config.ready_marker = args.ready_marker.clone();
+    config.handoff_deadline = args.handoff_deadline();
+    config.admin_unresponsive_deadline = args.admin_unresponsive_deadline();
+    Ok(config)
+}
+
 /// Finds the Envoy binary: a path with a `/` is taken as is, a bare name is looked up on PATH.
 pub fn resolve_envoy(path: &Path, search_path: Option<&OsStr>) -> Result<PathBuf, SetupError> {
     if path.components().count() > 1 || path.is_absolute() {
@@ -178,7 +207,7 @@ pub fn proxy_config(
     config.hot_restart = match (args.hot_restart, args.base_id) {
         (true, Some(base_id)) => Some(envoy_agent_proxy::HotRestart {
             base_id,
-            parent_shutdown_time: args.parent_shutdown_time,
+            parent_shutdown_time: args.parent_shutdown_time(),
         }),
         _ => None,
     };

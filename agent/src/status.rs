@@ -26,7 +26,7 @@ use envoy_agent_proxy::admin::Readiness;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::agent::{AgentHandle, AgentState, DrainPhase};
+use crate::agent::{AgentHandle, AgentState, DrainPhase, Via};
 
 /// Bound on the admin calls a status request makes to Envoy.
 const ENVOY_CALL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -39,6 +39,13 @@ pub struct BindError {
     pub addr: SocketAddr,
     /// The bind error.
     pub source: std::io::Error,
+}
+
+impl BindError {
+    /// Whether another process holds the address.
+    pub fn in_use(&self) -> bool {
+        self.source.kind() == std::io::ErrorKind::AddrInUse
+    }
 }
 
 /// The routes, over `agent`.
@@ -68,6 +75,24 @@ impl StatusServer {
             .local_addr()
             .map_err(|source| BindError { addr, source })?;
         Ok(StatusServer { listener, addr })
+    }
+
+    /// Binds `addr` once it is free, trying again every half second; `None` when `cancel`
+    /// fires first. For a surge successor whose predecessor still holds the port.
+    pub async fn bind_when_free(addr: SocketAddr, cancel: &CancellationToken) -> Option<Self> {
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return None,
+                () = tokio::time::sleep(crate::grpc::BIND_RETRY) => {}
+            }
+            match Self::bind(addr).await {
+                Ok(server) => {
+                    tracing::info!(%addr, "the status address is free now: bound it");
+                    return Some(server);
+                }
+                Err(e) => tracing::debug!(%addr, error = %e, "the status address is still taken"),
+            }
+        }
     }
 
     /// The bound address.
@@ -118,9 +143,15 @@ fn ago(since: SystemTime) -> String {
 }
 
 async fn ready(State(agent): State<AgentHandle>) -> Response {
-    let state = agent.state().borrow().clone();
+    let state = agent.state();
     match state {
         AgentState::Live { .. } => {}
+        AgentState::HandedOver { successor, .. } | AgentState::HandingOver { successor, .. } => {
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: handed over to {successor}"),
+            );
+        }
         AgentState::Starting { since } => {
             return text(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -133,6 +164,7 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
             phase,
         } => {
             let what = match phase {
+                DrainPhase::Deciding => "stopping",
                 DrainPhase::Delay => "about to drain",
                 DrainPhase::Draining => "draining",
             };
@@ -172,7 +204,7 @@ async fn drain(
         return response;
     }
     tracing::info!(%peer, "POST /drain");
-    match agent.drain_now().await {
+    match agent.drain_now(Via::Http).await {
         Ok(()) => text(StatusCode::OK, "OK"),
         Err(e) => text(StatusCode::BAD_GATEWAY, e.to_string()),
     }
@@ -186,7 +218,7 @@ async fn quit(
         return response;
     }
     tracing::info!(%peer, "POST /quitquitquit");
-    match agent.quit().await {
+    match agent.quit(Via::Http).await {
         Ok(()) => text(StatusCode::OK, "OK"),
         // Already exiting: the request is satisfied.
         Err(_) => text(StatusCode::OK, "OK (already exiting)"),
@@ -194,7 +226,7 @@ async fn quit(
 }
 
 async fn prometheus(State(agent): State<AgentHandle>) -> Response {
-    let state = agent.state().borrow().clone();
+    let state = agent.state();
     let mut body = agent_metrics(&state);
     let envoy = match agent.admin() {
         Some(admin) => admin
@@ -234,7 +266,14 @@ pub fn agent_metrics(state: &AgentState) -> String {
         "# HELP envoy_agent_state The agent's state: 1 for the current one.\n\
          # TYPE envoy_agent_state gauge\n",
     );
-    for name in ["starting", "live", "draining", "exiting"] {
+    for name in [
+        "starting",
+        "live",
+        "draining",
+        "handed_over",
+        "handing_over",
+        "exiting",
+    ] {
         let _ = writeln!(
             out,
             "envoy_agent_state{{state=\"{name}\"}} {}",
@@ -253,7 +292,7 @@ pub fn agent_metrics(state: &AgentState) -> String {
          # TYPE envoy_agent_drain_start_time_seconds gauge\nenvoy_agent_drain_start_time_seconds {draining_since:.3}\n\
          # HELP envoy_agent_state_start_time_seconds When the current state began (Unix time).\n\
          # TYPE envoy_agent_state_start_time_seconds gauge\nenvoy_agent_state_start_time_seconds {:.3}",
-        u8::from(matches!(state, AgentState::Draining { .. })),
+        u8::from(state.draining()),
         unix_seconds(state.since()),
     );
     out
@@ -358,7 +397,7 @@ mod tests {
             assert_eq!(status, StatusCode::FORBIDDEN, "POST {path}: {body}");
         }
         assert!(f.proxy.calls().is_empty(), "nothing reached the proxy");
-        assert_eq!(f.handle.state().borrow().name(), "starting");
+        assert_eq!(f.handle.state().name(), "starting");
     }
 
     #[tokio::test(start_paused = true)]
@@ -381,7 +420,7 @@ mod tests {
         let (status, _) = call(&f, Method::POST, "/quitquitquit", LOCAL).await;
         assert_eq!(status, StatusCode::OK);
         let exit = f.task.await.unwrap();
-        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit(Via::Http));
         assert_eq!(f.proxy.calls(), [Call::Stop]);
     }
 
@@ -393,7 +432,7 @@ mod tests {
         let (status, _) = call(&f, Method::POST, "/quitquitquit", LOCAL).await;
         assert_eq!(status, StatusCode::OK);
         let exit = f.task.await.unwrap();
-        assert_eq!(exit.path, ExitPath::QuitQuitQuit);
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit(Via::Http));
     }
 
     #[tokio::test(start_paused = true)]
@@ -417,7 +456,7 @@ mod tests {
     fn metrics_while_draining() {
         let state = AgentState::Draining {
             since: UNIX_EPOCH + Duration::from_secs(1_700_000_000),
-            reason: crate::agent::DrainReason::DrainEndpoint,
+            reason: crate::agent::DrainReason::Request(Via::Http),
             phase: DrainPhase::Draining,
         };
         let text = agent_metrics(&state);

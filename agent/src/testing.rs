@@ -1,13 +1,17 @@
 //! A fake proxy for the agent's unit tests: runs until aborted or told to exit, records what
-//! it is asked, with the (paused) time it was asked.
+//! it is asked, with the (paused) time it was asked, and publishes whatever state the test
+//! gives it.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::{Exit, Proxy, ProxyError};
-use tokio::sync::Notify;
+use envoy_agent_proxy::{
+    ConfigApplied, DrainOptions, Ended, EpochInfo, EpochState, Exit, FamilyState, Proxy,
+    ProxyError, ProxyPhase, ProxyState, RestartError,
+};
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -16,15 +20,31 @@ use tokio_util::sync::CancellationToken;
 pub(crate) enum Call {
     Drain { skip_exit: bool },
     Stop,
+    Successor,
 }
 
 /// A proxy that runs until aborted or told to exit, and records what it is asked.
-#[derive(Default)]
 pub(crate) struct FakeProxy {
     pub(crate) calls: Mutex<Vec<(Call, Instant)>>,
     pub(crate) exit_code: Mutex<Option<i32>>,
     pub(crate) exit_now: Notify,
     pub(crate) hang_drain: bool,
+    /// What `successor` answers.
+    pub(crate) successor: Mutex<Option<String>>,
+    pub(crate) state: watch::Sender<ProxyState>,
+}
+
+impl Default for FakeProxy {
+    fn default() -> Self {
+        FakeProxy {
+            calls: Mutex::default(),
+            exit_code: Mutex::default(),
+            exit_now: Notify::new(),
+            hang_drain: false,
+            successor: Mutex::default(),
+            state: watch::Sender::new(ProxyState::starting()),
+        }
+    }
 }
 
 impl FakeProxy {
@@ -53,6 +73,40 @@ impl FakeProxy {
         *self.exit_code.lock().unwrap() = Some(code);
         self.exit_now.notify_one();
     }
+
+    /// Publishes one LIVE epoch.
+    pub(crate) fn go_live(&self) {
+        self.set(ProxyPhase::Serving, vec![epoch(0, EpochState::Live)], None);
+    }
+
+    /// Publishes a family state.
+    pub(crate) fn set(
+        &self,
+        phase: ProxyPhase,
+        epochs: Vec<EpochInfo>,
+        family: Option<FamilyState>,
+    ) {
+        self.state.send_modify(|s| {
+            s.phase = phase;
+            s.newest_live = epochs
+                .iter()
+                .filter(|e| e.state == EpochState::Live)
+                .map(|e| e.epoch)
+                .max();
+            s.epochs = epochs;
+            s.family = family;
+        });
+    }
+}
+
+pub(crate) fn epoch(epoch: u32, state: EpochState) -> EpochInfo {
+    EpochInfo {
+        epoch,
+        pid: 100 + epoch,
+        state,
+        started: SystemTime::UNIX_EPOCH,
+        since: SystemTime::UNIX_EPOCH,
+    }
 }
 
 pub(crate) fn exit(code: i32, aborted: bool) -> Exit {
@@ -67,30 +121,59 @@ pub(crate) fn exit(code: i32, aborted: bool) -> Exit {
 }
 
 impl Proxy for FakeProxy {
-    async fn run(&self, _epoch: u32, abort: CancellationToken) -> Result<Exit, ProxyError> {
+    async fn run(&self, abort: CancellationToken) -> Result<Ended, ProxyError> {
         tokio::select! {
             () = abort.cancelled() => {
                 self.record(Call::Stop);
-                Ok(exit(0, true))
+                Ok(Ended::Stopped { last: Some(exit(0, true)) })
             }
             () = self.exit_now.notified() => {
                 let code = self.exit_code.lock().unwrap().unwrap_or(0);
-                Ok(exit(code, false))
+                Ok(Ended::Exited(exit(code, false)))
             }
         }
     }
 
-    async fn drain(&self, skip_exit: bool) -> Result<(), ProxyError> {
-        self.record(Call::Drain { skip_exit });
+    fn state(&self) -> watch::Receiver<ProxyState> {
+        self.state.subscribe()
+    }
+
+    async fn drain(&self, options: DrainOptions) -> Result<(), ProxyError> {
+        self.record(Call::Drain {
+            skip_exit: options.skip_exit,
+        });
         if self.hang_drain {
             std::future::pending::<()>().await;
         }
         Ok(())
     }
 
-    fn cleanup(&self) {}
-
-    async fn update_config(&self, _config: &[u8]) -> Result<(), ProxyError> {
-        Ok(())
+    async fn hot_restart(&self, _reason: String) -> Result<u32, RestartError> {
+        Err(RestartError::Unsupported)
     }
+
+    async fn update_config(
+        &self,
+        _config: Vec<u8>,
+        _reason: String,
+    ) -> Result<ConfigApplied, ProxyError> {
+        Ok(ConfigApplied {
+            restarted_epoch: None,
+        })
+    }
+
+    async fn reopen_logs(&self) -> Result<usize, ProxyError> {
+        Ok(0)
+    }
+
+    async fn successor(&self) -> Option<String> {
+        self.record(Call::Successor);
+        self.successor.lock().unwrap().clone()
+    }
+
+    fn admin_address(&self) -> Option<std::net::SocketAddr> {
+        None
+    }
+
+    fn cleanup(&self) {}
 }

@@ -1,54 +1,70 @@
-//! The hot-restart supervisor: Envoy's restart epochs without dropped connections and without
-//! the outages of `hot-restarter.py`.
+//! The hot-restart supervisor: a family of Envoy restart epochs behind the [`Proxy`] trait
+//! ([`EnvoyFamily`]), without the outages of `hot-restarter.py`.
+//!
+//! [`Proxy`]: envoy_agent_proxy::Proxy
 //!
 //! # Theory of operation
 //!
-//! One actor task ([`Supervisor::run`]) owns every Envoy process of the family (one per restart
-//! epoch) and publishes a [`SupervisorState`] on a `watch` channel; [`SupervisorHandle`]s ask
-//! it for hot restarts and read the state. The rules come from Envoy's protocol
-//! (`shared/design.md` §1):
+//! One actor task (the supervisor, run by [`EnvoyFamily`]'s `run`) owns every Envoy process
+//! of the family, one per restart epoch, and publishes a typed
+//! [`ProxyState`](envoy_agent_proxy::ProxyState) on a `watch` channel; [`SupervisorHandle`]s
+//! send it commands that resolve once applied. Everything it does outside its memory goes
+//! through a [`Host`] (the real one, or the unit tests' fake). The rules come from Envoy's
+//! protocol (`shared/design.md` §1, §2, §5):
 //!
-//! - **Start**: epoch 0, LIVE within the handoff deadline, or the supervisor gives up.
+//! - **First epoch**: with a state directory, under the node's epoch lock, the supervisor
+//!   looks for a LIVE Envoy of its family ([`node`] heartbeats plus the shared admin port) and
+//!   takes over from it at its epoch + 1, or starts at epoch 0 when nothing answers; never
+//!   epoch 0 while something answers on the admin port. The first epoch goes through the same
+//!   pre-flight as every restart.
 //! - **Trigger** (SIGHUP, a config change seen by the [`watch`] module, a handle call): queued.
-//!   A queued restart starts only when no handoff is under way *and* no parent is still
-//!   draining, so at most two generations ever exist; every trigger queued meanwhile is
-//!   coalesced into that one restart and shares its outcome.
+//!   A queued restart starts only when no handoff is under way, no parent drains and the
+//!   node's epoch lock is free (no successor pod is starting), so at most two generations ever
+//!   exist; every trigger queued meanwhile is coalesced into that one restart.
 //! - **Pre-flight**: the binary's `--hot-restart-version` must equal the running one, and
 //!   `envoy --mode validate` must accept the config. A failure rejects the restart with
 //!   Envoy's own words; nothing is started, the serving epoch keeps serving.
-//! - **Handoff**: the next epoch is exactly the newest LIVE epoch + 1 (a failed attempt is
-//!   retried with the same number). It is LIVE when the shared admin port reports LIVE at that
-//!   epoch; its parent is then draining and will be terminated by its child after
-//!   `--parent-shutdown-time` (exit 0: expected). The readiness marker exists exactly while the
-//!   newest epoch is LIVE.
-//! - **Failure**: a new epoch that exits, or is not LIVE within the handoff deadline (it is
-//!   then stopped), leaves the old epoch serving. If it died while initializing it leaves
-//!   Envoy's shared INITIALIZING flag set, which would fail every later hot restart
-//!   ("previous envoy process is still initializing"): the supervisor clears the stale flag
-//!   (see [`shm`]), records a `stale_initializing` wedge and goes on. If the failed child had
-//!   already shut its parent's admin listener, the restart is retried (same epoch, up to three
-//!   times) since only a LIVE child gives the family an admin endpoint back.
-//! - **Deaths**: the newest LIVE epoch exiting ends the supervisor with its code (the pod
-//!   restarts). A draining parent dying early does not: the supervisor binds the dead parent's
-//!   hot-restart sockets ([`absorber`]) so that its child, which still talks to it, keeps
-//!   serving instead of aborting.
-//! - **Watchdogs**: the handoff deadline, and the serving epoch's admin API silent for longer
-//!   than its deadline: a wedge, logged with its reason, exit code [`EXIT_WEDGED`].
-//! - **Stop**: cancelling `run`'s token removes the marker and stops every epoch, newest first
-//!   (SIGTERM, SIGKILL after the grace), bounded; nothing is left running.
+//! - **Handoff** ([`handoff`]): the next epoch is exactly the newest LIVE epoch + 1 (a failed
+//!   attempt is retried with the same number). It is LIVE when the shared admin port reports
+//!   LIVE at that epoch, from a process no older than ours; its parent then drains and is
+//!   terminated by its child after `--parent-shutdown-time`. One that outlives that time by
+//!   a grace is killed and stood in for. The readiness marker exists exactly while our newest
+//!   epoch is LIVE.
+//! - **Failure**: a new epoch that exits, or is not LIVE within the handoff deadline (then
+//!   SIGKILL: Envoy's SIGTERM handler would also terminate its serving parent), leaves the old
+//!   epoch serving. A stale INITIALIZING flag it left is cleared ([`shm`], found from the
+//!   segment's own header). If it had shut the serving epoch's admin listener, the restart is
+//!   retried (same epoch, up to three times): only a LIVE child gives an admin back.
+//! - **Deaths**: a parent that dies while its child still talks to it (draining, or the
+//!   serving epoch dying while its successor starts) is stood in for ([`absorber`]), so the
+//!   child keeps serving. The serving epoch exiting with no successor ends the family with
+//!   its code (never 0: a serving Envoy killed from outside is a failure).
+//! - **Cross-pod**: the node's other heartbeats are read every period; a starting successor
+//!   makes the watchdog look at the admin port often, and its Envoy answering at a newer epoch
+//!   is a handover: marker removed, ours drain until the successor terminates them. A stop
+//!   asks [`SupervisorHandle::successor`] first (fresh facts).
+//! - **Watchdogs**: the handoff deadline; the serving epoch's admin API silent (not refused:
+//!   that is a lost listener, recovered by a restart) for longer than its deadline: a wedge.
+//! - **Stop**: cancelling `run`'s token removes the marker and stops every epoch, newest
+//!   first: SIGKILL for one that is not LIVE and may have a living parent, SIGTERM otherwise,
+//!   SIGKILL to what is left after the grace; bounded; nothing is left running.
 
 pub mod absorber;
+mod config;
+mod discovery;
+mod epochs;
+mod family;
+pub mod handoff;
+pub mod host;
 pub mod metrics;
 pub mod node;
 pub mod shm;
-pub mod state;
 mod supervisor;
+#[cfg(test)]
+mod testing;
 pub mod watch;
 
-pub use state::{
-    EpochInfo, EpochState, Handoff, HandoffResult, Outcome, Phase, SupervisorState, Wedge,
-    WedgeReason,
-};
-pub use supervisor::{
-    Config, ConfigError, EXIT_WEDGED, RestartError, Supervisor, SupervisorExit, SupervisorHandle,
-};
+pub use config::{Config, ConfigError, unique_identity};
+pub use envoy_agent_proxy::{EXIT_WEDGED, RestartError};
+pub use family::{EnvoyFamily, SupervisorHandle};
+pub use host::{Host, RealHost};

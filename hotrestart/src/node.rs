@@ -12,18 +12,29 @@
 //!  "state":"serving","updated_unix_ms":1795971942063,"parent_draining_until_unix_ms":0}
 //! ```
 //!
-//! `state` is `starting` (its first epoch is not LIVE yet; `newest_epoch` is the epoch it is
-//! starting), `serving`, `handed_over` (a successor's Envoy took over; this one's Envoy
-//! drains) or `stopping`. `envoy_pid` is in the supervisor's own PID namespace. A heartbeat is
-//! fresh when `updated_unix_ms` is recent (three periods). A file that does not parse, has
-//! another `format`, or whose `identity` does not match its name is reported and ignored: never
-//! trusted, never a crash.
+//! `state` is `waiting` (looking for a predecessor it can take over from, or waiting for its
+//! turn), `starting` (it decided to take over: its first epoch, `newest_epoch`, is in
+//! pre-flight or starting), `serving`, `handed_over` (a successor's Envoy took over; this one's
+//! Envoy drains) or `stopping`. `envoy_pid` is in the supervisor's own PID namespace.
+//! `parent_draining_until_unix_ms` is when the previous generation (in this pod, or the
+//! predecessor pod's Envoy for a successor's first epoch) will have been terminated;
+//! `restart_in_flight` says the pod is hot-restarting on its own (optional, `false` when
+//! absent). A successor takes over only from a `serving` pod with neither.
+//!
+//! A heartbeat is fresh when `updated_unix_ms` is at most a few periods old and not more than
+//! [`CLOCK_SKEW`] in the future (a future stamp would otherwise stay fresh forever). Only
+//! regular files are read (opened with `O_NOFOLLOW | O_NONBLOCK` and checked, so a symlink or
+//! a FIFO named like a heartbeat cannot redirect or hang the reader), at most [`MAX_SIZE`]
+//! bytes. A file that does not parse, has another `format`, or whose `identity` does not match
+//! its name is reported and ignored: never trusted, never a crash.
 //!
 //! `<state-dir>/epoch.lock` is `flock`ed by a starting supervisor from the moment it reads the
 //! heartbeats until its first epoch is LIVE (or failed), so two successors cannot pick the same
 //! epoch: the second waits, then sees the first as its predecessor.
 
 use std::fs::OpenOptions;
+use std::io::Read;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -32,6 +43,30 @@ use serde::{Deserialize, Serialize};
 
 /// The `format` of version 1.
 pub const FORMAT: &str = "envoy-agent.heartbeat.v1";
+/// The largest heartbeat file read (a real one is about 300 bytes).
+pub const MAX_SIZE: u64 = 64 << 10;
+/// How far in the future a heartbeat's time may be (clocks of one node agree; this covers
+/// the write-to-read gap and coarse clocks).
+pub const CLOCK_SKEW: Duration = Duration::from_secs(2);
+
+/// What a supervisor says it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    /// Looking for a predecessor, or waiting for its turn; not taking over (yet).
+    Waiting,
+    /// Taking over (or starting at epoch 0): its first epoch is in pre-flight or starting.
+    Starting,
+    /// Its newest epoch is LIVE.
+    Serving,
+    /// A successor's Envoy took over; its own drains.
+    HandedOver,
+    /// Stopping.
+    Stopping,
+    /// A state of a newer format revision: not understood, never trusted.
+    #[serde(other)]
+    Unknown,
+}
 
 /// A supervisor's heartbeat.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,19 +85,24 @@ pub struct Heartbeat {
     pub newest_epoch: u32,
     /// That epoch's Envoy pid (in the supervisor's PID namespace), 0 if none.
     pub envoy_pid: u32,
-    /// `starting`, `serving`, `handed_over`, `stopping`.
-    pub state: String,
+    /// What it does.
+    pub state: NodeState,
     /// When written, Unix milliseconds.
     pub updated_unix_ms: u64,
     /// Until when its previous generation may still drain (a successor must not start a
     /// third generation before), Unix milliseconds; 0 when none drains.
     pub parent_draining_until_unix_ms: u64,
+    /// Whether it is hot-restarting on its own right now (pre-flight to LIVE).
+    #[serde(default)]
+    pub restart_in_flight: bool,
 }
 
 impl Heartbeat {
-    /// Whether it was written within `max_age`.
-    pub fn fresh(&self, max_age: Duration) -> bool {
-        unix_ms().saturating_sub(self.updated_unix_ms) <= max_age.as_millis() as u64
+    /// Whether, at `now_ms`, it was written within `max_age` and not in the future (beyond
+    /// [`CLOCK_SKEW`]).
+    pub fn fresh(&self, now_ms: u64, max_age: Duration) -> bool {
+        self.updated_unix_ms <= now_ms + CLOCK_SKEW.as_millis() as u64
+            && now_ms.saturating_sub(self.updated_unix_ms) <= max_age.as_millis() as u64
     }
 }
 
@@ -126,7 +166,7 @@ pub fn read_all(dir: &Path) -> (Vec<Heartbeat>, Vec<Rejected>) {
             continue;
         }
         let path = entry.path();
-        match parse(&path, &name) {
+        match read_regular(&path).and_then(|bytes| parse_bytes(&bytes, &name)) {
             Ok(h) => heartbeats.push(h),
             Err(reason) => rejected.push(Rejected { path, reason }),
         }
@@ -134,15 +174,56 @@ pub fn read_all(dir: &Path) -> (Vec<Heartbeat>, Vec<Rejected>) {
     (heartbeats, rejected)
 }
 
-fn parse(path: &Path, name: &str) -> Result<Heartbeat, String> {
-    let bytes = std::fs::read(path).map_err(|e| format!("unreadable: {e}"))?;
+/// Reads a heartbeat file: a regular file of at most [`MAX_SIZE`] bytes, never through a
+/// symlink, never blocking on a FIFO or device.
+fn read_regular(path: &Path) -> Result<Vec<u8>, String> {
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(nix::libc::ELOOP) => "a symlink, not a regular file".to_owned(),
+            _ => format!("unreadable: {e}"),
+        })?;
+    let meta = file.metadata().map_err(|e| format!("unreadable: {e}"))?;
+    let kind = meta.file_type();
+    if !kind.is_file() {
+        let what = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_dir() {
+            "a directory"
+        } else if kind.is_socket() {
+            "a socket"
+        } else {
+            "a device"
+        };
+        return Err(format!("{what}, not a regular file"));
+    }
+    if meta.len() > MAX_SIZE {
+        return Err(format!("{} bytes, more than {MAX_SIZE}", meta.len()));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_SIZE + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("unreadable: {e}"))?;
+    if bytes.len() as u64 > MAX_SIZE {
+        return Err(format!("more than {MAX_SIZE} bytes"));
+    }
+    Ok(bytes)
+}
+
+/// Parses a heartbeat file's bytes; `name` is its file name, which must match its identity.
+pub fn parse_bytes(bytes: &[u8], name: &str) -> Result<Heartbeat, String> {
     let heartbeat: Heartbeat =
-        serde_json::from_slice(&bytes).map_err(|e| format!("not a heartbeat: {e}"))?;
+        serde_json::from_slice(bytes).map_err(|e| format!("not a heartbeat: {e}"))?;
     if heartbeat.format != FORMAT {
         return Err(format!(
             "unknown format {:?} (expected {FORMAT})",
             heartbeat.format
         ));
+    }
+    if heartbeat.state == NodeState::Unknown {
+        return Err("unknown state".to_owned());
     }
     if file_name(&heartbeat.identity) != name {
         return Err(format!(
@@ -160,6 +241,22 @@ pub struct EpochLock {
 }
 
 impl EpochLock {
+    /// Takes `<dir>/epoch.lock` if nobody holds it; `None` when another supervisor does.
+    pub fn try_acquire(dir: &Path) -> std::io::Result<Option<EpochLock>> {
+        let path = dir.join("epoch.lock");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&path)?;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => Ok(Some(EpochLock { _lock: lock })),
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => Ok(None),
+            Err((_, errno)) => Err(std::io::Error::from(errno)),
+        }
+    }
+
     /// Takes `<dir>/epoch.lock`, waiting (polling) up to `timeout` for another holder.
     pub async fn acquire(dir: &Path, timeout: Duration) -> std::io::Result<EpochLock> {
         let path = dir.join("epoch.lock");
@@ -199,9 +296,10 @@ mod tests {
             hot_restart_version: "11.104".to_owned(),
             newest_epoch: 3,
             envoy_pid: 12,
-            state: "serving".to_owned(),
+            state: NodeState::Serving,
             updated_unix_ms: unix_ms(),
             parent_draining_until_unix_ms: 0,
+            restart_in_flight: false,
         }
     }
 
@@ -248,10 +346,69 @@ mod tests {
 
     #[test]
     fn freshness() {
+        let now = unix_ms();
         let mut h = heartbeat("a");
-        assert!(h.fresh(Duration::from_secs(1)));
-        h.updated_unix_ms -= 5_000;
-        assert!(!h.fresh(Duration::from_secs(1)));
+        h.updated_unix_ms = now;
+        assert!(h.fresh(now, Duration::from_secs(1)));
+        h.updated_unix_ms = now - 5_000;
+        assert!(!h.fresh(now, Duration::from_secs(1)), "old");
+        h.updated_unix_ms = now + 1_000;
+        assert!(h.fresh(now, Duration::from_secs(1)), "within the skew");
+        h.updated_unix_ms = now + 3_600_000;
+        assert!(
+            !h.fresh(now, Duration::from_secs(1)),
+            "stamped in the future: never fresh forever"
+        );
+    }
+
+    #[test]
+    fn only_small_regular_files_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), &heartbeat("real")).unwrap();
+        // A FIFO would block a plain open; a symlink could point anywhere; a huge file would
+        // exhaust memory.
+        nix::unistd::mkfifo(
+            &dir.path().join("heartbeat-fifo.json"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(
+            dir.path().join("heartbeat-real.json"),
+            dir.path().join("heartbeat-link.json"),
+        )
+        .unwrap();
+        let big = std::fs::File::create(dir.path().join("heartbeat-big.json")).unwrap();
+        big.set_len(1 << 30).unwrap();
+        std::fs::create_dir(dir.path().join("heartbeat-dir.json")).unwrap();
+        let (good, rejected) = read_all(dir.path());
+        assert_eq!(good.len(), 1, "{good:?}");
+        let reasons: Vec<String> = rejected.iter().map(|r| r.reason.clone()).collect();
+        assert_eq!(rejected.len(), 4, "{reasons:?}");
+        assert!(reasons.iter().any(|r| r.contains("FIFO")), "{reasons:?}");
+        assert!(reasons.iter().any(|r| r.contains("symlink")), "{reasons:?}");
+        assert!(reasons.iter().any(|r| r.contains("bytes")), "{reasons:?}");
+        assert!(
+            reasons.iter().any(|r| r.contains("directory")),
+            "{reasons:?}"
+        );
+    }
+
+    #[test]
+    fn unknown_states_and_fields() {
+        let mut json = serde_json::to_value(heartbeat("x")).unwrap();
+        json["future_field"] = serde_json::json!(1);
+        assert!(parse_bytes(json.to_string().as_bytes(), "heartbeat-x.json").is_ok());
+        json["state"] = serde_json::json!("levitating");
+        let err = parse_bytes(json.to_string().as_bytes(), "heartbeat-x.json").unwrap_err();
+        assert!(err.contains("unknown state"), "{err}");
+        // Written before restart_in_flight existed.
+        json["state"] = serde_json::json!("serving");
+        json.as_object_mut().unwrap().remove("restart_in_flight");
+        assert!(
+            !parse_bytes(json.to_string().as_bytes(), "heartbeat-x.json")
+                .unwrap()
+                .restart_in_flight
+        );
     }
 
     #[tokio::test]

@@ -1,239 +1,1777 @@
-//! [`Supervisor`]: one actor task owning the epochs, and [`SupervisorHandle`]s to steer it.
+//! [`Supervisor`]: the actor that owns the family's epochs and takes every decision.
+//!
+//! One loop takes one [`Event`] at a time (a command, a process exit, the answer of an admin
+//! probe or of a pre-flight, a config change, a timer) and acts on it. Nothing slow runs on
+//! the loop: admin queries and pre-flight run as tasks beside it and come back as events, so a
+//! hanging admin API never delays a signal, a deadline or another event. See the crate docs
+//! for the rules the decisions follow.
 
-use std::future::Future;
-use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::pin::Pin;
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::preflight::{self, PreflightError};
+use envoy_agent_proxy::admin::DrainListeners;
 use envoy_agent_proxy::{
-    AdminAddress, AdminClient, EnvoyProcess, Exit, ProxyConfig, ProxyError, ServerState, Signal,
-    signal_pid,
+    AdminError, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffResult, HandoffStage,
+    Outcome, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo, ServerState, Signal,
+    Wedge, WedgeReason,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::absorber::Absorber;
+use crate::config::Config;
+use crate::discovery::{self, Discovery};
+use crate::epochs::{Epochs, Stop};
+use crate::handoff::{Attempt, Handoff, Parent, Queue, Waiter};
+use crate::host::{Guard, Host, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
-use crate::node::{self, EpochLock, Heartbeat};
-use crate::shm;
-use crate::state::{
-    EpochInfo, EpochState, Handoff, HandoffResult, Outcome, Phase, SupervisorState, Wedge,
-    WedgeReason,
-};
-
-/// Exit code after a wedge (`EX_TEMPFAIL`: restart me).
-pub const EXIT_WEDGED: u8 = 75;
+use crate::node::{self, Heartbeat, NodeState};
 
 /// How often a starting epoch's admin is asked whether it is LIVE.
-const LIVE_POLL: Duration = Duration::from_millis(10);
+pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
 /// How often the serving epoch's admin is checked by the watchdog.
-const WATCHDOG_POLL: Duration = Duration::from_secs(1);
-/// Bound on one admin call of the supervisor.
-const ADMIN_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const WATCHDOG_POLL: Duration = Duration::from_secs(1);
+/// ... while a successor pod is starting (its takeover is seen that much sooner).
+pub(crate) const WATCHDOG_POLL_SUCCESSOR: Duration = Duration::from_millis(100);
+/// How often a starting supervisor looks at the node again while it waits to take over.
+pub(crate) const DISCOVERY_POLL: Duration = Duration::from_millis(100);
+/// How often a busy node lock is tried again.
+pub(crate) const LOCK_RETRY: Duration = Duration::from_millis(100);
+/// How often a successor checks whether its predecessor's Envoy is gone (its socket names free).
+pub(crate) const FOREIGN_PARENT_CHECK: Duration = Duration::from_millis(500);
 /// Retries of a failed handoff whose parent lost its admin endpoint.
-const MAX_RETRIES: u32 = 3;
+pub(crate) const MAX_RETRIES: u32 = 3;
 /// Wedges kept in the published state.
 const WEDGES_KEPT: usize = 16;
+/// Beyond the stop grace: how long stopping may take before the supervisor gives up waiting.
+const STOP_BACKSTOP: Duration = Duration::from_secs(5);
+/// An incompatible predecessor is reported again after this long.
+const INCOMPATIBLE_REPORT: Duration = Duration::from_secs(60);
 
-/// Why a config cannot run.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// Hot restart settings are missing.
-    #[error("hot restart needs a base id and a parent shutdown time")]
-    NoHotRestart,
-    /// Parent shutdown time must exceed drain time.
-    #[error(
-        "--parent-shutdown-time ({parent_shutdown:?}) must exceed --drain-time ({drain:?}): \
-         the parent would be terminated before its connections drained"
-    )]
-    ParentShutdownTooShort {
-        /// Drain time.
-        drain: Duration,
-        /// Parent shutdown time.
-        parent_shutdown: Duration,
-    },
-    /// The admin port must be fixed.
-    #[error(
-        "hot restart needs a fixed admin port (every epoch binds the same one); \
-         the bootstrap asks for port 0: set one or pass --admin-address"
-    )]
-    AdminPortZero,
-}
-
-/// The supervisor's settings.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// Envoy's settings; `hot_restart` must be set. Its drain duration is `--drain-time`.
-    pub proxy: ProxyConfig,
-    /// Hot-restart when the bootstrap changes.
-    pub watch_config: bool,
-    /// Debounce of the config watch.
-    pub watch_debounce: Duration,
-    /// The per-node state directory (shared between pods of a node): heartbeats and the
-    /// epoch lock. Without it the supervisor cannot find a predecessor and starts at epoch 0.
-    pub state_dir: Option<PathBuf>,
-    /// This supervisor's name in the state directory (the pod name).
-    pub identity: String,
-    /// How often the heartbeat is rewritten.
-    pub heartbeat_period: Duration,
-    /// A file that exists exactly while the newest epoch is LIVE.
-    pub ready_marker: Option<PathBuf>,
-    /// How long a new epoch may take from trigger to LIVE.
-    pub handoff_deadline: Duration,
-    /// How long the serving epoch's admin may stay silent before the family is wedged.
-    pub admin_unresponsive_deadline: Duration,
-}
-
-impl Config {
-    /// A config with defaults around `proxy`.
-    pub fn new(proxy: ProxyConfig) -> Self {
-        Config {
-            proxy,
-            watch_config: false,
-            watch_debounce: Duration::from_millis(200),
-            state_dir: None,
-            identity: format!("supervisor-{}", std::process::id()),
-            heartbeat_period: Duration::from_millis(500),
-            ready_marker: None,
-            handoff_deadline: Duration::from_secs(60),
-            admin_unresponsive_deadline: Duration::from_secs(30),
-        }
-    }
-
-    /// Checks what the supervisor cannot work with.
-    pub fn validate(&self) -> Result<(SocketAddr, u32), ConfigError> {
-        let hot = self
-            .proxy
-            .hot_restart
-            .as_ref()
-            .ok_or(ConfigError::NoHotRestart)?;
-        if hot.parent_shutdown_time <= self.proxy.drain_duration {
-            return Err(ConfigError::ParentShutdownTooShort {
-                drain: self.proxy.drain_duration,
-                parent_shutdown: hot.parent_shutdown_time,
-            });
-        }
-        match &self.proxy.admin {
-            AdminAddress::Fixed(addr) if addr.port() != 0 => Ok((*addr, hot.base_id)),
-            _ => Err(ConfigError::AdminPortZero),
-        }
-    }
-}
-
-/// How the supervisor ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SupervisorExit {
-    /// Stopped on request; every epoch stopped.
-    Stopped,
-    /// Epoch 0 (the first) could not start.
-    StartFailed {
-        /// Its exit code, or 1 when it never ran.
-        code: i32,
-        /// Why (Envoy's words).
-        message: String,
-    },
-    /// The newest LIVE epoch exited on its own.
-    EpochExited {
-        /// Which.
-        epoch: u32,
-        /// Its exit code (128+N for signal N).
-        code: i32,
-    },
-    /// A watchdog judged the family wedged.
-    Wedged {
-        /// Why.
-        reason: WedgeReason,
-    },
-}
-
-impl SupervisorExit {
-    /// The process exit code: 0 stopped; Envoy's code; 75 wedged.
-    pub fn code(&self) -> u8 {
-        match self {
-            SupervisorExit::Stopped => 0,
-            SupervisorExit::StartFailed { code, .. } => {
-                u8::try_from(*code).ok().filter(|c| *c != 0).unwrap_or(1)
-            }
-            SupervisorExit::EpochExited { code, .. } => u8::try_from(*code).unwrap_or(1),
-            SupervisorExit::Wedged { .. } => EXIT_WEDGED,
-        }
-    }
-}
-
-/// Why a hot restart did not happen.
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RestartError {
-    /// Rejected before anything started; the serving epoch keeps serving.
-    #[error("hot restart rejected: {0}")]
-    Rejected(String),
-    /// The new epoch failed; the serving epoch keeps serving.
-    #[error("hot restart failed: {0}")]
-    Failed(String),
-    /// The supervisor is stopping or gone.
-    #[error("the supervisor is stopping")]
-    Stopping,
-}
-
-enum Command {
+/// What steers the supervisor.
+#[derive(Debug)]
+pub(crate) enum Command {
     HotRestart {
         reason: String,
-        reply: Option<oneshot::Sender<Result<u32, RestartError>>>,
+        reply: Option<Waiter>,
     },
-    ReopenLogs,
+    Drain {
+        options: DrainOptions,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    ReopenLogs {
+        reply: oneshot::Sender<usize>,
+    },
+    Successor {
+        reply: oneshot::Sender<Option<String>>,
+    },
+    /// The agent is about to write this config itself (after validating it): the watch must
+    /// not take the write for an outside change.
+    Expect {
+        content: Vec<u8>,
+        reply: oneshot::Sender<()>,
+    },
 }
 
-/// A cloneable handle to a running [`Supervisor`].
-#[derive(Debug, Clone)]
-pub struct SupervisorHandle {
-    commands: mpsc::Sender<Command>,
-    state: watch::Receiver<SupervisorState>,
+/// Why an admin probe was sent.
+#[derive(Debug)]
+enum Probe {
+    /// Where does our first epoch start?
+    Discover,
+    /// Is the starting epoch LIVE?
+    Live { epoch: u32 },
+    /// Is the serving epoch's admin alive (and is it still ours)?
+    Watchdog,
+    /// A stop is coming: is a successor taking over?
+    Successor(oneshot::Sender<Option<String>>),
+    /// Our serving epoch exited: who serves now?
+    ServingExited(Exit),
+    /// A new epoch failed: does the serving one still have its admin listener?
+    FailedChild { epoch: u32, retries: u32 },
 }
 
-impl SupervisorHandle {
-    /// The supervisor's state, now and as it changes.
-    pub fn state(&self) -> watch::Receiver<SupervisorState> {
-        self.state.clone()
+#[derive(Debug)]
+enum Event {
+    Abort,
+    Command(Command),
+    Exited {
+        epoch: u32,
+        pid: u32,
+        result: Result<Exit, ProxyError>,
+    },
+    Probed {
+        probe: Probe,
+        result: Result<ServerInfo, AdminError>,
+    },
+    PreFlight {
+        epoch: u32,
+        result: Result<(), String>,
+    },
+    Drained {
+        result: Result<(), String>,
+        replies: Vec<oneshot::Sender<Result<(), String>>>,
+    },
+    ConfigChanged,
+    Tick,
+}
+
+/// The supervisor's life.
+enum Life {
+    /// Taking the node's epoch lock and looking for a predecessor to take over from.
+    Discovering {
+        /// When waiting is given up (none while an incompatible predecessor serves: the
+        /// rollout stays there and says why).
+        deadline: Instant,
+        next: Instant,
+        probing: bool,
+        /// Why it waits, as last logged.
+        waiting: Option<String>,
+        reported_incompatible: Option<Instant>,
+    },
+    /// Our epochs run (the first may not be LIVE yet).
+    Running,
+    /// A successor pod's Envoy took over; ours drain until it terminates them.
+    HandedOver { successor: String },
+    /// Stopping every epoch; `outcome` is reported once they are gone.
+    Stopping {
+        outcome: Ended,
+        kill_at: Instant,
+        give_up: Instant,
+    },
+}
+
+/// A bound stand-in for a dead parent's sockets.
+struct StandIn {
+    parent_epoch: u32,
+    _guard: Guard,
+}
+
+/// When the next admin probe of a kind is due, and whether one is out.
+#[derive(Default)]
+struct Probing {
+    next: Option<Instant>,
+    in_flight: bool,
+}
+
+impl Probing {
+    fn due(&self, now: Instant) -> bool {
+        !self.in_flight && self.next.is_some_and(|t| t <= now)
     }
 
-    /// Hot-restarts and resolves with the new epoch once it is LIVE, or why not. Triggers
-    /// during a handoff are coalesced: they share the outcome of the next restart.
-    pub async fn hot_restart(&self, reason: impl Into<String>) -> Result<u32, RestartError> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(Command::HotRestart {
-                reason: reason.into(),
-                reply: Some(reply),
-            })
-            .await
-            .map_err(|_| RestartError::Stopping)?;
-        answer.await.map_err(|_| RestartError::Stopping)?
+    fn wake(&self) -> Option<Instant> {
+        self.next.filter(|_| !self.in_flight)
+    }
+}
+
+/// The hot-restart supervisor. See the crate docs for its rules.
+pub(crate) struct Supervisor<H: Host> {
+    config: Config,
+    host: Arc<H>,
+    base_id: u32,
+    commands: mpsc::Receiver<Command>,
+    events_tx: mpsc::UnboundedSender<Event>,
+    events: mpsc::UnboundedReceiver<Event>,
+    state: watch::Sender<ProxyState>,
+    metrics: SupervisorMetrics,
+
+    life: Life,
+    epochs: Epochs,
+    handoff: Handoff,
+    queue: Queue,
+    /// The running Envoy's hot-restart version.
+    version: String,
+    newest_live: Option<u32>,
+    /// The node's epoch lock, held from a handoff's start until its epoch is LIVE or failed.
+    lock: Option<Guard>,
+    stand_in: Option<StandIn>,
+    live: Probing,
+    watchdog: Probing,
+    admin_ok: Instant,
+    /// Drains asked for while a handoff settles; applied once it has.
+    pending_drains: Vec<(DrainOptions, oneshot::Sender<Result<(), String>>)>,
+    heartbeat_due: Instant,
+    foreign_check: Option<Instant>,
+    family: FamilyState,
+    phase_since: (ProxyPhase, SystemTime),
+    /// Heartbeat files already reported as untrusted (each once).
+    reported: BTreeSet<(std::path::PathBuf, String)>,
+    watch: Option<crate::watch::ConfigWatch>,
+    aborted: bool,
+    /// Whether the readiness marker is present, as last set.
+    marker: bool,
+    /// When a busy node lock is tried again for a queued restart.
+    lock_retry_at: Instant,
+    /// The serving epoch that exited while its successor started: the outcome if that fails.
+    pending_serving_exit: Option<Exit>,
+}
+
+impl<H: Host> std::fmt::Debug for Supervisor<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Supervisor")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: Host> Supervisor<H> {
+    pub(crate) fn new(
+        config: Config,
+        base_id: u32,
+        host: Arc<H>,
+        commands: mpsc::Receiver<Command>,
+        state: watch::Sender<ProxyState>,
+        metrics: SupervisorMetrics,
+    ) -> Self {
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let now = Instant::now();
+        let family = FamilyState {
+            base_id,
+            identity: config.identity.clone(),
+            ..FamilyState::default()
+        };
+        Supervisor {
+            life: Life::Running,
+            config,
+            host,
+            base_id,
+            commands,
+            events_tx,
+            events,
+            state,
+            metrics,
+            epochs: Epochs::default(),
+            handoff: Handoff::Idle,
+            queue: Queue::default(),
+            version: String::new(),
+            newest_live: None,
+            lock: None,
+            stand_in: None,
+            live: Probing::default(),
+            watchdog: Probing::default(),
+            admin_ok: now,
+            pending_drains: Vec::new(),
+            heartbeat_due: now,
+            foreign_check: None,
+            family,
+            phase_since: (ProxyPhase::Starting, SystemTime::now()),
+            reported: BTreeSet::new(),
+            watch: None,
+            aborted: false,
+            marker: false,
+            lock_retry_at: now,
+            pending_serving_exit: None,
+        }
     }
 
-    /// Triggers a hot restart without waiting for it (a signal).
-    pub fn trigger(&self, reason: impl Into<String>) {
-        let _ = self.commands.try_send(Command::HotRestart {
-            reason: reason.into(),
-            reply: None,
+    /// Starts the first epoch and supervises until the family cannot serve anymore or `abort`
+    /// is cancelled; every epoch has been stopped and reaped when it returns.
+    pub(crate) async fn run(mut self, abort: CancellationToken) -> Ended {
+        // The marker means "our newest epoch is LIVE": whatever a crashed predecessor in this
+        // container left there is wrong now, before anything else happens.
+        if let Err(e) = self.host.set_marker(false) {
+            tracing::error!(error = %e, "cannot remove the readiness marker");
+        }
+        let ended = match self.host.hot_restart_version().await {
+            Ok(version) => {
+                self.version = version;
+                self.family.hot_restart_version = self.version.clone();
+                self.supervise(abort).await
+            }
+            Err(message) => Ended::StartFailed { code: 1, message },
+        };
+        self.host.remove_heartbeat(&self.config.identity);
+        self.lock = None;
+        self.stand_in = None;
+        self.publish();
+        tracing::info!(outcome = ?ended, code = ended.code(), "supervisor done");
+        ended
+    }
+
+    async fn supervise(&mut self, abort: CancellationToken) -> Ended {
+        let now = Instant::now();
+        if self.host.has_node() {
+            self.life = Life::Discovering {
+                deadline: now + self.discovery_bound(),
+                next: now,
+                probing: false,
+                waiting: None,
+                reported_incompatible: None,
+            };
+        } else {
+            self.begin_first(0, None, "start".to_owned());
+        }
+        if self.config.watch_config {
+            match crate::watch::ConfigWatch::start(
+                &self.config.proxy.config_path,
+                self.config.watch_debounce,
+            ) {
+                Ok(w) => self.watch = Some(w),
+                Err(e) => tracing::error!(error = %e, "config watch disabled"),
+            }
+        }
+        self.publish();
+        loop {
+            if let Some(ended) = self.finished() {
+                return ended;
+            }
+            let wake = self.next_wake();
+            let event = tokio::select! {
+                biased;
+                () = abort.cancelled(), if !self.aborted => Event::Abort,
+                Some(event) = self.events.recv() => event,
+                Some(command) = self.commands.recv() => Event::Command(command),
+                changed = watch_changed(&mut self.watch) => match changed {
+                    Some(()) => Event::ConfigChanged,
+                    None => {
+                        tracing::error!("config watch ended");
+                        self.watch = None;
+                        continue;
+                    }
+                },
+                () = sleep_until(wake) => Event::Tick,
+            };
+            self.handle(event).await;
+            self.publish();
+        }
+    }
+
+    /// How long a starting supervisor may wait for its turn before it gives up.
+    fn discovery_bound(&self) -> Duration {
+        self.config.handoff_deadline
+            + self
+                .config
+                .parent_shutdown_time()
+                .max(self.config.proxy.drain_duration)
+    }
+
+    /// Whether the supervisor is done: stopping with nothing left running.
+    fn finished(&mut self) -> Option<Ended> {
+        match &self.life {
+            Life::Stopping { outcome, .. } if self.epochs.is_empty() => Some(outcome.clone()),
+            _ => None,
+        }
+    }
+
+    async fn handle(&mut self, event: Event) {
+        match event {
+            Event::Abort => {
+                self.aborted = true;
+                self.begin_stop(Ended::Stopped { last: None }, "asked to stop");
+            }
+            Event::Command(command) => self.on_command(command),
+            Event::Exited { epoch, pid, result } => self.on_exit(epoch, pid, result),
+            Event::Probed { probe, result } => self.on_probe(probe, result),
+            Event::PreFlight { epoch, result } => self.on_preflight(epoch, result).await,
+            Event::Drained { result, replies } => {
+                match &result {
+                    Ok(()) => tracing::info!("envoy is draining its listeners"),
+                    Err(e) => tracing::warn!(error = %e, "drain request failed"),
+                }
+                for reply in replies {
+                    let _ = reply.send(result.clone());
+                }
+            }
+            Event::ConfigChanged => {
+                tracing::info!(path = %self.config.proxy.config_path.display(), "config changed");
+                self.request_restart("config change".to_owned(), None);
+            }
+            Event::Tick => self.on_tick().await,
+        }
+    }
+
+    // --- commands ---------------------------------------------------------------------------
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::HotRestart { reason, reply } => {
+                tracing::info!(%reason, "hot restart requested");
+                self.request_restart(reason, reply);
+            }
+            Command::Drain { options, reply } => self.drain(options, reply),
+            Command::ReopenLogs { reply } => {
+                // Never a starting epoch: SIGUSR1's default action kills a process that has
+                // not installed Envoy's handler yet. Draining parents write logs too.
+                let targets: Vec<u32> = self
+                    .epochs
+                    .iter()
+                    .filter(|c| c.state != EpochState::Starting)
+                    .map(|c| c.epoch)
+                    .collect();
+                for epoch in &targets {
+                    self.epochs.signal(*epoch, Signal::SIGUSR1, None);
+                }
+                tracing::info!(epochs = ?targets, "asked envoy to reopen its logs");
+                let _ = reply.send(targets.len());
+            }
+            Command::Successor { reply } => {
+                if let Life::HandedOver { successor } = &self.life {
+                    let _ = reply.send(Some(successor.clone()));
+                    return;
+                }
+                self.read_node();
+                self.probe(Probe::Successor(reply));
+            }
+            Command::Expect { content, reply } => {
+                if let Some(watch) = &mut self.watch {
+                    watch.expect(&content);
+                }
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    fn request_restart(&mut self, reason: String, reply: Option<Waiter>) {
+        let refused = match &self.life {
+            Life::HandedOver { successor } => Some(format!(
+                "handed over to {successor}: hot restarts are the successor's now"
+            )),
+            Life::Stopping { .. } => Some("stopping".to_owned()),
+            _ if self.family.drained => {
+                Some("draining: no new epoch starts after a drain".to_owned())
+            }
+            _ => None,
+        };
+        if let Some(why) = refused {
+            tracing::warn!(%reason, %why, "hot restart refused");
+            if let Some(reply) = reply {
+                let _ = reply.send(Err(RestartError::Refused(why)));
+            }
+            return;
+        }
+        if !self.handoff.is_idle() {
+            tracing::info!(%reason, "a handoff is under way: coalesced into the next restart");
+        }
+        self.queue.push(reason, reply, Instant::now());
+    }
+
+    fn drain(&mut self, options: DrainOptions, reply: oneshot::Sender<Result<(), String>>) {
+        match &self.life {
+            Life::Stopping { .. } | Life::HandedOver { .. } => {
+                // Ours already drain, or are going.
+                let _ = reply.send(Ok(()));
+                return;
+            }
+            Life::Discovering { .. } => {
+                let _ = reply.send(Err("no envoy of ours runs yet".to_owned()));
+                return;
+            }
+            Life::Running => {}
+        }
+        if !self.family.drained {
+            tracing::info!("draining: no new epoch starts from here on");
+            self.family.drained = true;
+            self.queue
+                .refuse(&RestartError::Refused("draining".to_owned()));
+            self.set_marker(false);
+        }
+        match &self.handoff {
+            Handoff::PreFlight(_) => {
+                // Nothing started: the restart is moot.
+                if let Handoff::PreFlight(attempt) =
+                    std::mem::replace(&mut self.handoff, Handoff::Idle)
+                {
+                    self.lock = None;
+                    self.finish(
+                        attempt,
+                        Outcome::Rejected,
+                        "cancelled: the family drains".to_owned(),
+                    );
+                }
+                self.send_drain(options, vec![reply]);
+            }
+            Handoff::Starting { .. } => {
+                // The new epoch may hold the admin listener: drain whichever serves once the
+                // handoff has settled.
+                tracing::info!("a handoff is under way: the drain follows once it settles");
+                self.pending_drains.push((options, reply));
+            }
+            Handoff::Idle | Handoff::ParentDraining { .. } => {
+                self.send_drain(options, vec![reply]);
+            }
+        }
+    }
+
+    fn send_drain(
+        &mut self,
+        options: DrainOptions,
+        replies: Vec<oneshot::Sender<Result<(), String>>>,
+    ) {
+        let listeners = DrainListeners {
+            inbound_only: options.inbound_only.unwrap_or(self.config.proxy.sidecar),
+            graceful: true,
+            skip_exit: options.skip_exit,
+        };
+        let call = self.host.drain(listeners);
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = call.await.map_err(|e| e.to_string());
+            let _ = events.send(Event::Drained { result, replies });
         });
     }
 
-    /// Asks the newest epoch to reopen its logs (SIGUSR1).
-    pub fn reopen_logs(&self) {
-        let _ = self.commands.try_send(Command::ReopenLogs);
+    fn flush_pending_drains(&mut self) {
+        if self.pending_drains.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending_drains);
+        let options = pending[0].0;
+        let replies = pending.into_iter().map(|(_, r)| r).collect();
+        self.send_drain(options, replies);
     }
-}
 
-type Pending<T> = Option<Pin<Box<dyn Future<Output = T> + Send>>>;
+    // --- the first epoch ----------------------------------------------------------------------
 
-async fn settle<T>(slot: &mut Pending<T>) -> T {
-    match slot {
-        Some(f) => f.await,
-        None => std::future::pending().await,
+    fn begin_first(&mut self, epoch: u32, parent: Option<Parent>, reason: String) {
+        let now = Instant::now();
+        let mut queue = Queue::default();
+        queue.push(reason, None, now);
+        let mut attempt = queue.take(epoch, parent, now);
+        attempt.first = true;
+        self.start_preflight(attempt);
+    }
+
+    fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
+        let now_ms = self.host.now_unix_ms();
+        let others = self.read_node();
+        let decision = discovery::decide(&others, &result, self.base_id, &self.version, now_ms);
+        let (waiting, reported_incompatible) = match &mut self.life {
+            Life::Discovering {
+                waiting,
+                next,
+                probing,
+                reported_incompatible,
+                ..
+            } => {
+                *probing = false;
+                *next = Instant::now() + DISCOVERY_POLL;
+                (waiting.clone(), *reported_incompatible)
+            }
+            _ => return,
+        };
+        let set_waiting = |life: &mut Life, why: String, reported: Option<Instant>| {
+            if let Life::Discovering {
+                waiting,
+                reported_incompatible,
+                ..
+            } = life
+            {
+                *waiting = Some(why);
+                *reported_incompatible = reported;
+            }
+        };
+        match decision {
+            Discovery::Fresh => {
+                tracing::info!("no live predecessor on this node: starting at epoch 0");
+                self.begin_first(0, None, "start".to_owned());
+            }
+            Discovery::TakeOver { epoch, identity } => {
+                let who = identity
+                    .unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
+                tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
+                self.family.predecessor = Some(who.clone());
+                self.begin_first(
+                    epoch + 1,
+                    Some(Parent::Foreign {
+                        epoch,
+                        identity: who.clone(),
+                    }),
+                    format!("take over from {who}"),
+                );
+            }
+            Discovery::Incompatible { theirs, identity } => {
+                let mut reported = reported_incompatible;
+                if reported.is_none_or(|t| t.elapsed() >= INCOMPATIBLE_REPORT) {
+                    reported = Some(Instant::now());
+                    tracing::error!(
+                        predecessor = identity.as_deref().unwrap_or("unknown"),
+                        theirs = %theirs,
+                        ours = %self.version,
+                        "the node's envoy has another hot-restart version: it cannot be \
+                         hot-restarted from; not starting until it is gone (see the runbook)"
+                    );
+                }
+                let why = format!(
+                    "the node's envoy has hot-restart version {theirs}, ours {}",
+                    self.version
+                );
+                set_waiting(&mut self.life, why, reported);
+            }
+            Discovery::Wait(why) => {
+                if waiting.as_deref() != Some(why.as_str()) {
+                    tracing::info!(reason = %why, "waiting to take over");
+                }
+                set_waiting(&mut self.life, why, reported_incompatible);
+            }
+        }
+    }
+
+    // --- pre-flight and spawn -----------------------------------------------------------------
+
+    fn start_preflight(&mut self, mut attempt: Attempt) {
+        attempt.began = Instant::now();
+        self.life = match std::mem::replace(&mut self.life, Life::Running) {
+            Life::Discovering { .. } => Life::Running,
+            other => other,
+        };
+        tracing::info!(
+            epoch = attempt.epoch,
+            reason = %attempt.reason,
+            queued = ?attempt.queued(),
+            "hot restart: pre-flight checks"
+        );
+        let running = self.newest_live.map(|_| self.version.clone()).or_else(|| {
+            // A successor's first epoch: the predecessor runs our version (discovery checked).
+            attempt.parent.as_ref().map(|_| self.version.clone())
+        });
+        let check = self.host.preflight(running);
+        let events = self.events_tx.clone();
+        let epoch = attempt.epoch;
+        tokio::spawn(async move {
+            let result = check.await;
+            let _ = events.send(Event::PreFlight { epoch, result });
+        });
+        self.handoff = Handoff::PreFlight(attempt);
+        self.write_heartbeat();
+    }
+
+    async fn on_preflight(&mut self, epoch: u32, result: Result<(), String>) {
+        let Handoff::PreFlight(attempt) = &self.handoff else {
+            return; // cancelled meanwhile
+        };
+        if attempt.epoch != epoch {
+            return;
+        }
+        let Handoff::PreFlight(mut attempt) = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            return;
+        };
+        attempt.preflight = attempt.began.elapsed();
+        if let Err(message) = result {
+            self.lock = None;
+            if self.newest_live.is_none() {
+                tracing::error!(epoch, %message, "pre-flight rejects the first epoch");
+                self.finish(attempt, Outcome::Rejected, message.clone());
+                self.begin_stop(Ended::StartFailed { code: 1, message }, "pre-flight failed");
+            } else {
+                self.finish(attempt, Outcome::Rejected, message);
+            }
+            return;
+        }
+        // A stand-in holds the socket names of an epoch that this one shares them with.
+        if self
+            .stand_in
+            .as_ref()
+            .is_some_and(|s| s.parent_epoch % 3 == epoch % 3)
+        {
+            self.release_stand_in("the next epoch reuses its socket names");
+        }
+        match self.host.spawn(epoch).await {
+            Ok(spawned) => {
+                self.epochs.add(epoch, spawned.pid, spawned.signals);
+                let events = self.events_tx.clone();
+                let pid = spawned.pid;
+                let exit = spawned.exit;
+                tokio::spawn(async move {
+                    let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
+                    let _ = events.send(Event::Exited { epoch, pid, result });
+                });
+                tracing::info!(event = "epoch_starting", epoch, pid, "epoch starting");
+                let now = Instant::now();
+                attempt.spawned = Some(now);
+                self.handoff = Handoff::Starting {
+                    attempt,
+                    deadline: now + self.config.handoff_deadline,
+                };
+                self.live = Probing {
+                    next: Some(now + LIVE_POLL),
+                    in_flight: false,
+                };
+                self.write_heartbeat();
+            }
+            Err(e) => {
+                self.lock = None;
+                let message = e.to_string();
+                if self.newest_live.is_none() {
+                    self.finish(attempt, Outcome::Failed, message.clone());
+                    self.begin_stop(
+                        Ended::StartFailed { code: 1, message },
+                        "cannot start envoy",
+                    );
+                } else {
+                    self.finish(attempt, Outcome::Failed, message);
+                }
+            }
+        }
+    }
+
+    // --- probes -----------------------------------------------------------------------------
+
+    fn probe(&mut self, probe: Probe) {
+        match &probe {
+            Probe::Live { .. } => self.live.in_flight = true,
+            Probe::Watchdog => self.watchdog.in_flight = true,
+            Probe::Discover => {
+                if let Life::Discovering { probing, .. } = &mut self.life {
+                    *probing = true;
+                }
+            }
+            _ => {}
+        }
+        let call = self.host.server_info();
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = call.await;
+            let _ = events.send(Event::Probed { probe, result });
+        });
+    }
+
+    fn on_probe(&mut self, probe: Probe, result: Result<ServerInfo, AdminError>) {
+        match probe {
+            Probe::Discover => self.on_discovery(result),
+            Probe::Live { epoch } => {
+                self.live.in_flight = false;
+                self.on_live_probe(epoch, result);
+            }
+            Probe::Watchdog => {
+                self.watchdog.in_flight = false;
+                self.on_watchdog(result);
+            }
+            Probe::Successor(reply) => {
+                let ours = self.newest_live.or(self.epochs.newest().map(|c| c.epoch));
+                if let Some(successor) = self.takeover_seen(&result, ours) {
+                    self.hand_over(successor);
+                }
+                let answer = match &self.life {
+                    Life::HandedOver { successor } => Some(successor.clone()),
+                    _ => self.family.successor_starting.clone(),
+                };
+                tracing::info!(successor = ?answer, "asked whether a successor takes over");
+                // The asker reads the state next: publish first.
+                self.publish();
+                let _ = reply.send(answer);
+            }
+            Probe::ServingExited(exit) => {
+                if let Some(successor) = self.takeover_seen(&result, Some(exit.epoch)) {
+                    tracing::info!(epoch = exit.epoch, %successor, "our envoy was terminated by the successor's");
+                    self.hand_over(successor);
+                    return;
+                }
+                if matches!(self.life, Life::Stopping { .. } | Life::HandedOver { .. }) {
+                    return;
+                }
+                let code = exit.code();
+                if code == 0 {
+                    let message = format!(
+                        "the serving envoy (epoch {}) exited with code 0 while no other epoch \
+                         serves and no successor took over: it was terminated from outside \
+                         (e.g. by another pod's failed epoch)",
+                        exit.epoch
+                    );
+                    tracing::error!(%message);
+                    self.begin_stop(Ended::Lost { exit, message }, "nothing serves");
+                } else {
+                    tracing::error!(
+                        epoch = exit.epoch,
+                        code,
+                        "the serving epoch exited\n{}",
+                        exit.stderr_tail.trim_end()
+                    );
+                    self.begin_stop(Ended::Exited(exit), "the serving epoch exited");
+                }
+            }
+            Probe::FailedChild { epoch, retries } => {
+                if !matches!(self.life, Life::Running) || self.family.drained {
+                    return;
+                }
+                // Only a LIVE child gives the family an admin endpoint back once a failed one
+                // shut the serving epoch's.
+                if result.is_err() {
+                    let retries = retries + 1;
+                    if retries <= MAX_RETRIES {
+                        tracing::warn!(
+                            epoch,
+                            retries,
+                            "the serving epoch lost its admin endpoint to the failed child; retrying the same epoch"
+                        );
+                        self.queue.retries = self.queue.retries.max(retries);
+                        self.queue.push(
+                            format!("retry {retries} after failed epoch {epoch}"),
+                            None,
+                            Instant::now(),
+                        );
+                    } else {
+                        tracing::error!(
+                            epoch,
+                            "the serving epoch has no admin endpoint and the retries are used up"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the admin answer shows a newer epoch of the family that is not ours: a
+    /// successor pod's Envoy took over. Its supervisor's name if so.
+    fn takeover_seen(
+        &mut self,
+        result: &Result<ServerInfo, AdminError>,
+        ours: Option<u32>,
+    ) -> Option<String> {
+        let info = result.as_ref().ok()?;
+        let ours = ours?;
+        if info.state != ServerState::Live
+            || info.base_id != u64::from(self.base_id)
+            || info.restart_epoch <= ours
+            || self.epochs.get(info.restart_epoch).is_some()
+        {
+            return None;
+        }
+        let others = self.read_node();
+        Some(
+            others
+                .iter()
+                .find(|h| h.newest_epoch == info.restart_epoch)
+                .map(|h| h.identity.clone())
+                .unwrap_or_else(|| format!("the supervisor of epoch {}", info.restart_epoch)),
+        )
+    }
+
+    fn hand_over(&mut self, successor: String) {
+        if !matches!(self.life, Life::Running) {
+            return;
+        }
+        tracing::info!(event = "handed_over", %successor, "handed over to {successor}");
+        if let Some(n) = self.newest_live {
+            self.epochs.set_state(n, EpochState::Draining);
+        }
+        self.newest_live = None;
+        self.life = Life::HandedOver {
+            successor: successor.clone(),
+        };
+        self.family.handed_over_to = Some(successor.clone());
+        self.family.successor_starting = None;
+        self.set_marker(false);
+        self.queue.refuse(&RestartError::Refused(format!(
+            "handed over to {successor}"
+        )));
+        self.watchdog = Probing::default();
+        self.write_heartbeat();
+    }
+
+    fn on_live_probe(&mut self, epoch: u32, result: Result<ServerInfo, AdminError>) {
+        if self.handoff.starting_epoch() != Some(epoch) {
+            return;
+        }
+        let ours = match (&result, self.epochs.get(epoch)) {
+            (Ok(info), Some(child)) => {
+                info.state == ServerState::Live
+                    && info.restart_epoch == epoch
+                    && info.base_id == u64::from(self.base_id)
+                    && child.state == EpochState::Starting
+                    && child.stopped.is_none()
+                    // Proof that the answering Envoy is the process we started: it has not
+                    // been up longer than ours.
+                    && uptime(&info.uptime_current_epoch)
+                        .is_none_or(|up| up <= child.started_at.elapsed() + Duration::from_secs(2))
+            }
+            _ => false,
+        };
+        if ours {
+            self.go_live(epoch);
+        } else {
+            self.live.next = Some(Instant::now() + LIVE_POLL);
+        }
+    }
+
+    fn go_live(&mut self, epoch: u32) {
+        let Handoff::Starting { attempt, .. } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            return;
+        };
+        self.live = Probing::default();
+        self.admin_ok = Instant::now();
+        self.epochs.set_state(epoch, EpochState::Live);
+        let now = Instant::now();
+        self.handoff = match &attempt.parent {
+            Some(Parent::Ours(p)) if self.epochs.get(*p).is_some() => {
+                self.epochs.set_state(*p, EpochState::Draining);
+                Handoff::ParentDraining {
+                    parent: Parent::Ours(*p),
+                    until: now + self.config.parent_shutdown_time(),
+                }
+            }
+            Some(Parent::Foreign { epoch, identity }) => {
+                tracing::info!(epoch = attempt.epoch, predecessor = %identity, "took over from the predecessor's envoy");
+                // Until the child terminates it; a second of margin for its own timer.
+                let drains = self.config.parent_shutdown_time() + Duration::from_secs(1);
+                self.family.foreign_parent_until = Some(SystemTime::now() + drains);
+                self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
+                Handoff::ParentDraining {
+                    parent: Parent::Foreign {
+                        epoch: *epoch,
+                        identity: identity.clone(),
+                    },
+                    until: now + drains,
+                }
+            }
+            _ => Handoff::Idle,
+        };
+        self.newest_live = Some(epoch);
+        self.pending_serving_exit = None;
+        // Our epoch is LIVE: the next successor (or restart) may allocate.
+        self.lock = None;
+        self.metrics.epoch(epoch);
+        if !self.family.drained {
+            self.set_marker(true);
+        }
+        self.watchdog = Probing {
+            next: Some(now + WATCHDOG_POLL),
+            in_flight: false,
+        };
+        self.write_heartbeat();
+        // Last: whoever waits for this restart sees the new state at once.
+        self.publish();
+        self.finish(attempt, Outcome::Live, String::new());
+        self.flush_pending_drains();
+    }
+
+    fn on_watchdog(&mut self, result: Result<ServerInfo, AdminError>) {
+        if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
+            return;
+        }
+        if let Some(successor) = self.takeover_seen(&result, self.newest_live) {
+            self.hand_over(successor);
+            return;
+        }
+        let now = Instant::now();
+        let period = if self.family.successor_starting.is_some() {
+            WATCHDOG_POLL_SUCCESSOR
+        } else {
+            WATCHDOG_POLL
+        };
+        self.watchdog.next = Some(now + period);
+        match result {
+            Ok(_) => self.admin_ok = now,
+            Err(e) if self.family.successor_starting.is_some() => {
+                // Another pod's starting epoch may hold the admin listener: its handoff, not a
+                // wedge of ours.
+                tracing::debug!(error = %e, "admin silent while a successor starts");
+                self.admin_ok = now;
+            }
+            Err(e) if discovery::refused(&e) => {
+                // Our Envoy runs but its admin listener is gone: only a child (ours or another
+                // pod's) takes it, and that child has failed. Only a LIVE child gives it back.
+                self.admin_ok = now;
+                if self.handoff.is_idle() && self.queue.is_empty() && !self.family.drained {
+                    tracing::warn!(error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
+                    self.queue
+                        .push("recover the admin listener".to_owned(), None, now);
+                }
+            }
+            Err(e) => {
+                let silent = now - self.admin_ok;
+                tracing::warn!(error = %e, silent_for = ?silent, "envoy admin not answering");
+                if silent >= self.config.admin_unresponsive_deadline {
+                    let message = format!(
+                        "envoy admin silent for {silent:?} (deadline {:?}): {e}",
+                        self.config.admin_unresponsive_deadline
+                    );
+                    self.record_wedge(WedgeReason::AdminUnresponsive, message.clone());
+                    self.begin_stop(
+                        Ended::Wedged {
+                            reason: WedgeReason::AdminUnresponsive,
+                            message,
+                        },
+                        "wedged",
+                    );
+                }
+            }
+        }
+    }
+
+    // --- exits ------------------------------------------------------------------------------
+
+    fn on_exit(&mut self, epoch: u32, pid: u32, result: Result<Exit, ProxyError>) {
+        let Some(child) = self.epochs.remove(epoch, pid) else {
+            return;
+        };
+        let (code, tail) = match &result {
+            Ok(exit) => (exit.code(), exit.stderr_tail.clone()),
+            Err(e) => (1, e.to_string()),
+        };
+        self.metrics
+            .exit(exit_kind(&result, child.state == EpochState::Draining));
+        // The stand-in's child is gone: nothing talks to the dead parent's names anymore.
+        if self
+            .stand_in
+            .as_ref()
+            .is_some_and(|s| s.parent_epoch + 1 == epoch)
+        {
+            self.release_stand_in("its child exited");
+        }
+        if child.state == EpochState::Starting {
+            // No Envoy of the family initializes now: a flag it left set is stale.
+            self.repair_initializing(epoch);
+        }
+        match &self.life {
+            Life::Stopping { .. } => {
+                tracing::info!(epoch, code, "epoch stopped");
+                return;
+            }
+            Life::HandedOver { .. } => {
+                tracing::info!(epoch, code, "our envoy exited after the handover");
+                self.write_heartbeat();
+                return;
+            }
+            Life::Discovering { .. } | Life::Running => {}
+        }
+        match child.state {
+            EpochState::Draining => {
+                if let Handoff::ParentDraining {
+                    parent: Parent::Ours(p),
+                    ..
+                } = &self.handoff
+                {
+                    if *p == epoch {
+                        self.handoff = Handoff::Idle;
+                    }
+                }
+                if code == 0 && child.stopped.is_none() {
+                    tracing::info!(epoch, "drained parent exited (terminated by its child)");
+                } else {
+                    tracing::warn!(epoch, code, "draining parent died; its child keeps serving");
+                    self.stand_in_for(epoch);
+                }
+                self.write_heartbeat();
+            }
+            EpochState::Live => {
+                self.newest_live = None;
+                self.set_marker(false);
+                let exit = match result {
+                    Ok(exit) => exit,
+                    Err(e) => {
+                        self.begin_stop(
+                            Ended::StartFailed {
+                                code: 1,
+                                message: e.to_string(),
+                            },
+                            "cannot wait for envoy",
+                        );
+                        return;
+                    }
+                };
+                if let Some(starting) = self.handoff.starting_epoch() {
+                    // The serving epoch died while its successor starts: the successor still
+                    // talks to it, so stand in for its sockets at once and let the successor
+                    // finish (its deadline still applies).
+                    tracing::warn!(
+                        epoch,
+                        code,
+                        starting,
+                        "the serving epoch exited while epoch {starting} starts: standing in for it, the new epoch may still take over"
+                    );
+                    self.stand_in_for(epoch);
+                    if let Handoff::Starting { attempt, .. } = &mut self.handoff {
+                        attempt.parent = None;
+                    }
+                    self.pending_serving_exit = Some(exit);
+                    return;
+                }
+                // Who serves now? A successor pod's Envoy terminates ours with exit 0.
+                self.probe(Probe::ServingExited(exit));
+            }
+            EpochState::Starting => self.on_failed_start(child, code, &tail),
+        }
+    }
+
+    fn on_failed_start(&mut self, child: crate::epochs::Child, code: i32, tail: &str) {
+        let epoch = child.epoch;
+        let timed_out = matches!(child.stopped, Some((Stop::Deadline, _)));
+        let message = if timed_out {
+            format!(
+                "not LIVE within the handoff deadline ({:?})",
+                self.config.handoff_deadline
+            )
+        } else {
+            format!("exited with code {code}: {}", last_line(tail))
+        };
+        let Handoff::Starting { attempt, .. } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            tracing::warn!(epoch, code, "an epoch exited while starting");
+            return;
+        };
+        self.live = Probing::default();
+        self.lock = None;
+        let outcome = if timed_out {
+            Outcome::TimedOut
+        } else {
+            Outcome::Failed
+        };
+        if self.newest_live.is_none() {
+            tracing::error!(epoch, code, "envoy failed to start\n{}", tail.trim_end());
+            self.finish(attempt, outcome, message.clone());
+            // Nothing of ours serves: the first epoch failed, or the serving one died while
+            // this one started.
+            let ended = match self.pending_serving_exit.take() {
+                Some(exit) => Ended::Lost {
+                    message: format!(
+                        "the serving epoch {} exited while epoch {epoch} started, and epoch {epoch} failed: {message}",
+                        exit.epoch
+                    ),
+                    exit,
+                },
+                None => Ended::StartFailed { code, message },
+            };
+            self.begin_stop(ended, "nothing serves");
+            return;
+        }
+        let retries = attempt.retries;
+        self.finish(attempt, outcome, message);
+        self.flush_pending_drains();
+        // The child may have shut the serving epoch's admin listener before it failed.
+        self.probe(Probe::FailedChild { epoch, retries });
+        self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+    }
+
+    fn stand_in_for(&mut self, parent_epoch: u32) {
+        if self
+            .stand_in
+            .as_ref()
+            .is_some_and(|s| s.parent_epoch == parent_epoch)
+        {
+            return;
+        }
+        match self.host.stand_in(parent_epoch) {
+            Ok(guard) => {
+                tracing::info!(
+                    event = "stand_in",
+                    epoch = parent_epoch,
+                    "standing in for the dead parent's hot-restart sockets"
+                );
+                self.stand_in = Some(StandIn {
+                    parent_epoch,
+                    _guard: guard,
+                });
+            }
+            Err(e) => {
+                tracing::error!(epoch = parent_epoch, error = %e, "cannot stand in for the dead parent")
+            }
+        }
+    }
+
+    fn release_stand_in(&mut self, why: &str) {
+        if let Some(s) = self.stand_in.take() {
+            tracing::info!(
+                parent_epoch = s.parent_epoch,
+                reason = why,
+                "released the dead parent's sockets"
+            );
+        }
+    }
+
+    fn repair_initializing(&mut self, epoch: u32) {
+        match self.host.repair_initializing(&self.version) {
+            Repair::Clean => {}
+            Repair::Cleared => self.record_wedge(
+                WedgeReason::StaleInitializing,
+                format!(
+                    "epoch {epoch} died while initializing and left the shared INITIALIZING \
+                     flag set (\"previous envoy process is still initializing\"); cleared it: \
+                     the serving epoch keeps serving and the next hot restart can proceed"
+                ),
+            ),
+            Repair::Failed(why) => self.record_wedge(
+                WedgeReason::StaleInitializing,
+                format!(
+                    "epoch {epoch} died while initializing; the shared INITIALIZING flag could \
+                     not be checked or cleared ({why}): a later hot restart may be refused by \
+                     envoy until a cold start"
+                ),
+            ),
+        }
+    }
+
+    // --- timers -----------------------------------------------------------------------------
+
+    fn next_wake(&self) -> Option<Instant> {
+        let mut wake: Option<Instant> = None;
+        let mut consider = |t: Option<Instant>| {
+            if let Some(t) = t {
+                wake = Some(wake.map_or(t, |w| w.min(t)));
+            }
+        };
+        match &self.life {
+            Life::Discovering {
+                deadline,
+                next,
+                probing,
+                waiting,
+                ..
+            } => {
+                if !probing {
+                    consider(Some(*next));
+                }
+                if !waiting
+                    .as_deref()
+                    .is_some_and(|w| w.contains("hot-restart version"))
+                {
+                    consider(Some(*deadline));
+                }
+            }
+            Life::Stopping {
+                kill_at, give_up, ..
+            } => {
+                consider(Some(*kill_at));
+                consider(Some(*give_up));
+                return wake;
+            }
+            Life::Running | Life::HandedOver { .. } => {}
+        }
+        consider(self.live.wake());
+        consider(self.watchdog.wake());
+        match &self.handoff {
+            Handoff::Starting {
+                attempt, deadline, ..
+            } => {
+                let killed = self
+                    .epochs
+                    .get(attempt.epoch)
+                    .is_none_or(|c| c.stopped.is_some());
+                if !killed {
+                    consider(Some(*deadline));
+                }
+            }
+            Handoff::ParentDraining {
+                parent: Parent::Ours(p),
+                until,
+            } => {
+                let killed = self.epochs.get(*p).is_none_or(|c| c.stopped.is_some());
+                if !killed {
+                    consider(Some(*until + self.config.parent_overdue_grace));
+                }
+            }
+            Handoff::ParentDraining {
+                parent: Parent::Foreign { .. },
+                until,
+            } => {
+                consider(Some(*until));
+                consider(self.foreign_check);
+            }
+            _ => {}
+        }
+        if self.handoff.is_idle() && !self.queue.is_empty() && self.can_restart() {
+            consider(Some(self.queue_retry_at()));
+        }
+        if self.host.has_node() {
+            consider(Some(self.heartbeat_due));
+        }
+        wake
+    }
+
+    fn queue_retry_at(&self) -> Instant {
+        // Immediately the first time; then at the lock's retry pace.
+        match self.queue.waiting_for {
+            None => Instant::now(),
+            Some(_) => self.lock_retry_at,
+        }
+    }
+
+    fn can_restart(&self) -> bool {
+        matches!(self.life, Life::Running) && self.newest_live.is_some() && !self.family.drained
+    }
+
+    async fn on_tick(&mut self) {
+        let now = Instant::now();
+        if self.host.has_node() && now >= self.heartbeat_due {
+            self.heartbeat_due = now + self.config.heartbeat_period;
+            self.read_node();
+            self.write_heartbeat();
+        }
+        match &self.life {
+            Life::Stopping {
+                kill_at, give_up, ..
+            } => {
+                let (kill_at, give_up) = (*kill_at, *give_up);
+                self.stopping_timers(now, kill_at, give_up);
+                return;
+            }
+            Life::Discovering {
+                deadline,
+                next,
+                probing,
+                waiting,
+                ..
+            } => {
+                let incompatible = waiting
+                    .as_deref()
+                    .is_some_and(|w| w.contains("hot-restart version"));
+                let (deadline, next, probing, waiting) =
+                    (*deadline, *next, *probing, waiting.clone());
+                if now >= deadline && !incompatible {
+                    let why =
+                        waiting.unwrap_or_else(|| "the node's epoch lock stayed taken".to_owned());
+                    let message = format!(
+                        "could not take over within {:?}: {why}",
+                        self.discovery_bound()
+                    );
+                    tracing::error!(%message);
+                    self.begin_stop(Ended::StartFailed { code: 1, message }, "no turn to start");
+                } else if !probing && now >= next {
+                    self.discover(now, waiting);
+                }
+                return;
+            }
+            Life::Running | Life::HandedOver { .. } => {}
+        }
+
+        if self.live.due(now) {
+            if let Some(epoch) = self.handoff.starting_epoch() {
+                self.probe(Probe::Live { epoch });
+            } else {
+                self.live = Probing::default();
+            }
+        }
+        if self.watchdog.due(now) {
+            if matches!(self.life, Life::Running) && self.newest_live.is_some() {
+                self.probe(Probe::Watchdog);
+            } else {
+                self.watchdog = Probing::default();
+            }
+        }
+        self.handoff_timers(now);
+        if self.handoff.is_idle() && !self.queue.is_empty() && self.can_restart() {
+            self.try_start_queued(now);
+        }
+    }
+
+    /// Discovery's next step: the node's epoch lock, then a look at the node.
+    fn discover(&mut self, now: Instant, waiting: Option<String>) {
+        if self.lock.is_none() {
+            match self.host.try_lock() {
+                Ok(Some(lock)) => self.lock = Some(lock),
+                Ok(None) => {
+                    let why = "another agent holds the node's epoch lock".to_owned();
+                    if waiting.as_deref() != Some(why.as_str()) {
+                        tracing::info!(reason = %why, "waiting to take over");
+                    }
+                    if let Life::Discovering { next, waiting, .. } = &mut self.life {
+                        *next = now + LOCK_RETRY;
+                        *waiting = Some(why);
+                    }
+                    return;
+                }
+                Err(e) => {
+                    let message = format!("cannot take the node's epoch lock: {e}");
+                    tracing::error!(%message);
+                    self.begin_stop(Ended::StartFailed { code: 1, message }, "no epoch lock");
+                    return;
+                }
+            }
+        }
+        self.probe(Probe::Discover);
+    }
+
+    fn stopping_timers(&mut self, now: Instant, kill_at: Instant, give_up: Instant) {
+        if now >= give_up {
+            let left: Vec<u32> = self.epochs.iter().map(|c| c.pid).collect();
+            tracing::error!(pids = ?left, "epochs did not stop in time; giving up on them");
+            self.epochs = Epochs::default();
+        } else if now >= kill_at {
+            if let Life::Stopping { kill_at, .. } = &mut self.life {
+                *kill_at = give_up;
+            }
+            let left: Vec<u32> = self.epochs.iter().map(|c| c.epoch).collect();
+            for epoch in left {
+                tracing::warn!(epoch, grace = ?self.config.proxy.stop_grace, "envoy ignored SIGTERM; sending SIGKILL");
+                self.epochs
+                    .signal(epoch, Signal::SIGKILL, Some(Stop::Shutdown));
+            }
+        }
+    }
+
+    fn handoff_timers(&mut self, now: Instant) {
+        match &self.handoff {
+            Handoff::Starting {
+                attempt, deadline, ..
+            } if now >= *deadline => {
+                let epoch = attempt.epoch;
+                if self.epochs.get(epoch).is_some_and(|c| c.stopped.is_none()) {
+                    // SIGKILL, not SIGTERM: Envoy's SIGTERM handler also terminates its
+                    // parent, which is the epoch still serving (seen on 1.40).
+                    self.epochs
+                        .signal(epoch, Signal::SIGKILL, Some(Stop::Deadline));
+                    let message = format!(
+                        "epoch {epoch} not LIVE within the handoff deadline ({:?}); killed it \
+                         (SIGKILL), the serving epoch keeps serving",
+                        self.config.handoff_deadline
+                    );
+                    self.record_wedge(WedgeReason::HandoffDeadline, message);
+                }
+            }
+            Handoff::ParentDraining {
+                parent: Parent::Ours(p),
+                until,
+            } if now >= *until + self.config.parent_overdue_grace => {
+                let p = *p;
+                if self.epochs.get(p).is_some_and(|c| c.stopped.is_none()) {
+                    let message = format!(
+                        "draining parent epoch {p} still runs {:?} after its parent-shutdown \
+                         time: killed it (SIGKILL); a stand-in answers its child, and queued \
+                         restarts go on",
+                        self.config.parent_overdue_grace
+                    );
+                    self.epochs.signal(p, Signal::SIGKILL, Some(Stop::Overdue));
+                    self.record_wedge(WedgeReason::ParentOverdue, message);
+                }
+            }
+            Handoff::ParentDraining {
+                parent: Parent::Foreign { epoch, identity },
+                until,
+            } => {
+                let (epoch, identity, until) = (*epoch, identity.clone(), *until);
+                if self.foreign_check.is_some_and(|t| now >= t) {
+                    self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
+                    // The names come free only once the predecessor's Envoy is gone: then our
+                    // child would abort on its next message to it. Hold them and answer.
+                    if self.stand_in.is_none() {
+                        if let Ok(guard) = self.host.stand_in(epoch) {
+                            if now < until {
+                                tracing::warn!(event = "stand_in", epoch, predecessor = %identity, "the predecessor's envoy is gone before its time: standing in for its sockets");
+                            }
+                            self.stand_in = Some(StandIn {
+                                parent_epoch: epoch,
+                                _guard: guard,
+                            });
+                        }
+                    }
+                }
+                if now >= until {
+                    self.handoff = Handoff::Idle;
+                    self.foreign_check = None;
+                    self.family.foreign_parent_until = None;
+                    self.write_heartbeat();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn try_start_queued(&mut self, now: Instant) {
+        if self.lock.is_none() {
+            match self.host.try_lock() {
+                Ok(Some(lock)) => self.lock = Some(lock),
+                Ok(None) => {
+                    self.lock_retry_at = now + LOCK_RETRY;
+                    let why = "another pod holds the node's epoch lock (a successor is starting?)";
+                    if self.queue.waiting_for.as_deref() != Some(why) {
+                        tracing::info!(reason = why, "hot restart queued");
+                        self.queue.waiting_for = Some(why.to_owned());
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot take the node's epoch lock; restarting without it");
+                }
+            }
+        }
+        let Some(newest) = self.newest_live else {
+            return;
+        };
+        let attempt = self.queue.take(newest + 1, Some(Parent::Ours(newest)), now);
+        self.start_preflight(attempt);
+    }
+
+    // --- stopping ---------------------------------------------------------------------------
+
+    fn begin_stop(&mut self, outcome: Ended, why: &str) {
+        if matches!(self.life, Life::Stopping { .. }) {
+            return;
+        }
+        tracing::info!(reason = why, "stopping every epoch");
+        let now = Instant::now();
+        self.set_marker(false);
+        let error = RestartError::Refused("stopping".to_owned());
+        self.queue.refuse(&error);
+        match std::mem::replace(&mut self.handoff, Handoff::Idle) {
+            Handoff::PreFlight(attempt) | Handoff::Starting { attempt, .. } => {
+                self.finish(
+                    attempt,
+                    Outcome::Failed,
+                    "the family is stopping".to_owned(),
+                );
+            }
+            _ => {}
+        }
+        for (_, reply) in self.pending_drains.drain(..) {
+            let _ = reply.send(Ok(()));
+        }
+        self.lock = None;
+        self.live = Probing::default();
+        self.watchdog = Probing::default();
+        // Newest first. An epoch that is not LIVE may have a living parent (here or in another
+        // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.
+        let targets: Vec<(u32, EpochState)> = self
+            .epochs
+            .iter()
+            .rev()
+            .map(|c| (c.epoch, c.state))
+            .collect();
+        for (epoch, state) in targets {
+            let signal = if state == EpochState::Starting && epoch > 0 {
+                Signal::SIGKILL
+            } else {
+                Signal::SIGTERM
+            };
+            tracing::info!(epoch, %signal, "stopping epoch");
+            self.epochs.signal(epoch, signal, Some(Stop::Shutdown));
+        }
+        self.life = Life::Stopping {
+            outcome,
+            kill_at: now + self.config.proxy.stop_grace,
+            give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
+        };
+        self.write_heartbeat();
+    }
+
+    // --- node, marker, publishing -------------------------------------------------------------
+
+    /// The node's other fresh heartbeats of our family; notes a starting successor and reports
+    /// each untrusted file once.
+    fn read_node(&mut self) -> Vec<Heartbeat> {
+        if !self.host.has_node() {
+            return Vec::new();
+        }
+        let (heartbeats, rejected) = self.host.read_heartbeats();
+        for r in rejected {
+            if self.reported.insert((r.path.clone(), r.reason.clone())) {
+                tracing::warn!(path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
+            }
+        }
+        let now_ms = self.host.now_unix_ms();
+        let max_age = self.config.heartbeat_period * 4;
+        let others: Vec<Heartbeat> = heartbeats
+            .into_iter()
+            .filter(|h| h.identity != self.config.identity && h.base_id == self.base_id)
+            .filter(|h| h.fresh(now_ms, max_age))
+            .collect();
+        if matches!(self.life, Life::Running) {
+            let ours = self.newest_live.unwrap_or(0);
+            let successor = others
+                .iter()
+                .find(|h| h.state == NodeState::Starting && h.newest_epoch > ours)
+                .map(|h| h.identity.clone());
+            if successor != self.family.successor_starting {
+                if let Some(s) = &successor {
+                    tracing::info!(successor = %s, "a successor pod is starting");
+                    // See its takeover soon.
+                    if self.newest_live.is_some() && !self.watchdog.in_flight {
+                        self.watchdog.next = Some(Instant::now());
+                    }
+                }
+                self.family.successor_starting = successor;
+            }
+        }
+        others
+    }
+
+    fn write_heartbeat(&mut self) {
+        if !self.host.has_node() {
+            return;
+        }
+        let (state, newest) = match &self.life {
+            Life::Discovering { .. } => (NodeState::Waiting, 0),
+            Life::Running => match (self.newest_live, self.handoff.attempt()) {
+                (Some(n), _) => (NodeState::Serving, n),
+                (None, Some(a)) => (NodeState::Starting, a.epoch),
+                (None, None) => (
+                    NodeState::Starting,
+                    self.epochs.newest().map_or(0, |c| c.epoch),
+                ),
+            },
+            Life::HandedOver { .. } => (
+                NodeState::HandedOver,
+                self.epochs.newest().map_or(0, |c| c.epoch),
+            ),
+            Life::Stopping { .. } => (
+                NodeState::Stopping,
+                self.epochs.newest().map_or(0, |c| c.epoch),
+            ),
+        };
+        let now = Instant::now();
+        let now_ms = self.host.now_unix_ms();
+        let parent_until = match &self.handoff {
+            Handoff::ParentDraining { until, .. } if *until > now => {
+                now_ms + (*until - now).as_millis() as u64
+            }
+            _ => 0,
+        };
+        let heartbeat = Heartbeat {
+            format: node::FORMAT.to_owned(),
+            identity: self.config.identity.clone(),
+            pid: std::process::id(),
+            base_id: self.base_id,
+            hot_restart_version: self.version.clone(),
+            newest_epoch: newest,
+            envoy_pid: self.epochs.get(newest).map_or(0, |c| c.pid),
+            state,
+            updated_unix_ms: now_ms,
+            parent_draining_until_unix_ms: parent_until,
+            restart_in_flight: self.newest_live.is_some() && self.handoff.attempt().is_some(),
+        };
+        if let Err(e) = self.host.write_heartbeat(&heartbeat) {
+            tracing::error!(error = %e, "cannot write the heartbeat");
+        }
+    }
+
+    fn set_marker(&mut self, present: bool) {
+        if let Err(e) = self.host.set_marker(present) {
+            tracing::error!(error = %e, "cannot update the readiness marker");
+        }
+        if self.marker != present {
+            tracing::info!(event = "ready_marker", ready = present, "readiness marker");
+            self.marker = present;
+        }
+    }
+
+    fn record_wedge(&mut self, reason: WedgeReason, message: String) {
+        tracing::error!(event = "wedge", reason = %reason, %message, "hot restart wedge");
+        self.metrics.wedge(reason.as_str());
+        self.family.wedges.push(Wedge {
+            reason,
+            at: SystemTime::now(),
+            message,
+        });
+        let excess = self.family.wedges.len().saturating_sub(WEDGES_KEPT);
+        self.family.wedges.drain(..excess);
+    }
+
+    fn finish(&mut self, attempt: Attempt, outcome: Outcome, message: String) {
+        let duration = attempt.triggered.elapsed();
+        if !attempt.first {
+            self.metrics.handoff(duration, outcome.as_str());
+        }
+        if outcome == Outcome::Rejected {
+            self.metrics.config_rejected();
+        }
+        let spawn_to_live = attempt.spawned.map(|s| s.elapsed());
+        match outcome {
+            Outcome::Live if attempt.first => tracing::info!(
+                event = "handoff",
+                outcome = outcome.as_str(),
+                first = true,
+                epoch = attempt.epoch,
+                reason = %attempt.reason,
+                ?duration,
+                preflight = ?attempt.preflight,
+                start_to_live = ?spawn_to_live,
+                "first epoch LIVE"
+            ),
+            Outcome::Live => tracing::info!(
+                event = "handoff",
+                outcome = outcome.as_str(),
+                first = false,
+                epoch = attempt.epoch,
+                reason = %attempt.reason,
+                ?duration,
+                queued = ?attempt.queued(),
+                preflight = ?attempt.preflight,
+                start_to_live = ?spawn_to_live,
+                "hot restart done: epoch LIVE"
+            ),
+            _ => tracing::error!(
+                event = "handoff",
+                outcome = outcome.as_str(),
+                first = attempt.first,
+                epoch = attempt.epoch,
+                reason = %attempt.reason,
+                %message,
+                "hot restart did not happen; the serving epoch keeps serving"
+            ),
+        }
+        for waiter in attempt.waiters {
+            let _ = waiter.send(match outcome {
+                Outcome::Live => Ok(attempt.epoch),
+                Outcome::Rejected => Err(RestartError::Rejected(message.clone())),
+                Outcome::Failed | Outcome::TimedOut => Err(RestartError::Failed(message.clone())),
+            });
+        }
+        self.family.last_handoff = Some(HandoffResult {
+            epoch: attempt.epoch,
+            reason: attempt.reason,
+            outcome,
+            duration,
+            queued: attempt.began - attempt.triggered,
+            preflight: attempt.preflight,
+            at: SystemTime::now(),
+            message,
+        });
+    }
+
+    fn publish(&mut self) {
+        let phase = match &self.life {
+            Life::Discovering { .. } => ProxyPhase::Starting,
+            Life::Running if self.newest_live.is_some() => ProxyPhase::Serving,
+            Life::Running => ProxyPhase::Starting,
+            Life::HandedOver { .. } => ProxyPhase::HandedOver,
+            Life::Stopping { .. } if self.epochs.is_empty() => ProxyPhase::Exited,
+            Life::Stopping { .. } => ProxyPhase::Stopping,
+        };
+        if self.phase_since.0 != phase {
+            self.phase_since = (phase, SystemTime::now());
+        }
+        self.family.handoff = self.handoff_info();
+        let state = ProxyState {
+            phase,
+            since: self.phase_since.1,
+            epochs: self.epochs.infos(),
+            newest_live: self.newest_live,
+            family: Some(self.family.clone()),
+        };
+        self.state.send_if_modified(|s| {
+            if *s == state {
+                false
+            } else {
+                *s = state;
+                true
+            }
+        });
+    }
+
+    fn handoff_info(&self) -> Option<envoy_agent_proxy::Handoff> {
+        let since = |t: Instant| SystemTime::now() - t.elapsed();
+        match &self.handoff {
+            Handoff::PreFlight(a) | Handoff::Starting { attempt: a, .. } => {
+                Some(envoy_agent_proxy::Handoff {
+                    epoch: a.epoch,
+                    reason: a.reason.clone(),
+                    since: since(a.triggered),
+                    stage: if matches!(self.handoff, Handoff::PreFlight(_)) {
+                        HandoffStage::PreFlight
+                    } else {
+                        HandoffStage::Starting
+                    },
+                    waiting_for: None,
+                })
+            }
+            _ if !self.queue.is_empty() => Some(envoy_agent_proxy::Handoff {
+                epoch: self.newest_live.map_or(0, |n| n + 1),
+                reason: self.queue.reasons.join(", "),
+                since: self.queue.since.map_or_else(SystemTime::now, since),
+                stage: HandoffStage::Queued,
+                waiting_for: self
+                    .queue
+                    .waiting_for
+                    .clone()
+                    .or_else(|| match &self.handoff {
+                        Handoff::ParentDraining { parent, .. } => {
+                            Some(format!("epoch {} still drains", parent.epoch()))
+                        }
+                        _ => None,
+                    }),
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -244,913 +1782,10 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-struct Child {
-    epoch: u32,
-    pid: u32,
-    state: EpochState,
-    started: SystemTime,
-    since: SystemTime,
-    abort: CancellationToken,
-    /// Killed for missing the handoff deadline.
-    timed_out: bool,
-}
-
-struct Attempt {
-    epoch: u32,
-    reason: String,
-    triggered: Instant,
-    deadline: Instant,
-    waiters: Vec<oneshot::Sender<Result<u32, RestartError>>>,
-    /// How long the pre-flight checks took.
-    preflight_took: Duration,
-    /// When the new epoch was spawned.
-    spawned: Option<Instant>,
-}
-
-/// Triggers waiting for the current handoff (and the parent it leaves) to finish.
-#[derive(Default)]
-struct Queued {
-    reasons: Vec<String>,
-    waiters: Vec<oneshot::Sender<Result<u32, RestartError>>>,
-    since: Option<Instant>,
-}
-
-/// The hot-restart supervisor. See the crate docs for its rules.
-pub struct Supervisor {
-    config: Config,
-    admin: AdminClient,
-    base_id: u32,
-    commands: mpsc::Receiver<Command>,
-    state: watch::Sender<SupervisorState>,
-    exits: mpsc::UnboundedSender<(u32, Result<Exit, ProxyError>)>,
-    exit_events: mpsc::UnboundedReceiver<(u32, Result<Exit, ProxyError>)>,
-    children: Vec<Child>,
-    /// The epoch this supervisor started at (a predecessor's + 1, or 0).
-    first_epoch: u32,
-    metrics: SupervisorMetrics,
-}
-
-impl std::fmt::Debug for Supervisor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Supervisor")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Supervisor {
-    /// A supervisor for `config` and a handle to it. Nothing starts until [`Supervisor::run`].
-    pub fn new(
-        config: Config,
-        metrics: SupervisorMetrics,
-    ) -> Result<(Supervisor, SupervisorHandle), ConfigError> {
-        let (admin_addr, base_id) = config.validate()?;
-        let (commands_tx, commands) = mpsc::channel(64);
-        let state = watch::Sender::new(SupervisorState {
-            phase: Phase::Starting,
-            base_id,
-            hot_restart_version: String::new(),
-            epochs: Vec::new(),
-            newest_live: None,
-            handoff: None,
-            last_handoff: None,
-            wedges: Vec::new(),
-            ready: false,
-            handed_over_to: None,
-        });
-        let (exits, exit_events) = mpsc::unbounded_channel();
-        let handle = SupervisorHandle {
-            commands: commands_tx,
-            state: state.subscribe(),
-        };
-        Ok((
-            Supervisor {
-                admin: AdminClient::new(admin_addr).with_timeout(ADMIN_TIMEOUT),
-                config,
-                base_id,
-                commands,
-                state,
-                exits,
-                exit_events,
-                children: Vec::new(),
-                first_epoch: 0,
-                metrics,
-            },
-            handle,
-        ))
-    }
-
-    fn publish(&self, update: impl FnOnce(&mut SupervisorState)) {
-        self.state.send_modify(|s| {
-            update(s);
-            s.epochs = self
-                .children
-                .iter()
-                .map(|c| EpochInfo {
-                    epoch: c.epoch,
-                    pid: c.pid,
-                    state: c.state,
-                    started: c.started,
-                    since: c.since,
-                })
-                .collect();
-        });
-    }
-
-    fn set_ready(&self, ready: bool) {
-        if let Some(marker) = &self.config.ready_marker {
-            let result = if ready {
-                envoy_agent_proxy::write_atomically(marker, b"ready\n")
-            } else {
-                match std::fs::remove_file(marker) {
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                    other => other,
-                }
-            };
-            if let Err(e) = result {
-                tracing::error!(marker = %marker.display(), error = %e, "cannot update the readiness marker");
-            }
-        }
-        if self.state.borrow().ready != ready {
-            tracing::info!(ready, "readiness marker");
-            self.publish(|s| s.ready = ready);
-        }
-    }
-
-    async fn spawn(&mut self, epoch: u32) -> Result<(), ProxyError> {
-        let process = EnvoyProcess::spawn(&self.config.proxy, epoch).await?;
-        let abort = CancellationToken::new();
-        let now = SystemTime::now();
-        self.children.push(Child {
-            epoch,
-            pid: process.pid(),
-            state: EpochState::Starting,
-            started: now,
-            since: now,
-            abort: abort.clone(),
-            timed_out: false,
-        });
-        let exits = self.exits.clone();
-        tokio::spawn(async move {
-            let _ = exits.send((epoch, process.run(abort).await));
-        });
-        tracing::info!(
-            event = "epoch_starting",
-            epoch,
-            pid = self.children.last().map_or(0, |c| c.pid),
-            "epoch starting"
-        );
-        self.publish(|_| {});
-        Ok(())
-    }
-
-    fn child_mut(&mut self, epoch: u32) -> Option<&mut Child> {
-        self.children.iter_mut().find(|c| c.epoch == epoch)
-    }
-
-    fn set_epoch_state(&mut self, epoch: u32, state: EpochState) {
-        if let Some(c) = self.child_mut(epoch) {
-            c.state = state;
-            c.since = SystemTime::now();
-            tracing::info!(event = "epoch_state", epoch, pid = c.pid, state = ?state, "epoch state");
-        }
-        self.publish(|_| {});
-    }
-
-    fn record_wedge(&self, reason: WedgeReason, message: String) {
-        tracing::error!(%reason, %message, "hot restart wedge");
-        self.metrics.wedge(reason.as_str());
-        self.publish(|s| {
-            s.wedges.push(Wedge {
-                reason,
-                at: SystemTime::now(),
-                message,
-            });
-            let excess = s.wedges.len().saturating_sub(WEDGES_KEPT);
-            s.wedges.drain(..excess);
-        });
-    }
-
-    fn live_future(&self) -> Pending<Result<(ServerState, u32), String>> {
-        let admin = self.admin.clone();
-        Some(Box::pin(async move {
-            admin
-                .server_info()
-                .await
-                .map(|i| (i.state, i.restart_epoch))
-                .map_err(|e| e.to_string())
-        }))
-    }
-
-    fn preflight_future(&self, running_version: String) -> Pending<Result<(), String>> {
-        let proxy = self.config.proxy.clone();
-        Some(Box::pin(async move {
-            // Both exec the binary (~50 ms each): side by side, not one after the other.
-            let (version, validated) = tokio::join!(
-                preflight::hot_restart_version(&proxy.binary_path),
-                preflight::validate(&proxy)
-            );
-            let version = version.map_err(|e| e.to_string())?;
-            if version != running_version {
-                return Err(format!(
-                    "{} has hot-restart version {version}, the running envoy {running_version}: \
-                     they cannot hot-restart (a cold handover is needed)",
-                    proxy.binary_path.display()
-                ));
-            }
-            validated.map_err(|e| match e {
-                PreflightError::Invalid { message, .. } => {
-                    format!("envoy rejects {}: {message}", proxy.config_path.display())
-                }
-                other => other.to_string(),
-            })
-        }))
-    }
-
-    /// Starts epoch 0, then supervises until `cancel` fires or the family cannot go on.
-    pub async fn run(mut self, cancel: CancellationToken) -> SupervisorExit {
-        let exit = self.supervise(cancel).await;
-        self.set_ready(false);
-        self.stop_all().await;
-        if let Some(dir) = &self.config.state_dir {
-            node::remove(dir, &self.config.identity);
-        }
-        self.publish(|s| {
-            s.phase = Phase::Exited;
-            s.handoff = None;
-        });
-        tracing::info!(?exit, code = exit.code(), "supervisor exiting");
-        exit
-    }
-
-    async fn supervise(&mut self, cancel: CancellationToken) -> SupervisorExit {
-        let version = match preflight::hot_restart_version(&self.config.proxy.binary_path).await {
-            Ok(v) => v,
-            Err(e) => {
-                return SupervisorExit::StartFailed {
-                    code: 1,
-                    message: e.to_string(),
-                };
-            }
-        };
-        self.publish(|s| s.hot_restart_version = version.clone());
-
-        // Cross-pod: under the node's epoch lock, find a live predecessor and start after it.
-        let mut epoch_lock = None;
-        let mut first_epoch = 0;
-        if let Some(dir) = self.config.state_dir.clone() {
-            if let Err(e) = std::fs::create_dir_all(&dir) {
-                return SupervisorExit::StartFailed {
-                    code: 1,
-                    message: format!("cannot create state dir {}: {e}", dir.display()),
-                };
-            }
-            let lock_wait = self.config.handoff_deadline
-                + self.config.proxy.drain_duration.max(
-                    self.config
-                        .proxy
-                        .hot_restart
-                        .as_ref()
-                        .map_or(Duration::ZERO, |h| h.parent_shutdown_time),
-                );
-            let lock = tokio::select! {
-                () = cancel.cancelled() => return SupervisorExit::Stopped,
-                lock = EpochLock::acquire(&dir, lock_wait) => lock,
-            };
-            match lock {
-                Ok(lock) => epoch_lock = Some(lock),
-                Err(e) => {
-                    return SupervisorExit::StartFailed {
-                        code: 1,
-                        message: format!("epoch lock: {e}"),
-                    };
-                }
-            }
-            match self.find_predecessor(&dir, &version, &cancel).await {
-                Some(epoch) => first_epoch = epoch,
-                None => return SupervisorExit::Stopped,
-            }
-        }
-        self.first_epoch = first_epoch;
-        if let Err(e) = self.spawn(first_epoch).await {
-            return SupervisorExit::StartFailed {
-                code: 1,
-                message: e.to_string(),
-            };
-        }
-        self.write_heartbeat("starting", first_epoch, None);
-
-        let mut watch = None;
-        if self.config.watch_config {
-            match crate::watch::ConfigWatch::start(
-                &self.config.proxy.config_path,
-                self.config.watch_debounce,
-            ) {
-                Ok(w) => watch = Some(w),
-                Err(e) => tracing::error!(error = %e, "config watch disabled"),
-            }
-        }
-
-        let mut newest_live: Option<u32> = None;
-        let mut attempt: Option<Attempt> = None;
-        let mut queued = Queued::default();
-        let mut retries = 0u32;
-        let mut preflight: Pending<Result<(), String>> = None;
-        let mut preflight_for: Option<Attempt> = None;
-        let mut live_check: Pending<Result<(ServerState, u32), String>> = None;
-        let mut next_live_check = Some(Instant::now());
-        let mut last_admin_ok = Instant::now();
-        let mut next_watchdog: Option<Instant> = None;
-        let mut absorber: Option<Absorber> = None;
-        let start_deadline = Instant::now() + self.config.handoff_deadline;
-        let mut next_heartbeat = Some(Instant::now() + self.config.heartbeat_period);
-        // A predecessor's Envoy (another pod's) drains as our first epoch's parent until then.
-        let mut foreign_parent_until: Option<Instant> = None;
-        let mut handed_over = false;
-
-        loop {
-            // Start a queued restart once nothing else is in flight and no parent drains.
-            let draining = self
-                .children
-                .iter()
-                .any(|c| c.state == EpochState::Draining);
-            let foreign_parent = foreign_parent_until.is_some_and(|t| Instant::now() < t);
-            if attempt.is_none()
-                && preflight_for.is_none()
-                && !draining
-                && !foreign_parent
-                && !handed_over
-                && newest_live.is_some()
-                && !queued.reasons.is_empty()
-            {
-                let reason = queued.reasons.join(", ");
-                queued.reasons.clear();
-                let now = Instant::now();
-                let next = newest_live.map_or(0, |e| e + 1);
-                preflight_for = Some(Attempt {
-                    epoch: next,
-                    reason: reason.clone(),
-                    triggered: queued.since.take().unwrap_or(now),
-                    deadline: now + self.config.handoff_deadline,
-                    waiters: std::mem::take(&mut queued.waiters),
-                    preflight_took: Duration::ZERO,
-                    spawned: None,
-                });
-                tracing::info!(epoch = next, %reason, "hot restart: pre-flight checks");
-                self.publish(|s| {
-                    s.handoff = Some(Handoff {
-                        epoch: next,
-                        reason,
-                        since: SystemTime::now(),
-                    })
-                });
-                let version = self.state.borrow().hot_restart_version.clone();
-                preflight = self.preflight_future(version);
-            }
-
-            let deadline = attempt
-                .as_ref()
-                .map(|a| a.deadline)
-                .or(if newest_live.is_none() {
-                    Some(start_deadline)
-                } else {
-                    None
-                });
-            // Only timers whose action can run now: a due timer whose action waits for something
-            // else (a check in flight, a killed epoch's exit) would wake the loop in a spin.
-            let checking = live_check.is_some();
-            let deadline = deadline.filter(|_| {
-                attempt.as_ref().is_none_or(|a| {
-                    self.children
-                        .iter()
-                        .any(|c| c.epoch == a.epoch && !c.timed_out)
-                })
-            });
-            let wake = [
-                next_live_check.filter(|_| !checking),
-                next_watchdog.filter(|_| !checking && attempt.is_none()),
-                deadline,
-                next_heartbeat,
-                foreign_parent_until.filter(|_| foreign_parent),
-            ]
-            .into_iter()
-            .flatten()
-            .min();
-
-            tokio::select! {
-                () = cancel.cancelled() => {
-                    if handed_over || self.successor_starting(newest_live) {
-                        // Our Envoy drains as a successor's parent: killing it would cut its
-                        // connections and make the successor's Envoy abort. Wait until the
-                        // successor terminates it (bounded), as the kubelet's grace allows.
-                        self.set_ready(false);
-                        self.write_heartbeat("stopping", newest_live.unwrap_or(first_epoch), None);
-                        let bound = self.config.handoff_deadline + self.parent_shutdown_time() + Duration::from_secs(10);
-                        tracing::info!(?bound, "stopping while a successor takes over: waiting for our envoy to be terminated by the successor's");
-                        if !self.wait_children_exit(bound).await {
-                            tracing::error!(?bound, "our envoy was not terminated by the successor in time; stopping it");
-                        }
-                    }
-                    return SupervisorExit::Stopped;
-                }
-
-                Some((epoch, result)) = self.exit_events.recv() => {
-                    let Some(index) = self.children.iter().position(|c| c.epoch == epoch) else {
-                        continue;
-                    };
-                    let child = self.children.remove(index);
-                    self.publish(|_| {});
-                    let (code, tail) = match &result {
-                        Ok(exit) => (exit.code(), exit.stderr_tail.clone()),
-                        Err(e) => (1, e.to_string()),
-                    };
-                    self.metrics.exit(exit_kind(&result, child.state == EpochState::Draining));
-                    match child.state {
-                        EpochState::Draining => {
-                            if code == 0 {
-                                tracing::info!(epoch, "drained parent exited (terminated by its child)");
-                            } else {
-                                tracing::warn!(epoch, code, "draining parent died; its child keeps serving");
-                                // Its child still talks to it: stand in for it.
-                                match Absorber::bind(self.base_id, epoch) {
-                                    Ok(a) => {
-                                        tracing::info!(epoch, "standing in for the dead parent's hot-restart sockets");
-                                        absorber = Some(a);
-                                    }
-                                    Err(e) => tracing::error!(epoch, error = %e, "cannot stand in for the dead parent"),
-                                }
-                            }
-                        }
-                        EpochState::Live if handed_over => {
-                            tracing::info!(epoch, code, "our envoy exited after the handover");
-                        }
-                        EpochState::Live => {
-                            tracing::error!(epoch, code, "the serving epoch exited\n{}", tail.trim_end());
-                            return SupervisorExit::EpochExited { epoch, code };
-                        }
-                        EpochState::Starting if newest_live.is_none() => {
-                            tracing::error!(epoch, code, "envoy failed to start\n{}", tail.trim_end());
-                            return SupervisorExit::StartFailed { code, message: last_line(&tail) };
-                        }
-                        EpochState::Starting => {
-                            let timed_out = child.timed_out;
-                            let message = if timed_out {
-                                format!("not LIVE within the handoff deadline ({:?})", self.config.handoff_deadline)
-                            } else {
-                                format!("exited with code {code}: {}", last_line(&tail))
-                            };
-                            if let Some(a) = attempt.take() {
-                                self.finish(a, if timed_out { Outcome::TimedOut } else { Outcome::Failed }, message.clone());
-                            }
-                            live_check = None;
-                            next_live_check = None;
-                            self.recover_after_failed_start(epoch);
-                            // The child may have shut the old epoch's admin before failing:
-                            // then only a successful restart gives the family an admin back.
-                            let parent_admin_ok = self.admin.server_info().await.is_ok();
-                            if !parent_admin_ok && retries < MAX_RETRIES {
-                                retries += 1;
-                                tracing::warn!(epoch, retries, "the serving epoch lost its admin endpoint to the failed child; retrying the same epoch");
-                                queued.reasons.push(format!("retry {retries} after failed epoch {epoch}"));
-                                queued.since.get_or_insert(Instant::now());
-                            }
-                            next_watchdog = Some(Instant::now() + WATCHDOG_POLL);
-                        }
-                    }
-                }
-
-                command = self.commands.recv() => match command {
-                    None => {}
-                    Some(Command::ReopenLogs) => {
-                        if let Some(c) = self.children.iter().max_by_key(|c| c.epoch) {
-                            if let Err(e) = signal_pid(c.pid, Signal::SIGUSR1) {
-                                tracing::warn!(error = %e, "cannot forward SIGUSR1");
-                            }
-                        }
-                    }
-                    Some(Command::HotRestart { reason, reply }) => {
-                        tracing::info!(%reason, "hot restart requested");
-                        queued.reasons.push(reason);
-                        queued.since.get_or_insert(Instant::now());
-                        queued.waiters.extend(reply);
-                        if handed_over {
-                            tracing::warn!("handed over to a successor: hot restarts are the successor's now");
-                        } else if attempt.is_some() || preflight_for.is_some() {
-                            tracing::info!("a handoff is under way: coalesced into the next restart");
-                        }
-                    }
-                },
-
-                changed = async { match watch.as_mut() { Some(w) => w.changed().await, None => std::future::pending().await } } => {
-                    match changed {
-                        Some(()) => {
-                            tracing::info!(path = %self.config.proxy.config_path.display(), "config changed");
-                            queued.reasons.push("config change".to_owned());
-                            queued.since.get_or_insert(Instant::now());
-                        }
-                        None => {
-                            tracing::error!("config watch ended");
-                            watch = None;
-                        }
-                    }
-                }
-
-                result = settle(&mut preflight) => {
-                    preflight = None;
-                    let Some(mut a) = preflight_for.take() else { continue };
-                    match result {
-                        Err(message) => {
-                            tracing::error!(epoch = a.epoch, %message, "hot restart rejected; the serving epoch keeps serving");
-                            retries = 0;
-                            self.finish(a, Outcome::Rejected, message);
-                        }
-                        Ok(()) => {
-                            a.preflight_took = a.triggered.elapsed();
-                            // Release a stand-in that holds names this epoch may reuse.
-                            release(&mut absorber);
-                            match self.spawn(a.epoch).await {
-                                Ok(()) => {
-                                    a.spawned = Some(Instant::now());
-                                    a.deadline = Instant::now() + self.config.handoff_deadline;
-                                    attempt = Some(a);
-                                    next_live_check = Some(Instant::now());
-                                    next_watchdog = None;
-                                }
-                                Err(e) => self.finish(a, Outcome::Failed, e.to_string()),
-                            }
-                        }
-                    }
-                }
-
-                result = settle(&mut live_check) => {
-                    live_check = None;
-                    let target = attempt.as_ref().map_or(first_epoch, |a| a.epoch);
-                    match result {
-                        Ok((ServerState::Live, epoch)) if epoch == target
-                            && self.children.iter().any(|c| c.epoch == epoch && c.state == EpochState::Starting) =>
-                        {
-                            last_admin_ok = Instant::now();
-                            if let Some(parent) = newest_live {
-                                self.set_epoch_state(parent, EpochState::Draining);
-                            } else if epoch > 0 {
-                                // Our first epoch took over from another pod's Envoy, which now
-                                // drains until ours terminates it.
-                                let until = Instant::now() + self.parent_shutdown_time() + Duration::from_secs(1);
-                                foreign_parent_until = Some(until);
-                                tracing::info!(epoch, "took over from the predecessor's envoy");
-                            }
-                            // Our first epoch is LIVE: the next successor may allocate.
-                            if epoch_lock.take().is_some() {
-                                tracing::debug!("released the epoch lock");
-                            }
-                            self.set_epoch_state(epoch, EpochState::Live);
-                            newest_live = Some(epoch);
-                            retries = 0;
-                            self.metrics.epoch(epoch);
-                            self.publish(|s| { s.newest_live = Some(epoch); s.phase = Phase::Serving; });
-                            self.set_ready(true);
-                            self.write_heartbeat("serving", epoch, foreign_parent_until);
-                            // Last: whoever waits for this restart sees the new state at once.
-                            if let Some(a) = attempt.take() {
-                                self.finish(a, Outcome::Live, String::new());
-                            }
-                            // The previous stand-in's child is now a parent that terminates
-                            // its own parent at once; nothing talks to the dead one anymore.
-                            release(&mut absorber);
-                            next_live_check = None;
-                            next_watchdog = Some(Instant::now() + WATCHDOG_POLL);
-                        }
-                        Ok((ServerState::Live, epoch))
-                            if attempt.is_none() && newest_live.is_some_and(|n| epoch > n) && !handed_over =>
-                        {
-                            // Another pod's Envoy took the admin port at a newer epoch: a
-                            // successor took over. Ours drains until it is terminated.
-                            handed_over = true;
-                            let successor = self.successor_of(epoch);
-                            tracing::info!(epoch, %successor, "handed over to {successor}");
-                            if let Some(n) = newest_live {
-                                self.set_epoch_state(n, EpochState::Draining);
-                            }
-                            self.set_ready(false);
-                            self.publish(|s| s.handed_over_to = Some(successor));
-                            self.write_heartbeat("handed_over", newest_live.unwrap_or(first_epoch), None);
-                            next_watchdog = None;
-                        }
-                        Ok(_) => {
-                            if attempt.is_none() && newest_live.is_some() {
-                                // Watchdog check of the serving epoch.
-                                last_admin_ok = Instant::now();
-                                next_watchdog = Some(Instant::now() + WATCHDOG_POLL);
-                            } else {
-                                next_live_check = Some(Instant::now() + LIVE_POLL);
-                            }
-                        }
-                        Err(e) => {
-                            if attempt.is_none() && newest_live.is_some() {
-                                tracing::warn!(error = %e, silent_for = ?last_admin_ok.elapsed(), "envoy admin not answering");
-                                if last_admin_ok.elapsed() >= self.config.admin_unresponsive_deadline {
-                                    self.set_ready(false);
-                                    self.record_wedge(
-                                        WedgeReason::AdminUnresponsive,
-                                        format!("envoy admin {} silent for {:?}: {e}", self.admin.addr(), last_admin_ok.elapsed()),
-                                    );
-                                    return SupervisorExit::Wedged { reason: WedgeReason::AdminUnresponsive };
-                                }
-                                next_watchdog = Some(Instant::now() + WATCHDOG_POLL);
-                            } else {
-                                next_live_check = Some(Instant::now() + LIVE_POLL);
-                            }
-                        }
-                    }
-                }
-
-                () = sleep_until(wake) => {
-                    let now = Instant::now();
-                    if next_heartbeat.is_some_and(|t| t <= now) {
-                        next_heartbeat = Some(now + self.config.heartbeat_period);
-                        let state = match (handed_over, newest_live) {
-                            (true, _) => "handed_over",
-                            (false, Some(_)) => "serving",
-                            (false, None) => "starting",
-                        };
-                        self.write_heartbeat(state, newest_live.unwrap_or(first_epoch), foreign_parent_until);
-                    }
-                    if newest_live.is_none() && attempt.is_none() && now >= start_deadline {
-                        let message = format!("epoch 0 not LIVE within {:?}", self.config.handoff_deadline);
-                        self.record_wedge(WedgeReason::HandoffDeadline, message);
-                        return SupervisorExit::Wedged { reason: WedgeReason::HandoffDeadline };
-                    }
-                    if let Some(a) = attempt.as_ref().filter(|a| now >= a.deadline) {
-                        let epoch = a.epoch;
-                        if let Some(c) = self.child_mut(epoch).filter(|c| !c.timed_out) {
-                            c.timed_out = true;
-                            // SIGKILL, not SIGTERM: Envoy's SIGTERM handler also terminates its
-                            // parent, which is the epoch still serving (seen on 1.40).
-                            if let Err(e) = signal_pid(c.pid, Signal::SIGKILL) {
-                                tracing::warn!(epoch, error = %e, "cannot kill the stuck epoch");
-                            }
-                            let message = format!(
-                                "epoch {epoch} not LIVE within the handoff deadline ({:?}); stopping it, the serving epoch keeps serving",
-                                self.config.handoff_deadline
-                            );
-                            self.record_wedge(WedgeReason::HandoffDeadline, message);
-                        }
-                    }
-                    if next_live_check.is_some_and(|t| t <= now) && live_check.is_none() {
-                        next_live_check = None;
-                        live_check = self.live_future();
-                    }
-                    if next_watchdog.is_some_and(|t| t <= now) && live_check.is_none() && attempt.is_none() {
-                        next_watchdog = None;
-                        live_check = self.live_future();
-                    }
-                }
-            }
-        }
-    }
-
-    fn parent_shutdown_time(&self) -> Duration {
-        self.config
-            .proxy
-            .hot_restart
-            .as_ref()
-            .map_or(Duration::ZERO, |h| h.parent_shutdown_time)
-    }
-
-    fn write_heartbeat(&self, state: &str, newest_epoch: u32, parent_until: Option<Instant>) {
-        let Some(dir) = &self.config.state_dir else {
-            return;
-        };
-        let now = Instant::now();
-        let parent_until = parent_until
-            .filter(|t| *t > now)
-            .map_or(0, |t| node::unix_ms() + (t - now).as_millis() as u64);
-        let heartbeat = Heartbeat {
-            format: node::FORMAT.to_owned(),
-            identity: self.config.identity.clone(),
-            pid: std::process::id(),
-            base_id: self.base_id,
-            hot_restart_version: self.state.borrow().hot_restart_version.clone(),
-            newest_epoch,
-            envoy_pid: self
-                .children
-                .iter()
-                .find(|c| c.epoch == newest_epoch)
-                .map_or(0, |c| c.pid),
-            state: state.to_owned(),
-            updated_unix_ms: node::unix_ms(),
-            parent_draining_until_unix_ms: parent_until,
-        };
-        if let Err(e) = node::write(dir, &heartbeat) {
-            tracing::error!(dir = %dir.display(), error = %e, "cannot write the heartbeat");
-        }
-    }
-
-    fn fresh_heartbeats(&self, dir: &std::path::Path) -> Vec<Heartbeat> {
-        let (heartbeats, rejected) = node::read_all(dir);
-        for r in rejected {
-            tracing::warn!(path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
-        }
-        heartbeats
-            .into_iter()
-            .filter(|h| h.identity != self.config.identity && h.base_id == self.base_id)
-            .filter(|h| h.fresh(self.config.heartbeat_period * 4))
-            .collect()
-    }
-
-    /// The epoch to start at: a live predecessor's newest + 1, or 0 when there is none.
-    /// `None` when cancelled while waiting.
-    async fn find_predecessor(
-        &self,
-        dir: &std::path::Path,
-        version: &str,
-        cancel: &CancellationToken,
-    ) -> Option<u32> {
-        let give_up = Instant::now() + self.config.handoff_deadline;
-        loop {
-            let candidates: Vec<Heartbeat> = self
-                .fresh_heartbeats(dir)
-                .into_iter()
-                .filter(|h| h.state == "serving" || h.state == "starting")
-                .collect();
-            let Some(newest) = candidates.iter().max_by_key(|h| h.newest_epoch) else {
-                tracing::info!("no live predecessor on this node: starting at epoch 0");
-                return Some(0);
-            };
-            let wait = match self.admin.server_info().await {
-                Ok(info)
-                    if info.state == ServerState::Live
-                        && info.base_id == u64::from(self.base_id) =>
-                {
-                    if info.hot_restart_version != version {
-                        tracing::error!(
-                            predecessor = %newest.identity,
-                            theirs = %info.hot_restart_version,
-                            ours = %version,
-                            "the predecessor's envoy has another hot-restart version: it cannot be \
-                             hot-restarted from; not starting until it is gone (see the runbook)"
-                        );
-                        true
-                    } else if newest.state == "serving"
-                        && newest.parent_draining_until_unix_ms <= node::unix_ms()
-                    {
-                        let epoch = info.restart_epoch + 1;
-                        tracing::info!(predecessor = %newest.identity, epoch, "hot-restarting from the predecessor's envoy");
-                        return Some(epoch);
-                    } else {
-                        tracing::info!(predecessor = %newest.identity, "the predecessor is still handing over: waiting");
-                        true
-                    }
-                }
-                Ok(info) => {
-                    tracing::info!(state = ?info.state, "the node's envoy is not LIVE: waiting");
-                    true
-                }
-                Err(e) => {
-                    tracing::warn!(predecessor = %newest.identity, error = %e, "a fresh heartbeat but no admin answer: waiting");
-                    Instant::now() < give_up
-                }
-            };
-            if !wait {
-                tracing::warn!("the predecessor's admin never answered: starting at epoch 0");
-                return Some(0);
-            }
-            tokio::select! {
-                () = cancel.cancelled() => return None,
-                () = tokio::time::sleep(self.config.heartbeat_period) => {}
-            }
-        }
-    }
-
-    /// Whether another pod's supervisor is starting the epoch after `newest_live`.
-    fn successor_starting(&self, newest_live: Option<u32>) -> bool {
-        let (Some(dir), Some(newest)) = (&self.config.state_dir, newest_live) else {
-            return false;
-        };
-        self.fresh_heartbeats(dir)
-            .iter()
-            .any(|h| h.state == "starting" && h.newest_epoch > newest)
-    }
-
-    /// The identity of the supervisor running `epoch`, as its heartbeat says.
-    fn successor_of(&self, epoch: u32) -> String {
-        self.config
-            .state_dir
-            .as_ref()
-            .and_then(|dir| {
-                self.fresh_heartbeats(dir)
-                    .into_iter()
-                    .find(|h| h.newest_epoch == epoch)
-                    .map(|h| h.identity)
-            })
-            .unwrap_or_else(|| format!("the supervisor of epoch {epoch}"))
-    }
-
-    /// Waits for every child to exit on its own, up to `bound`; whether they all did.
-    async fn wait_children_exit(&mut self, bound: Duration) -> bool {
-        let deadline = Instant::now() + bound;
-        while !self.children.is_empty() {
-            match tokio::time::timeout_at(deadline, self.exit_events.recv()).await {
-                Ok(Some((epoch, result))) => {
-                    self.children.retain(|c| c.epoch != epoch);
-                    self.metrics.exit(exit_kind(&result, true));
-                    let code = result.map(|e| e.code()).unwrap_or(1);
-                    tracing::info!(epoch, code, "our envoy exited");
-                }
-                Ok(None) | Err(_) => return false,
-            }
-        }
-        self.publish(|_| {});
-        true
-    }
-
-    fn finish(&self, a: Attempt, outcome: Outcome, message: String) {
-        let duration = a.triggered.elapsed();
-        self.metrics.handoff(duration, outcome.as_str());
-        if outcome == Outcome::Rejected {
-            self.metrics.config_rejected();
-        }
-        match outcome {
-            Outcome::Live => {
-                tracing::info!(
-                    epoch = a.epoch,
-                    reason = %a.reason,
-                    ?duration,
-                    preflight = ?a.preflight_took,
-                    start_to_live = ?a.spawned.map(|s| s.elapsed()),
-                    "hot restart done: epoch LIVE"
-                )
-            }
-            _ => {
-                tracing::error!(epoch = a.epoch, reason = %a.reason, %outcome, %message, "hot restart did not happen; the serving epoch keeps serving")
-            }
-        }
-        for waiter in a.waiters {
-            let _ = waiter.send(match outcome {
-                Outcome::Live => Ok(a.epoch),
-                Outcome::Rejected => Err(RestartError::Rejected(message.clone())),
-                Outcome::Failed | Outcome::TimedOut => Err(RestartError::Failed(message.clone())),
-            });
-        }
-        self.publish(|s| {
-            s.handoff = None;
-            s.last_handoff = Some(HandoffResult {
-                epoch: a.epoch,
-                reason: a.reason,
-                outcome,
-                duration,
-                at: SystemTime::now(),
-                message,
-            });
-        });
-    }
-
-    /// After a new epoch died before LIVE: if it left Envoy's INITIALIZING flag set, every
-    /// later hot restart would fail; no Envoy of the family is initializing now, so clear it.
-    fn recover_after_failed_start(&self, epoch: u32) {
-        let version = self.state.borrow().hot_restart_version.clone();
-        if shm::initializing(self.base_id, &version) == Some(true) {
-            let result = shm::clear_initializing(self.base_id, &version);
-            let message = match &result {
-                Ok(()) => format!(
-                    "epoch {epoch} died while initializing and left the shared INITIALIZING flag set \
-                     (\"previous envoy process is still initializing\"); cleared it: the serving epoch \
-                     keeps serving and the next hot restart can proceed"
-                ),
-                Err(e) => format!(
-                    "epoch {epoch} left the shared INITIALIZING flag set and it could not be cleared: {e}"
-                ),
-            };
-            self.record_wedge(WedgeReason::StaleInitializing, message);
-        }
-    }
-
-    /// Stops every epoch, newest first, each bounded by its stop grace.
-    async fn stop_all(&mut self) {
-        self.publish(|s| s.phase = Phase::Stopping);
-        self.children.sort_by_key(|c| std::cmp::Reverse(c.epoch));
-        for child in &self.children {
-            child.abort.cancel();
-        }
-        // Each child's task escalates to SIGKILL after its grace; this bound is a backstop.
-        let bound = self.config.proxy.stop_grace + Duration::from_secs(5);
-        let deadline = Instant::now() + bound;
-        while !self.children.is_empty() {
-            match tokio::time::timeout_at(deadline, self.exit_events.recv()).await {
-                Ok(Some((epoch, result))) => {
-                    self.children.retain(|c| c.epoch != epoch);
-                    self.metrics.exit(exit_kind(&result, false));
-                    if let Ok(exit) = result {
-                        tracing::info!(epoch, code = exit.code(), "epoch stopped");
-                    }
-                }
-                Ok(None) | Err(_) => {
-                    tracing::error!(left = self.children.len(), "epochs did not stop in time");
-                    break;
-                }
-            }
-        }
-        self.publish(|_| {});
+async fn watch_changed(watch: &mut Option<crate::watch::ConfigWatch>) -> Option<()> {
+    match watch {
+        Some(w) => w.changed().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -1165,15 +1800,6 @@ fn exit_kind(result: &Result<Exit, ProxyError>, draining: bool) -> ExitKind {
     }
 }
 
-fn release(absorber: &mut Option<Absorber>) {
-    if let Some(a) = absorber.take() {
-        tracing::info!(
-            parent_epoch = a.parent_epoch,
-            "released the dead parent's sockets"
-        );
-    }
-}
-
 fn last_line(text: &str) -> String {
     text.lines()
         .rev()
@@ -1181,4 +1807,12 @@ fn last_line(text: &str) -> String {
         .unwrap_or("")
         .trim()
         .to_owned()
+}
+
+/// Envoy's `uptime_current_epoch` (`"12s"`).
+fn uptime(text: &str) -> Option<Duration> {
+    text.strip_suffix('s')?
+        .parse::<u64>()
+        .ok()
+        .map(Duration::from_secs)
 }

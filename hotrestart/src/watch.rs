@@ -187,6 +187,13 @@ impl ConfigWatch {
         }
     }
 
+    /// Takes `content` as the config's current content, as if this watch had already reported
+    /// it: the agent calls this just before it writes a config it applies itself, so that its
+    /// own write does not come back as a change (and a second restart).
+    pub fn expect(&mut self, content: &[u8]) {
+        self.last = Fingerprint::of(content);
+    }
+
     /// Waits until the burst that began at `started` has been quiet for the debounce period, or
     /// has lasted [`MAX_DEBOUNCES`] of them, or the watch has ended.
     async fn settle(&mut self, started: Instant) {
@@ -258,14 +265,19 @@ struct Fingerprint {
 
 /// Reads `path`, following symlinks, into its fingerprint.
 fn read(path: &Path) -> std::io::Result<Fingerprint> {
-    let bytes = std::fs::read(path)?;
-    // `DefaultHasher::new` uses fixed keys, so fingerprints compare within the process.
-    let mut hasher = DefaultHasher::new();
-    hasher.write(&bytes);
-    Ok(Fingerprint {
-        len: bytes.len(),
-        hash: hasher.finish(),
-    })
+    std::fs::read(path).map(|bytes| Fingerprint::of(&bytes))
+}
+
+impl Fingerprint {
+    fn of(bytes: &[u8]) -> Fingerprint {
+        // `DefaultHasher::new` uses fixed keys, so fingerprints compare within the process.
+        let mut hasher = DefaultHasher::new();
+        hasher.write(bytes);
+        Fingerprint {
+            len: bytes.len(),
+            hash: hasher.finish(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,80 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::{ProxyConfig, ProxyError};
+
+/// Validates `bytes` as the bootstrap of `config` with `envoy --mode validate`, on a candidate
+/// file of this call's own beside the real one (same directory, so relative paths in the
+/// bootstrap resolve alike; same extension, since Envoy picks the format from it). The
+/// candidate is created exclusively and removed afterwards: concurrent calls never validate
+/// each other's bytes. Nothing else on disk changes.
+pub async fn validate_candidate(config: &ProxyConfig, bytes: &[u8]) -> Result<(), ProxyError> {
+    let path = &config.config_path;
+    let candidate = candidate_path(path);
+    let write = (|| {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&candidate)?;
+        file.write_all(bytes)?;
+        file.sync_all()
+    })();
+    if let Err(source) = write {
+        let _ = fs::remove_file(&candidate);
+        return Err(ProxyError::ConfigWrite {
+            path: candidate,
+            source,
+        });
+    }
+    let mut check = config.clone();
+    check.config_path = candidate.clone();
+    let validated = crate::preflight::validate(&check).await;
+    let _ = fs::remove_file(&candidate);
+    validated.map_err(|e| match e {
+        crate::preflight::PreflightError::Invalid { message, .. } => ProxyError::ConfigRejected {
+            path: path.clone(),
+            message,
+        },
+        other => ProxyError::ConfigRejected {
+            path: path.clone(),
+            message: other.to_string(),
+        },
+    })
+}
+
+/// Replaces the config file at `path` with `bytes` atomically (off the async threads).
+pub async fn replace_config(path: &Path, bytes: Vec<u8>) -> Result<(), ProxyError> {
+    let target = path.to_owned();
+    let result = tokio::task::spawn_blocking(move || write_atomically(&target, &bytes)).await;
+    let source = match result {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(e)) => e,
+        Err(join) => io::Error::other(join.to_string()),
+    };
+    Err(ProxyError::ConfigWrite {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// `.<stem>.candidate.<pid>.<n><.ext>` beside `path`: hidden, unique per call, same extension.
+fn candidate_path(path: &Path) -> PathBuf {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let stem = path
+        .file_stem()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let ext = path
+        .extension()
+        .map(|e| format!(".{}", e.to_string_lossy()))
+        .unwrap_or_default();
+    path.with_file_name(format!(
+        ".{stem}.candidate.{}.{}{ext}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
 /// Replaces `path` with `contents` atomically: write a temp file in the same directory (so the
 /// rename cannot cross filesystems), fsync it, rename it over `path`, fsync the directory.
 /// On failure the temp file is removed and `path` is untouched. The new file keeps the old

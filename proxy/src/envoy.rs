@@ -1,7 +1,12 @@
-//! [`Envoy`]: the [`Proxy`] that runs the real Envoy binary, one process at a time.
+//! [`Envoy`]: the [`Proxy`] that runs one real Envoy process (hot restart off).
+//!
+//! `run` spawns Envoy at epoch 0 and publishes its state: `Starting` until its admin API says
+//! LIVE (polled every 50 ms while it starts, then no more), `Serving` after, `Exited`
+//! once reaped. Everything else (drain, config update, log reopening) is a call beside `run`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
 
 use nix::sys::signal::Signal;
 use tokio::sync::watch;
@@ -10,15 +15,26 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::{AdminClient, DrainListeners};
 use crate::config::{AdminAddress, ProxyConfig};
 use crate::process::{EnvoyProcess, signal_pid, wait_admin_file};
-use crate::{Exit, Proxy, ProxyError};
+use crate::state::{EpochInfo, EpochState, ProxyPhase, ProxyState};
+use crate::{
+    ConfigApplied, DrainOptions, Ended, Exit, Proxy, ProxyError, RestartError, ServerState,
+};
 
-/// The real Envoy. Cheap to share behind an `Arc`: `run` and `drain` may be called from
-/// different tasks at once (that is how a SIGTERM drains a running Envoy).
+/// How often a starting Envoy's admin API is asked whether it is LIVE.
+const LIVE_POLL: Duration = Duration::from_millis(50);
+/// Bound on one of those calls.
+const LIVE_CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The real Envoy, one process. Cheap to share behind an `Arc`: `run` and the other calls may
+/// come from different tasks at once (that is how a SIGTERM drains a running Envoy).
 #[derive(Debug)]
 pub struct Envoy {
     config: ProxyConfig,
     admin: watch::Sender<Option<SocketAddr>>,
     pid: watch::Sender<Option<u32>>,
+    state: watch::Sender<ProxyState>,
+    /// One config update at a time.
+    updates: tokio::sync::Mutex<()>,
 }
 
 // === impl Envoy ===
@@ -34,6 +50,8 @@ impl Envoy {
             config,
             admin: watch::Sender::new(admin),
             pid: watch::Sender::new(None),
+            state: watch::Sender::new(ProxyState::starting()),
+            updates: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -47,12 +65,6 @@ impl Envoy {
         self.admin.subscribe()
     }
 
-    /// An admin client, when the address is known.
-    pub fn admin(&self) -> Result<AdminClient, ProxyError> {
-        let addr = (*self.admin.borrow()).ok_or(ProxyError::AdminUnknown)?;
-        Ok(AdminClient::new(addr))
-    }
-
     /// The running Envoy's pid, `None` when none runs.
     pub fn pid(&self) -> watch::Receiver<Option<u32>> {
         self.pid.subscribe()
@@ -63,10 +75,54 @@ impl Envoy {
         let pid = (*self.pid.borrow()).ok_or(ProxyError::NotRunning)?;
         signal_pid(pid, signal)
     }
+
+    fn publish(&self, phase: ProxyPhase, epoch: Option<EpochInfo>) {
+        self.state.send_modify(|s| {
+            if s.phase != phase {
+                s.since = SystemTime::now();
+            }
+            s.phase = phase;
+            s.newest_live = epoch
+                .as_ref()
+                .filter(|e| e.state == EpochState::Live)
+                .map(|e| e.epoch);
+            s.epochs = epoch.into_iter().collect();
+        });
+    }
+
+    /// Resolves once Envoy reports LIVE (publishing it), or never.
+    async fn watch_live(&self, mut info: EpochInfo) {
+        let mut admin = self.admin.subscribe();
+        let Ok(addr) = admin.wait_for(Option::is_some).await.map(|a| *a) else {
+            return std::future::pending().await;
+        };
+        let Some(addr) = addr else {
+            return std::future::pending().await;
+        };
+        let client = AdminClient::new(addr).with_timeout(LIVE_CALL_TIMEOUT);
+        loop {
+            match client.server_info().await {
+                Ok(i) if i.state == ServerState::Live => break,
+                Ok(i) => tracing::debug!(state = ?i.state, "envoy not LIVE yet"),
+                Err(e) => tracing::debug!(error = %e, "envoy state unknown yet"),
+            }
+            tokio::time::sleep(LIVE_POLL).await;
+        }
+        info.state = EpochState::Live;
+        info.since = SystemTime::now();
+        tracing::info!(
+            event = "epoch_state",
+            epoch = 0,
+            pid = info.pid,
+            state = "live",
+            "envoy is LIVE"
+        );
+        self.publish(ProxyPhase::Serving, Some(info));
+    }
 }
 
 impl Proxy for Envoy {
-    async fn run(&self, epoch: u32, abort: CancellationToken) -> Result<Exit, ProxyError> {
+    async fn run(&self, abort: CancellationToken) -> Result<Ended, ProxyError> {
         let admin_file = match &self.config.admin {
             AdminAddress::FromFile(path) => {
                 // A stale file would hand out the previous Envoy's address.
@@ -76,14 +132,30 @@ impl Proxy for Envoy {
             }
             AdminAddress::Fixed(_) => None,
         };
-        let process = EnvoyProcess::spawn(&self.config, epoch).await?;
+        let process = match EnvoyProcess::spawn(&self.config, 0).await {
+            Ok(p) => p,
+            Err(e) => {
+                self.publish(ProxyPhase::Exited, None);
+                return Err(e);
+            }
+        };
         self.pid.send_replace(Some(process.pid()));
+        let now = SystemTime::now();
+        let info = EpochInfo {
+            epoch: 0,
+            pid: process.pid(),
+            state: EpochState::Starting,
+            started: now,
+            since: now,
+        };
+        self.publish(ProxyPhase::Starting, Some(info.clone()));
         let watch_admin = async {
             if let Some(path) = admin_file {
                 let addr = wait_admin_file(&path).await;
                 tracing::info!(%addr, "envoy admin address");
                 self.admin.send_replace(Some(addr));
             }
+            self.watch_live(info).await;
             // Never resolves: the select below ends with Envoy's exit.
             std::future::pending::<Result<Exit, ProxyError>>().await
         };
@@ -92,14 +164,24 @@ impl Proxy for Envoy {
             result = watch_admin => result,
         };
         self.pid.send_replace(None);
-        result
+        self.publish(ProxyPhase::Exited, None);
+        let exit = result?;
+        Ok(if exit.aborted {
+            Ended::Stopped { last: Some(exit) }
+        } else {
+            Ended::Exited(exit)
+        })
     }
 
-    async fn drain(&self, skip_exit: bool) -> Result<(), ProxyError> {
+    fn state(&self) -> watch::Receiver<ProxyState> {
+        self.state.subscribe()
+    }
+
+    async fn drain(&self, options: DrainOptions) -> Result<(), ProxyError> {
         let options = DrainListeners {
-            inbound_only: self.config.sidecar,
+            inbound_only: options.inbound_only.unwrap_or(self.config.sidecar),
             graceful: true,
-            skip_exit,
+            skip_exit: options.skip_exit,
         };
         // A drain asked for while Envoy is still binding its admin port waits for it (the
         // caller bounds the whole drain) rather than failing and leaving Envoy undrained.
@@ -112,8 +194,40 @@ impl Proxy for Envoy {
         .ok()
         .and_then(|r| r.ok().and_then(|a| *a))
         .ok_or(ProxyError::AdminUnknown)?;
+        tracing::info!(admin = %addr, endpoint = %options.endpoint(), "draining envoy listeners");
         AdminClient::new(addr).drain_listeners(options).await?;
         Ok(())
+    }
+
+    async fn hot_restart(&self, _reason: String) -> Result<u32, RestartError> {
+        Err(RestartError::Unsupported)
+    }
+
+    async fn update_config(
+        &self,
+        config: Vec<u8>,
+        reason: String,
+    ) -> Result<ConfigApplied, ProxyError> {
+        let _one_at_a_time = self.updates.lock().await;
+        crate::validate_candidate(&self.config, &config).await?;
+        crate::replace_config(&self.config.config_path, config).await?;
+        tracing::info!(path = %self.config.config_path.display(), %reason, "config updated (hot restart is off: envoy reads it when next started)");
+        Ok(ConfigApplied {
+            restarted_epoch: None,
+        })
+    }
+
+    async fn reopen_logs(&self) -> Result<usize, ProxyError> {
+        // SIGUSR1's default action kills a process that has not installed Envoy's handler
+        // yet: only an Envoy that has reached LIVE gets it.
+        if !self.state.borrow().serving() {
+            return Ok(0);
+        }
+        self.signal(Signal::SIGUSR1).map(|()| 1)
+    }
+
+    fn admin_address(&self) -> Option<SocketAddr> {
+        *self.admin.borrow()
     }
 
     fn cleanup(&self) {
@@ -123,30 +237,6 @@ impl Proxy for Envoy {
         if let AdminAddress::FromFile(path) = &self.config.admin {
             remove_logged(path);
         }
-    }
-
-    fn reopen_logs(&self) -> Result<(), ProxyError> {
-        self.signal(Signal::SIGUSR1)
-    }
-
-    fn admin_address(&self) -> Option<SocketAddr> {
-        *self.admin.borrow()
-    }
-
-    async fn update_config(&self, config: &[u8]) -> Result<(), ProxyError> {
-        let path = self.config.config_path.clone();
-        let bytes = config.to_vec();
-        let result =
-            tokio::task::spawn_blocking(move || crate::write_atomically(&path, &bytes)).await;
-        let source = match result {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) => e,
-            Err(join) => std::io::Error::other(join.to_string()),
-        };
-        Err(ProxyError::ConfigWrite {
-            path: self.config.config_path.clone(),
-            source,
-        })
     }
 }
 

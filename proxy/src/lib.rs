@@ -24,10 +24,12 @@
 //!   one, never a mix, and a failed write leaves the old file in place.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 pub mod admin;
@@ -40,46 +42,158 @@ pub mod preflight;
 mod process;
 pub mod reaper;
 mod spawner;
+pub mod state;
 mod sys;
 
 pub use admin::{AdminClient, AdminError, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, envoy_args};
 pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs};
-pub use config_file::write_atomically;
+pub use config_file::{replace_config, validate_candidate, write_atomically};
 pub use envoy::Envoy;
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
+pub use state::{
+    EpochInfo, EpochState, FamilyState, Handoff, HandoffResult, HandoffStage, Outcome, ProxyPhase,
+    ProxyState, Wedge, WedgeReason,
+};
 
-/// A proxy process a supervisor runs, drains and reconfigures. Mirrors Istio's
-/// `pkg/envoy.Proxy`, with the restart epoch `run` starts at.
+/// Exit code of a proxy that gave up because it was wedged (`EX_TEMPFAIL`: restart me).
+pub const EXIT_WEDGED: u8 = 75;
+
+/// What an agent runs: one Envoy, or a hot-restart family of Envoy epochs. Mirrors Istio's
+/// `pkg/envoy.Proxy` (run, drain, cleanup, config update), grown where a family needs it: a
+/// typed state stream, hot restarts answered with the new epoch or why not, log reopening,
+/// and the cross-pod question "is a successor taking over?".
+///
+/// Every method may be called from any task while [`Proxy::run`] runs; methods that steer the
+/// proxy resolve once it has acted on them.
 pub trait Proxy: Send + Sync + 'static {
-    /// Starts the proxy at restart `epoch` and resolves when it has exited, on its own or
-    /// because `abort` was cancelled (then it is stopped gracefully first).
+    /// Starts the proxy and resolves when it cannot serve anymore: the serving Envoy exited,
+    /// the family gave up, or `abort` was cancelled (then everything is stopped first).
     fn run(
         &self,
-        epoch: u32,
         abort: CancellationToken,
-    ) -> impl Future<Output = Result<Exit, ProxyError>> + Send;
+    ) -> impl Future<Output = Result<Ended, ProxyError>> + Send;
 
-    /// Starts draining the listeners. With `skip_exit` the listeners never stop (the proxy
-    /// keeps accepting, answering with `Connection: close`).
-    fn drain(&self, skip_exit: bool) -> impl Future<Output = Result<(), ProxyError>> + Send;
+    /// The proxy's state, now and as it changes.
+    fn state(&self) -> watch::Receiver<ProxyState>;
+
+    /// Drains every serving epoch's listeners gracefully; resolves once Envoy accepted it.
+    /// With `skip_exit` the listeners keep accepting (answers carry `Connection: close`).
+    /// A hot-restart family starts no new epoch after a drain.
+    fn drain(&self, options: DrainOptions) -> impl Future<Output = Result<(), ProxyError>> + Send;
+
+    /// Hot-restarts; resolves with the new epoch once it is LIVE, or why not.
+    fn hot_restart(&self, reason: String)
+    -> impl Future<Output = Result<u32, RestartError>> + Send;
+
+    /// Validates `config`, replaces the config file atomically with it and, with hot restart,
+    /// restarts onto it. A rejected config changes nothing on disk.
+    fn update_config(
+        &self,
+        config: Vec<u8>,
+        reason: String,
+    ) -> impl Future<Output = Result<ConfigApplied, ProxyError>> + Send;
+
+    /// Asks every Envoy that can take it to reopen its log files (SIGUSR1); resolves with how
+    /// many were signalled.
+    fn reopen_logs(&self) -> impl Future<Output = Result<usize, ProxyError>> + Send;
+
+    /// Cross-pod: whether a successor pod is taking over (or took over) from this proxy,
+    /// decided from fresh facts; its name if so. A stopping agent then waits to be terminated
+    /// by the successor's Envoy instead of draining and stopping its own.
+    fn successor(&self) -> impl Future<Output = Option<String>> + Send {
+        std::future::ready(None)
+    }
+
+    /// Envoy's admin API address, when known (Envoy may pick it at start).
+    fn admin_address(&self) -> Option<SocketAddr>;
 
     /// Removes what the proxy left behind once it has exited (generated bootstrap, files).
     fn cleanup(&self);
+}
 
-    /// Replaces the proxy's config file atomically with `config`.
-    fn update_config(&self, config: &[u8]) -> impl Future<Output = Result<(), ProxyError>> + Send;
+/// Options of a drain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DrainOptions {
+    /// Inbound listeners only (sidecars) or all (gateways); `None`: the proxy's own setting.
+    pub inbound_only: Option<bool>,
+    /// Keep the listeners accepting for as long as Envoy runs.
+    pub skip_exit: bool,
+}
 
-    /// The proxy's admin API address, when known (Envoy may pick it at start).
-    fn admin_address(&self) -> Option<std::net::SocketAddr> {
-        None
+/// What an accepted config update did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConfigApplied {
+    /// The new epoch, LIVE on the new config, when the proxy hot-restarted onto it.
+    pub restarted_epoch: Option<u32>,
+}
+
+/// How [`Proxy::run`] ended.
+#[derive(Debug, Clone)]
+pub enum Ended {
+    /// `abort` was cancelled and everything was stopped (`last`: how the serving Envoy ended).
+    Stopped {
+        /// The serving Envoy's exit, when it ran.
+        last: Option<Exit>,
+    },
+    /// The serving Envoy exited on its own (crash, kill, Envoy's own `/quitquitquit`).
+    Exited(Exit),
+    /// With hot restart: the serving Envoy exited while no other epoch serves and no successor
+    /// took over (e.g. terminated by another pod's failed epoch). Never a success.
+    Lost {
+        /// Its exit.
+        exit: Exit,
+        /// What happened.
+        message: String,
+    },
+    /// The first Envoy never served.
+    StartFailed {
+        /// Its exit code (1 when it never ran).
+        code: i32,
+        /// Why, in Envoy's words where there are some.
+        message: String,
+    },
+    /// A watchdog judged the family wedged and stopped it.
+    Wedged {
+        /// Why.
+        reason: WedgeReason,
+        /// What happened.
+        message: String,
+    },
+}
+
+impl Ended {
+    /// The process exit code: 0 stopped; Envoy's (128+N for signal N); never 0 when lost or
+    /// failed to start; [`EXIT_WEDGED`] when wedged.
+    pub fn code(&self) -> u8 {
+        let nonzero = |code: i32| u8::try_from(code).ok().filter(|c| *c != 0).unwrap_or(1);
+        match self {
+            Ended::Stopped { .. } => 0,
+            Ended::Exited(exit) => u8::try_from(exit.code()).unwrap_or(1),
+            Ended::Lost { exit, .. } => nonzero(exit.code()),
+            Ended::StartFailed { code, .. } => nonzero(*code),
+            Ended::Wedged { .. } => EXIT_WEDGED,
+        }
     }
+}
 
-    /// Asks the proxy to reopen its log files (after rotation). Envoy: SIGUSR1.
-    fn reopen_logs(&self) -> Result<(), ProxyError> {
-        Ok(())
-    }
+/// Why a hot restart did not happen.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RestartError {
+    /// Hot restart is off.
+    #[error("hot restart is off (run envoy-agent with --hot-restart)")]
+    Unsupported,
+    /// Rejected before anything started; the serving epoch keeps serving.
+    #[error("hot restart rejected: {0}")]
+    Rejected(String),
+    /// The new epoch failed; the serving epoch keeps serving.
+    #[error("hot restart failed: {0}")]
+    Failed(String),
+    /// Not now: the proxy is draining, handed over or stopping.
+    #[error("hot restart refused: {0}")]
+    Refused(String),
 }
 
 /// How a proxy process ended.
@@ -91,7 +205,7 @@ pub struct Exit {
     pub epoch: u32,
     /// Its exit status.
     pub status: ExitStatus,
-    /// Whether it was stopped through the abort token rather than exiting on its own.
+    /// Whether the supervisor stopped it (a signal it sent) rather than it exiting on its own.
     pub aborted: bool,
     /// How long it ran.
     pub ran_for: Duration,
@@ -145,6 +259,31 @@ pub enum ProxyError {
     /// An admin call failed.
     #[error(transparent)]
     Admin(#[from] AdminError),
+    /// Envoy rejects the new config; nothing changed on disk.
+    #[error("envoy rejects the new config for {path}: {message}")]
+    ConfigRejected {
+        /// The config file.
+        path: PathBuf,
+        /// Envoy's reason.
+        message: String,
+    },
+    /// The config was written but the hot restart onto it did not happen.
+    #[error("config {path} written, but {source}")]
+    Restart {
+        /// The config file.
+        path: PathBuf,
+        /// Why the restart did not happen.
+        source: RestartError,
+    },
+    /// The proxy is stopping or gone.
+    #[error("the proxy is stopping")]
+    Stopping,
+    /// A drain was not accepted.
+    #[error("drain failed: {message}")]
+    DrainFailed {
+        /// Why.
+        message: String,
+    },
     /// The config file could not be replaced; the old one is intact.
     #[error("cannot write envoy config {path} (the old file is unchanged): {source}")]
     ConfigWrite {

@@ -17,6 +17,7 @@ use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::{Child, ChildStderr, Command};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -108,14 +109,52 @@ impl EnvoyProcess {
     /// Waits for Envoy to exit; cancelling `abort` stops it first (SIGTERM, then SIGKILL to
     /// its process group after the grace). Resolves once Envoy has been reaped.
     pub async fn run(mut self, abort: CancellationToken) -> Result<Exit, ProxyError> {
-        let pid = self.pid;
         let (status, aborted) = tokio::select! {
             status = self.child.wait() => (status, false),
             () = abort.cancelled() => {
-                tracing::info!(pid, epoch = self.epoch, "stopping envoy");
+                tracing::info!(pid = self.pid, epoch = self.epoch, "stopping envoy");
                 (self.stop().await, true)
             }
         };
+        self.finish(status, aborted).await
+    }
+
+    /// Waits for Envoy to exit, delivering each signal sent on `signals` while it runs. A
+    /// signal is only ever sent before Envoy was reaped, so it cannot reach another process
+    /// that got the pid since. SIGKILL goes to Envoy's whole process group. Resolves once Envoy
+    /// has been reaped; [`Exit::aborted`] says whether a stopping signal of ours came first.
+    pub async fn supervise(
+        mut self,
+        mut signals: mpsc::UnboundedReceiver<Signal>,
+    ) -> Result<Exit, ProxyError> {
+        let mut stopped = false;
+        let mut open = true;
+        let status = loop {
+            tokio::select! {
+                status = self.child.wait() => break status,
+                signal = signals.recv(), if open => match signal {
+                    None => open = false,
+                    Some(signal) => {
+                        stopped |= matches!(signal, Signal::SIGTERM | Signal::SIGKILL | Signal::SIGINT);
+                        let pid = Pid::from_raw(self.pid as i32);
+                        let sent = if signal == Signal::SIGKILL { killpg(pid, signal) } else { kill(pid, signal) };
+                        match sent {
+                            Ok(()) => tracing::debug!(pid = self.pid, epoch = self.epoch, %signal, "signalled envoy"),
+                            Err(errno) => tracing::debug!(pid = self.pid, %signal, %errno, "cannot signal envoy"),
+                        }
+                    }
+                },
+            }
+        };
+        self.finish(status, stopped).await
+    }
+
+    async fn finish(
+        mut self,
+        status: std::io::Result<ExitStatus>,
+        aborted: bool,
+    ) -> Result<Exit, ProxyError> {
+        let pid = self.pid;
         spawner::release(pid);
         let status = status.map_err(|source| ProxyError::Wait { pid, source })?;
         if let Some(forwarder) = self.forwarder.take() {

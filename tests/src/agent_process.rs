@@ -38,6 +38,9 @@ pub struct AgentBuilder {
     hot_restart: Option<HotRestartPorts>,
     /// Whether this agent owns the family's shared memory (removes it when dropped).
     owns_shm: bool,
+    /// Leave `--status-address` at its default (127.0.0.1:15020): the caller isolates the
+    /// network (a private network namespace).
+    default_status_address: bool,
 }
 
 impl AgentBuilder {
@@ -84,8 +87,7 @@ impl AgentBuilder {
     }
 
     /// Runs with `--hot-restart` on fixed ports and a base id of the test's own, with the
-    /// default bootstrap on those ports unless one is given. The agent has no status server
-    /// then; readiness is Envoy LIVE on the admin port.
+    /// default bootstrap on those ports unless one is given.
     pub fn hot_restart(mut self) -> Self {
         self.hot_restart = Some(HotRestartPorts {
             base_id: crate::unique_base_id(),
@@ -102,6 +104,13 @@ impl AgentBuilder {
         self.hot_restart = Some(ports);
         // The node's other agents share it; whoever picked the ports cleans up.
         self.owns_shm = false;
+        self
+    }
+
+    /// Keeps the status server on its default address (for tests in a private network
+    /// namespace); `start` then does not wait for it.
+    pub fn default_status_address(mut self) -> Self {
+        self.default_status_address = true;
         self
     }
 
@@ -160,6 +169,13 @@ impl AgentBuilder {
             }
             None => None,
         };
+        // Port 0 unless the test picks the address: tests run in parallel.
+        let own_status =
+            !self.default_status_address && !self.args.iter().any(|a| a == "--status-address");
+        if own_status {
+            command.args(["--status-address", "127.0.0.1:0"]);
+        }
+        command.arg("--status-address-file").arg(&status_file);
         match self.hot_restart {
             Some(p) => {
                 if !self.args.iter().any(|a| a == "--state-dir") {
@@ -171,13 +187,7 @@ impl AgentBuilder {
                     .args(["--", "--concurrency", "1"]);
             }
             None => {
-                // Port 0 unless the test picks the address: tests run in parallel.
-                if !self.args.iter().any(|a| a == "--status-address") {
-                    command.args(["--status-address", "127.0.0.1:0"]);
-                }
                 command
-                    .arg("--status-address-file")
-                    .arg(&status_file)
                     .args(&self.args)
                     .args(["--", "--concurrency", "1", "--admin-address-path"])
                     .arg(&admin_file);
@@ -185,7 +195,10 @@ impl AgentBuilder {
         }
         command
             .env_remove("ENVOY_PATH")
+            .env_remove("RUST_LOG")
             .env("ENVOY_AGENT_LOG_LEVEL", "debug")
+            // Structured logs: tests assert on `event` fields, not on prose.
+            .env("ENVOY_AGENT_LOG_FORMAT", "json")
             .stdin(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
@@ -208,15 +221,14 @@ impl AgentBuilder {
                 }
             }));
         }
-        let (status, admin) = match self.hot_restart {
-            Some(p) => (
-                None,
-                AdminClient::new(SocketAddr::from(([127, 0, 0, 1], p.admin_port))),
-            ),
-            None => (
-                Some(crate::admin_address_from_file(&status_file).await),
-                AdminClient::new(crate::admin_address_from_file(&admin_file).await),
-            ),
+        let status = if self.default_status_address {
+            None
+        } else {
+            Some(crate::admin_address_from_file(&status_file).await)
+        };
+        let admin = match self.hot_restart {
+            Some(p) => AdminClient::new(SocketAddr::from(([127, 0, 0, 1], p.admin_port))),
+            None => AdminClient::new(crate::admin_address_from_file(&admin_file).await),
         };
         if self.wait_live {
             eventually("envoy to be LIVE", PATIENCE, || async {
@@ -296,13 +308,46 @@ impl AgentProcess {
             envoy_path: None,
             hot_restart: None,
             owns_shm: false,
+            default_status_address: false,
         }
     }
 
-    /// The agent's status server (not in hot-restart mode).
+    /// The agent's status server.
     pub fn status(&self) -> SocketAddr {
         self.status
-            .unwrap_or_else(|| panic!("no status server in hot-restart mode"))
+            .unwrap_or_else(|| panic!("the status server's address is not known to the test"))
+    }
+
+    /// The agent's structured log events named `event` so far (its JSON log lines whose
+    /// `event` field is `event`), oldest first.
+    pub fn events(&self, event: &str) -> Vec<serde_json::Value> {
+        self.stderr()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            .filter(|v| v.get("event").and_then(|e| e.as_str()) == Some(event))
+            .collect()
+    }
+
+    /// The events named `event` whose field `key` is `value` (as a string or a number).
+    pub fn events_with(&self, event: &str, key: &str, value: &str) -> Vec<serde_json::Value> {
+        self.events(event)
+            .into_iter()
+            .filter(|v| match v.get(key) {
+                Some(serde_json::Value::String(s)) => s == value,
+                Some(other) => other.to_string() == value,
+                None => false,
+            })
+            .collect()
+    }
+
+    /// Waits (bounded) until an event named `event` with `key` = `value` has been logged.
+    pub async fn wait_event(&self, event: &str, key: &str, value: &str) -> serde_json::Value {
+        eventually(
+            &format!("a {event} event with {key}={value}"),
+            PATIENCE,
+            || async { self.events_with(event, key, value).into_iter().next() },
+        )
+        .await
     }
 
     /// The agent's pid (the wrapper's, when one execs it, is the same).

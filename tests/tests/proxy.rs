@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use envoy_agent_drain::{Exclusions, active_connections, drain_listeners};
 use envoy_agent_proxy::admin::Readiness;
 use envoy_agent_proxy::{
-    AdminAddress, AdminClient, AdminError, Envoy, Exit, Proxy, ProxyConfig, ProxyError, ServerState,
+    AdminAddress, AdminClient, AdminError, DrainOptions, Ended, Envoy, EpochState, Exit, Proxy,
+    ProxyConfig, ProxyError, ProxyPhase, ServerState,
 };
 use envoy_agent_tests::{PATIENCE, TestDir, envoy_path, eventually, http_get, silent_server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -22,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 struct Running {
     envoy: Arc<Envoy>,
     abort: CancellationToken,
-    task: JoinHandle<Result<Exit, ProxyError>>,
+    task: JoinHandle<Result<Ended, ProxyError>>,
     admin: AdminClient,
     _dir: TestDir,
 }
@@ -46,7 +47,7 @@ impl Running {
         let abort = CancellationToken::new();
         let task = tokio::spawn({
             let (envoy, abort) = (envoy.clone(), abort.clone());
-            async move { envoy.run(0, abort).await }
+            async move { envoy.run(abort).await }
         });
         let mut addr = envoy.watch_admin_address();
         let addr = tokio::time::timeout(PATIENCE, addr.wait_for(Option::is_some))
@@ -79,11 +80,15 @@ impl Running {
 
     async fn stop(self) -> Exit {
         self.abort.cancel();
-        tokio::time::timeout(PATIENCE, self.task)
+        let ended = tokio::time::timeout(PATIENCE, self.task)
             .await
             .expect("envoy stops")
             .expect("run task")
-            .expect("run")
+            .expect("run");
+        match ended {
+            Ended::Stopped { last: Some(exit) } => exit,
+            other => panic!("stopped, not {other:?}"),
+        }
     }
 }
 
@@ -183,7 +188,14 @@ async fn drain_with_skip_exit_keeps_accepting_and_closes_connections() {
     .await;
     assert_eq!(response.status, 200);
     // A second drain is accepted too (Envoy answers 200 to a duplicate drain).
-    envoy.envoy.drain(true).await.unwrap();
+    envoy
+        .envoy
+        .drain(DrainOptions {
+            inbound_only: Some(false),
+            skip_exit: true,
+        })
+        .await
+        .unwrap();
     envoy.stop().await;
 }
 
@@ -201,12 +213,63 @@ async fn healthcheck_fail_makes_envoy_not_ready() {
 }
 
 #[tokio::test]
-async fn update_config_replaces_the_bootstrap_atomically() {
+async fn the_state_stream_follows_envoy_from_start_to_exit() {
+    let envoy = Running::start("s").await;
+    let mut state = envoy.envoy.state();
+    let serving = tokio::time::timeout(PATIENCE, state.wait_for(|s| s.serving()))
+        .await
+        .expect("serving")
+        .expect("state")
+        .clone();
+    assert_eq!(serving.newest_live, Some(0));
+    assert_eq!(serving.epochs.len(), 1);
+    assert_eq!(serving.epochs[0].state, EpochState::Live);
+    assert!(serving.family.is_none(), "one envoy, no family");
+    let pid = serving.epochs[0].pid;
+    let exit = envoy.stop().await;
+    assert_eq!(exit.pid, pid);
+    assert_eq!(state.borrow().phase, ProxyPhase::Exited);
+    assert!(state.borrow().epochs.is_empty());
+}
+
+#[tokio::test]
+async fn update_config_validates_then_replaces_the_bootstrap_atomically() {
     let envoy = Running::start("v1").await;
     let path = envoy.envoy.config().config_path.clone();
     let new = envoy_agent_tests::bootstrap_yaml("v2");
-    envoy.envoy.update_config(new.as_bytes()).await.unwrap();
+    let applied = envoy
+        .envoy
+        .update_config(new.clone().into_bytes(), "test".to_owned())
+        .await
+        .unwrap();
+    assert_eq!(
+        applied.restarted_epoch, None,
+        "no hot restart: nothing restarts"
+    );
     assert_eq!(std::fs::read_to_string(&path).unwrap(), new);
+
+    let bad = new.replace("direct_response", "no_such_field");
+    let err = envoy
+        .envoy
+        .update_config(bad.into_bytes(), "test".to_owned())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ProxyError::ConfigRejected { .. }), "{err}");
+    assert!(
+        err.to_string().contains("no_such_field"),
+        "envoy's reason: {err}"
+    );
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), new, "unchanged");
+    let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("candidate"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "no candidate file left: {leftovers:?}"
+    );
     envoy.stop().await;
 }
 
@@ -224,10 +287,13 @@ async fn a_rejected_config_exits_with_envoys_reason_in_the_stderr_tail() {
         AdminAddress::FromFile(dir.join("admin")),
     );
     let envoy = Envoy::new(config);
-    let exit = tokio::time::timeout(PATIENCE, envoy.run(0, CancellationToken::new()))
+    let ended = tokio::time::timeout(PATIENCE, envoy.run(CancellationToken::new()))
         .await
         .expect("envoy exits")
         .expect("envoy ran");
+    let Ended::Exited(exit) = ended else {
+        panic!("exited on its own: {ended:?}");
+    };
     assert!(!exit.aborted);
     assert_ne!(exit.code(), 0);
     assert!(
@@ -246,7 +312,7 @@ async fn a_missing_binary_is_a_spawn_error_naming_it() {
         AdminAddress::FromFile(dir.join("admin")),
     );
     let err = Envoy::new(config)
-        .run(0, CancellationToken::new())
+        .run(CancellationToken::new())
         .await
         .unwrap_err();
     assert!(matches!(err, ProxyError::Spawn { .. }), "{err}");

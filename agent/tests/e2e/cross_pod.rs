@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use envoy_agent_hotrestart::node::NodeState;
 use envoy_agent_proxy::{AdminClient, ServerState};
 use envoy_agent_tests::{
     AgentBuilder, AgentProcess, HotRestartPorts, Load, PATIENCE, TestDir, eventually,
@@ -73,14 +74,18 @@ impl Node {
         ([127, 0, 0, 1], self.ports.listener_port).into()
     }
 
-    fn heartbeat_state(&self, name: &str) -> Option<String> {
+    fn heartbeat_state(&self, name: &str) -> Option<NodeState> {
         heartbeat(&self.state_dir(), name).map(|h| h.state)
     }
 }
 
+/// The heartbeat of the pod named `name` (its identity is the name plus a random suffix).
 fn heartbeat(dir: &Path, name: &str) -> Option<envoy_agent_hotrestart::node::Heartbeat> {
     let (heartbeats, _) = envoy_agent_hotrestart::node::read_all(dir);
-    heartbeats.into_iter().find(|h| h.identity == name)
+    let prefix = format!("{name}-");
+    heartbeats
+        .into_iter()
+        .find(|h| h.identity.starts_with(&prefix))
 }
 
 async fn marker_gone(pod: &AgentProcess) {
@@ -106,7 +111,7 @@ async fn surge_upgrades_across_three_pods_lose_no_request() {
         live_at(&node.admin(), epoch).await;
         assert!(next.marker_present());
         marker_gone(&previous).await;
-        assert_eq!(node.heartbeat_state(name).as_deref(), Some("serving"));
+        assert_eq!(node.heartbeat_state(name), Some(NodeState::Serving));
         eventually(
             "the predecessor to report the handover",
             PATIENCE,
@@ -151,7 +156,7 @@ async fn sigterm_to_the_predecessor_during_the_handoff_loses_no_request() {
     let b = tokio::spawn(node.pod("pod-b").start());
     let state = node.state_dir();
     eventually("pod-b to start its handoff", PATIENCE, || async {
-        (heartbeat(&state, "pod-b").map(|h| h.state).as_deref() == Some("starting")).then_some(())
+        (heartbeat(&state, "pod-b").map(|h| h.state) == Some(NodeState::Starting)).then_some(())
     })
     .await;
     a.signal_agent(Signal::SIGTERM);

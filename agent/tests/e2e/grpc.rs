@@ -172,7 +172,9 @@ async fn agent_over_tcp_and_an_unreachable_agent() {
         .unwrap();
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
-    assert!(agent.stderr().contains("signal after POST /drain"));
+    agent
+        .wait_event("exit", "exit_path", "signal_after_drain")
+        .await;
 
     // DrainNow and QuitQuitQuit over TCP.
     let mut agent = super::agent()
@@ -215,7 +217,8 @@ async fn supervisor_hot_restart_update_config_and_watch() {
     let listener = std::net::SocketAddr::from(([127, 0, 0, 1], p.listener_port));
     let mut c = client(&agent).await;
 
-    // Watch from the start: LIVE at 0, a handoff, LIVE at 1, ..., stopping, exited.
+    // Watch from the start: LIVE at 0, a handoff (not a drain: still live and ready), LIVE at
+    // 1, ..., exiting.
     let mut watch = client(&agent)
         .await
         .watch_status(pb::WatchStatusRequest {})
@@ -225,7 +228,12 @@ async fn supervisor_hot_restart_update_config_and_watch() {
     let seen = tokio::spawn(async move {
         let mut seen = Vec::new();
         while let Some(Ok(s)) = watch.next().await {
-            seen.push((s.state.clone(), s.newest_live_epoch, s.draining));
+            seen.push((
+                s.state.clone(),
+                s.newest_live_epoch,
+                s.handoff.is_some(),
+                s.ready,
+            ));
         }
         seen
     });
@@ -295,13 +303,18 @@ async fn supervisor_hot_restart_update_config_and_watch() {
     let seen = tokio::time::timeout(PATIENCE, seen).await.unwrap().unwrap();
     let live0 = seen
         .iter()
-        .position(|s| s.0 == "serving" && s.1 == 0)
+        .position(|s| s.0 == "live" && s.1 == 0)
         .expect("LIVE at 0");
     let handoff = seen.iter().position(|s| s.2).expect("a handoff");
+    assert_eq!(
+        (seen[handoff].0.as_str(), seen[handoff].3),
+        ("live", true),
+        "a handoff is not a drain: the serving epoch serves, readiness stays: {seen:?}"
+    );
     let live1 = seen.iter().position(|s| s.1 == 1).expect("LIVE at 1");
     let stopping = seen
         .iter()
-        .position(|s| s.0 == "stopping" || s.0 == "exited")
+        .position(|s| s.0 == "draining" || s.0 == "exiting")
         .expect("stopping");
     assert!(
         live0 < handoff && handoff < live1 && live1 < stopping,

@@ -18,6 +18,15 @@ use envoy_agent_tests::live_at;
 /// Drain 1s, parent shutdown 2s: a handoff is over (parent gone) about 2s after LIVE.
 const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
 
+/// How many hot restarts (not first starts) ended with `outcome`.
+fn restarts(agent: &AgentProcess, outcome: &str) -> usize {
+    agent
+        .events_with("handoff", "outcome", outcome)
+        .iter()
+        .filter(|e| e["first"] == false)
+        .count()
+}
+
 async fn start(extra: &[&str]) -> AgentProcess {
     agent().hot_restart().args(FAST).args(extra).start().await
 }
@@ -58,7 +67,7 @@ async fn twenty_hot_restarts_under_load_lose_no_request() {
     let report = load.stop().await;
     assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
     assert!(served_before_stop > 100, "the load ran: {report:?}");
-    assert_eq!(agent.count_in_stderr("hot restart done: epoch LIVE"), 20);
+    assert_eq!(restarts(&agent, "live"), 20);
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -83,7 +92,7 @@ async fn config_changes_trigger_one_restart_each_and_bursts_one() {
     // Nothing else is coming: still epoch 2 well after the debounce.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(agent.admin.server_info().await.unwrap().restart_epoch, 2);
-    assert_eq!(agent.count_in_stderr("hot restart done: epoch LIVE"), 2);
+    assert_eq!(restarts(&agent, "live"), 2);
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -122,7 +131,7 @@ async fn a_configmap_symlink_swap_triggers_a_restart() {
     live_at(&agent.admin, 1).await;
     assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "two");
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(agent.count_in_stderr("hot restart done: epoch LIVE"), 1);
+    assert_eq!(restarts(&agent, "live"), 1);
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -150,9 +159,7 @@ async fn a_bad_config_is_rejected_and_the_old_epoch_keeps_serving() {
         std::fs::write(&path, bad).unwrap();
         agent.signal(Signal::SIGHUP);
         eventually("the restart to be rejected", PATIENCE, || async {
-            (agent.count_in_stderr("hot restart rejected; the serving epoch keeps serving")
-                == i + 1)
-                .then_some(())
+            (restarts(&agent, "rejected") == i + 1).then_some(())
         })
         .await;
         let info = agent.admin.server_info().await.unwrap();
@@ -163,9 +170,11 @@ async fn a_bad_config_is_rejected_and_the_old_epoch_keeps_serving() {
         );
         assert_eq!(agent.envoys().len(), 1, "nothing was started");
     }
+    let rejected = agent.events_with("handoff", "outcome", "rejected");
+    let reason = rejected[1]["message"].as_str().unwrap();
     assert!(
-        agent.stderr().contains("no_such_cluster"),
-        "envoy's reason is logged"
+        reason.contains("no_such_cluster"),
+        "envoy's reason: {reason}"
     );
 
     // A good config afterwards hot-restarts as usual, to the next epoch.
@@ -237,7 +246,7 @@ async fn a_killed_draining_parent_does_not_take_the_child_down() {
     assert_eq!((info.state, info.restart_epoch), (ServerState::Live, 1));
     let report = load.stop().await;
     assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
-    assert!(agent.stderr().contains("standing in for the dead parent"));
+    agent.wait_event("stand_in", "epoch", "0").await;
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -249,7 +258,7 @@ async fn a_killed_serving_epoch_ends_the_supervisor_with_its_code() {
     kill(Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
     assert_eq!(agent.exit().await.code(), Some(137));
     assert!(!process_alive(envoy));
-    assert!(agent.stderr().contains("the serving epoch exited"));
+    agent.wait_event("exit", "exit_path", "proxy_exited").await;
 }
 
 #[tokio::test]
@@ -379,10 +388,7 @@ async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
     // then answers nothing: its admin is not up before it initializes).
     eventually("epoch 1 to hang initializing", PATIENCE, || async {
         let info = agent.admin.server_info().await;
-        let starting = agent
-            .stderr()
-            .lines()
-            .any(|l| l.contains("epoch starting") && l.contains(" epoch=1 "));
+        let starting = !agent.events_with("epoch_starting", "epoch", "1").is_empty();
         (starting && info.is_err()).then_some(())
     })
     .await;
@@ -440,10 +446,15 @@ async fn a_binary_with_another_hot_restart_version_is_rejected() {
     std::fs::write(&version, "12.999\n").unwrap();
     agent.signal(Signal::SIGHUP);
     eventually("the restart to be rejected", PATIENCE, || async {
-        agent.stderr().contains("cannot hot-restart").then_some(())
+        (restarts(&agent, "rejected") == 1).then_some(())
     })
     .await;
-    assert!(agent.stderr().contains("12.999"));
+    let rejected = &agent.events_with("handoff", "outcome", "rejected")[0];
+    let message = rejected["message"].as_str().unwrap();
+    assert!(
+        message.contains("12.999") && message.contains("cannot hot-restart"),
+        "{message}"
+    );
     let info = agent.admin.server_info().await.unwrap();
     assert_eq!((info.state, info.restart_epoch), (ServerState::Live, 0));
     assert_eq!(agent.envoys().len(), 1, "nothing was started");

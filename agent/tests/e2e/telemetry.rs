@@ -100,13 +100,7 @@ async fn hot_restarts_and_a_rejection_reach_an_otlp_receiver() {
     }
     std::fs::write(agent.dir.join("bootstrap.yaml"), "admin: [broken").unwrap();
     agent.signal(Signal::SIGHUP);
-    eventually("the rejection", PATIENCE, || async {
-        agent
-            .stderr()
-            .contains("hot restart rejected")
-            .then_some(())
-    })
-    .await;
+    agent.wait_event("handoff", "outcome", "rejected").await;
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 

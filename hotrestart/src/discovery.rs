@@ -1,0 +1,248 @@
+//! Where a supervisor's first epoch starts: a pure decision from what the node's heartbeats
+//! and the shared admin port say, taken under the node's epoch lock.
+//!
+//! - Nothing answers on the admin port and no other supervisor of the family claims to serve:
+//!   start at epoch 0.
+//! - A LIVE Envoy of the family answers, with our hot-restart version, and the supervisor that
+//!   runs it (if any) is neither restarting nor still draining a parent of its own: take over,
+//!   at its epoch + 1 (never a third generation).
+//! - Anything else: wait and look again (something answers that is not ours to start beside;
+//!   a predecessor is mid-handoff; an admin port that accepts but does not answer). Epoch 0 is
+//!   never started while something answers on the admin port.
+
+use envoy_agent_proxy::{AdminError, ServerInfo, ServerState};
+
+use crate::node::{Heartbeat, NodeState};
+
+/// What to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Discovery {
+    /// No Envoy of the family runs on the node: start at epoch 0.
+    Fresh,
+    /// Take over from the LIVE Envoy at `epoch`: start at `epoch + 1`.
+    TakeOver {
+        /// The predecessor's epoch.
+        epoch: u32,
+        /// Who runs it (its heartbeat's identity), if anyone says so.
+        identity: Option<String>,
+    },
+    /// The LIVE Envoy has another hot-restart version: it cannot be hot-restarted from.
+    Incompatible {
+        /// Its version.
+        theirs: String,
+        /// Who runs it.
+        identity: Option<String>,
+    },
+    /// Not now; the reason.
+    Wait(String),
+}
+
+/// Whether an admin error means nothing listens on the port.
+pub(crate) fn refused(error: &AdminError) -> bool {
+    matches!(error, AdminError::Connect { source, .. }
+        if source.kind() == std::io::ErrorKind::ConnectionRefused)
+}
+
+/// Decides, from the other supervisors' fresh heartbeats of our base id, the admin port's
+/// answer and our own hot-restart version, at `now_ms`.
+pub(crate) fn decide(
+    others: &[Heartbeat],
+    admin: &Result<ServerInfo, AdminError>,
+    base_id: u32,
+    version: &str,
+    now_ms: u64,
+) -> Discovery {
+    let claims_to_serve = |h: &&Heartbeat| {
+        matches!(
+            h.state,
+            NodeState::Serving | NodeState::Starting | NodeState::HandedOver
+        )
+    };
+    match admin {
+        Err(e) if refused(e) => match others.iter().find(claims_to_serve) {
+            None => Discovery::Fresh,
+            Some(h) => Discovery::Wait(format!(
+                "{} says it runs epoch {} but nothing answers on the admin port (a starting \
+                 epoch may hold it)",
+                h.identity, h.newest_epoch
+            )),
+        },
+        Err(e) => Discovery::Wait(format!("the admin port does not answer: {e}")),
+        Ok(info) if info.base_id != u64::from(base_id) => Discovery::Wait(format!(
+            "the admin port answers for another Envoy family (base id {}, ours {base_id})",
+            info.base_id
+        )),
+        Ok(info) if info.state != ServerState::Live => {
+            Discovery::Wait(format!("the node's Envoy is {:?}, not LIVE", info.state))
+        }
+        Ok(info) => {
+            // The supervisor of the answering epoch, else the newest claimant.
+            let owner = others
+                .iter()
+                .filter(claims_to_serve)
+                .find(|h| h.newest_epoch == info.restart_epoch)
+                .or_else(|| {
+                    others
+                        .iter()
+                        .filter(claims_to_serve)
+                        .max_by_key(|h| h.newest_epoch)
+                });
+            let identity = owner.map(|h| h.identity.clone());
+            if info.hot_restart_version != version {
+                return Discovery::Incompatible {
+                    theirs: info.hot_restart_version.clone(),
+                    identity,
+                };
+            }
+            match owner {
+                Some(h) if h.state == NodeState::Starting || h.restart_in_flight => {
+                    Discovery::Wait(format!("{} is restarting", h.identity))
+                }
+                Some(h) if h.parent_draining_until_unix_ms > now_ms => Discovery::Wait(format!(
+                    "{}'s previous generation drains for another {} ms",
+                    h.identity,
+                    h.parent_draining_until_unix_ms - now_ms
+                )),
+                Some(h) if h.newest_epoch > info.restart_epoch => Discovery::Wait(format!(
+                    "{} runs epoch {}, newer than the answering {}",
+                    h.identity, h.newest_epoch, info.restart_epoch
+                )),
+                _ => Discovery::TakeOver {
+                    epoch: info.restart_epoch,
+                    identity,
+                },
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use super::*;
+    use crate::node::FORMAT;
+
+    const NOW: u64 = 1_000_000;
+
+    fn hb(identity: &str, state: NodeState, epoch: u32) -> Heartbeat {
+        Heartbeat {
+            format: FORMAT.to_owned(),
+            identity: identity.to_owned(),
+            pid: 1,
+            base_id: 7,
+            hot_restart_version: "11.104".to_owned(),
+            newest_epoch: epoch,
+            envoy_pid: 9,
+            state,
+            updated_unix_ms: NOW,
+            parent_draining_until_unix_ms: 0,
+            restart_in_flight: false,
+        }
+    }
+
+    fn live(epoch: u32) -> Result<ServerInfo, AdminError> {
+        Ok(ServerInfo {
+            version: "x".to_owned(),
+            state: ServerState::Live,
+            restart_epoch: epoch,
+            base_id: 7,
+            hot_restart_version: "11.104".to_owned(),
+            uptime_current_epoch: "1s".to_owned(),
+        })
+    }
+
+    fn refused_admin() -> Result<ServerInfo, AdminError> {
+        Err(AdminError::Connect {
+            addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+            endpoint: "/server_info".to_owned(),
+            source: std::io::ErrorKind::ConnectionRefused.into(),
+        })
+    }
+
+    fn decide_now(others: &[Heartbeat], admin: &Result<ServerInfo, AdminError>) -> Discovery {
+        decide(others, admin, 7, "11.104", NOW)
+    }
+
+    #[test]
+    fn nothing_on_the_node_starts_at_zero() {
+        assert_eq!(decide_now(&[], &refused_admin()), Discovery::Fresh);
+        // A pod that is only waiting serves nothing.
+        let waiting = hb("c", NodeState::Waiting, 0);
+        assert_eq!(decide_now(&[waiting], &refused_admin()), Discovery::Fresh);
+    }
+
+    #[test]
+    fn never_epoch_zero_while_something_answers() {
+        let mut other = live(0);
+        if let Ok(i) = &mut other {
+            i.base_id = 8;
+        }
+        assert!(matches!(decide_now(&[], &other), Discovery::Wait(_)));
+        let timeout = Err(AdminError::Timeout {
+            addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+            endpoint: "/server_info".to_owned(),
+            timeout: std::time::Duration::from_secs(2),
+        });
+        assert!(matches!(decide_now(&[], &timeout), Discovery::Wait(_)));
+        // A serving claimant whose admin listener is gone: not epoch 0 either.
+        let a = hb("a", NodeState::Serving, 3);
+        assert!(matches!(
+            decide_now(&[a], &refused_admin()),
+            Discovery::Wait(_)
+        ));
+    }
+
+    #[test]
+    fn takes_over_from_a_live_serving_predecessor() {
+        let a = hb("a", NodeState::Serving, 3);
+        assert_eq!(
+            decide_now(&[a], &live(3)),
+            Discovery::TakeOver {
+                epoch: 3,
+                identity: Some("a".to_owned())
+            }
+        );
+        // A live family without any heartbeat (its supervisor's file is gone): ours to take.
+        assert_eq!(
+            decide_now(&[], &live(5)),
+            Discovery::TakeOver {
+                epoch: 5,
+                identity: None
+            }
+        );
+    }
+
+    #[test]
+    fn waits_for_a_predecessor_mid_handoff() {
+        let mut a = hb("a", NodeState::Serving, 3);
+        a.parent_draining_until_unix_ms = NOW + 500;
+        assert!(matches!(
+            decide_now(std::slice::from_ref(&a), &live(3)),
+            Discovery::Wait(_)
+        ));
+        a.parent_draining_until_unix_ms = NOW - 1;
+        a.restart_in_flight = true;
+        assert!(matches!(decide_now(&[a], &live(3)), Discovery::Wait(_)));
+        let starting = hb("b", NodeState::Starting, 4);
+        assert!(matches!(
+            decide_now(&[starting], &live(3)),
+            Discovery::Wait(_)
+        ));
+    }
+
+    #[test]
+    fn another_hot_restart_version_cannot_be_taken_over() {
+        let mut info = live(2);
+        if let Ok(i) = &mut info {
+            i.hot_restart_version = "12.104".to_owned();
+        }
+        assert_eq!(
+            decide_now(&[hb("a", NodeState::Serving, 2)], &info),
+            Discovery::Incompatible {
+                theirs: "12.104".to_owned(),
+                identity: Some("a".to_owned())
+            }
+        );
+    }
+}

@@ -1,0 +1,221 @@
+//! [`EnvoyFamily`]: a hot-restart family of Envoy epochs as a [`Proxy`], so that the agent
+//! drives it exactly as it drives a single Envoy; and [`SupervisorHandle`], the cloneable
+//! handle that sends the [`Supervisor`] actor its commands.
+//!
+//! Every call resolves once the supervisor has acted on it: a hot restart when the new epoch
+//! is LIVE (or why not), a drain when Envoy accepted it, a log reopening when the epochs were
+//! signalled. Config updates are serialised here: one at a time, validate a private candidate,
+//! tell the supervisor to expect the content (so its config watch does not restart a second
+//! time), write atomically, then hot-restart, all under one lock.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use envoy_agent_proxy::{
+    AdminClient, ConfigApplied, DrainOptions, Ended, Proxy, ProxyError, ProxyState, RestartError,
+};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, ConfigError};
+use crate::host::{Host, RealHost};
+use crate::metrics::SupervisorMetrics;
+use crate::supervisor::{Command, Supervisor};
+
+/// Bound on one admin call of the supervisor.
+const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A cloneable handle to a running [`Supervisor`].
+#[derive(Debug, Clone)]
+pub struct SupervisorHandle {
+    commands: mpsc::Sender<Command>,
+    state: watch::Receiver<ProxyState>,
+}
+
+impl SupervisorHandle {
+    /// The family's state, now and as it changes.
+    pub fn state(&self) -> watch::Receiver<ProxyState> {
+        self.state.clone()
+    }
+
+    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> Command) -> Option<T> {
+        let (reply, answer) = oneshot::channel();
+        self.commands.send(command(reply)).await.ok()?;
+        answer.await.ok()
+    }
+
+    /// Hot-restarts and resolves with the new epoch once it is LIVE, or why not. Triggers
+    /// during a handoff are coalesced: they share the outcome of the next restart.
+    pub async fn hot_restart(&self, reason: impl Into<String>) -> Result<u32, RestartError> {
+        let reason = reason.into();
+        self.ask(|reply| Command::HotRestart {
+            reason,
+            reply: Some(reply),
+        })
+        .await
+        .unwrap_or_else(|| Err(RestartError::Refused("the supervisor is gone".to_owned())))
+    }
+
+    /// Drains every serving epoch; no new epoch starts afterwards.
+    pub async fn drain(&self, options: DrainOptions) -> Result<(), String> {
+        self.ask(|reply| Command::Drain { options, reply })
+            .await
+            .unwrap_or_else(|| Err("the supervisor is gone".to_owned()))
+    }
+
+    /// SIGUSR1 to every epoch that has its handler; how many were signalled.
+    pub async fn reopen_logs(&self) -> usize {
+        self.ask(|reply| Command::ReopenLogs { reply })
+            .await
+            .unwrap_or(0)
+    }
+
+    /// Whether a successor pod is taking (or took) over, from fresh facts.
+    pub async fn successor(&self) -> Option<String> {
+        self.ask(|reply| Command::Successor { reply })
+            .await
+            .flatten()
+    }
+
+    async fn expect(&self, content: Vec<u8>) {
+        let _ = self.ask(|reply| Command::Expect { content, reply }).await;
+    }
+}
+
+/// A hot-restart family of Envoy epochs, run by a [`Supervisor`].
+pub struct EnvoyFamily<H: Host = RealHost> {
+    config: Config,
+    admin: SocketAddr,
+    handle: SupervisorHandle,
+    supervisor: Mutex<Option<Supervisor<H>>>,
+    /// One config update at a time.
+    updates: tokio::sync::Mutex<()>,
+}
+
+impl<H: Host> std::fmt::Debug for EnvoyFamily<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EnvoyFamily")
+            .field("identity", &self.config.identity)
+            .field("admin", &self.admin)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EnvoyFamily<RealHost> {
+    /// A family for `config`, on the real host. Nothing starts until [`Proxy::run`].
+    pub fn new(config: Config, metrics: SupervisorMetrics) -> Result<Self, ConfigError> {
+        let (admin, base_id) = config.validate()?;
+        let host = RealHost::new(
+            config.proxy.clone(),
+            AdminClient::new(admin).with_timeout(ADMIN_TIMEOUT),
+            base_id,
+            config.state_dir.clone(),
+            config.ready_marker.clone(),
+        );
+        Self::with_host(config, Arc::new(host), metrics)
+    }
+}
+
+impl<H: Host> EnvoyFamily<H> {
+    /// A family for `config` on `host` (the tests' fake, or the real one).
+    pub fn with_host(
+        config: Config,
+        host: Arc<H>,
+        metrics: SupervisorMetrics,
+    ) -> Result<Self, ConfigError> {
+        let (admin, base_id) = config.validate()?;
+        let (commands_tx, commands) = mpsc::channel(64);
+        let state = watch::Sender::new(ProxyState::starting());
+        let handle = SupervisorHandle {
+            commands: commands_tx,
+            state: state.subscribe(),
+        };
+        let supervisor = Supervisor::new(config.clone(), base_id, host, commands, state, metrics);
+        Ok(EnvoyFamily {
+            config,
+            admin,
+            handle,
+            supervisor: Mutex::new(Some(supervisor)),
+            updates: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// A handle to the family's supervisor.
+    pub fn handle(&self) -> SupervisorHandle {
+        self.handle.clone()
+    }
+
+    /// The supervisor's settings.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+}
+
+impl<H: Host> Proxy for EnvoyFamily<H> {
+    async fn run(&self, abort: CancellationToken) -> Result<Ended, ProxyError> {
+        let supervisor = self
+            .supervisor
+            .lock()
+            .map_err(|_| ProxyError::NotRunning)?
+            .take()
+            .ok_or(ProxyError::NotRunning)?;
+        Ok(supervisor.run(abort).await)
+    }
+
+    fn state(&self) -> watch::Receiver<ProxyState> {
+        self.handle.state()
+    }
+
+    async fn drain(&self, options: DrainOptions) -> Result<(), ProxyError> {
+        self.handle
+            .drain(options)
+            .await
+            .map_err(|message| ProxyError::DrainFailed { message })
+    }
+
+    async fn hot_restart(&self, reason: String) -> Result<u32, RestartError> {
+        self.handle.hot_restart(reason).await
+    }
+
+    async fn update_config(
+        &self,
+        config: Vec<u8>,
+        reason: String,
+    ) -> Result<ConfigApplied, ProxyError> {
+        let _one_at_a_time = self.updates.lock().await;
+        let path = self.config.proxy.config_path.clone();
+        envoy_agent_proxy::validate_candidate(&self.config.proxy, &config).await?;
+        self.handle.expect(config.clone()).await;
+        envoy_agent_proxy::replace_config(&path, config).await?;
+        tracing::info!(path = %path.display(), %reason, "config updated; hot-restarting onto it");
+        let epoch = self
+            .handle
+            .hot_restart(format!("config update: {reason}"))
+            .await
+            .map_err(|source| ProxyError::Restart {
+                path: path.clone(),
+                source,
+            })?;
+        Ok(ConfigApplied {
+            restarted_epoch: Some(epoch),
+        })
+    }
+
+    async fn reopen_logs(&self) -> Result<usize, ProxyError> {
+        Ok(self.handle.reopen_logs().await)
+    }
+
+    async fn successor(&self) -> Option<String> {
+        self.handle.successor().await
+    }
+
+    fn admin_address(&self) -> Option<SocketAddr> {
+        Some(self.admin)
+    }
+
+    fn cleanup(&self) {
+        if self.config.proxy.config_cleanup {
+            let _ = std::fs::remove_file(&self.config.proxy.config_path);
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! The handoff: one hot restart at a time, as an explicit state machine.
+//!
+//! ```text
+//!            trigger, turn comes          pre-flight passed         new epoch LIVE
+//!   Idle ───────────────────────▶ PreFlight ─────────────────▶ Starting ───────────────▶ ParentDraining
+//!    ▲  ◀── rejected ────────────────┘    ◀── exited / deadline ───┘                        │
+//!    └──────────────────────────────────────────────── parent exited (or overdue, killed) ◀┘
+//! ```
+//!
+//! Triggers that arrive meanwhile wait in the [`Queue`] and are coalesced into the one restart
+//! that starts when the state is `Idle` again, so no third generation can ever exist. The
+//! first epoch of a supervisor goes through the same states (with no parent of its own, or a
+//! predecessor pod's Envoy as a foreign parent).
+
+use std::time::Duration;
+
+use envoy_agent_proxy::RestartError;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+/// Someone waiting for a hot restart's outcome.
+pub(crate) type Waiter = oneshot::Sender<Result<u32, RestartError>>;
+
+/// Who an epoch's parent is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Parent {
+    /// One of ours.
+    Ours(u32),
+    /// Another pod's Envoy (a successor's first epoch took over from it).
+    Foreign {
+        /// Its epoch.
+        epoch: u32,
+        /// The predecessor pod's identity.
+        identity: String,
+    },
+}
+
+impl Parent {
+    pub(crate) fn epoch(&self) -> u32 {
+        match self {
+            Parent::Ours(e) | Parent::Foreign { epoch: e, .. } => *e,
+        }
+    }
+}
+
+/// One hot restart (or a supervisor's first start), from trigger to outcome.
+#[derive(Debug)]
+pub(crate) struct Attempt {
+    /// The epoch it starts.
+    pub(crate) epoch: u32,
+    /// Its parent, if any.
+    pub(crate) parent: Option<Parent>,
+    /// What triggered it.
+    pub(crate) reason: String,
+    /// When it was triggered (the first of its coalesced triggers).
+    pub(crate) triggered: Instant,
+    /// When its turn came (pre-flight started).
+    pub(crate) began: Instant,
+    /// How long pre-flight took.
+    pub(crate) preflight: Duration,
+    /// When its epoch was spawned.
+    pub(crate) spawned: Option<Instant>,
+    /// Who waits for its outcome.
+    pub(crate) waiters: Vec<Waiter>,
+    /// Same-epoch retries so far (a failed child took its parent's admin listener).
+    pub(crate) retries: u32,
+    /// The supervisor's first epoch (a start, or a cross-pod takeover), not a hot restart of
+    /// its own.
+    pub(crate) first: bool,
+}
+
+impl Attempt {
+    pub(crate) fn queued(&self) -> Duration {
+        self.began - self.triggered
+    }
+}
+
+/// Where the handoff is.
+#[derive(Debug)]
+pub(crate) enum Handoff {
+    /// Nothing in flight.
+    Idle,
+    /// Pre-flight checks run for the attempt.
+    PreFlight(Attempt),
+    /// The attempt's epoch runs and is not LIVE yet.
+    Starting {
+        attempt: Attempt,
+        /// When it is given up (SIGKILL).
+        deadline: Instant,
+    },
+    /// The previous generation drains until its child terminates it; no new epoch may start.
+    ParentDraining {
+        parent: Parent,
+        /// When the child terminates it (parent-shutdown time after LIVE).
+        until: Instant,
+    },
+}
+
+impl Handoff {
+    /// The attempt in flight, if any.
+    pub(crate) fn attempt(&self) -> Option<&Attempt> {
+        match self {
+            Handoff::PreFlight(a) | Handoff::Starting { attempt: a, .. } => Some(a),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn is_idle(&self) -> bool {
+        matches!(self, Handoff::Idle)
+    }
+
+    /// The epoch starting, if any.
+    pub(crate) fn starting_epoch(&self) -> Option<u32> {
+        match self {
+            Handoff::Starting { attempt, .. } => Some(attempt.epoch),
+            _ => None,
+        }
+    }
+}
+
+/// Triggers waiting for their turn, coalesced.
+#[derive(Debug, Default)]
+pub(crate) struct Queue {
+    pub(crate) reasons: Vec<String>,
+    pub(crate) waiters: Vec<Waiter>,
+    pub(crate) since: Option<Instant>,
+    /// Same-epoch retries carried over from a failed attempt.
+    pub(crate) retries: u32,
+    /// Why the queue waits, as last logged (logged once per change).
+    pub(crate) waiting_for: Option<String>,
+}
+
+impl Queue {
+    pub(crate) fn push(&mut self, reason: String, waiter: Option<Waiter>, now: Instant) {
+        self.reasons.push(reason);
+        self.waiters.extend(waiter);
+        self.since.get_or_insert(now);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.reasons.is_empty()
+    }
+
+    /// Empties the queue into an attempt at `epoch`.
+    pub(crate) fn take(&mut self, epoch: u32, parent: Option<Parent>, now: Instant) -> Attempt {
+        let mut reasons = std::mem::take(&mut self.reasons);
+        reasons.dedup();
+        let attempt = Attempt {
+            epoch,
+            parent,
+            reason: reasons.join(", "),
+            triggered: self.since.take().unwrap_or(now),
+            began: now,
+            preflight: Duration::ZERO,
+            spawned: None,
+            waiters: std::mem::take(&mut self.waiters),
+            retries: std::mem::take(&mut self.retries),
+            first: false,
+        };
+        self.waiting_for = None;
+        attempt
+    }
+
+    /// Answers every waiter with `error` and empties the queue.
+    pub(crate) fn refuse(&mut self, error: &RestartError) {
+        for waiter in self.waiters.drain(..) {
+            let _ = waiter.send(Err(error.clone()));
+        }
+        self.reasons.clear();
+        self.since = None;
+        self.retries = 0;
+        self.waiting_for = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn the_queue_coalesces_triggers_into_one_attempt() {
+        let mut q = Queue::default();
+        let t0 = Instant::now();
+        let (w1, r1) = oneshot::channel();
+        q.push("SIGHUP".into(), Some(w1), t0);
+        tokio::time::advance(Duration::from_millis(5)).await;
+        q.push("SIGHUP".into(), None, Instant::now());
+        q.push("config change".into(), None, Instant::now());
+        let a = q.take(4, Some(Parent::Ours(3)), Instant::now());
+        assert_eq!(a.reason, "SIGHUP, config change");
+        assert_eq!(a.triggered, t0, "the first trigger's time");
+        assert_eq!(a.queued(), Duration::from_millis(5));
+        assert_eq!(a.waiters.len(), 1);
+        assert!(q.is_empty());
+        drop(a);
+        assert!(r1.await.is_err(), "dropped with the attempt");
+    }
+
+    #[test]
+    fn refusing_answers_every_waiter() {
+        let mut q = Queue::default();
+        let (w, mut r) = oneshot::channel();
+        q.push("x".into(), Some(w), Instant::now());
+        q.refuse(&RestartError::Refused("draining".into()));
+        assert_eq!(
+            r.try_recv().unwrap(),
+            Err(RestartError::Refused("draining".into()))
+        );
+        assert!(q.is_empty());
+    }
+}

@@ -1,0 +1,276 @@
+//! What a [`crate::Proxy`] publishes about itself: one typed state, read by the agent (its
+//! exit paths and readiness), the status server, gRPC and metrics alike.
+//!
+//! A single Envoy is a family of one epoch that never hot-restarts; a hot-restart family adds
+//! [`FamilyState`] (handoffs, wedges, cross-pod facts). Nothing here is a string that callers
+//! must parse: states and reasons are enums, times are `SystemTime`s.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+/// Where an Envoy process (one restart epoch) is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EpochState {
+    /// Started, not LIVE yet.
+    Starting,
+    /// LIVE and the newest: it serves.
+    Live,
+    /// A parent handing over to its child: it drains until the child terminates it.
+    Draining,
+}
+
+impl EpochState {
+    /// `starting`, `live`, `draining`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EpochState::Starting => "starting",
+            EpochState::Live => "live",
+            EpochState::Draining => "draining",
+        }
+    }
+}
+
+/// One Envoy process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpochInfo {
+    /// Its restart epoch (0 without hot restart).
+    pub epoch: u32,
+    /// Its pid, in the agent's PID namespace.
+    pub pid: u32,
+    /// Its state.
+    pub state: EpochState,
+    /// When it started.
+    pub started: SystemTime,
+    /// When it entered its state.
+    pub since: SystemTime,
+}
+
+/// The proxy's life as a whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyPhase {
+    /// Nothing serves yet (the first Envoy is starting; with hot restart, perhaps waiting
+    /// for a predecessor pod's handoff).
+    Starting,
+    /// The newest epoch is LIVE and serves.
+    Serving,
+    /// A successor pod's Envoy took over; ours drains until the successor terminates it.
+    HandedOver,
+    /// Stopping every Envoy.
+    Stopping,
+    /// Nothing runs anymore.
+    Exited,
+}
+
+impl ProxyPhase {
+    /// `starting`, `serving`, `handed_over`, `stopping`, `exited`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyPhase::Starting => "starting",
+            ProxyPhase::Serving => "serving",
+            ProxyPhase::HandedOver => "handed_over",
+            ProxyPhase::Stopping => "stopping",
+            ProxyPhase::Exited => "exited",
+        }
+    }
+}
+
+/// Everything a proxy publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProxyState {
+    /// Its life.
+    pub phase: ProxyPhase,
+    /// Since when.
+    pub since: SystemTime,
+    /// Every running Envoy process, oldest first.
+    pub epochs: Vec<EpochInfo>,
+    /// The newest LIVE epoch, when one serves.
+    pub newest_live: Option<u32>,
+    /// Hot restart only: the family's handoffs, wedges and cross-pod facts.
+    pub family: Option<FamilyState>,
+}
+
+impl ProxyState {
+    /// The state before anything started.
+    pub fn starting() -> Self {
+        ProxyState {
+            phase: ProxyPhase::Starting,
+            since: SystemTime::now(),
+            epochs: Vec::new(),
+            newest_live: None,
+            family: None,
+        }
+    }
+
+    /// Whether the newest epoch serves.
+    pub fn serving(&self) -> bool {
+        self.phase == ProxyPhase::Serving
+    }
+
+    /// Whether an older generation still drains connections of its own (a hot-restart parent,
+    /// in this pod or, for a successor's first epoch, in the predecessor pod).
+    pub fn parent_draining(&self) -> bool {
+        self.epochs.iter().any(|e| e.state == EpochState::Draining)
+            || self
+                .family
+                .as_ref()
+                .is_some_and(|f| f.foreign_parent_until.is_some())
+    }
+}
+
+/// How a hot restart ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The new epoch is LIVE.
+    Live,
+    /// Refused before starting anything (validation, hot-restart version, draining).
+    Rejected,
+    /// The new epoch exited before it was LIVE.
+    Failed,
+    /// The new epoch was not LIVE within the handoff deadline and was stopped.
+    TimedOut,
+}
+
+impl Outcome {
+    /// `live`, `rejected`, `failed`, `timed_out`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Live => "live",
+            Outcome::Rejected => "rejected",
+            Outcome::Failed => "failed",
+            Outcome::TimedOut => "timed_out",
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where a handoff under way is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HandoffStage {
+    /// Waiting for its turn: a parent still drains, or another pod holds the node's epoch lock.
+    Queued,
+    /// Pre-flight checks (validation, hot-restart version) run.
+    PreFlight,
+    /// The new epoch runs and is not LIVE yet.
+    Starting,
+}
+
+impl HandoffStage {
+    /// `queued`, `pre_flight`, `starting`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HandoffStage::Queued => "queued",
+            HandoffStage::PreFlight => "pre_flight",
+            HandoffStage::Starting => "starting",
+        }
+    }
+}
+
+/// A handoff under way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handoff {
+    /// The epoch being started (or that will be).
+    pub epoch: u32,
+    /// What triggered it (several coalesced triggers, comma-separated).
+    pub reason: String,
+    /// When it was triggered.
+    pub since: SystemTime,
+    /// Where it is.
+    pub stage: HandoffStage,
+    /// Why it waits, while queued.
+    pub waiting_for: Option<String>,
+}
+
+/// The result of a hot restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandoffResult {
+    /// The epoch it started (or would have).
+    pub epoch: u32,
+    /// What triggered it.
+    pub reason: String,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// Trigger to outcome.
+    pub duration: Duration,
+    /// Of which queued (waiting for a draining parent or the node lock).
+    pub queued: Duration,
+    /// Of which pre-flight.
+    pub preflight: Duration,
+    /// When it ended.
+    pub at: SystemTime,
+    /// Why, when it did not go LIVE (Envoy's own words where there are some).
+    pub message: String,
+}
+
+/// Why the supervisor judged the family stuck, or repaired it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WedgeReason {
+    /// A new epoch was not LIVE within the handoff deadline.
+    HandoffDeadline,
+    /// The admin API did not answer for longer than its deadline.
+    AdminUnresponsive,
+    /// Envoy's shared INITIALIZING flag was left set by an epoch that died initializing.
+    StaleInitializing,
+    /// A draining parent outlived its parent-shutdown time (plus a grace) and was killed.
+    ParentOverdue,
+}
+
+impl WedgeReason {
+    /// `handoff_deadline`, `admin_unresponsive`, `stale_initializing`, `parent_overdue`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WedgeReason::HandoffDeadline => "handoff_deadline",
+            WedgeReason::AdminUnresponsive => "admin_unresponsive",
+            WedgeReason::StaleInitializing => "stale_initializing",
+            WedgeReason::ParentOverdue => "parent_overdue",
+        }
+    }
+}
+
+impl fmt::Display for WedgeReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A wedge the supervisor saw, and what it did about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wedge {
+    /// Why.
+    pub reason: WedgeReason,
+    /// When.
+    pub at: SystemTime,
+    /// What happened and what the supervisor did.
+    pub message: String,
+}
+
+/// A hot-restart family's own facts.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FamilyState {
+    /// `--base-id`.
+    pub base_id: u32,
+    /// The running Envoy's `--hot-restart-version` (e.g. `11.104`).
+    pub hot_restart_version: String,
+    /// This supervisor's unique name on the node.
+    pub identity: String,
+    /// The handoff under way.
+    pub handoff: Option<Handoff>,
+    /// How the last hot restart ended.
+    pub last_handoff: Option<HandoffResult>,
+    /// Wedges seen (the last few), oldest first.
+    pub wedges: Vec<Wedge>,
+    /// Cross-pod: the predecessor our first epoch took over from.
+    pub predecessor: Option<String>,
+    /// Cross-pod: until when the predecessor's Envoy drains as our first epoch's parent.
+    pub foreign_parent_until: Option<SystemTime>,
+    /// Cross-pod: a successor pod that is starting (its heartbeat says so).
+    pub successor_starting: Option<String>,
+    /// Cross-pod: the successor whose Envoy took over from ours.
+    pub handed_over_to: Option<String>,
+    /// The family was told to drain: no further hot restart starts.
+    pub drained: bool,
+}
