@@ -82,7 +82,9 @@ check() {
   say "clean copy of HEAD ($head) in $src"
   rm -rf "$src" "$out"
   mkdir -p "$src"
-  git archive --format=tar HEAD | tar -x -C "$src" || die "git archive of HEAD failed"
+  # -m: files dated now, not at the commit's time, so that cargo never takes the shared target
+  # dir's build of a newer commit for up to date when an older one is checked.
+  git archive --format=tar HEAD | tar -x -m -C "$src" || die "git archive of HEAD failed"
   # The Docker build context leaves out what .dockerignore names; so does the copy.
   if [ -f "$src/.dockerignore" ]; then
     local pattern
