@@ -99,9 +99,8 @@ pub(crate) fn decide(
                     Discovery::Wait(format!("{} is restarting", h.identity))
                 }
                 Some(h) if h.parent_draining_until_unix_ms > now_ms => Discovery::Wait(format!(
-                    "{}'s previous generation drains for another {} ms",
-                    h.identity,
-                    h.parent_draining_until_unix_ms - now_ms
+                    "{}'s previous generation still drains (until Unix ms {})",
+                    h.identity, h.parent_draining_until_unix_ms
                 )),
                 Some(h) if h.newest_epoch > info.restart_epoch => Discovery::Wait(format!(
                     "{} runs epoch {}, newer than the answering {}",

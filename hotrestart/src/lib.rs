@@ -51,6 +51,8 @@
 
 pub mod absorber;
 mod config;
+#[cfg(test)]
+mod decisions;
 mod discovery;
 mod epochs;
 mod family;

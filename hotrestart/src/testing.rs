@@ -1,1 +1,389 @@
+//! A fake [`Host`] for the supervisor's unit tests: a small world of fake Envoy processes, a
+//! shared admin port, a node directory and a lock, all under the test's control and paused
+//! time. It behaves as Envoy does where the supervisor's decisions depend on it: SIGKILL kills
+//! one process, SIGTERM exits 0 and also terminates a living parent (Envoy's handler does),
+//! a process's exit frees the admin port if it held it, and a stand-in cannot bind the names of
+//! a process that still lives.
 
+use std::collections::{BTreeMap, VecDeque};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use envoy_agent_proxy::admin::DrainListeners;
+use envoy_agent_proxy::{AdminError, Exit, ProxyError, ServerInfo, ServerState, Signal};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::host::{Guard, Host, Repair, Spawned, Task};
+use crate::node::{Heartbeat, Rejected};
+
+/// What answers on the family's admin port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Admin {
+    /// Nothing listens.
+    Refused,
+    /// Something accepts and never answers (a stopped Envoy).
+    Silent,
+    /// An Envoy at this epoch and state, of this base id.
+    Answers {
+        epoch: u32,
+        state: ServerState,
+        base_id: u64,
+        version: String,
+    },
+}
+
+#[derive(Debug)]
+struct Process {
+    epoch: u32,
+    alive: bool,
+    control: mpsc::UnboundedSender<ExitStatus>,
+}
+
+/// Everything the fake world knows; tests read and steer it.
+#[derive(Debug)]
+pub(crate) struct World {
+    pub(crate) base_id: u64,
+    next_pid: u32,
+    processes: BTreeMap<u32, Process>,
+    pub(crate) admin: Admin,
+    /// A spawned process answers LIVE on the admin port this long after it starts (if alive
+    /// and the port is free or held by its parent); `None`: only when the test says so.
+    pub(crate) live_after: Option<Duration>,
+    /// Answers of the next pre-flights (default: pass).
+    pub(crate) preflights: VecDeque<Result<(), String>>,
+    pub(crate) spawns: Vec<u32>,
+    /// Every signal the supervisor sent: (epoch, signal).
+    pub(crate) signals: Vec<(u32, Signal)>,
+    pub(crate) marker: bool,
+    pub(crate) marker_writes: Vec<bool>,
+    pub(crate) node: bool,
+    /// Other supervisors' heartbeats on the node.
+    pub(crate) others: Vec<Heartbeat>,
+    pub(crate) ours: Option<Heartbeat>,
+    pub(crate) lock_taken_by_other: bool,
+    pub(crate) our_lock: bool,
+    /// Epochs of another pod's Envoys that live (their socket names are taken).
+    pub(crate) foreign_alive: Vec<u32>,
+    pub(crate) stand_ins: Vec<u32>,
+    pub(crate) released: Vec<u32>,
+    pub(crate) initializing: bool,
+    pub(crate) repairs: u32,
+    pub(crate) drains: Vec<DrainListeners>,
+    start: Instant,
+}
+
+impl Default for World {
+    fn default() -> Self {
+        World {
+            base_id: 7,
+            next_pid: 100,
+            processes: BTreeMap::new(),
+            admin: Admin::Refused,
+            live_after: Some(Duration::from_millis(50)),
+            preflights: VecDeque::new(),
+            spawns: Vec::new(),
+            signals: Vec::new(),
+            marker: true,
+            marker_writes: Vec::new(),
+            node: false,
+            others: Vec::new(),
+            ours: None,
+            lock_taken_by_other: false,
+            our_lock: false,
+            foreign_alive: Vec::new(),
+            stand_ins: Vec::new(),
+            released: Vec::new(),
+            initializing: false,
+            repairs: 0,
+            drains: Vec::new(),
+            start: Instant::now(),
+        }
+    }
+}
+
+impl World {
+    /// The admin port answers LIVE at `epoch` (of the family's base id and version).
+    pub(crate) fn live(&mut self, epoch: u32) {
+        self.admin = Admin::Answers {
+            epoch,
+            state: ServerState::Live,
+            base_id: self.base_id,
+            version: "11.104".to_owned(),
+        };
+    }
+
+    fn admin_epoch(&self) -> Option<u32> {
+        match &self.admin {
+            Admin::Answers { epoch, .. } => Some(*epoch),
+            _ => None,
+        }
+    }
+
+    /// Whether our process at `epoch` lives.
+    pub(crate) fn alive(&self, epoch: u32) -> bool {
+        self.processes.values().any(|p| p.epoch == epoch && p.alive)
+    }
+
+    /// Makes our process at `epoch` exit with `status` (a crash, a kill from outside).
+    pub(crate) fn exit(&mut self, epoch: u32, status: ExitStatus) {
+        if let Some(p) = self
+            .processes
+            .values()
+            .find(|p| p.epoch == epoch && p.alive)
+        {
+            let _ = p.control.send(status);
+        }
+    }
+
+    /// Signals sent to `epoch`.
+    pub(crate) fn signals_to(&self, epoch: u32) -> Vec<Signal> {
+        self.signals
+            .iter()
+            .filter(|(e, _)| *e == epoch)
+            .map(|(_, s)| *s)
+            .collect()
+    }
+
+    fn died(&mut self, pid: u32) {
+        let Some(p) = self.processes.get_mut(&pid) else {
+            return;
+        };
+        p.alive = false;
+        let epoch = p.epoch;
+        if self.admin_epoch() == Some(epoch) {
+            self.admin = Admin::Refused;
+        }
+    }
+}
+
+/// The fake host; clones share one world.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct FakeHost {
+    world: Arc<Mutex<World>>,
+}
+
+impl FakeHost {
+    pub(crate) fn world(&self) -> MutexGuard<'_, World> {
+        self.world.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+pub(crate) fn code(code: i32) -> ExitStatus {
+    ExitStatus::from_raw(code << 8)
+}
+
+pub(crate) fn killed(signal: i32) -> ExitStatus {
+    ExitStatus::from_raw(signal)
+}
+
+struct LockGuard(Arc<Mutex<World>>);
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if let Ok(mut w) = self.0.lock() {
+            w.our_lock = false;
+        }
+    }
+}
+
+struct StandInGuard(Arc<Mutex<World>>, u32);
+
+impl Drop for StandInGuard {
+    fn drop(&mut self) {
+        if let Ok(mut w) = self.0.lock() {
+            w.released.push(self.1);
+        }
+    }
+}
+
+impl Host for FakeHost {
+    async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
+        let (signals, mut signal_rx) = mpsc::unbounded_channel::<Signal>();
+        let (control, mut control_rx) = mpsc::unbounded_channel::<ExitStatus>();
+        let (report, exit) = oneshot::channel();
+        let pid = {
+            let mut w = self.world();
+            let pid = w.next_pid;
+            w.next_pid += 1;
+            w.spawns.push(epoch);
+            w.processes.insert(
+                pid,
+                Process {
+                    epoch,
+                    alive: true,
+                    control,
+                },
+            );
+            pid
+        };
+        let world = self.world.clone();
+        let started = Instant::now();
+        let live_after = self.world().live_after;
+        tokio::spawn(async move {
+            let mut live_at = live_after.map(|d| started + d);
+            let status = loop {
+                tokio::select! {
+                    Some(status) = control_rx.recv() => break status,
+                    Some(signal) = signal_rx.recv() => {
+                        let mut w = world.lock().unwrap_or_else(|p| p.into_inner());
+                        w.signals.push((epoch, signal));
+                        match signal {
+                            Signal::SIGKILL => break killed(9),
+                            Signal::SIGTERM | Signal::SIGINT => {
+                                // Envoy's handler also terminates a living parent.
+                                if epoch > 0 {
+                                    w.exit(epoch - 1, code(0));
+                                }
+                                break code(0);
+                            }
+                            _ => {}
+                        }
+                    }
+                    () = sleep_until(live_at) => {
+                        live_at = None;
+                        let mut w = world.lock().unwrap_or_else(|p| p.into_inner());
+                        // LIVE once its parent's admin listener is ours (or none runs).
+                        let free = match w.admin_epoch() {
+                            None => matches!(w.admin, Admin::Refused),
+                            Some(e) => e + 1 == epoch,
+                        };
+                        if free {
+                            w.live(epoch);
+                        }
+                    }
+                }
+            };
+            world.lock().unwrap_or_else(|p| p.into_inner()).died(pid);
+            let _ = report.send(Ok(Exit {
+                pid,
+                epoch,
+                status,
+                aborted: false,
+                ran_for: started.elapsed(),
+                stderr_tail: format!("fake envoy {epoch} ended\n"),
+            }));
+        });
+        Ok(Spawned { pid, signals, exit })
+    }
+
+    fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
+        let admin = self.world().admin.clone();
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], 9901));
+        Box::pin(async move {
+            match admin {
+                Admin::Refused => Err(AdminError::Connect {
+                    addr,
+                    endpoint: "/server_info".to_owned(),
+                    source: std::io::ErrorKind::ConnectionRefused.into(),
+                }),
+                Admin::Silent => {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    Err(AdminError::Timeout {
+                        addr,
+                        endpoint: "/server_info".to_owned(),
+                        timeout: Duration::from_secs(2),
+                    })
+                }
+                Admin::Answers {
+                    epoch,
+                    state,
+                    base_id,
+                    version,
+                } => Ok(ServerInfo {
+                    version: "fake".to_owned(),
+                    state,
+                    restart_epoch: epoch,
+                    base_id,
+                    hot_restart_version: version,
+                    uptime_current_epoch: "0s".to_owned(),
+                }),
+            }
+        })
+    }
+
+    fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {
+        self.world().drains.push(options);
+        Box::pin(async { Ok(()) })
+    }
+
+    fn hot_restart_version(&self) -> Task<Result<String, String>> {
+        Box::pin(async { Ok("11.104".to_owned()) })
+    }
+
+    fn preflight(&self, _running: Option<String>) -> Task<Result<(), String>> {
+        let answer = self.world().preflights.pop_front().unwrap_or(Ok(()));
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            answer
+        })
+    }
+
+    fn repair_initializing(&self, _version: &str) -> Repair {
+        let mut w = self.world();
+        w.repairs += 1;
+        if std::mem::take(&mut w.initializing) {
+            Repair::Cleared
+        } else {
+            Repair::Clean
+        }
+    }
+
+    fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {
+        let mut w = self.world();
+        if w.alive(parent_epoch) || w.foreign_alive.contains(&parent_epoch) {
+            return Err(std::io::ErrorKind::AddrInUse.into());
+        }
+        w.stand_ins.push(parent_epoch);
+        Ok(Box::new(StandInGuard(self.world.clone(), parent_epoch)))
+    }
+
+    fn set_marker(&self, present: bool) -> std::io::Result<()> {
+        let mut w = self.world();
+        w.marker = present;
+        w.marker_writes.push(present);
+        Ok(())
+    }
+
+    fn has_node(&self) -> bool {
+        self.world().node
+    }
+
+    fn read_heartbeats(&self) -> (Vec<Heartbeat>, Vec<Rejected>) {
+        let w = self.world();
+        let mut all = w.others.clone();
+        all.extend(w.ours.clone());
+        (all, Vec::new())
+    }
+
+    fn write_heartbeat(&self, heartbeat: &Heartbeat) -> std::io::Result<()> {
+        self.world().ours = Some(heartbeat.clone());
+        Ok(())
+    }
+
+    fn remove_heartbeat(&self, _identity: &str) {
+        self.world().ours = None;
+    }
+
+    fn try_lock(&self) -> std::io::Result<Option<Guard>> {
+        let mut w = self.world();
+        if w.lock_taken_by_other || w.our_lock {
+            return Ok(None);
+        }
+        w.our_lock = true;
+        Ok(Some(Box::new(LockGuard(self.world.clone()))))
+    }
+
+    fn now_unix_ms(&self) -> u64 {
+        1_000_000_000 + self.world().start.elapsed().as_millis() as u64
+    }
+}

@@ -1,0 +1,588 @@
+//! The supervisor's decisions, each driven through the fake host under paused time: what it
+//! spawns, signals, stands in for, records and answers, event by event.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_agent_proxy::{
+    AdminAddress, DrainOptions, Ended, EpochState, HotRestart, Outcome, Proxy, ProxyConfig,
+    ProxyError, ProxyPhase, ProxyState, RestartError, ServerState, Signal, WedgeReason,
+};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::family::{EnvoyFamily, SupervisorHandle};
+use crate::metrics::SupervisorMetrics;
+use crate::node::{FORMAT, Heartbeat, NodeState};
+use crate::testing::{Admin, FakeHost, code, killed};
+
+/// Longer than anything here takes; with paused time it costs nothing.
+const BOUND: Duration = Duration::from_secs(600);
+
+fn config() -> Config {
+    let mut proxy = ProxyConfig::new(
+        "/fake/envoy".into(),
+        "/fake/bootstrap.yaml".into(),
+        AdminAddress::Fixed(([127, 0, 0, 1], 9901).into()),
+    );
+    proxy.drain_duration = Duration::from_secs(1);
+    proxy.stop_grace = Duration::from_secs(5);
+    proxy.hot_restart = Some(HotRestart {
+        base_id: 7,
+        parent_shutdown_time: Duration::from_secs(2),
+    });
+    let mut c = Config::new(proxy);
+    c.identity = "pod-a-0000aaaa".to_owned();
+    c.handoff_deadline = Duration::from_secs(10);
+    c.admin_unresponsive_deadline = Duration::from_secs(5);
+    c
+}
+
+struct Family {
+    host: FakeHost,
+    handle: SupervisorHandle,
+    abort: CancellationToken,
+    task: JoinHandle<Result<Ended, ProxyError>>,
+}
+
+fn start(host: FakeHost, config: Config) -> Family {
+    // The supervisor's log, shown with a failing test's output.
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter("debug")
+        .try_init();
+    let family = Arc::new(
+        EnvoyFamily::with_host(config, Arc::new(host.clone()), SupervisorMetrics::default())
+            .unwrap(),
+    );
+    let handle = family.handle();
+    let abort = CancellationToken::new();
+    let task = tokio::spawn({
+        let (family, abort) = (family.clone(), abort.clone());
+        async move { family.run(abort).await }
+    });
+    Family {
+        host,
+        handle,
+        abort,
+        task,
+    }
+}
+
+impl Family {
+    async fn until(&self, what: &str, check: impl Fn(&ProxyState) -> bool) -> ProxyState {
+        let mut state = self.handle.state();
+        tokio::time::timeout(BOUND, state.wait_for(|s| check(s)))
+            .await
+            .unwrap_or_else(|_| panic!("never: {what}; state {:?}", self.handle.state().borrow()))
+            .unwrap()
+            .clone()
+    }
+
+    async fn serving_at(&self, epoch: u32) -> ProxyState {
+        self.until(&format!("serving at {epoch}"), |s| {
+            s.phase == ProxyPhase::Serving && s.newest_live == Some(epoch)
+        })
+        .await
+    }
+
+    async fn spawned(&self, spawns: &[u32]) {
+        tokio::time::timeout(BOUND, async {
+            while self.host.world().spawns != spawns {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("spawns {:?}, expected {spawns:?}", self.host.world().spawns));
+    }
+
+    /// A hot restart asked for in the background; its outcome on the handle.
+    fn restart(&self, reason: &str) -> JoinHandle<Result<u32, RestartError>> {
+        let (handle, reason) = (self.handle.clone(), reason.to_owned());
+        tokio::spawn(async move { handle.hot_restart(reason).await })
+    }
+
+    async fn ended(self) -> (Ended, FakeHost) {
+        let ended = tokio::time::timeout(BOUND, self.task)
+            .await
+            .expect("the family ends")
+            .unwrap()
+            .unwrap();
+        (ended, self.host)
+    }
+
+    async fn stop(self) -> (Ended, FakeHost) {
+        self.abort.cancel();
+        self.ended().await
+    }
+}
+
+fn heartbeat(identity: &str, state: NodeState, epoch: u32, host: &FakeHost) -> Heartbeat {
+    Heartbeat {
+        format: FORMAT.to_owned(),
+        identity: identity.to_owned(),
+        pid: 1,
+        base_id: 7,
+        hot_restart_version: "11.104".to_owned(),
+        newest_epoch: epoch,
+        envoy_pid: 50,
+        state,
+        updated_unix_ms: crate::host::Host::now_unix_ms(host),
+        parent_draining_until_unix_ms: 0,
+        restart_in_flight: false,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_marker_goes_first_and_comes_back_with_the_first_live_epoch() {
+    let host = FakeHost::default();
+    assert!(host.world().marker, "left by a crashed container");
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let writes = f.host.world().marker_writes.clone();
+    assert_eq!(writes.first(), Some(&false), "removed before anything else");
+    assert!(f.host.world().marker);
+    let (ended, host) = f.stop().await;
+    assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
+    assert!(!host.world().marker, "removed on stop");
+    assert_eq!(host.world().signals_to(0), [Signal::SIGTERM]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_triggers_coalesces_into_one_restart_after_the_parent_exits() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    let first = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let burst: Vec<_> = (0..5).map(|i| f.restart(&format!("burst {i}"))).collect();
+    let s = f.serving_at(1).await;
+    assert_eq!(first.await.unwrap(), Ok(1));
+    assert_eq!(s.epochs[0].state, EpochState::Draining, "{s:?}");
+    // The parent drains: nothing starts, however long it takes.
+    let queued = f
+        .until("the coalesced restart queued", |s| {
+            s.family
+                .as_ref()
+                .and_then(|f| f.handoff.as_ref())
+                .is_some_and(|h| h.waiting_for.is_some())
+        })
+        .await;
+    let waiting = queued.family.unwrap().handoff.unwrap().waiting_for.unwrap();
+    assert!(waiting.contains("epoch 0 still drains"), "{waiting}");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(f.host.world().spawns, [0, 1], "never a third generation");
+    // Its child terminates it after the parent-shutdown time.
+    f.host.world().exit(0, code(0));
+    f.serving_at(2).await;
+    for waiter in burst {
+        assert_eq!(
+            waiter.await.unwrap(),
+            Ok(2),
+            "every trigger shares one outcome"
+        );
+    }
+    assert_eq!(f.host.world().spawns, [0, 1, 2]);
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_child_that_took_the_admin_listener_is_retried_at_the_same_epoch() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().live_after = None;
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    {
+        // The child shut its parent's admin listener, then failed (a port held elsewhere).
+        let mut w = f.host.world();
+        w.admin = Admin::Refused;
+        w.initializing = true;
+        w.live_after = Some(Duration::from_millis(50));
+        w.exit(1, code(1));
+    }
+    let answer = restart.await.unwrap();
+    assert!(matches!(answer, Err(RestartError::Failed(_))), "{answer:?}");
+    let s = f.serving_at(1).await;
+    assert_eq!(f.host.world().spawns, [0, 1, 1], "the same epoch again");
+    let family = s.family.unwrap();
+    assert!(
+        family
+            .wedges
+            .iter()
+            .any(|w| w.reason == WedgeReason::StaleInitializing),
+        "the stale flag was repaired: {:?}",
+        family.wedges
+    );
+    assert_eq!(f.host.world().signals_to(0), Vec::<Signal>::new());
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_child_not_live_by_the_deadline_is_killed_with_sigkill_and_the_old_epoch_serves_on() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().live_after = None;
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let answer = restart.await.unwrap();
+    assert!(matches!(answer, Err(RestartError::Failed(_))), "{answer:?}");
+    {
+        let w = f.host.world();
+        // SIGTERM would have made Envoy terminate its parent, the serving epoch.
+        assert_eq!(w.signals_to(1), [Signal::SIGKILL]);
+        assert!(w.alive(0), "the old epoch serves on");
+        assert!(w.repairs >= 1, "the shared flag was checked");
+    }
+    let s = f.handle.state().borrow().clone();
+    assert_eq!(s.newest_live, Some(0));
+    let family = s.family.unwrap();
+    assert_eq!(family.last_handoff.unwrap().outcome, Outcome::TimedOut);
+    assert!(
+        family
+            .wedges
+            .iter()
+            .any(|w| w.reason == WedgeReason::HandoffDeadline)
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_admin_that_stops_answering_is_a_wedge_that_stops_the_family() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    let silent_from = tokio::time::Instant::now();
+    f.host.world().admin = Admin::Silent;
+    let (ended, host) = f.ended().await;
+    assert!(
+        matches!(
+            ended,
+            Ended::Wedged {
+                reason: WedgeReason::AdminUnresponsive,
+                ..
+            }
+        ),
+        "{ended:?}"
+    );
+    assert_eq!(ended.code(), 75);
+    assert!(
+        silent_from.elapsed() >= Duration::from_secs(5),
+        "not before its deadline"
+    );
+    assert!(!host.world().alive(0), "stopped");
+    assert!(!host.world().marker);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_admin_is_a_lost_listener_recovered_by_a_restart_not_a_wedge() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    // Another pod's failed epoch shut our admin listener.
+    f.host.world().admin = Admin::Refused;
+    f.serving_at(1).await;
+    let s = f.handle.state().borrow().clone();
+    assert!(s.family.unwrap().wedges.is_empty(), "not a wedge");
+    assert!(
+        f.host.world().alive(0),
+        "the serving envoy was never stopped"
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn stopping_kills_a_starting_epoch_and_terminates_the_serving_one() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().live_after = None;
+    let _restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let (ended, host) = f.stop().await;
+    assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
+    let w = host.world();
+    assert_eq!(
+        w.signals_to(1),
+        [Signal::SIGKILL],
+        "never SIGTERM before LIVE"
+    );
+    assert_eq!(w.signals_to(0), [Signal::SIGTERM]);
+    assert!(w.repairs >= 1, "the killed epoch's flag was checked");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_serving_epoch_dying_while_its_successor_starts_is_stood_in_for() {
+    let host = FakeHost::default();
+    let f = start(host, config());
+    f.serving_at(0).await;
+    f.host.world().live_after = Some(Duration::from_secs(1));
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    f.host.world().exit(0, killed(9));
+    f.until("standing in", |_| true).await;
+    assert_eq!(
+        restart.await.unwrap(),
+        Ok(1),
+        "the new epoch still took over"
+    );
+    assert_eq!(f.host.world().stand_ins, [0]);
+    f.serving_at(1).await;
+    assert!(!f.task.is_finished(), "the family goes on");
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_serving_envoy_terminated_from_outside_is_never_a_success() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().exit(0, code(0));
+    let (ended, _) = f.ended().await;
+    assert!(matches!(ended, Ended::Lost { .. }), "{ended:?}");
+    assert_ne!(ended.code(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crashed_serving_envoy_ends_the_family_with_its_code() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().exit(0, killed(9));
+    let (ended, _) = f.ended().await;
+    assert_eq!(ended.code(), 137, "{ended:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_overdue_draining_parent_is_killed_stood_in_for_and_the_queue_goes_on() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    assert_eq!(f.restart("first").await.unwrap(), Ok(1));
+    // The parent never exits (stopped); the next restart waits for it, then not forever.
+    let next = f.restart("second");
+    assert_eq!(next.await.unwrap(), Ok(2));
+    {
+        let w = f.host.world();
+        assert_eq!(w.signals_to(0), [Signal::SIGKILL]);
+        assert_eq!(w.stand_ins, [0]);
+        assert!(
+            w.released.is_empty(),
+            "epoch 2 does not reuse epoch 0's names"
+        );
+    }
+    let s = f.handle.state().borrow().clone();
+    let family = s.family.unwrap();
+    assert!(
+        family
+            .wedges
+            .iter()
+            .any(|w| w.reason == WedgeReason::ParentOverdue),
+        "{:?}",
+        family.wedges
+    );
+    let last = family.last_handoff.unwrap();
+    assert!(
+        last.queued >= Duration::from_secs(7),
+        "queue time: {last:?}"
+    );
+    assert!(
+        last.preflight < Duration::from_secs(1),
+        "queue time is not pre-flight: {last:?}"
+    );
+    // The stand-in's child (epoch 1) exits: nothing talks to epoch 0's names anymore.
+    f.host.world().exit(1, code(0));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(f.host.world().released, [0]);
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stand_in_is_released_only_for_an_epoch_that_reuses_its_names() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    assert_eq!(f.restart("1").await.unwrap(), Ok(1));
+    f.host.world().exit(0, killed(9));
+    f.until("stood in for 0", |_| true).await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(f.host.world().stand_ins, [0]);
+    assert_eq!(f.restart("2").await.unwrap(), Ok(2));
+    assert!(
+        f.host.world().released.is_empty(),
+        "epoch 1 still talks to 0"
+    );
+    f.host.world().exit(1, code(0));
+    assert_eq!(f.restart("3").await.unwrap(), Ok(3));
+    assert_eq!(f.host.world().released, [0]);
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn never_epoch_zero_while_something_answers_on_the_admin_port() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    host.world().admin = Admin::Silent;
+    let f = start(host, config());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(f.host.world().spawns.is_empty());
+    assert_eq!(f.handle.state().borrow().phase, ProxyPhase::Starting);
+    f.host.world().admin = Admin::Refused;
+    f.serving_at(0).await;
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_successor_waits_for_the_predecessors_draining_parent_then_takes_over() {
+    let host = FakeHost::default();
+    {
+        let mut w = host.world();
+        w.node = true;
+        w.live(3);
+        w.foreign_alive = vec![3];
+    }
+    let mut a = heartbeat("pod-a-1111", NodeState::Serving, 3, &host);
+    a.parent_draining_until_unix_ms = a.updated_unix_ms + 4_000;
+    host.world().others = vec![a.clone()];
+    let f = start(host, config());
+    // Keep pod-a's heartbeat fresh while it drains.
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = crate::host::Host::now_unix_ms(&f.host);
+        let mut w = f.host.world();
+        w.others[0].updated_unix_ms = now;
+        if now < a.parent_draining_until_unix_ms {
+            assert!(w.spawns.is_empty(), "no third generation");
+        }
+    }
+    let s = f.serving_at(4).await;
+    assert_eq!(f.host.world().spawns, [4], "predecessor's epoch + 1");
+    let family = s.family.unwrap();
+    assert_eq!(family.predecessor.as_deref(), Some("pod-a-1111"));
+    assert!(family.foreign_parent_until.is_some());
+    let ours = f.host.world().ours.clone().unwrap();
+    assert_eq!((ours.state, ours.newest_epoch), (NodeState::Serving, 4));
+    assert!(ours.parent_draining_until_unix_ms > 0, "advertised");
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    assert_eq!(f.handle.successor().await, None, "nobody is taking over");
+    let b = heartbeat("pod-b-2222", NodeState::Starting, 1, &f.host);
+    f.host.world().others = vec![b];
+    assert_eq!(
+        f.handle.successor().await.as_deref(),
+        Some("pod-b-2222"),
+        "decided from fresh facts"
+    );
+    // pod-b's epoch 1 is LIVE on the shared admin port.
+    f.host.world().live(1);
+    let s = f
+        .until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    assert_eq!(
+        s.family.unwrap().handed_over_to.as_deref(),
+        Some("pod-b-2222")
+    );
+    assert!(!f.host.world().marker, "marker gone at once");
+    assert_eq!(s.epochs[0].state, EpochState::Draining);
+    let refused = f.handle.hot_restart("x").await;
+    assert!(
+        matches!(refused, Err(RestartError::Refused(_))),
+        "{refused:?}"
+    );
+    // The successor's Envoy terminates ours: still no end, the agent decides.
+    f.host.world().exit(0, code(0));
+    f.until("our envoy gone", |s| s.epochs.is_empty()).await;
+    assert!(!f.task.is_finished());
+    let (ended, _) = f.stop().await;
+    assert!(matches!(ended, Ended::Stopped { .. }));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_drain_during_a_handoff_waits_for_it_and_ends_hot_restarts() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().live_after = Some(Duration::from_secs(2));
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let drain = {
+        let handle = f.handle.clone();
+        tokio::spawn(async move {
+            handle
+                .drain(DrainOptions {
+                    inbound_only: None,
+                    skip_exit: false,
+                })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        f.host.world().drains.is_empty(),
+        "not while the handoff settles"
+    );
+    assert_eq!(restart.await.unwrap(), Ok(1));
+    drain.await.unwrap().unwrap();
+    assert_eq!(f.host.world().drains.len(), 1);
+    assert!(!f.host.world().marker, "not ready while draining");
+    let refused = f.handle.hot_restart("after").await;
+    assert!(
+        matches!(refused, Err(RestartError::Refused(_))),
+        "{refused:?}"
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn sigusr1_reaches_running_epochs_never_a_starting_one() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().live_after = None;
+    let _restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    assert_eq!(f.handle.reopen_logs().await, 1);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    {
+        let w = f.host.world();
+        assert_eq!(w.signals_to(0), [Signal::SIGUSR1]);
+        assert!(
+            w.signals_to(1).is_empty(),
+            "its handler may not be installed yet"
+        );
+    }
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_rejected_first_epoch_never_starts() {
+    let host = FakeHost::default();
+    host.world()
+        .preflights
+        .push_back(Err("envoy rejects bootstrap.yaml: bad".to_owned()));
+    let f = start(host, config());
+    let (ended, host) = f.ended().await;
+    assert!(matches!(ended, Ended::StartFailed { .. }), "{ended:?}");
+    assert!(host.world().spawns.is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_admin_answer_from_another_family_never_counts_as_live() {
+    let host = FakeHost::default();
+    host.world().live_after = None;
+    let f = start(host, config());
+    f.spawned(&[0]).await;
+    host_answers(&f, 0, 8);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(f.handle.state().borrow().phase, ProxyPhase::Starting);
+    host_answers(&f, 0, 7);
+    f.serving_at(0).await;
+    f.stop().await;
+}
+
+fn host_answers(f: &Family, epoch: u32, base_id: u64) {
+    f.host.world().admin = Admin::Answers {
+        epoch,
+        state: ServerState::Live,
+        base_id,
+        version: "11.104".to_owned(),
+    };
+}

@@ -1,0 +1,148 @@
+//! Commands from the handle: hot restarts (queued), drains, log reopening, the successor
+//! question, expected config writes.
+
+use super::*;
+
+impl<H: Host> Supervisor<H> {
+    pub(super) fn on_command(&mut self, command: Command) {
+        match command {
+            Command::HotRestart { reason, reply } => {
+                tracing::info!(%reason, "hot restart requested");
+                self.request_restart(reason, reply);
+            }
+            Command::Drain { options, reply } => self.drain(options, reply),
+            Command::ReopenLogs { reply } => {
+                // Never a starting epoch: SIGUSR1's default action kills a process that has
+                // not installed Envoy's handler yet. Draining parents write logs too.
+                let targets: Vec<u32> = self
+                    .epochs
+                    .iter()
+                    .filter(|c| c.state != EpochState::Starting)
+                    .map(|c| c.epoch)
+                    .collect();
+                for epoch in &targets {
+                    self.epochs.signal(*epoch, Signal::SIGUSR1, None);
+                }
+                tracing::info!(epochs = ?targets, "asked envoy to reopen its logs");
+                let _ = reply.send(targets.len());
+            }
+            Command::Successor { reply } => {
+                if let Life::HandedOver { successor } = &self.life {
+                    let _ = reply.send(Some(successor.clone()));
+                    return;
+                }
+                self.read_node();
+                self.probe(Probe::Successor(reply));
+            }
+            Command::Expect { content, reply } => {
+                if let Some(watch) = &mut self.watch {
+                    watch.expect(&content);
+                }
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    pub(super) fn request_restart(&mut self, reason: String, reply: Option<Waiter>) {
+        let refused = match &self.life {
+            Life::HandedOver { successor } => Some(format!(
+                "handed over to {successor}: hot restarts are the successor's now"
+            )),
+            Life::Stopping { .. } => Some("stopping".to_owned()),
+            _ if self.family.drained => {
+                Some("draining: no new epoch starts after a drain".to_owned())
+            }
+            _ => None,
+        };
+        if let Some(why) = refused {
+            tracing::warn!(%reason, %why, "hot restart refused");
+            if let Some(reply) = reply {
+                let _ = reply.send(Err(RestartError::Refused(why)));
+            }
+            return;
+        }
+        if !self.handoff.is_idle() {
+            tracing::info!(%reason, "a handoff is under way: coalesced into the next restart");
+        }
+        self.queue.push(reason, reply, Instant::now());
+    }
+
+    pub(super) fn drain(
+        &mut self,
+        options: DrainOptions,
+        reply: oneshot::Sender<Result<(), String>>,
+    ) {
+        match &self.life {
+            Life::Stopping { .. } | Life::HandedOver { .. } => {
+                // Ours already drain, or are going.
+                let _ = reply.send(Ok(()));
+                return;
+            }
+            Life::Discovering { .. } => {
+                let _ = reply.send(Err("no envoy of ours runs yet".to_owned()));
+                return;
+            }
+            Life::Running => {}
+        }
+        if !self.family.drained {
+            tracing::info!("draining: no new epoch starts from here on");
+            self.family.drained = true;
+            self.queue
+                .refuse(&RestartError::Refused("draining".to_owned()));
+            self.set_marker(false);
+        }
+        match &self.handoff {
+            Handoff::PreFlight(_) => {
+                // Nothing started: the restart is moot.
+                if let Handoff::PreFlight(attempt) =
+                    std::mem::replace(&mut self.handoff, Handoff::Idle)
+                {
+                    self.lock = None;
+                    self.finish(
+                        attempt,
+                        Outcome::Rejected,
+                        "cancelled: the family drains".to_owned(),
+                    );
+                }
+                self.send_drain(options, vec![reply]);
+            }
+            Handoff::Starting { .. } => {
+                // The new epoch may hold the admin listener: drain whichever serves once the
+                // handoff has settled.
+                tracing::info!("a handoff is under way: the drain follows once it settles");
+                self.pending_drains.push((options, reply));
+            }
+            Handoff::Idle | Handoff::ParentDraining { .. } => {
+                self.send_drain(options, vec![reply]);
+            }
+        }
+    }
+
+    pub(super) fn send_drain(
+        &mut self,
+        options: DrainOptions,
+        replies: Vec<oneshot::Sender<Result<(), String>>>,
+    ) {
+        let listeners = DrainListeners {
+            inbound_only: options.inbound_only.unwrap_or(self.config.proxy.sidecar),
+            graceful: true,
+            skip_exit: options.skip_exit,
+        };
+        let call = self.host.drain(listeners);
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = call.await.map_err(|e| e.to_string());
+            let _ = events.send(Event::Drained { result, replies });
+        });
+    }
+
+    pub(super) fn flush_pending_drains(&mut self) {
+        if self.pending_drains.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending_drains);
+        let options = pending[0].0;
+        let replies = pending.into_iter().map(|(_, r)| r).collect();
+        self.send_drain(options, replies);
+    }
+}

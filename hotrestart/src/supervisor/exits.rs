@@ -1,0 +1,225 @@
+//! Process exits and stopping: who died, what that means, stand-ins for dead parents, the
+//! stale-INITIALIZING repair, and the stop of every epoch.
+
+use super::*;
+
+impl<H: Host> Supervisor<H> {
+    pub(super) fn on_exit(&mut self, epoch: u32, pid: u32, result: Result<Exit, ProxyError>) {
+        let Some(child) = self.epochs.remove(epoch, pid) else {
+            return;
+        };
+        let (code, tail) = match &result {
+            Ok(exit) => (exit.code(), exit.stderr_tail.clone()),
+            Err(e) => (1, e.to_string()),
+        };
+        self.metrics
+            .exit(exit_kind(&result, child.state == EpochState::Draining));
+        // The stand-in's child is gone: nothing talks to the dead parent's names anymore.
+        if self
+            .stand_in
+            .as_ref()
+            .is_some_and(|s| s.parent_epoch + 1 == epoch)
+        {
+            self.release_stand_in("its child exited");
+        }
+        if child.state == EpochState::Starting {
+            // No Envoy of the family initializes now: a flag it left set is stale.
+            self.repair_initializing(epoch);
+        }
+        match &self.life {
+            Life::Stopping { .. } => {
+                tracing::info!(epoch, code, "epoch stopped");
+                return;
+            }
+            Life::HandedOver { .. } => {
+                tracing::info!(epoch, code, "our envoy exited after the handover");
+                self.write_heartbeat();
+                return;
+            }
+            Life::Discovering { .. } | Life::Running => {}
+        }
+        match child.state {
+            EpochState::Draining => {
+                if let Handoff::ParentDraining {
+                    parent: Parent::Ours(p),
+                    ..
+                } = &self.handoff
+                {
+                    if *p == epoch {
+                        self.handoff = Handoff::Idle;
+                    }
+                }
+                if code == 0 && child.stopped.is_none() {
+                    tracing::info!(epoch, "drained parent exited (terminated by its child)");
+                } else {
+                    tracing::warn!(epoch, code, "draining parent died; its child keeps serving");
+                    self.stand_in_for(epoch);
+                }
+                self.write_heartbeat();
+            }
+            EpochState::Live => {
+                self.newest_live = None;
+                self.set_marker(false);
+                let exit = match result {
+                    Ok(exit) => exit,
+                    Err(e) => {
+                        self.begin_stop(
+                            Ended::StartFailed {
+                                code: 1,
+                                message: e.to_string(),
+                            },
+                            "cannot wait for envoy",
+                        );
+                        return;
+                    }
+                };
+                if let Some(starting) = self.handoff.starting_epoch() {
+                    // The serving epoch died while its successor starts: the successor still
+                    // talks to it, so stand in for its sockets at once and let the successor
+                    // finish (its deadline still applies).
+                    tracing::warn!(
+                        epoch,
+                        code,
+                        starting,
+                        "the serving epoch exited while epoch {starting} starts: standing in for it, the new epoch may still take over"
+                    );
+                    self.stand_in_for(epoch);
+                    if let Handoff::Starting { attempt, .. } = &mut self.handoff {
+                        attempt.parent = None;
+                    }
+                    self.pending_serving_exit = Some(exit);
+                    return;
+                }
+                // Who serves now? A successor pod's Envoy terminates ours with exit 0.
+                self.probe(Probe::ServingExited(exit));
+            }
+            EpochState::Starting => self.on_failed_start(child, code, &tail),
+        }
+    }
+
+    pub(super) fn stand_in_for(&mut self, parent_epoch: u32) {
+        if self
+            .stand_in
+            .as_ref()
+            .is_some_and(|s| s.parent_epoch == parent_epoch)
+        {
+            return;
+        }
+        match self.host.stand_in(parent_epoch) {
+            Ok(guard) => {
+                tracing::info!(
+                    event = "stand_in",
+                    epoch = parent_epoch,
+                    "standing in for the dead parent's hot-restart sockets"
+                );
+                self.stand_in = Some(StandIn {
+                    parent_epoch,
+                    _guard: guard,
+                });
+            }
+            Err(e) => {
+                tracing::error!(epoch = parent_epoch, error = %e, "cannot stand in for the dead parent")
+            }
+        }
+    }
+
+    pub(super) fn release_stand_in(&mut self, why: &str) {
+        if let Some(s) = self.stand_in.take() {
+            tracing::info!(
+                parent_epoch = s.parent_epoch,
+                reason = why,
+                "released the dead parent's sockets"
+            );
+        }
+    }
+
+    pub(super) fn repair_initializing(&mut self, epoch: u32) {
+        match self.host.repair_initializing(&self.version) {
+            Repair::Clean => {}
+            Repair::Cleared => self.record_wedge(
+                WedgeReason::StaleInitializing,
+                format!(
+                    "epoch {epoch} died while initializing and left the shared INITIALIZING \
+                     flag set (\"previous envoy process is still initializing\"); cleared it: \
+                     the serving epoch keeps serving and the next hot restart can proceed"
+                ),
+            ),
+            Repair::Failed(why) => self.record_wedge(
+                WedgeReason::StaleInitializing,
+                format!(
+                    "epoch {epoch} died while initializing; the shared INITIALIZING flag could \
+                     not be checked or cleared ({why}): a later hot restart may be refused by \
+                     envoy until a cold start"
+                ),
+            ),
+        }
+    }
+
+    pub(super) fn stopping_timers(&mut self, now: Instant, kill_at: Instant, give_up: Instant) {
+        if now >= give_up {
+            let left: Vec<u32> = self.epochs.iter().map(|c| c.pid).collect();
+            tracing::error!(pids = ?left, "epochs did not stop in time; giving up on them");
+            self.epochs = Epochs::default();
+        } else if now >= kill_at {
+            if let Life::Stopping { kill_at, .. } = &mut self.life {
+                *kill_at = give_up;
+            }
+            let left: Vec<u32> = self.epochs.iter().map(|c| c.epoch).collect();
+            for epoch in left {
+                tracing::warn!(epoch, grace = ?self.config.proxy.stop_grace, "envoy ignored SIGTERM; sending SIGKILL");
+                self.epochs
+                    .signal(epoch, Signal::SIGKILL, Some(Stop::Shutdown));
+            }
+        }
+    }
+
+    pub(super) fn begin_stop(&mut self, outcome: Ended, why: &str) {
+        if matches!(self.life, Life::Stopping { .. }) {
+            return;
+        }
+        tracing::info!(reason = why, "stopping every epoch");
+        let now = Instant::now();
+        self.set_marker(false);
+        let error = RestartError::Refused("stopping".to_owned());
+        self.queue.refuse(&error);
+        match std::mem::replace(&mut self.handoff, Handoff::Idle) {
+            Handoff::PreFlight(attempt) | Handoff::Starting { attempt, .. } => {
+                self.finish(
+                    attempt,
+                    Outcome::Failed,
+                    "the family is stopping".to_owned(),
+                );
+            }
+            _ => {}
+        }
+        for (_, reply) in self.pending_drains.drain(..) {
+            let _ = reply.send(Ok(()));
+        }
+        self.lock = None;
+        self.live = Probing::default();
+        self.watchdog = Probing::default();
+        // Newest first. An epoch that is not LIVE may have a living parent (here or in another
+        // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.
+        let targets: Vec<(u32, EpochState)> = self
+            .epochs
+            .iter()
+            .rev()
+            .map(|c| (c.epoch, c.state))
+            .collect();
+        for (epoch, state) in targets {
+            let signal = if state == EpochState::Starting && epoch > 0 {
+                Signal::SIGKILL
+            } else {
+                Signal::SIGTERM
+            };
+            tracing::info!(epoch, %signal, "stopping epoch");
+            self.epochs.signal(epoch, signal, Some(Stop::Shutdown));
+        }
+        self.life = Life::Stopping {
+            outcome,
+            kill_at: now + self.config.proxy.stop_grace,
+            give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
+        };
+        self.write_heartbeat();
+    }
+}

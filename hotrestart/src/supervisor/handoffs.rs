@@ -1,0 +1,379 @@
+//! The handoff, step by step: the first epoch, the queue's turn, pre-flight, spawn, LIVE,
+//! failure, and the timers of a handoff in flight (deadline, overdue parent, foreign parent).
+
+use super::*;
+
+impl<H: Host> Supervisor<H> {
+    pub(super) fn begin_first(&mut self, epoch: u32, parent: Option<Parent>, reason: String) {
+        let now = Instant::now();
+        let mut queue = Queue::default();
+        queue.push(reason, None, now);
+        let mut attempt = queue.take(epoch, parent, now);
+        attempt.first = true;
+        self.start_preflight(attempt);
+    }
+
+    pub(super) fn start_preflight(&mut self, mut attempt: Attempt) {
+        attempt.began = Instant::now();
+        self.life = match std::mem::replace(&mut self.life, Life::Running) {
+            Life::Discovering { .. } => Life::Running,
+            other => other,
+        };
+        tracing::info!(
+            epoch = attempt.epoch,
+            reason = %attempt.reason,
+            queued = ?attempt.queued(),
+            "hot restart: pre-flight checks"
+        );
+        let running = self.newest_live.map(|_| self.version.clone()).or_else(|| {
+            // A successor's first epoch: the predecessor runs our version (discovery checked).
+            attempt.parent.as_ref().map(|_| self.version.clone())
+        });
+        let check = self.host.preflight(running);
+        let events = self.events_tx.clone();
+        let epoch = attempt.epoch;
+        tokio::spawn(async move {
+            let result = check.await;
+            let _ = events.send(Event::PreFlight { epoch, result });
+        });
+        self.handoff = Handoff::PreFlight(attempt);
+        self.write_heartbeat();
+    }
+
+    pub(super) async fn on_preflight(&mut self, epoch: u32, result: Result<(), String>) {
+        let Handoff::PreFlight(attempt) = &self.handoff else {
+            return; // cancelled meanwhile
+        };
+        if attempt.epoch != epoch {
+            return;
+        }
+        let Handoff::PreFlight(mut attempt) = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            return;
+        };
+        attempt.preflight = attempt.began.elapsed();
+        if let Err(message) = result {
+            self.lock = None;
+            if self.newest_live.is_none() {
+                tracing::error!(epoch, %message, "pre-flight rejects the first epoch");
+                self.finish(attempt, Outcome::Rejected, message.clone());
+                self.begin_stop(Ended::StartFailed { code: 1, message }, "pre-flight failed");
+            } else {
+                self.finish(attempt, Outcome::Rejected, message);
+            }
+            return;
+        }
+        // A stand-in holds the socket names of an epoch that this one shares them with.
+        if self
+            .stand_in
+            .as_ref()
+            .is_some_and(|s| s.parent_epoch % 3 == epoch % 3)
+        {
+            self.release_stand_in("the next epoch reuses its socket names");
+        }
+        match self.host.spawn(epoch).await {
+            Ok(spawned) => {
+                self.epochs.add(epoch, spawned.pid, spawned.signals);
+                let events = self.events_tx.clone();
+                let pid = spawned.pid;
+                let exit = spawned.exit;
+                tokio::spawn(async move {
+                    let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
+                    let _ = events.send(Event::Exited { epoch, pid, result });
+                });
+                tracing::info!(event = "epoch_starting", epoch, pid, "epoch starting");
+                let now = Instant::now();
+                attempt.spawned = Some(now);
+                self.handoff = Handoff::Starting {
+                    attempt,
+                    deadline: now + self.config.handoff_deadline,
+                };
+                self.live = Probing {
+                    next: Some(now + LIVE_POLL),
+                    in_flight: false,
+                };
+                self.write_heartbeat();
+            }
+            Err(e) => {
+                self.lock = None;
+                let message = e.to_string();
+                if self.newest_live.is_none() {
+                    self.finish(attempt, Outcome::Failed, message.clone());
+                    self.begin_stop(
+                        Ended::StartFailed { code: 1, message },
+                        "cannot start envoy",
+                    );
+                } else {
+                    self.finish(attempt, Outcome::Failed, message);
+                }
+            }
+        }
+    }
+
+    pub(super) fn go_live(&mut self, epoch: u32) {
+        let Handoff::Starting { attempt, .. } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            return;
+        };
+        self.live = Probing::default();
+        self.admin_ok = Instant::now();
+        self.epochs.set_state(epoch, EpochState::Live);
+        let now = Instant::now();
+        self.handoff = match &attempt.parent {
+            Some(Parent::Ours(p)) if self.epochs.get(*p).is_some() => {
+                self.epochs.set_state(*p, EpochState::Draining);
+                Handoff::ParentDraining {
+                    parent: Parent::Ours(*p),
+                    until: now + self.config.parent_shutdown_time(),
+                }
+            }
+            Some(Parent::Foreign { epoch, identity }) => {
+                tracing::info!(epoch = attempt.epoch, predecessor = %identity, "took over from the predecessor's envoy");
+                // Until the child terminates it; a second of margin for its own timer.
+                let drains = self.config.parent_shutdown_time() + Duration::from_secs(1);
+                self.family.foreign_parent_until = Some(SystemTime::now() + drains);
+                self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
+                Handoff::ParentDraining {
+                    parent: Parent::Foreign {
+                        epoch: *epoch,
+                        identity: identity.clone(),
+                    },
+                    until: now + drains,
+                }
+            }
+            _ => Handoff::Idle,
+        };
+        self.newest_live = Some(epoch);
+        self.pending_serving_exit = None;
+        // Our epoch is LIVE: the next successor (or restart) may allocate.
+        self.lock = None;
+        self.metrics.epoch(epoch);
+        if !self.family.drained {
+            self.set_marker(true);
+        }
+        self.watchdog = Probing {
+            next: Some(now + WATCHDOG_POLL),
+            in_flight: false,
+        };
+        self.write_heartbeat();
+        // Last: whoever waits for this restart sees the new state at once.
+        self.publish();
+        self.finish(attempt, Outcome::Live, String::new());
+        self.flush_pending_drains();
+    }
+
+    pub(super) fn on_failed_start(&mut self, child: crate::epochs::Child, code: i32, tail: &str) {
+        let epoch = child.epoch;
+        let timed_out = matches!(child.stopped, Some((Stop::Deadline, _)));
+        let message = if timed_out {
+            format!(
+                "not LIVE within the handoff deadline ({:?})",
+                self.config.handoff_deadline
+            )
+        } else {
+            format!("exited with code {code}: {}", last_line(tail))
+        };
+        let Handoff::Starting { attempt, .. } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            tracing::warn!(epoch, code, "an epoch exited while starting");
+            return;
+        };
+        self.live = Probing::default();
+        self.lock = None;
+        let outcome = if timed_out {
+            Outcome::TimedOut
+        } else {
+            Outcome::Failed
+        };
+        if self.newest_live.is_none() {
+            tracing::error!(epoch, code, "envoy failed to start\n{}", tail.trim_end());
+            self.finish(attempt, outcome, message.clone());
+            // Nothing of ours serves: the first epoch failed, or the serving one died while
+            // this one started.
+            let ended = match self.pending_serving_exit.take() {
+                Some(exit) => Ended::Lost {
+                    message: format!(
+                        "the serving epoch {} exited while epoch {epoch} started, and epoch {epoch} failed: {message}",
+                        exit.epoch
+                    ),
+                    exit,
+                },
+                None => Ended::StartFailed { code, message },
+            };
+            self.begin_stop(ended, "nothing serves");
+            return;
+        }
+        let retries = attempt.retries;
+        self.finish(attempt, outcome, message);
+        self.flush_pending_drains();
+        // The child may have shut the serving epoch's admin listener before it failed.
+        self.probe(Probe::FailedChild { epoch, retries });
+        self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+    }
+
+    pub(super) fn queue_retry_at(&self) -> Instant {
+        // Immediately the first time; then at the lock's retry pace.
+        match self.queue.waiting_for {
+            None => Instant::now(),
+            Some(_) => self.lock_retry_at,
+        }
+    }
+
+    pub(super) fn can_restart(&self) -> bool {
+        matches!(self.life, Life::Running) && self.newest_live.is_some() && !self.family.drained
+    }
+
+    pub(super) fn handoff_timers(&mut self, now: Instant) {
+        match &self.handoff {
+            Handoff::Starting {
+                attempt, deadline, ..
+            } if now >= *deadline => {
+                let epoch = attempt.epoch;
+                if self.epochs.get(epoch).is_some_and(|c| c.stopped.is_none()) {
+                    // SIGKILL, not SIGTERM: Envoy's SIGTERM handler also terminates its
+                    // parent, which is the epoch still serving (seen on 1.40).
+                    self.epochs
+                        .signal(epoch, Signal::SIGKILL, Some(Stop::Deadline));
+                    let message = format!(
+                        "epoch {epoch} not LIVE within the handoff deadline ({:?}); killed it \
+                         (SIGKILL), the serving epoch keeps serving",
+                        self.config.handoff_deadline
+                    );
+                    self.record_wedge(WedgeReason::HandoffDeadline, message);
+                }
+            }
+            Handoff::ParentDraining {
+                parent: Parent::Ours(p),
+                until,
+            } if now >= *until + self.config.parent_overdue_grace => {
+                let p = *p;
+                if self.epochs.get(p).is_some_and(|c| c.stopped.is_none()) {
+                    let message = format!(
+                        "draining parent epoch {p} still runs {:?} after its parent-shutdown \
+                         time: killed it (SIGKILL); a stand-in answers its child, and queued \
+                         restarts go on",
+                        self.config.parent_overdue_grace
+                    );
+                    self.epochs.signal(p, Signal::SIGKILL, Some(Stop::Overdue));
+                    self.record_wedge(WedgeReason::ParentOverdue, message);
+                }
+            }
+            Handoff::ParentDraining {
+                parent: Parent::Foreign { epoch, identity },
+                until,
+            } => {
+                let (epoch, identity, until) = (*epoch, identity.clone(), *until);
+                if self.foreign_check.is_some_and(|t| now >= t) {
+                    self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
+                    // The names come free only once the predecessor's Envoy is gone: then our
+                    // child would abort on its next message to it. Hold them and answer.
+                    if self.stand_in.is_none() {
+                        if let Ok(guard) = self.host.stand_in(epoch) {
+                            if now < until {
+                                tracing::warn!(event = "stand_in", epoch, predecessor = %identity, "the predecessor's envoy is gone before its time: standing in for its sockets");
+                            }
+                            self.stand_in = Some(StandIn {
+                                parent_epoch: epoch,
+                                _guard: guard,
+                            });
+                        }
+                    }
+                }
+                if now >= until {
+                    self.handoff = Handoff::Idle;
+                    self.foreign_check = None;
+                    self.family.foreign_parent_until = None;
+                    self.write_heartbeat();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    pub(super) fn try_start_queued(&mut self, now: Instant) {
+        if self.lock.is_none() {
+            match self.host.try_lock() {
+                Ok(Some(lock)) => self.lock = Some(lock),
+                Ok(None) => {
+                    self.lock_retry_at = now + LOCK_RETRY;
+                    let why = "another pod holds the node's epoch lock (a successor is starting?)";
+                    if self.queue.waiting_for.as_deref() != Some(why) {
+                        tracing::info!(reason = why, "hot restart queued");
+                        self.queue.waiting_for = Some(why.to_owned());
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot take the node's epoch lock; restarting without it");
+                }
+            }
+        }
+        let Some(newest) = self.newest_live else {
+            return;
+        };
+        let attempt = self.queue.take(newest + 1, Some(Parent::Ours(newest)), now);
+        self.start_preflight(attempt);
+    }
+
+    pub(super) fn finish(&mut self, attempt: Attempt, outcome: Outcome, message: String) {
+        let duration = attempt.triggered.elapsed();
+        if !attempt.first {
+            self.metrics.handoff(duration, outcome.as_str());
+        }
+        if outcome == Outcome::Rejected {
+            self.metrics.config_rejected();
+        }
+        let spawn_to_live = attempt.spawned.map(|s| s.elapsed());
+        match outcome {
+            Outcome::Live if attempt.first => tracing::info!(
+                event = "handoff",
+                outcome = outcome.as_str(),
+                first = true,
+                epoch = attempt.epoch,
+                reason = %attempt.reason,
+                ?duration,
+                preflight = ?attempt.preflight,
+                start_to_live = ?spawn_to_live,
+                "first epoch LIVE"
+            ),
+            Outcome::Live => tracing::info!(
+                event = "handoff",
+                outcome = outcome.as_str(),
+                first = false,
+                epoch = attempt.epoch,
+                reason = %attempt.reason,
+                ?duration,
+                queued = ?attempt.queued(),
+                preflight = ?attempt.preflight,
+                start_to_live = ?spawn_to_live,
+                "hot restart done: epoch LIVE"
+            ),
+            _ => tracing::error!(
+                event = "handoff",
+                outcome = outcome.as_str(),
+                first = attempt.first,
+                epoch = attempt.epoch,
+                reason = %attempt.reason,
+                %message,
+                "hot restart did not happen; the serving epoch keeps serving"
+            ),
+        }
+        for waiter in attempt.waiters {
+            let _ = waiter.send(match outcome {
+                Outcome::Live => Ok(attempt.epoch),
+                Outcome::Rejected => Err(RestartError::Rejected(message.clone())),
+                Outcome::Failed | Outcome::TimedOut => Err(RestartError::Failed(message.clone())),
+            });
+        }
+        self.family.last_handoff = Some(HandoffResult {
+            epoch: attempt.epoch,
+            reason: attempt.reason,
+            outcome,
+            duration,
+            queued: attempt.began - attempt.triggered,
+            preflight: attempt.preflight,
+            at: SystemTime::now(),
+            message,
+        });
+    }
+}

@@ -1,0 +1,115 @@
+//! The node and the pod: heartbeats (read and written), the readiness marker, wedge records.
+
+use super::*;
+
+impl<H: Host> Supervisor<H> {
+    /// The node's other fresh heartbeats of our family; notes a starting successor and reports
+    /// each untrusted file once.
+    pub(super) fn read_node(&mut self) -> Vec<Heartbeat> {
+        if !self.host.has_node() {
+            return Vec::new();
+        }
+        let (heartbeats, rejected) = self.host.read_heartbeats();
+        for r in rejected {
+            if self.reported.insert((r.path.clone(), r.reason.clone())) {
+                tracing::warn!(path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
+            }
+        }
+        let now_ms = self.host.now_unix_ms();
+        let max_age = self.config.heartbeat_period * 4;
+        let others: Vec<Heartbeat> = heartbeats
+            .into_iter()
+            .filter(|h| h.identity != self.config.identity && h.base_id == self.base_id)
+            .filter(|h| h.fresh(now_ms, max_age))
+            .collect();
+        if matches!(self.life, Life::Running) {
+            let ours = self.newest_live.unwrap_or(0);
+            let successor = others
+                .iter()
+                .find(|h| h.state == NodeState::Starting && h.newest_epoch > ours)
+                .map(|h| h.identity.clone());
+            if successor != self.family.successor_starting {
+                if let Some(s) = &successor {
+                    tracing::info!(successor = %s, "a successor pod is starting");
+                    // See its takeover soon.
+                    if self.newest_live.is_some() && !self.watchdog.in_flight {
+                        self.watchdog.next = Some(Instant::now());
+                    }
+                }
+                self.family.successor_starting = successor;
+            }
+        }
+        others
+    }
+
+    pub(super) fn write_heartbeat(&mut self) {
+        if !self.host.has_node() {
+            return;
+        }
+        let (state, newest) = match &self.life {
+            Life::Discovering { .. } => (NodeState::Waiting, 0),
+            Life::Running => match (self.newest_live, self.handoff.attempt()) {
+                (Some(n), _) => (NodeState::Serving, n),
+                (None, Some(a)) => (NodeState::Starting, a.epoch),
+                (None, None) => (
+                    NodeState::Starting,
+                    self.epochs.newest().map_or(0, |c| c.epoch),
+                ),
+            },
+            Life::HandedOver { .. } => (
+                NodeState::HandedOver,
+                self.epochs.newest().map_or(0, |c| c.epoch),
+            ),
+            Life::Stopping { .. } => (
+                NodeState::Stopping,
+                self.epochs.newest().map_or(0, |c| c.epoch),
+            ),
+        };
+        let now = Instant::now();
+        let now_ms = self.host.now_unix_ms();
+        let parent_until = match &self.handoff {
+            Handoff::ParentDraining { until, .. } if *until > now => {
+                now_ms + (*until - now).as_millis() as u64
+            }
+            _ => 0,
+        };
+        let heartbeat = Heartbeat {
+            format: node::FORMAT.to_owned(),
+            identity: self.config.identity.clone(),
+            pid: std::process::id(),
+            base_id: self.base_id,
+            hot_restart_version: self.version.clone(),
+            newest_epoch: newest,
+            envoy_pid: self.epochs.get(newest).map_or(0, |c| c.pid),
+            state,
+            updated_unix_ms: now_ms,
+            parent_draining_until_unix_ms: parent_until,
+            restart_in_flight: self.newest_live.is_some() && self.handoff.attempt().is_some(),
+        };
+        if let Err(e) = self.host.write_heartbeat(&heartbeat) {
+            tracing::error!(error = %e, "cannot write the heartbeat");
+        }
+    }
+
+    pub(super) fn set_marker(&mut self, present: bool) {
+        if let Err(e) = self.host.set_marker(present) {
+            tracing::error!(error = %e, "cannot update the readiness marker");
+        }
+        if self.marker != present {
+            tracing::info!(event = "ready_marker", ready = present, "readiness marker");
+            self.marker = present;
+        }
+    }
+
+    pub(super) fn record_wedge(&mut self, reason: WedgeReason, message: String) {
+        tracing::error!(event = "wedge", reason = %reason, %message, "hot restart wedge");
+        self.metrics.wedge(reason.as_str());
+        self.family.wedges.push(Wedge {
+            reason,
+            at: SystemTime::now(),
+            message,
+        });
+        let excess = self.family.wedges.len().saturating_sub(WEDGES_KEPT);
+        self.family.wedges.drain(..excess);
+    }
+}

@@ -1,0 +1,339 @@
+//! Admin probes and what their answers decide: discovery of a predecessor, LIVE, the watchdog
+//! (wedge, lost listener, takeover by a successor), the stop-time successor question.
+
+use super::*;
+
+impl<H: Host> Supervisor<H> {
+    pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
+        let now_ms = self.host.now_unix_ms();
+        let others = self.read_node();
+        let decision = discovery::decide(&others, &result, self.base_id, &self.version, now_ms);
+        let (waiting, reported_incompatible) = match &mut self.life {
+            Life::Discovering {
+                waiting,
+                next,
+                probing,
+                reported_incompatible,
+                ..
+            } => {
+                *probing = false;
+                *next = Instant::now() + DISCOVERY_POLL;
+                (waiting.clone(), *reported_incompatible)
+            }
+            _ => return,
+        };
+        let set_waiting = |life: &mut Life, why: String, reported: Option<Instant>| {
+            if let Life::Discovering {
+                waiting,
+                reported_incompatible,
+                ..
+            } = life
+            {
+                *waiting = Some(why);
+                *reported_incompatible = reported;
+            }
+        };
+        match decision {
+            Discovery::Fresh => {
+                tracing::info!("no live predecessor on this node: starting at epoch 0");
+                self.begin_first(0, None, "start".to_owned());
+            }
+            Discovery::TakeOver { epoch, identity } => {
+                let who = identity
+                    .unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
+                tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
+                self.family.predecessor = Some(who.clone());
+                self.begin_first(
+                    epoch + 1,
+                    Some(Parent::Foreign {
+                        epoch,
+                        identity: who.clone(),
+                    }),
+                    format!("take over from {who}"),
+                );
+            }
+            Discovery::Incompatible { theirs, identity } => {
+                let mut reported = reported_incompatible;
+                if reported.is_none_or(|t| t.elapsed() >= INCOMPATIBLE_REPORT) {
+                    reported = Some(Instant::now());
+                    tracing::error!(
+                        predecessor = identity.as_deref().unwrap_or("unknown"),
+                        theirs = %theirs,
+                        ours = %self.version,
+                        "the node's envoy has another hot-restart version: it cannot be \
+                         hot-restarted from; not starting until it is gone (see the runbook)"
+                    );
+                }
+                let why = format!(
+                    "the node's envoy has hot-restart version {theirs}, ours {}",
+                    self.version
+                );
+                set_waiting(&mut self.life, why, reported);
+            }
+            Discovery::Wait(why) => {
+                if waiting.as_deref() != Some(why.as_str()) {
+                    tracing::info!(reason = %why, "waiting to take over");
+                }
+                set_waiting(&mut self.life, why, reported_incompatible);
+            }
+        }
+    }
+
+    pub(super) fn probe(&mut self, probe: Probe) {
+        match &probe {
+            Probe::Live { .. } => self.live.in_flight = true,
+            Probe::Watchdog => self.watchdog.in_flight = true,
+            Probe::Discover => {
+                if let Life::Discovering { probing, .. } = &mut self.life {
+                    *probing = true;
+                }
+            }
+            _ => {}
+        }
+        let call = self.host.server_info();
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = call.await;
+            let _ = events.send(Event::Probed { probe, result });
+        });
+    }
+
+    pub(super) fn on_probe(&mut self, probe: Probe, result: Result<ServerInfo, AdminError>) {
+        match probe {
+            Probe::Discover => self.on_discovery(result),
+            Probe::Live { epoch } => {
+                self.live.in_flight = false;
+                self.on_live_probe(epoch, result);
+            }
+            Probe::Watchdog => {
+                self.watchdog.in_flight = false;
+                self.on_watchdog(result);
+            }
+            Probe::Successor(reply) => {
+                let ours = self.newest_live.or(self.epochs.newest().map(|c| c.epoch));
+                if let Some(successor) = self.takeover_seen(&result, ours) {
+                    self.hand_over(successor);
+                }
+                let answer = match &self.life {
+                    Life::HandedOver { successor } => Some(successor.clone()),
+                    _ => self.family.successor_starting.clone(),
+                };
+                tracing::info!(successor = ?answer, "asked whether a successor takes over");
+                // The asker reads the state next: publish first.
+                self.publish();
+                let _ = reply.send(answer);
+            }
+            Probe::ServingExited(exit) => {
+                if let Some(successor) = self.takeover_seen(&result, Some(exit.epoch)) {
+                    tracing::info!(epoch = exit.epoch, %successor, "our envoy was terminated by the successor's");
+                    self.hand_over(successor);
+                    return;
+                }
+                if matches!(self.life, Life::Stopping { .. } | Life::HandedOver { .. }) {
+                    return;
+                }
+                let code = exit.code();
+                if code == 0 {
+                    let message = format!(
+                        "the serving envoy (epoch {}) exited with code 0 while no other epoch \
+                         serves and no successor took over: it was terminated from outside \
+                         (e.g. by another pod's failed epoch)",
+                        exit.epoch
+                    );
+                    tracing::error!(%message);
+                    self.begin_stop(Ended::Lost { exit, message }, "nothing serves");
+                } else {
+                    tracing::error!(
+                        epoch = exit.epoch,
+                        code,
+                        "the serving epoch exited\n{}",
+                        exit.stderr_tail.trim_end()
+                    );
+                    self.begin_stop(Ended::Exited(exit), "the serving epoch exited");
+                }
+            }
+            Probe::FailedChild { epoch, retries } => {
+                if !matches!(self.life, Life::Running) || self.family.drained {
+                    return;
+                }
+                // Only a LIVE child gives the family an admin endpoint back once a failed one
+                // shut the serving epoch's.
+                if result.is_err() {
+                    let retries = retries + 1;
+                    if retries <= MAX_RETRIES {
+                        tracing::warn!(
+                            epoch,
+                            retries,
+                            "the serving epoch lost its admin endpoint to the failed child; retrying the same epoch"
+                        );
+                        self.queue.retries = self.queue.retries.max(retries);
+                        self.queue.push(
+                            format!("retry {retries} after failed epoch {epoch}"),
+                            None,
+                            Instant::now(),
+                        );
+                    } else {
+                        tracing::error!(
+                            epoch,
+                            "the serving epoch has no admin endpoint and the retries are used up"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the admin answer shows a newer epoch of the family that is not ours: a
+    /// successor pod's Envoy took over. Its supervisor's name if so.
+    pub(super) fn takeover_seen(
+        &mut self,
+        result: &Result<ServerInfo, AdminError>,
+        ours: Option<u32>,
+    ) -> Option<String> {
+        let info = result.as_ref().ok()?;
+        let ours = ours?;
+        if info.state != ServerState::Live
+            || info.base_id != u64::from(self.base_id)
+            || info.restart_epoch <= ours
+            || self.epochs.get(info.restart_epoch).is_some()
+        {
+            return None;
+        }
+        let others = self.read_node();
+        Some(
+            others
+                .iter()
+                .find(|h| h.newest_epoch == info.restart_epoch)
+                .map(|h| h.identity.clone())
+                .unwrap_or_else(|| format!("the supervisor of epoch {}", info.restart_epoch)),
+        )
+    }
+
+    pub(super) fn hand_over(&mut self, successor: String) {
+        if !matches!(self.life, Life::Running) {
+            return;
+        }
+        tracing::info!(event = "handed_over", %successor, "handed over to {successor}");
+        if let Some(n) = self.newest_live {
+            self.epochs.set_state(n, EpochState::Draining);
+        }
+        self.newest_live = None;
+        self.life = Life::HandedOver {
+            successor: successor.clone(),
+        };
+        self.family.handed_over_to = Some(successor.clone());
+        self.family.successor_starting = None;
+        self.set_marker(false);
+        self.queue.refuse(&RestartError::Refused(format!(
+            "handed over to {successor}"
+        )));
+        self.watchdog = Probing::default();
+        self.write_heartbeat();
+    }
+
+    pub(super) fn on_live_probe(&mut self, epoch: u32, result: Result<ServerInfo, AdminError>) {
+        if self.handoff.starting_epoch() != Some(epoch) {
+            return;
+        }
+        let ours = match (&result, self.epochs.get(epoch)) {
+            (Ok(info), Some(child)) => {
+                info.state == ServerState::Live
+                    && info.restart_epoch == epoch
+                    && info.base_id == u64::from(self.base_id)
+                    && child.state == EpochState::Starting
+                    && child.stopped.is_none()
+                    // Proof that the answering Envoy is the process we started: it has not
+                    // been up longer than ours.
+                    && uptime(&info.uptime_current_epoch)
+                        .is_none_or(|up| up <= child.started_at.elapsed() + Duration::from_secs(2))
+            }
+            _ => false,
+        };
+        if ours {
+            self.go_live(epoch);
+        } else {
+            self.live.next = Some(Instant::now() + LIVE_POLL);
+        }
+    }
+
+    pub(super) fn on_watchdog(&mut self, result: Result<ServerInfo, AdminError>) {
+        if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
+            return;
+        }
+        if let Some(successor) = self.takeover_seen(&result, self.newest_live) {
+            self.hand_over(successor);
+            return;
+        }
+        let now = Instant::now();
+        let period = if self.family.successor_starting.is_some() {
+            WATCHDOG_POLL_SUCCESSOR
+        } else {
+            WATCHDOG_POLL
+        };
+        self.watchdog.next = Some(now + period);
+        match result {
+            Ok(_) => self.admin_ok = now,
+            Err(e) if self.family.successor_starting.is_some() => {
+                // Another pod's starting epoch may hold the admin listener: its handoff, not a
+                // wedge of ours.
+                tracing::debug!(error = %e, "admin silent while a successor starts");
+                self.admin_ok = now;
+            }
+            Err(e) if discovery::refused(&e) => {
+                // Our Envoy runs but its admin listener is gone: only a child (ours or another
+                // pod's) takes it, and that child has failed. Only a LIVE child gives it back.
+                self.admin_ok = now;
+                if self.handoff.is_idle() && self.queue.is_empty() && !self.family.drained {
+                    tracing::warn!(error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
+                    self.queue
+                        .push("recover the admin listener".to_owned(), None, now);
+                }
+            }
+            Err(e) => {
+                let silent = now - self.admin_ok;
+                tracing::warn!(error = %e, silent_for = ?silent, "envoy admin not answering");
+                if silent >= self.config.admin_unresponsive_deadline {
+                    let message = format!(
+                        "envoy admin silent for {silent:?} (deadline {:?}): {e}",
+                        self.config.admin_unresponsive_deadline
+                    );
+                    self.record_wedge(WedgeReason::AdminUnresponsive, message.clone());
+                    self.begin_stop(
+                        Ended::Wedged {
+                            reason: WedgeReason::AdminUnresponsive,
+                            message,
+                        },
+                        "wedged",
+                    );
+                }
+            }
+        }
+    }
+
+    /// Discovery's next step: the node's epoch lock, then a look at the node.
+    pub(super) fn discover(&mut self, now: Instant, waiting: Option<String>) {
+        if self.lock.is_none() {
+            match self.host.try_lock() {
+                Ok(Some(lock)) => self.lock = Some(lock),
+                Ok(None) => {
+                    let why = "another agent holds the node's epoch lock".to_owned();
+                    if waiting.as_deref() != Some(why.as_str()) {
+                        tracing::info!(reason = %why, "waiting to take over");
+                    }
+                    if let Life::Discovering { next, waiting, .. } = &mut self.life {
+                        *next = now + LOCK_RETRY;
+                        *waiting = Some(why);
+                    }
+                    return;
+                }
+                Err(e) => {
+                    let message = format!("cannot take the node's epoch lock: {e}");
+                    tracing::error!(%message);
+                    self.begin_stop(Ended::StartFailed { code: 1, message }, "no epoch lock");
+                    return;
+                }
+            }
+        }
+        self.probe(Probe::Discover);
+    }
+}
