@@ -940,7 +940,12 @@ impl<P: Proxy> Agent<P> {
             }
             if let Some(path) = stop_now {
                 if !matches!(mode, Mode::Stopping(_)) {
-                    tracing::info!(event = "stopping", %path, "stopping envoy");
+                    tracing::info!(
+                        event = "stopping",
+                        exit_path = path.name(),
+                        at_unix_ms = unix_ms(),
+                        "stopping envoy: {path}"
+                    );
                     mode = Mode::Stopping(path);
                     // In-flight calls are moot now; dropping them closes their connections.
                     successor_call = None;
@@ -1150,6 +1155,13 @@ impl<P: Proxy> Agent<P> {
             }
         });
     }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
 }
 
 async fn sleep_until(at: Option<Instant>) {

@@ -334,7 +334,9 @@ impl AgentProcess {
             .into_iter()
             .filter(|v| match v.get(key) {
                 Some(serde_json::Value::String(s)) => s == value,
-                Some(other) => other.to_string() == value,
+                Some(other) => value
+                    .parse::<serde_json::Value>()
+                    .is_ok_and(|v| v == *other),
                 None => false,
             })
             .collect()

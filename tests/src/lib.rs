@@ -22,7 +22,7 @@ mod agent_process;
 mod load;
 
 pub use agent_process::{AgentBuilder, AgentProcess, HotRestartPorts};
-pub use load::{Load, LoadReport};
+pub use load::{Load, LoadReport, unix_ms};
 
 /// How long a test waits for something that should happen in well under a second. Generous:
 /// machines are shared and slow; a test that needs it is broken, not flaky.
@@ -141,6 +141,14 @@ static_resources:
               - match: {{ prefix: "/" }}
                 direct_response: {{ status: 200, body: {{ inline_string: "{body}" }} }}
           http_filters:
+          # A request with `x-envoy-fault-delay-request: <ms>` is answered that much later:
+          # a slow in-flight request for drain tests (see `slow_request`).
+          - name: envoy.filters.http.fault
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.fault.v3.HTTPFault
+              delay:
+                header_delay: {{}}
+                percentage: {{ numerator: 100, denominator: HUNDRED }}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -276,10 +284,44 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<Response>
 
 /// `method path` on a fresh connection with `Connection: close`, bounded by [`PATIENCE`].
 pub async fn http_request(addr: SocketAddr, method: &str, path: &str) -> std::io::Result<Response> {
+    http_request_with(addr, method, path, &[]).await
+}
+
+/// A request that Envoy (the test bootstrap's fault filter) answers only after `delay`: an
+/// in-flight request that a graceful drain must let complete. Starts at once; resolves with
+/// the response.
+pub fn slow_request(
+    addr: SocketAddr,
+    delay: Duration,
+) -> tokio::task::JoinHandle<std::io::Result<Response>> {
+    let ms = delay.as_millis().to_string();
+    tokio::spawn(async move {
+        http_request_with(
+            addr,
+            "GET",
+            "/slow",
+            &[("x-envoy-fault-delay-request", ms.as_str())],
+        )
+        .await
+    })
+}
+
+/// `method path` with extra `headers`, on a fresh connection with `Connection: close`,
+/// bounded by [`PATIENCE`].
+pub async fn http_request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> std::io::Result<Response> {
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
     let exchange = async {
         let mut stream = TcpStream::connect(addr).await?;
         let request = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
         );
         stream.write_all(request.as_bytes()).await?;
         let mut raw = Vec::new();

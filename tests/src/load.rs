@@ -32,6 +32,23 @@ pub struct LoadReport {
     pub failed: u64,
     /// The first failures, with their error.
     pub errors: Vec<String>,
+    /// When each failure was seen, Unix milliseconds.
+    pub failure_times: Vec<u64>,
+}
+
+impl LoadReport {
+    /// How many requests failed before `unix_ms` (e.g. an event's `at_unix_ms`).
+    pub fn failed_before(&self, unix_ms: u64) -> usize {
+        self.failure_times.iter().filter(|t| **t < unix_ms).count()
+    }
+}
+
+/// Now, in Unix milliseconds.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
 }
 
 #[derive(Default)]
@@ -39,11 +56,15 @@ struct Counters {
     ok: AtomicU64,
     failed: AtomicU64,
     errors: std::sync::Mutex<Vec<String>>,
+    failure_times: std::sync::Mutex<Vec<u64>>,
 }
 
 impl Counters {
     fn fail(&self, kind: &str, error: String) {
         self.failed.fetch_add(1, Ordering::Relaxed);
+        if let Ok(mut times) = self.failure_times.lock() {
+            times.push(unix_ms());
+        }
         if let Ok(mut errors) = self.errors.lock() {
             if errors.len() < ERRORS_KEPT {
                 errors.push(format!("{kind}: {error}"));
@@ -166,6 +187,13 @@ impl Load {
                 .counters
                 .0
                 .errors
+                .lock()
+                .map(|e| e.clone())
+                .unwrap_or_default(),
+            failure_times: self
+                .counters
+                .0
+                .failure_times
                 .lock()
                 .map(|e| e.clone())
                 .unwrap_or_default(),

@@ -20,7 +20,7 @@ async fn client(
 }
 
 /// Runs `envoy-agent <args>` against `agent`, returning exit code and stdout+stderr.
-async fn cli(agent: &AgentProcess, args: &[&str]) -> (i32, String, String) {
+pub(crate) async fn cli(agent: &AgentProcess, args: &[&str]) -> (i32, String, String) {
     let output = tokio::time::timeout(
         PATIENCE,
         tokio::process::Command::new(AGENT)
@@ -37,6 +37,37 @@ async fn cli(agent: &AgentProcess, args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&output.stdout).into_owned(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
+}
+
+/// The agent's gRPC health status for its service, over its own address.
+pub(crate) async fn health_status(agent: &AgentProcess) -> i32 {
+    let addr: GrpcAddress = agent.grpc.parse().unwrap();
+    let channel = match addr {
+        GrpcAddress::Unix(socket) => tonic::transport::Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_| {
+                let socket = socket.clone();
+                async move {
+                    tokio::net::UnixStream::connect(socket)
+                        .await
+                        .map(hyper_util::rt::TokioIo::new)
+                }
+            }))
+            .await
+            .unwrap(),
+        GrpcAddress::Tcp(a) => tonic::transport::Endpoint::from_shared(format!("http://{a}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    };
+    tonic_health::pb::health_client::HealthClient::new(channel)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: envoy_agent::grpc::SERVICE_NAME.to_owned(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
 }
 
 #[tokio::test]

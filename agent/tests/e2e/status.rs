@@ -11,13 +11,27 @@ use nix::sched::{CloneFlags, setns};
 use nix::sys::signal::Signal;
 
 use crate::agent;
+use crate::exit_paths::{Mode, agent_in, both_modes};
 
-#[tokio::test]
-async fn readiness_is_503_until_envoy_is_live() {
+both_modes!(
+    readiness_is_503_until_envoy_is_live,
+    readiness_is_200_when_live_and_503_while_draining_with_the_server_still_up,
+    drain_delay_fails_readiness_before_the_drain_starts,
+    mutating_endpoints_answer_405_to_get,
+    prometheus_merges_agent_and_envoy_stats,
+);
+
+async fn readiness_is_503_until_envoy_is_live(mode: Mode) {
     let xds = envoy_agent_tests::silent_server().await;
-    let mut agent = agent()
+    let builder = agent_in(mode);
+    let (admin, listener) = builder
+        .ports()
+        .map_or((0, 0), |p| (p.admin_port, p.listener_port));
+    let mut agent = builder
         // Clusters from an xDS server that never answers: Envoy stays initializing.
-        .bootstrap(envoy_agent_tests::bootstrap_waiting_for_xds(0, 0, "x", xds))
+        .bootstrap(envoy_agent_tests::bootstrap_waiting_for_xds(
+            admin, listener, "x", xds,
+        ))
         .args(&["--termination-drain-duration", "0s"])
         .no_wait_live()
         .start()
@@ -34,9 +48,8 @@ async fn readiness_is_503_until_envoy_is_live() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
-#[tokio::test]
-async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still_up() {
-    let mut agent = agent()
+async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still_up(mode: Mode) {
+    let mut agent = agent_in(mode)
         .args(&["--termination-drain-duration", "1h"])
         .start()
         .await;
@@ -81,9 +94,8 @@ async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still
     assert!(!process_alive(envoy));
 }
 
-#[tokio::test]
-async fn drain_delay_fails_readiness_before_the_drain_starts() {
-    let mut agent = agent()
+async fn drain_delay_fails_readiness_before_the_drain_starts(mode: Mode) {
+    let mut agent = agent_in(mode)
         .args(&["--drain-delay", "1h", "--termination-drain-duration", "0s"])
         .start()
         .await;
@@ -112,9 +124,8 @@ async fn drain_delay_fails_readiness_before_the_drain_starts() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
-#[tokio::test]
-async fn mutating_endpoints_answer_405_to_get() {
-    let mut agent = agent()
+async fn mutating_endpoints_answer_405_to_get(mode: Mode) {
+    let mut agent = agent_in(mode)
         .args(&["--termination-drain-duration", "0s"])
         .start()
         .await;
@@ -123,15 +134,21 @@ async fn mutating_endpoints_answer_405_to_get() {
         assert_eq!(response.status, 405, "GET {path}");
     }
     assert!(agent.running());
+    // The GETs changed nothing: still ready, no drain, no stop.
     let ready = http_get(agent.status(), "/healthz/ready").await.unwrap();
-    assert_ne!(ready.body, "", "readiness still answers");
+    assert_eq!(
+        (ready.status, ready.body.as_str()),
+        (200, "ready\n"),
+        "{ready:?}"
+    );
+    assert!(agent.events("drain_accepted").is_empty());
+    assert!(agent.events("stopping").is_empty());
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
-#[tokio::test]
-async fn prometheus_merges_agent_and_envoy_stats() {
-    let mut agent = agent()
+async fn prometheus_merges_agent_and_envoy_stats(mode: Mode) {
+    let mut agent = agent_in(mode)
         .args(&["--termination-drain-duration", "0s"])
         .start()
         .await;
