@@ -171,6 +171,8 @@ async fn serve<P: Proxy>(
         Ok(server) => Some(server),
         Err(e) if node_proxy && e.in_use() => {
             tracing::warn!(
+                event = "status_address",
+                state = "in_use",
                 addr = %args.status_address,
                 "the status address is in use (by the predecessor pod's agent on this node?): \
                  serving without it and binding it once it is free; readiness is the marker file"

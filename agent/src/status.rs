@@ -87,7 +87,7 @@ impl StatusServer {
             }
             match Self::bind(addr).await {
                 Ok(server) => {
-                    tracing::info!(%addr, "the status address is free now: bound it");
+                    tracing::info!(event = "status_address", state = "bound", %addr, "the status address is free now: bound it");
                     return Some(server);
                 }
                 Err(e) => tracing::debug!(%addr, error = %e, "the status address is still taken"),

@@ -1,6 +1,6 @@
 //! [`EnvoyFamily`]: a hot-restart family of Envoy epochs as a [`Proxy`], so that the agent
 //! drives it exactly as it drives a single Envoy; and [`SupervisorHandle`], the cloneable
-//! handle that sends the [`Supervisor`] actor its commands.
+//! handle that sends the supervisor actor its commands.
 //!
 //! Every call resolves once the supervisor has acted on it: a hot restart when the new epoch
 //! is LIVE (or why not), a drain when Envoy accepted it, a log reopening when the epochs were
@@ -25,7 +25,7 @@ use crate::supervisor::{Command, Supervisor};
 /// Bound on one admin call of the supervisor.
 const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// A cloneable handle to a running [`Supervisor`].
+/// A cloneable handle to a running supervisor.
 #[derive(Debug, Clone)]
 pub struct SupervisorHandle {
     commands: mpsc::Sender<Command>,
@@ -82,7 +82,7 @@ impl SupervisorHandle {
     }
 }
 
-/// A hot-restart family of Envoy epochs, run by a [`Supervisor`].
+/// A hot-restart family of Envoy epochs, run by its supervisor actor.
 pub struct EnvoyFamily<H: Host = RealHost> {
     config: Config,
     admin: SocketAddr,

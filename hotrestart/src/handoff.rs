@@ -7,7 +7,7 @@
 //!    └──────────────────────────────────────────────── parent exited (or overdue, killed) ◀┘
 //! ```
 //!
-//! Triggers that arrive meanwhile wait in the [`Queue`] and are coalesced into the one restart
+//! Triggers that arrive meanwhile wait in the queue and are coalesced into the one restart
 //! that starts when the state is `Idle` again, so no third generation can ever exist. The
 //! first epoch of a supervisor goes through the same states (with no parent of its own, or a
 //! predecessor pod's Envoy as a foreign parent).

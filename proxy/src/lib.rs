@@ -1,6 +1,8 @@
-//! The proxy a supervisor runs: the [`Proxy`] trait and [`Envoy`], its implementation for the
-//! real Envoy binary, plus what it takes to talk to Envoy ([`AdminClient`]), to start it
-//! ([`envoy_args`]) and to change its config ([`write_atomically`]).
+//! The proxy an agent runs: the [`Proxy`] trait and [`Envoy`], its implementation for one
+//! real Envoy process, plus what it takes to talk to Envoy ([`AdminClient`]), to start it
+//! ([`envoy_args`], [`EnvoyProcess`]) and to change its config ([`validate_candidate`],
+//! [`write_atomically`]). The hot-restart family of epochs is the other implementation (in the
+//! `hotrestart` crate); both publish the same typed [`ProxyState`].
 //!
 //! # Theory of operation
 //!
@@ -10,18 +12,21 @@
 //!   own process group, so a terminal's Ctrl-C reaches the agent only and the agent decides
 //!   what Envoy gets. Envoy's stdout is inherited; its stderr is copied through to ours and the
 //!   last few KiB are kept, so an Envoy that refuses its config explains why in [`Exit`].
-//! - **Running.** `run` resolves when Envoy exits, whatever the reason, and reports how.
-//!   When the bootstrap asks for admin port 0, Envoy writes the bound address to a file and
-//!   `run` publishes it on [`Envoy::watch_admin_address`] as soon as it appears.
+//! - **Running.** `run` resolves when the proxy cannot serve anymore, and says how
+//!   ([`Ended`]). Meanwhile [`Proxy::state`] publishes its phase and epochs: `Starting` until
+//!   the admin API says LIVE, `Serving`, then `Exited`. When the bootstrap asks for admin port
+//!   0, Envoy writes the bound address to a file and `run` picks it up as soon as it appears.
 //! - **Stopping.** Cancelling the `abort` token stops Envoy gracefully: SIGTERM (Envoy
 //!   flushes its logs and exits at once, no drain), then SIGKILL to its process group once
 //!   [`ProxyConfig::stop_grace`] has passed. `run` still waits for the exit status, so no
-//!   zombie is left and the caller learns how Envoy ended. Dropping the `run` future SIGKILLs
-//!   Envoy (a safety net, not a way to stop it).
+//!   zombie is left. Dropping the `run` future SIGKILLs Envoy (a safety net, not a way to stop
+//!   it). [`EnvoyProcess::supervise`] delivers signals only while the process is unreaped, so
+//!   a signal never reaches a process that got its pid since.
 //! - **Draining** is an admin call ([`Proxy::drain`]); Envoy keeps running. The policy around
-//!   it (how long to wait, when to stop) lives in the `drain` crate and the agent.
-//! - **Config updates** replace the bootstrap atomically: readers see the old file or the new
-//!   one, never a mix, and a failed write leaves the old file in place.
+//!   it (how long to wait, when to stop) is the agent's.
+//! - **Config updates** are validated on a private candidate file first ([`validate_candidate`])
+//!   and replace the bootstrap atomically: readers see the old file or the new one, never a
+//!   mix, and a rejected config or a failed write leaves the old file in place.
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -258,6 +258,55 @@ pub const PRIVATE_NETNS: &[&str] = &[
     "sh",
 ];
 
+/// A network namespace of the test's own (`ip netns add`, loopback up), which the calling
+/// thread joins: every socket the test opens from then on, and every process it starts, is in
+/// it. For tests that need fixed, well-known ports (defaults such as 127.0.0.1:15020) without
+/// colliding with tests running beside them. `#[tokio::test]` runs a test on one thread, so
+/// the whole test is inside. Removed when dropped (needs root).
+#[derive(Debug)]
+pub struct NetNs {
+    name: String,
+}
+
+impl NetNs {
+    /// Creates the namespace and moves the calling thread into it.
+    pub fn enter() -> NetNs {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "envoy-agent-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let run = |args: &[&str]| {
+            let status = std::process::Command::new("ip")
+                .args(args)
+                .status()
+                .unwrap_or_else(|e| panic!("ip {args:?}: {e} (iproute2 is needed, and root)"));
+            assert!(status.success(), "ip {args:?} failed");
+        };
+        run(&["netns", "add", &name]);
+        let ns = NetNs { name };
+        run(&["netns", "exec", &ns.name, "ip", "link", "set", "lo", "up"]);
+        let file = std::fs::File::open(format!("/var/run/netns/{}", ns.name))
+            .unwrap_or_else(|e| panic!("opening netns {}: {e}", ns.name));
+        nix::sched::setns(
+            std::os::fd::AsFd::as_fd(&file),
+            nix::sched::CloneFlags::CLONE_NEWNET,
+        )
+        .unwrap_or_else(|e| panic!("joining netns {}: {e}", ns.name));
+        ns
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
 /// Reads the address Envoy wrote to its `--admin-address-path` file, waiting for it.
 pub async fn admin_address_from_file(path: &Path) -> SocketAddr {
     eventually("envoy to write its admin address", PATIENCE, || async {

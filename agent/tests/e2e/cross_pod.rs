@@ -239,3 +239,64 @@ async fn a_corrupt_heartbeat_is_reported_and_ignored() {
     a.signal_agent(Signal::SIGTERM);
     assert_eq!(a.exit().await.code(), Some(0));
 }
+
+/// A surge successor runs the same command line on the same host network as its predecessor:
+/// both want the default status port. The successor takes over anyway, serves its status port
+/// only once the predecessor has released it, and never shares it.
+#[tokio::test]
+async fn surge_pods_take_the_default_status_port_in_turn() {
+    // A node of the test's own: the default port, free of the other tests.
+    let _netns = envoy_agent_tests::NetNs::enter();
+    let node = Node::new();
+    let status: std::net::SocketAddr = ([127, 0, 0, 1], 15020).into();
+    let mut a = node.pod("pod-a").default_status_address().start().await;
+    let load = Load::start(node.listener(), "/", 2, 2);
+    eventually(
+        "pod-a ready on the default status port",
+        PATIENCE,
+        || async {
+            let r = envoy_agent_tests::http_get(status, "/healthz/ready")
+                .await
+                .ok()?;
+            (r.status == 200).then_some(())
+        },
+    )
+    .await;
+
+    let mut b = node.pod("pod-b").default_status_address().start().await;
+    b.wait_event("status_address", "state", "in_use").await;
+    assert!(
+        b.marker_present(),
+        "the successor took over: its readiness is the marker"
+    );
+    // The port is still pod-a's, which says it handed over.
+    let r = eventually("pod-a to report the handover", PATIENCE, || async {
+        let r = envoy_agent_tests::http_get(status, "/healthz/ready")
+            .await
+            .ok()?;
+        r.body.contains("handed over").then_some(r)
+    })
+    .await;
+    assert_eq!(r.status, 503);
+    assert!(r.body.contains("pod-b"), "{}", r.body);
+
+    a.signal_agent(Signal::SIGTERM);
+    assert_eq!(a.exit().await.code(), Some(0));
+    b.wait_event("status_address", "state", "bound").await;
+    let r = eventually(
+        "pod-b ready on the default status port",
+        PATIENCE,
+        || async {
+            let r = envoy_agent_tests::http_get(status, "/healthz/ready")
+                .await
+                .ok()?;
+            (r.status == 200).then_some(r)
+        },
+    )
+    .await;
+    assert_eq!(r.body, "ready\n");
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    b.signal_agent(Signal::SIGTERM);
+    assert_eq!(b.exit().await.code(), Some(0));
+}
