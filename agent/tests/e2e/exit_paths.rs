@@ -74,7 +74,18 @@ async fn sigterm_drains_gracefully_lets_a_slow_request_complete_then_stops(mode:
     assert!(!client.get("/").await.unwrap().connection_close());
     // In flight when the signal comes; answered two seconds later, inside the drain.
     let slow = slow_request(listener, Duration::from_secs(2));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    eventually("the slow request in flight", PATIENCE, || async {
+        let stats = agent
+            .admin
+            .stats("http.hello.downstream_rq_active$", false)
+            .await
+            .ok()?;
+        stats
+            .lines()
+            .any(|l| l.trim().ends_with(": 1"))
+            .then_some(())
+    })
+    .await;
 
     agent.signal(Signal::SIGTERM);
     agent.wait_event("drain_accepted", "level", "INFO").await;

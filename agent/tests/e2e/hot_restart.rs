@@ -89,10 +89,12 @@ async fn config_changes_trigger_one_restart_each_and_bursts_one() {
     live_at(&agent.admin, 2).await;
     assert_eq!(http_get(hello, "/").await.unwrap().body, "burst 9");
     one_generation(&agent).await;
-    // Nothing else is coming: still epoch 2 well after the debounce.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(agent.admin.server_info().await.unwrap().restart_epoch, 2);
-    assert_eq!(restarts(&agent, "live"), 2);
+    // A sentinel change: had the burst caused another restart, it would have come first and
+    // the sentinel would land at epoch 4.
+    write_bootstrap(&agent, "sentinel");
+    live_at(&agent.admin, 3).await;
+    assert_eq!(http_get(hello, "/").await.unwrap().body, "sentinel");
+    assert_eq!(restarts(&agent, "live"), 3);
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -130,8 +132,19 @@ async fn a_configmap_symlink_swap_triggers_a_restart() {
 
     live_at(&agent.admin, 1).await;
     assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "two");
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(restarts(&agent, "live"), 1);
+    one_generation(&agent).await;
+    // A sentinel swap: had the first swap caused two restarts, this one would land at 3.
+    std::fs::create_dir_all(config.join("..v3")).unwrap();
+    std::fs::write(
+        config.join("..v3/bootstrap.yaml"),
+        bootstrap_yaml_on(p.admin_port, p.listener_port, "three"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("..v3", config.join("..data_tmp")).unwrap();
+    std::fs::rename(config.join("..data_tmp"), config.join("..data")).unwrap();
+    live_at(&agent.admin, 2).await;
+    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "three");
+    assert_eq!(restarts(&agent, "live"), 2);
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -215,8 +228,11 @@ async fn a_sighup_storm_is_coalesced_without_a_third_generation() {
     // after the first handoff's parent has exited.
     live_at(&agent.admin, 2).await;
     one_generation(&agent).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(agent.admin.server_info().await.unwrap().restart_epoch, 2);
+    // Every SIGHUP was queued long before: nothing is left queued or under way.
+    let (_, json, _) = crate::grpc::cli(&agent, &["status", "--json"]).await;
+    let status: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(status["handoff"].is_null(), "no restart pending: {status}");
+    assert_eq!(status["newest_live_epoch"], 2, "{status}");
     let most = watcher.await.unwrap();
     assert!(most <= 2, "at most two generations at once, saw {most}");
     let report = load.stop().await;
@@ -353,8 +369,19 @@ async fn as_pid_1_of_its_own_pid_namespace_it_reaps_orphans_and_handles_sigterm(
     // More orphans, from the pre-flight runs and epoch 1.
     kill(Pid::from_raw(supervisor as i32), Signal::SIGHUP).unwrap();
     live_at(&agent.admin, 1).await;
-    // The orphans exit 0.2s after they are born; none may stay a zombie.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The orphans exit 0.2s after they are born; none may stay a zombie: wait until no
+    // orphan is left below PID 1, alive or not (a zombie would stay forever).
+    eventually("every orphan exited and reaped", PATIENCE, || async {
+        let orphans: Vec<u32> = envoy_agent_tests::children_of(supervisor)
+            .into_iter()
+            .filter(|c| {
+                std::fs::read_to_string(format!("/proc/{c}/comm"))
+                    .is_ok_and(|comm| comm.trim() == "sleep")
+            })
+            .collect();
+        orphans.is_empty().then_some(())
+    })
+    .await;
     assert_eq!(
         zombies_of(supervisor),
         Vec::<u32>::new(),

@@ -222,6 +222,43 @@ async fn bad_flag_values_exit_64_naming_the_flag() {
 }
 
 #[tokio::test]
+async fn hot_restart_flags_without_hot_restart_are_refused_not_ignored() {
+    let dir = TestDir::new();
+    let good = dir.bootstrap("good.yaml", "x");
+    for (flag, value) in [
+        ("--base-id", Some("7")),
+        ("--parent-shutdown-time", Some("30s")),
+        ("--handoff-deadline", Some("10s")),
+        ("--admin-unresponsive-deadline", Some("10s")),
+        ("--watch-config", None),
+        ("--ready-marker", Some("/tmp/ready")),
+        ("--state-dir", Some("/tmp/state")),
+        ("--identity", Some("pod-a")),
+    ] {
+        let mut args = vec![os("run"), os("-c"), good.as_os_str(), os(flag)];
+        args.extend(value.map(os));
+        let (code, stderr) = run_to_exit(&args).await;
+        assert_eq!(code, Some(64), "{flag}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains("--hot-restart"),
+            "names {flag} and what it needs: {stderr}"
+        );
+    }
+    // --hot-restart without what it needs.
+    let (code, stderr) = run_to_exit(&[
+        os("run"),
+        os("-c"),
+        good.as_os_str(),
+        os("--hot-restart"),
+        os("--base-id"),
+        os("7"),
+    ])
+    .await;
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(stderr.contains("--state-dir"), "{stderr}");
+}
+
+#[tokio::test]
 async fn a_status_address_in_use_exits_64_naming_it() {
     let dir = TestDir::new();
     let good = dir.bootstrap("good.yaml", "x");

@@ -105,7 +105,7 @@ async fn drain_delay_fails_readiness_before_the_drain_starts(mode: Mode) {
         http_get(agent.status(), "/healthz/ready")
             .await
             .ok()
-            .filter(|r| r.status == 503)
+            .filter(|r| r.status == 503 && r.body.contains("about to drain"))
     })
     .await;
     assert!(
@@ -235,8 +235,17 @@ async fn mutating_endpoints_refuse_a_non_loopback_peer() {
             .await
             .unwrap();
     assert!(status == 200 || status == 503, "{status}");
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Controls resolve once applied: a refused request that had acted would show already.
     assert!(agent.running(), "a refused /quitquitquit does nothing");
+    assert!(agent.events("stopping").is_empty() && agent.events("drain_accepted").is_empty());
+    let (_, body) =
+        tokio::task::spawn_blocking(move || request_in_netns(pid, local, "GET", "/healthz/ready"))
+            .await
+            .unwrap();
+    assert!(
+        !body.contains("draining") && !body.contains("exiting"),
+        "neither draining nor exiting: {body}"
+    );
 
     // The same request from loopback is obeyed.
     let (status, _) =
