@@ -4,7 +4,6 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd;
-use std::time::Duration;
 
 use envoy_agent_tests::{PATIENCE, eventually, http_get, http_request, process_alive};
 use nix::sched::{CloneFlags, setns};
