@@ -174,6 +174,8 @@ pub enum ExitPath {
     HandedOver,
     /// A successor pod took over but did not terminate our Envoy in time: it was stopped.
     HandoverTimedOut,
+    /// The proxy stopped on its own during the shutdown (its first Envoy never served).
+    ProxyStopped,
     /// The proxy could not be run.
     ProxyFailed,
 }
@@ -201,6 +203,7 @@ impl fmt::Display for ExitPath {
             ExitPath::HandoverTimedOut => {
                 f.write_str("the successor did not terminate our envoy in time")
             }
+            ExitPath::ProxyStopped => f.write_str("envoy stopped before it served"),
             ExitPath::ProxyFailed => f.write_str("envoy could not be run"),
         }
     }
@@ -234,6 +237,7 @@ impl ExitPath {
             ExitPath::SignalAfterDrain => "signal_after_drain",
             ExitPath::HandedOver => "handed_over",
             ExitPath::HandoverTimedOut => "handover_timed_out",
+            ExitPath::ProxyStopped => "proxy_stopped",
             ExitPath::ProxyFailed => "proxy_failed",
         }
     }
@@ -975,7 +979,7 @@ impl<P: Proxy> Agent<P> {
             Ok(ended) => {
                 let path = match (&ended, stopping) {
                     (Ended::Stopped { .. }, Some(path)) => path,
-                    (Ended::Stopped { .. }, None) => ExitPath::DrainTimeElapsed,
+                    (Ended::Stopped { .. }, None) => ExitPath::ProxyStopped,
                     (Ended::Exited(exit), _) => ExitPath::ProxyExited { code: exit.code() },
                     (Ended::Lost { .. }, _) => ExitPath::ProxyLost { code: ended.code() },
                     (Ended::StartFailed { .. }, _) => ExitPath::StartFailed { code: ended.code() },

@@ -586,3 +586,58 @@ fn host_answers(f: &Family, epoch: u32, base_id: u64) {
         version: "11.104".to_owned(),
     };
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_successor_told_to_drain_while_taking_over_kills_its_child_and_leaves() {
+    let host = FakeHost::default();
+    {
+        let mut w = host.world();
+        w.node = true;
+        w.live(3);
+        w.foreign_alive = vec![3];
+        // Our first epoch hangs initializing.
+        w.live_after = None;
+    }
+    let a = heartbeat("pod-a-1111", NodeState::Serving, 3, &host);
+    host.world().others = vec![a];
+    let f = start(host, config());
+    f.spawned(&[4]).await;
+    // pod-a's heartbeat is a predecessor's, not a successor's.
+    assert_eq!(f.handle.successor().await, None);
+    f.handle
+        .drain(DrainOptions {
+            inbound_only: None,
+            skip_exit: false,
+        })
+        .await
+        .unwrap();
+    let (ended, host) = f.ended().await;
+    assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
+    let w = host.world();
+    assert_eq!(
+        w.signals_to(4),
+        [Signal::SIGKILL],
+        "SIGTERM would take the predecessor's envoy down"
+    );
+    assert!(w.drains.is_empty(), "nothing of ours served: no drain");
+    assert!(w.repairs >= 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_newer_serving_heartbeat_is_a_successor_before_the_admin_shows_it() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let b = heartbeat("pod-b-2222", NodeState::Serving, 1, &f.host);
+    f.host.world().others = vec![b];
+    assert_eq!(f.handle.successor().await.as_deref(), Some("pod-b-2222"));
+    let waiting = heartbeat("pod-c-3333", NodeState::Waiting, 0, &f.host);
+    f.host.world().others = vec![waiting];
+    assert_eq!(
+        f.handle.successor().await,
+        None,
+        "a pod waiting for its turn is no successor"
+    );
+    f.stop().await;
+}

@@ -190,7 +190,8 @@ pub(crate) struct Supervisor<H: Host> {
     newest_live: Option<u32>,
     /// The node's epoch lock, held from a handoff's start until its epoch is LIVE or failed.
     lock: Option<Guard>,
-    stand_in: Option<StandIn>,
+    /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
+    stand_ins: Vec<StandIn>,
     live: Probing,
     watchdog: Probing,
     admin_ok: Instant,
@@ -252,7 +253,7 @@ impl<H: Host> Supervisor<H> {
             version: String::new(),
             newest_live: None,
             lock: None,
-            stand_in: None,
+            stand_ins: Vec::new(),
             live: Probing::default(),
             watchdog: Probing::default(),
             admin_ok: now,
@@ -288,7 +289,7 @@ impl<H: Host> Supervisor<H> {
         };
         self.host.remove_heartbeat(&self.config.identity);
         self.lock = None;
-        self.stand_in = None;
+        self.stand_ins.clear();
         self.publish();
         tracing::info!(outcome = ?ended, code = ended.code(), "supervisor done");
         ended

@@ -78,11 +78,17 @@ impl<H: Host> Supervisor<H> {
                 let _ = reply.send(Ok(()));
                 return;
             }
-            Life::Discovering { .. } => {
-                let _ = reply.send(Err("no envoy of ours runs yet".to_owned()));
+            Life::Discovering { .. } | Life::Running if self.newest_live.is_none() => {
+                // Told to go away before our first epoch serves: nothing of ours to drain, and
+                // a takeover now would only be undone. A starting epoch is killed (SIGKILL: its
+                // parent may be the predecessor pod's serving Envoy).
+                tracing::info!("told to drain before our first epoch serves: giving up the start");
+                self.family.drained = true;
+                let _ = reply.send(Ok(()));
+                self.begin_stop(Ended::Stopped { last: None }, "drained before serving");
                 return;
             }
-            Life::Running => {}
+            Life::Discovering { .. } | Life::Running => {}
         }
         if !self.family.drained {
             tracing::info!("draining: no new epoch starts from here on");

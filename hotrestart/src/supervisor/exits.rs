@@ -14,14 +14,8 @@ impl<H: Host> Supervisor<H> {
         };
         self.metrics
             .exit(exit_kind(&result, child.state == EpochState::Draining));
-        // The stand-in's child is gone: nothing talks to the dead parent's names anymore.
-        if self
-            .stand_in
-            .as_ref()
-            .is_some_and(|s| s.parent_epoch + 1 == epoch)
-        {
-            self.release_stand_in("its child exited");
-        }
+        // A stand-in's child is gone: nothing talks to that dead parent's names anymore.
+        self.release_stand_ins(|p| p + 1 == epoch, "its child exited");
         if child.state == EpochState::Starting {
             // No Envoy of the family initializes now: a flag it left set is stale.
             self.repair_initializing(epoch);
@@ -99,9 +93,9 @@ impl<H: Host> Supervisor<H> {
 
     pub(super) fn stand_in_for(&mut self, parent_epoch: u32) {
         if self
-            .stand_in
-            .as_ref()
-            .is_some_and(|s| s.parent_epoch == parent_epoch)
+            .stand_ins
+            .iter()
+            .any(|s| s.parent_epoch == parent_epoch)
         {
             return;
         }
@@ -112,7 +106,7 @@ impl<H: Host> Supervisor<H> {
                     epoch = parent_epoch,
                     "standing in for the dead parent's hot-restart sockets"
                 );
-                self.stand_in = Some(StandIn {
+                self.stand_ins.push(StandIn {
                     parent_epoch,
                     _guard: guard,
                 });
@@ -123,14 +117,20 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    pub(super) fn release_stand_in(&mut self, why: &str) {
-        if let Some(s) = self.stand_in.take() {
-            tracing::info!(
-                parent_epoch = s.parent_epoch,
-                reason = why,
-                "released the dead parent's sockets"
-            );
-        }
+    /// Releases the stand-ins for the dead parents `which` selects.
+    pub(super) fn release_stand_ins(&mut self, which: impl Fn(u32) -> bool, why: &str) {
+        self.stand_ins.retain(|s| {
+            let release = which(s.parent_epoch);
+            if release {
+                tracing::info!(
+                    event = "stand_in_released",
+                    parent_epoch = s.parent_epoch,
+                    reason = why,
+                    "released the dead parent's sockets"
+                );
+            }
+            !release
+        });
     }
 
     pub(super) fn repair_initializing(&mut self, epoch: u32) {

@@ -63,14 +63,12 @@ impl<H: Host> Supervisor<H> {
             }
             return;
         }
-        // A stand-in holds the socket names of an epoch that this one shares them with.
-        if self
-            .stand_in
-            .as_ref()
-            .is_some_and(|s| s.parent_epoch % 3 == epoch % 3)
-        {
-            self.release_stand_in("the next epoch reuses its socket names");
-        }
+        // Only a stand-in holding the socket names this epoch will bind must go (Envoy names
+        // them after the epoch modulo 3); the others' children may still talk to them.
+        self.release_stand_ins(
+            |p| p % 3 == epoch % 3,
+            "the next epoch reuses its socket names",
+        );
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
@@ -267,12 +265,12 @@ impl<H: Host> Supervisor<H> {
                     self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
                     // The names come free only once the predecessor's Envoy is gone: then our
                     // child would abort on its next message to it. Hold them and answer.
-                    if self.stand_in.is_none() {
+                    if !self.stand_ins.iter().any(|s| s.parent_epoch == epoch) {
                         if let Ok(guard) = self.host.stand_in(epoch) {
                             if now < until {
                                 tracing::warn!(event = "stand_in", epoch, predecessor = %identity, "the predecessor's envoy is gone before its time: standing in for its sockets");
                             }
-                            self.stand_in = Some(StandIn {
+                            self.stand_ins.push(StandIn {
                                 parent_epoch: epoch,
                                 _guard: guard,
                             });

@@ -12,7 +12,7 @@ impl<H: Host> Supervisor<H> {
         let (heartbeats, rejected) = self.host.read_heartbeats();
         for r in rejected {
             if self.reported.insert((r.path.clone(), r.reason.clone())) {
-                tracing::warn!(path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
+                tracing::warn!(event = "heartbeat_rejected", path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
             }
         }
         let now_ms = self.host.now_unix_ms();
@@ -23,10 +23,23 @@ impl<H: Host> Supervisor<H> {
             .filter(|h| h.fresh(now_ms, max_age))
             .collect();
         if matches!(self.life, Life::Running) {
-            let ours = self.newest_live.unwrap_or(0);
+            // Our newest epoch, starting or not: a pod with a newer one is a successor (taking
+            // over, or already serving), never a predecessor.
+            let ours = [
+                self.newest_live,
+                self.epochs.newest().map(|c| c.epoch),
+                self.handoff.attempt().map(|a| a.epoch),
+            ]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(0);
             let successor = others
                 .iter()
-                .find(|h| h.state == NodeState::Starting && h.newest_epoch > ours)
+                .find(|h| {
+                    matches!(h.state, NodeState::Starting | NodeState::Serving)
+                        && h.newest_epoch > ours
+                })
                 .map(|h| h.identity.clone());
             if successor != self.family.successor_starting {
                 if let Some(s) = &successor {
