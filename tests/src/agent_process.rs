@@ -41,6 +41,8 @@ pub struct AgentBuilder {
     /// Leave `--status-address` at its default (127.0.0.1:15020): the caller isolates the
     /// network (a private network namespace).
     default_status_address: bool,
+    /// Return as soon as the agent runs.
+    wait_nothing: bool,
 }
 
 impl AgentBuilder {
@@ -76,6 +78,14 @@ impl AgentBuilder {
     /// Do not wait for Envoy to be LIVE (e.g. it is meant to stay initializing).
     pub fn no_wait_live(mut self) -> Self {
         self.wait_live = false;
+        self
+    }
+
+    /// Wait for nothing: `start` returns once the agent runs (it may exit at once, or its
+    /// readiness marker may be stale). The status server's address is then unknown.
+    pub fn no_wait(mut self) -> Self {
+        self.wait_live = false;
+        self.wait_nothing = true;
         self
     }
 
@@ -221,7 +231,7 @@ impl AgentBuilder {
                 }
             }));
         }
-        let status = if self.default_status_address {
+        let status = if self.default_status_address || self.wait_nothing {
             None
         } else {
             Some(crate::admin_address_from_file(&status_file).await)
@@ -309,6 +319,7 @@ impl AgentProcess {
             hot_restart: None,
             owns_shm: false,
             default_status_address: false,
+            wait_nothing: false,
         }
     }
 

@@ -15,7 +15,7 @@ use nix::sys::signal::Signal;
 use crate::agent;
 use envoy_agent_tests::live_at;
 
-const POD: &[&str] = &[
+pub(crate) const POD: &[&str] = &[
     "unshare",
     "--pid",
     "--fork",
@@ -25,9 +25,9 @@ const POD: &[&str] = &[
 ];
 
 /// One node: the shared state dir, bootstrap, ports and base id.
-struct Node {
-    dir: TestDir,
-    ports: HotRestartPorts,
+pub(crate) struct Node {
+    pub(crate) dir: TestDir,
+    pub(crate) ports: HotRestartPorts,
 }
 
 impl Drop for Node {
@@ -40,7 +40,7 @@ impl Drop for Node {
 }
 
 impl Node {
-    fn new() -> Node {
+    pub(crate) fn new() -> Node {
         let ports = agent().hot_restart().ports().unwrap();
         let dir = TestDir::new();
         dir.write(
@@ -51,26 +51,33 @@ impl Node {
         Node { dir, ports }
     }
 
-    fn state_dir(&self) -> PathBuf {
+    pub(crate) fn state_dir(&self) -> PathBuf {
         self.dir.join("state")
     }
 
-    /// A pod of this node named `name`.
-    fn pod(&self, name: &str) -> AgentBuilder {
+    /// A pod of this node with no name of its own (no `--identity`, no `POD_NAME`): every
+    /// such agent is PID 1 of its pod on the node's host name. No drain times set.
+    pub(crate) fn pod_base(&self) -> AgentBuilder {
         let state = self.state_dir();
         agent()
             .hot_restart_on(self.ports)
             .bootstrap_path(self.dir.join("bootstrap.yaml"))
             .wrapper(POD)
-            .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
-            .args(&["--state-dir", state.to_str().unwrap(), "--identity", name])
+            .args(&["--state-dir", state.to_str().unwrap()])
     }
 
-    fn admin(&self) -> AdminClient {
+    /// A pod of this node named `name`, with short drain and parent-shutdown times.
+    pub(crate) fn pod(&self, name: &str) -> AgentBuilder {
+        self.pod_base()
+            .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+            .args(&["--identity", name])
+    }
+
+    pub(crate) fn admin(&self) -> AdminClient {
         AdminClient::new(([127, 0, 0, 1], self.ports.admin_port).into())
     }
 
-    fn listener(&self) -> std::net::SocketAddr {
+    pub(crate) fn listener(&self) -> std::net::SocketAddr {
         ([127, 0, 0, 1], self.ports.listener_port).into()
     }
 
@@ -80,7 +87,7 @@ impl Node {
 }
 
 /// The heartbeat of the pod named `name` (its identity is the name plus a random suffix).
-fn heartbeat(dir: &Path, name: &str) -> Option<envoy_agent_hotrestart::node::Heartbeat> {
+pub(crate) fn heartbeat(dir: &Path, name: &str) -> Option<envoy_agent_hotrestart::node::Heartbeat> {
     let (heartbeats, _) = envoy_agent_hotrestart::node::read_all(dir);
     let prefix = format!("{name}-");
     heartbeats

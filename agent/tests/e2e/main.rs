@@ -7,6 +7,7 @@
 mod cross_pod;
 mod exit_paths;
 mod grpc;
+mod handoff_faults;
 mod hot_restart;
 mod manifests;
 mod run;

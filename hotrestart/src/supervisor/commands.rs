@@ -61,8 +61,17 @@ impl<H: Host> Supervisor<H> {
             }
             return;
         }
-        if !self.handoff.is_idle() {
-            tracing::info!(%reason, "a handoff is under way: coalesced into the next restart");
+        let waiting_for = match &self.handoff {
+            Handoff::Idle => None,
+            Handoff::ParentDraining { parent, .. } => {
+                Some(format!("epoch {} still drains", parent.epoch()))
+            }
+            Handoff::PreFlight(_) | Handoff::Starting { .. } => {
+                Some("a handoff is under way".to_owned())
+            }
+        };
+        if let Some(why) = &waiting_for {
+            tracing::info!(event = "restart_queued", %reason, waiting_for = %why, "hot restart queued: coalesced into the next restart");
         }
         self.queue.push(reason, reply, Instant::now());
     }

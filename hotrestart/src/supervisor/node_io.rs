@@ -17,11 +17,28 @@ impl<H: Host> Supervisor<H> {
         }
         let now_ms = self.host.now_unix_ms();
         let max_age = self.config.heartbeat_period * 4;
+        let skew = crate::node::CLOCK_SKEW.as_millis() as u64;
+        let mut future = Vec::new();
         let others: Vec<Heartbeat> = heartbeats
             .into_iter()
             .filter(|h| h.identity != self.config.identity && h.base_id == self.base_id)
-            .filter(|h| h.fresh(now_ms, max_age))
+            .filter(|h| {
+                if h.updated_unix_ms > now_ms + skew {
+                    future.push(h.identity.clone());
+                }
+                h.fresh(now_ms, max_age)
+            })
             .collect();
+        for identity in future {
+            // Fresh forever if trusted: never.
+            let reason = "stamped in the future: not trusted".to_owned();
+            if self
+                .reported
+                .insert((std::path::PathBuf::from(&identity), reason.clone()))
+            {
+                tracing::warn!(event = "heartbeat_rejected", %identity, %reason, "ignoring a heartbeat");
+            }
+        }
         if matches!(self.life, Life::Running) {
             // Our newest epoch, starting or not: a pod with a newer one is a successor (taking
             // over, or already serving), never a predecessor.
