@@ -48,8 +48,10 @@ impl Drop for Absorber {
 /// `reply { stats {} }`, framed: length 4, then the message.
 const EMPTY_STATS_REPLY: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 4, 0x12, 0x02, 0x1a, 0x00];
 
-/// A framed `HotRestartMessage { request { stats {...} } }`.
-fn is_stats_request(datagram: &[u8]) -> bool {
+/// Whether `datagram` (as a child sends it to its parent) is a framed
+/// `HotRestartMessage { request { stats {...} } }`, which the stand-in answers. Any bytes are
+/// safe to pass: they come from the network namespace.
+pub fn is_stats_request(datagram: &[u8]) -> bool {
     // 8-byte length, then field 1 (request, length-delimited), its length (one varint byte for
     // these small messages, or more), then field 3 (stats, length-delimited).
     let Some(message) = datagram.get(8..) else {

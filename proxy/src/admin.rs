@@ -112,6 +112,29 @@ pub struct ServerInfo {
     pub uptime_current_epoch: String,
 }
 
+impl ServerInfo {
+    /// Parses a `/server_info` body (JSON).
+    pub fn parse(body: &[u8]) -> Result<ServerInfo, String> {
+        let raw: RawServerInfo = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        let base_id = if raw.command_line_options.base_id.is_empty() {
+            0
+        } else {
+            raw.command_line_options
+                .base_id
+                .parse()
+                .map_err(|e| format!("base_id: {e}"))?
+        };
+        Ok(ServerInfo {
+            version: raw.version,
+            state: raw.state,
+            restart_epoch: raw.command_line_options.restart_epoch,
+            base_id,
+            hot_restart_version: raw.hot_restart_version,
+            uptime_current_epoch: raw.uptime_current_epoch,
+        })
+    }
+}
+
 #[derive(Deserialize)]
 struct RawServerInfo {
     version: String,
@@ -214,24 +237,7 @@ impl AdminClient {
     pub async fn server_info(&self) -> Result<ServerInfo, AdminError> {
         let endpoint = "/server_info";
         let body = self.call_ok(Method::GET, endpoint).await?;
-        let raw: RawServerInfo =
-            serde_json::from_slice(&body).map_err(|e| self.decode(endpoint, e))?;
-        let base_id = if raw.command_line_options.base_id.is_empty() {
-            0
-        } else {
-            raw.command_line_options
-                .base_id
-                .parse()
-                .map_err(|e| self.decode(endpoint, format!("base_id: {e}")))?
-        };
-        Ok(ServerInfo {
-            version: raw.version,
-            state: raw.state,
-            restart_epoch: raw.command_line_options.restart_epoch,
-            base_id,
-            hot_restart_version: raw.hot_restart_version,
-            uptime_current_epoch: raw.uptime_current_epoch,
-        })
+        ServerInfo::parse(&body).map_err(|e| self.decode(endpoint, e))
     }
 
     /// `GET /ready`: 200 is ready, 503 is not (with the state), anything else is an error.

@@ -80,7 +80,8 @@ pub fn admin_address(path: &Path) -> Result<SocketAddr, BootstrapError> {
     admin_address_from_str(path, &text)
 }
 
-fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, BootstrapError> {
+/// The admin address in bootstrap `text` (YAML or JSON); `path` names it in errors.
+pub fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, BootstrapError> {
     let bootstrap: Bootstrap = serde_yaml::from_str(text).map_err(|e| BootstrapError::Parse {
         path: path.to_owned(),
         message: e.to_string(),
