@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite against the real Envoy, installing Envoy first when needed.
+# Runs the whole test suite against the real Envoy, installing Envoy (and the gRPC clients the
+# tests use: Python's grpcio, grpcurl) first when needed.
 # Extra arguments go to `cargo test` (e.g. `scripts/test.sh -p envoy-agent-drain`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -7,6 +8,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "${ENVOY_PATH:-}" ]; then
   ENVOY_PATH="$(scripts/install-envoy.sh)"
   export ENVOY_PATH
+fi
+# The second-language gRPC clients (Python's grpcio, grpcurl) the tests use.
+if [ -z "${ENVOY_AGENT_TEST_TOOLS:-}" ]; then
+  ENVOY_AGENT_TEST_TOOLS="$(scripts/install-test-tools.sh)"
+  export ENVOY_AGENT_TEST_TOOLS
 fi
 echo "test.sh: testing with Envoy at $ENVOY_PATH ($("$ENVOY_PATH" --version 2>&1 | grep -o 'version: [^ ]*' | head -n 1))" >&2
 if [ "$#" -eq 0 ]; then

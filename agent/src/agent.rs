@@ -577,7 +577,13 @@ pub struct Agent<P> {
     metrics: crate::telemetry::AgentMetrics,
     commands: mpsc::Receiver<Command>,
     status: watch::Sender<Status>,
+    /// Counts Envoy's active connections (exit-on-zero); the admin API unless replaced.
+    counter: Option<Counter>,
 }
+
+/// Counts active downstream connections, once per call.
+pub type Counter =
+    Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<u64, DrainError>> + Send>> + Send + Sync>;
 
 impl<P> fmt::Debug for Agent<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -616,8 +622,12 @@ struct Shutdown {
     /// Exit-on-zero: counting starts here.
     count_from: Instant,
     next_count: Instant,
-    deadline: Instant,
+    /// When Envoy is stopped at the latest; none in exit-on-zero mode when the termination
+    /// drain duration is not longer than the minimum (Istio's: count until zero, no cap).
+    deadline: Option<Instant>,
     stats_errors: u32,
+    /// The last count of active connections, if one succeeded.
+    last_count: Option<u64>,
 }
 
 /// The agent's mode: one enum, never flags that must agree.
@@ -666,9 +676,16 @@ impl<P: Proxy> Agent<P> {
                 metrics: crate::telemetry::AgentMetrics::default(),
                 commands,
                 status,
+                counter: None,
             },
             handle,
         )
+    }
+
+    /// Counts active connections with `counter` instead of Envoy's admin API (tests).
+    pub fn with_counter(mut self, counter: Counter) -> Self {
+        self.counter = Some(counter);
+        self
     }
 
     /// Records into `metrics` (drain duration and exit path).
@@ -859,8 +876,9 @@ impl<P: Proxy> Agent<P> {
                                 s.drain_sent = true;
                                 drain_call = Some(self.drain_future(DrainOptions::default()));
                             }
-                            if s.deadline <= now {
-                                stop_now = Some(if self.config.exit_on_zero_active_connections {
+                            if s.deadline.is_some_and(|d| d <= now) {
+                                // Never claim connections remained unless they were counted.
+                                stop_now = Some(if s.last_count.is_some_and(|n| n > 0) {
                                     ExitPath::DrainDeadline
                                 } else {
                                     ExitPath::DrainTimeElapsed
@@ -901,6 +919,7 @@ impl<P: Proxy> Agent<P> {
                             }
                             Ok(n) => {
                                 s.stats_errors = 0;
+                                s.last_count = Some(n);
                                 tracing::debug!(event = "active_connections", active_connections = n, "waiting for zero");
                             }
                             Err(e) => {
@@ -1050,7 +1069,9 @@ impl<P: Proxy> Agent<P> {
             },
         };
         let deadline = match mode {
-            Mode::ShuttingDown(s) => Some(SystemTime::now() + (s.deadline - Instant::now())),
+            Mode::ShuttingDown(s) => s
+                .deadline
+                .map(|d| SystemTime::now() + d.saturating_duration_since(Instant::now())),
             _ => None,
         };
         self.status.send_if_modified(|s| {
@@ -1073,6 +1094,20 @@ impl<P: Proxy> Agent<P> {
         });
     }
 
+    /// How long after the drain starts Envoy is stopped at the latest. Exit-on-zero counts
+    /// from the minimum drain duration until zero; the termination drain duration caps it only
+    /// when it is longer than the minimum (else nothing would ever be counted).
+    fn drain_deadline(&self) -> Option<Duration> {
+        let c = &self.config;
+        match c.exit_on_zero_active_connections {
+            false => Some(c.termination_drain_duration),
+            true if c.termination_drain_duration > c.minimum_drain_duration => {
+                Some(c.termination_drain_duration)
+            }
+            true => None,
+        }
+    }
+
     fn begin_shutdown(&self, reason: DrainReason) -> Shutdown {
         let now = Instant::now();
         let drain_at = now + self.config.drain_delay;
@@ -1089,8 +1124,9 @@ impl<P: Proxy> Agent<P> {
             drain_sent: false,
             count_from: drain_at + self.config.minimum_drain_duration,
             next_count: drain_at + self.config.minimum_drain_duration,
-            deadline: drain_at + self.config.termination_drain_duration,
+            deadline: self.drain_deadline().map(|d| drain_at + d),
             stats_errors: 0,
+            last_count: None,
         }
     }
 
@@ -1100,13 +1136,14 @@ impl<P: Proxy> Agent<P> {
             Mode::HandingOver { until, .. } => Some(*until),
             Mode::ShuttingDown(s) => {
                 let mut wake = s.deadline;
+                let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
                 if !s.drain_sent {
-                    wake = wake.min(s.drain_at);
+                    consider(s.drain_at);
                 }
                 if self.config.exit_on_zero_active_connections && s.drain_sent && !counting {
-                    wake = wake.min(s.next_count.max(s.count_from));
+                    consider(s.next_count.max(s.count_from));
                 }
-                Some(wake)
+                wake
             }
             _ => None,
         }
@@ -1133,6 +1170,9 @@ impl<P: Proxy> Agent<P> {
     }
 
     fn count_future(&self) -> Pin<Box<dyn Future<Output = Result<u64, DrainError>> + Send>> {
+        if let Some(counter) = &self.counter {
+            return counter();
+        }
         let admin = self
             .proxy
             .admin_address()
@@ -1477,17 +1517,96 @@ mod tests {
         );
     }
 
+    /// A counter answering from a script: one count per call, then the last one forever.
+    fn counts(script: &[u64]) -> (Counter, Arc<std::sync::atomic::AtomicUsize>) {
+        let script: Arc<Vec<u64>> = Arc::new(script.to_vec());
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = calls.clone();
+        let counter: Counter = Arc::new(move || {
+            let i = calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let n = script[i.min(script.len() - 1)];
+            Box::pin(async move { Ok(n) })
+        });
+        (counter, seen)
+    }
+
+    fn start_counting(
+        config: AgentConfig,
+        script: &[u64],
+    ) -> (Harness, Arc<std::sync::atomic::AtomicUsize>) {
+        let proxy = Arc::new(FakeProxy::default());
+        let (counter, calls) = counts(script);
+        let (agent, handle) = Agent::new(proxy.clone(), config);
+        let agent = agent.with_counter(counter);
+        let (intents, source) = mpsc::channel(4);
+        (
+            Harness {
+                proxy,
+                handle,
+                intents,
+                task: tokio::spawn(agent.run(source)),
+                started: Instant::now(),
+            },
+            calls,
+        )
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn exit_on_zero_is_bounded_by_the_termination_drain_duration() {
+    async fn exit_on_zero_at_its_defaults_counts_after_the_minimum_until_zero() {
+        // Istio's defaults: 5s minimum, 5s termination drain duration. Nothing would ever be
+        // counted if that were a deadline; it is not: counting goes on until zero.
         let mut c = config();
         c.exit_on_zero_active_connections = true;
-        c.minimum_drain_duration = Duration::from_secs(10);
-        c.termination_drain_duration = Duration::from_secs(7);
-        let h = start(FakeProxy::default(), c);
+        let (h, calls) = start_counting(c, &[3, 3, 2, 1, 1, 0]);
         h.signal(Intent::Terminate).await;
         let (exit, proxy, started) = h.exit().await;
-        assert_eq!(exit.path, ExitPath::DrainDeadline);
+        assert_eq!(exit.path, ExitPath::ZeroConnections);
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 6);
+        let stopped = proxy.stopped_at().unwrap() - started;
+        // The minimum, then five 50 ms polls.
+        assert_eq!(stopped, Duration::from_millis(5250), "{stopped:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exit_on_zero_with_no_connection_at_all_stops_at_the_minimum() {
+        let mut c = config();
+        c.exit_on_zero_active_connections = true;
+        let (h, _) = start_counting(c, &[0]);
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::ZeroConnections, "not the deadline");
+        assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_longer_termination_drain_duration_is_a_hard_deadline_on_counted_connections() {
+        let mut c = config();
+        c.exit_on_zero_active_connections = true;
+        c.minimum_drain_duration = Duration::from_secs(2);
+        c.termination_drain_duration = Duration::from_secs(7);
+        let (h, calls) = start_counting(c, &[4]);
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(
+            exit.path,
+            ExitPath::DrainDeadline,
+            "connections were counted"
+        );
+        assert!(calls.load(std::sync::atomic::Ordering::SeqCst) > 50);
         assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 7);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_never_claims_uncounted_connections() {
+        // Counts fail (no admin): the deadline ends the wait, and says the time elapsed.
+        let mut c = config();
+        c.exit_on_zero_active_connections = true;
+        c.minimum_drain_duration = Duration::from_secs(1);
+        c.termination_drain_duration = Duration::from_millis(1100);
+        let h = start(FakeProxy::default(), c);
+        h.signal(Intent::Terminate).await;
+        let (exit, _, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
     }
 
     #[tokio::test(start_paused = true)]

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::duration::parse_duration;
+use crate::duration::{
+    parse_duration, parse_positive_duration, parse_positive_whole_seconds, parse_whole_seconds,
+};
 
 /// Process manager for the Envoy proxy: starts Envoy, keeps it healthy, drains it on shutdown.
 #[derive(Debug, Parser)]
@@ -71,7 +73,7 @@ pub struct ClientArgs {
     pub grpc_address: Option<crate::grpc::GrpcAddress>,
 
     /// Client subcommands: bound on the call (not on `watch`).
-    #[arg(long, global = true, value_parser = parse_duration, default_value = "70s")]
+    #[arg(long, global = true, value_parser = parse_positive_duration, default_value = "70s")]
     pub timeout: Duration,
 }
 
@@ -157,8 +159,8 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_CONCURRENCY", default_value_t = 0)]
     pub concurrency: u32,
 
-    /// How long Envoy drains (`--drain-time-s`, whole seconds).
-    #[arg(long, env = "ENVOY_AGENT_DRAIN_TIME", value_parser = parse_duration, default_value = "45s")]
+    /// How long Envoy drains (`--drain-time-s`: whole seconds; anything else is refused).
+    #[arg(long, env = "ENVOY_AGENT_DRAIN_TIME", value_parser = parse_whole_seconds, default_value = "45s")]
     pub drain_time: Duration,
 
     /// How Envoy closes connections during a drain.
@@ -218,7 +220,7 @@ pub struct RunArgs {
     pub drain_delay: Duration,
 
     /// How often active connections are counted while waiting for zero.
-    #[arg(long, env = "ENVOY_AGENT_DRAIN_POLL_INTERVAL", value_parser = parse_duration, default_value = "50ms")]
+    #[arg(long, env = "ENVOY_AGENT_DRAIN_POLL_INTERVAL", value_parser = parse_positive_duration, default_value = "50ms")]
     pub drain_poll_interval: Duration,
 
     /// Listener ports whose connections do not count as active (health, metrics listeners),
@@ -256,7 +258,7 @@ pub struct RunArgs {
     pub otlp_endpoint: Option<String>,
 
     /// How often metrics are pushed.
-    #[arg(long, env = "ENVOY_AGENT_OTLP_EXPORT_INTERVAL", value_parser = parse_duration, default_value = "10s")]
+    #[arg(long, env = "ENVOY_AGENT_OTLP_EXPORT_INTERVAL", value_parser = parse_positive_duration, default_value = "10s")]
     pub otlp_export_interval: Duration,
 
     /// Accept mutating gRPC calls from non-loopback TCP peers.
@@ -280,8 +282,8 @@ pub struct RunArgs {
     pub base_id: Option<u32>,
 
     /// With --hot-restart: when a new epoch terminates its draining parent
-    /// (--parent-shutdown-time-s). Must exceed --drain-time. [default: 60s]
-    #[arg(long, env = "ENVOY_AGENT_PARENT_SHUTDOWN_TIME", value_parser = parse_duration, requires = "hot_restart")]
+    /// (--parent-shutdown-time-s: whole seconds). Must exceed --drain-time. [default: 60s]
+    #[arg(long, env = "ENVOY_AGENT_PARENT_SHUTDOWN_TIME", value_parser = parse_positive_whole_seconds, requires = "hot_restart")]
     pub parent_shutdown_time: Option<Duration>,
 
     /// With --hot-restart: hot-restart when the bootstrap changes (ConfigMap updates included).
@@ -305,12 +307,12 @@ pub struct RunArgs {
 
     /// With --hot-restart: how long a new epoch may take from spawn to LIVE before it is killed
     /// (the serving epoch keeps serving). [default: 60s]
-    #[arg(long, env = "ENVOY_AGENT_HANDOFF_DEADLINE", value_parser = parse_duration, requires = "hot_restart")]
+    #[arg(long, env = "ENVOY_AGENT_HANDOFF_DEADLINE", value_parser = parse_positive_duration, requires = "hot_restart")]
     pub handoff_deadline: Option<Duration>,
 
     /// With --hot-restart: how long the serving epoch's admin API may stay silent before the
     /// supervisor declares a wedge and exits 75. [default: 30s]
-    #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_duration, requires = "hot_restart")]
+    #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_positive_duration, requires = "hot_restart")]
     pub admin_unresponsive_deadline: Option<Duration>,
 
     /// Extra arguments passed to Envoy verbatim, after `--`.

@@ -3,6 +3,39 @@
 
 use std::time::Duration;
 
+/// A duration Envoy gets in whole seconds (`--drain-time-s`, `--parent-shutdown-time-s`):
+/// anything else would be truncated on the way, silently.
+pub fn parse_whole_seconds(input: &str) -> Result<Duration, String> {
+    let d = parse_duration(input)?;
+    if d.subsec_nanos() != 0 {
+        return Err(format!(
+            "{input:?}: envoy takes this in whole seconds; {d:?} would become {}s",
+            d.as_secs()
+        ));
+    }
+    Ok(d)
+}
+
+/// A duration that must not be zero (a deadline, a poll interval).
+pub fn parse_positive_duration(input: &str) -> Result<Duration, String> {
+    let d = parse_duration(input)?;
+    if d.is_zero() {
+        return Err(format!(
+            "{input:?}: must be more than zero (a zero deadline or interval cannot work)"
+        ));
+    }
+    Ok(d)
+}
+
+/// A whole number of seconds, more than zero.
+pub fn parse_positive_whole_seconds(input: &str) -> Result<Duration, String> {
+    let d = parse_whole_seconds(input)?;
+    if d.is_zero() {
+        return Err(format!("{input:?}: must be at least 1s"));
+    }
+    Ok(d)
+}
+
 /// Parses a sequence of `<number><unit>` parts (`ms`, `s`, `m`, `h`), e.g. `1m30s`, or a bare
 /// number of seconds (`30`).
 pub fn parse_duration(input: &str) -> Result<Duration, String> {

@@ -8,7 +8,6 @@
 //! (PERMISSION_DENIED) unless `--grpc-allow-remote`; a Unix socket is guarded by its mode.
 
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -305,6 +304,8 @@ pub struct GrpcBindError {
     pub addr: GrpcAddress,
     /// Why.
     pub message: String,
+    /// Whether another process holds the address (may come free: exit 69, not 64).
+    pub in_use: bool,
 }
 
 /// Binds `addr` and serves until `cancel` fires. Health says SERVING exactly while the agent
@@ -317,13 +318,23 @@ pub async fn serve(
     node_proxy: bool,
 ) -> Result<impl std::future::Future<Output = ()>, GrpcBindError> {
     let (reporter, health) = tonic_health::server::health_reporter();
+    // Reflection v1, and v1alpha for the clients that speak only that (grpcurl before 1.9,
+    // many GUI clients).
+    let reflection_error = |e: tonic_reflection::server::Error| GrpcBindError {
+        addr: addr.clone(),
+        message: e.to_string(),
+        in_use: false,
+    };
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
-        .map_err(|e| GrpcBindError {
-            addr: addr.clone(),
-            message: e.to_string(),
-        })?;
+        .map_err(reflection_error)?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(reflection_error)?;
     let health_task = {
         // One receiver for the task's life: a fresh clone per wait would see every past
         // change as new and spin.
@@ -353,10 +364,12 @@ pub async fn serve(
     let router = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(AgentServiceServer::new(service));
     let fail = |message: String| GrpcBindError {
         addr: addr.clone(),
         message,
+        in_use: false,
     };
     let served: Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>> = match &addr
     {
@@ -389,14 +402,15 @@ pub async fn serve(
             })
         }
         GrpcAddress::Unix(path) => {
-            if let Some(dir) = path.parent() {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| fail(format!("creating {}: {e}", dir.display())))?;
-            }
-            // A socket left by a previous run would make bind fail.
-            let _ = std::fs::remove_file(path);
-            let listener = tokio::net::UnixListener::bind(path).map_err(|e| fail(e.to_string()))?;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            let listener = crate::socket::bind_private(path)
+                .and_then(|l| {
+                    tokio::net::UnixListener::from_std(l).map_err(|source| {
+                        crate::socket::SocketError::Bind {
+                            path: path.clone(),
+                            source,
+                        }
+                    })
+                })
                 .map_err(|e| fail(e.to_string()))?;
             tracing::info!(path = %path.display(), "gRPC server listening");
             Box::pin(async move {

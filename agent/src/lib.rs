@@ -41,6 +41,7 @@ pub mod duration;
 pub mod grpc;
 pub mod setup;
 pub mod signal;
+pub mod socket;
 pub mod status;
 pub mod telemetry;
 #[cfg(test)]
@@ -75,6 +76,23 @@ pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
     }
 }
 
+/// Says so at start when a flag combination does something an operator may not expect.
+fn warn_about(args: &cli::RunArgs) {
+    if args.exit_on_zero_active_connections
+        && args.termination_drain_duration <= args.minimum_drain_duration
+    {
+        tracing::warn!(
+            event = "config_warning",
+            termination_drain_duration = ?args.termination_drain_duration,
+            minimum_drain_duration = ?args.minimum_drain_duration,
+            "exit-on-zero: --termination-drain-duration is not longer than \
+             --minimum-drain-duration, so it sets no deadline: after the minimum the agent counts \
+             active connections until there are none, as long as that takes (Istio's behaviour); \
+             set it longer than the minimum for a hard deadline"
+        );
+    }
+}
+
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
 /// input (exit [`EXIT_USAGE`]); others are failures of the agent itself.
 pub async fn run(
@@ -84,6 +102,7 @@ pub async fn run(
 ) -> anyhow::Result<u8> {
     let grpc = grpc.unwrap_or_else(client::default_address);
     setup::check_mode(&args)?;
+    warn_about(&args);
     let runtime_dir = std::env::temp_dir().join(format!("envoy-agent-{}", std::process::id()));
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let (admin, extra_args) = setup::resolve_admin(
@@ -113,6 +132,7 @@ pub async fn run(
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
     let proxy = setup::proxy_config(&args, binary, admin, extra_args);
+    setup::check_extra_args(&proxy)?;
     let own_runtime_dir =
         matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
     if own_runtime_dir {

@@ -3,7 +3,7 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use envoy_agent::cli::{Cli, Command, LogFormat};
 use envoy_agent::{EXIT_USAGE, SetupError, UnixSignals};
 use tracing_subscriber::EnvFilter;
@@ -12,8 +12,11 @@ use tracing_subscriber::EnvFilter;
 const EXIT_FAILURE: u8 = envoy_agent::agent::EXIT_SOFTWARE;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
+    let (cli, matches) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => {
             let _ = e.print();
             // Help and version are not errors; a bad flag or value is a usage error.
@@ -24,9 +27,14 @@ fn main() -> ExitCode {
             };
         }
     };
-    let filter = EnvFilter::try_from_env("RUST_LOG")
-        .or_else(|_| EnvFilter::try_new(&cli.log_level))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
+    // An explicit --log-level (or ENVOY_AGENT_LOG_LEVEL) wins; RUST_LOG beats the default.
+    let explicit = given(&matches, "log_level");
+    let filter = if explicit {
+        EnvFilter::try_new(&cli.log_level)
+    } else {
+        EnvFilter::try_from_env("RUST_LOG").or_else(|_| EnvFilter::try_new(&cli.log_level))
+    }
+    .unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -66,13 +74,23 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("envoy-agent: {}", one_line(&e));
-            if e.downcast_ref::<SetupError>().is_some() {
-                ExitCode::from(EXIT_USAGE)
-            } else {
-                ExitCode::from(EXIT_FAILURE)
+            match e.downcast_ref::<SetupError>() {
+                Some(setup) => ExitCode::from(setup.exit_code()),
+                None => ExitCode::from(EXIT_FAILURE),
             }
         }
     }
+}
+
+/// Whether argument `id` was given (command line or its environment variable), here or in the
+/// subcommand (global arguments may come after it).
+fn given(matches: &clap::ArgMatches, id: &str) -> bool {
+    use clap::parser::ValueSource;
+    let here = matches!(
+        matches.value_source(id),
+        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+    );
+    here || matches.subcommand().is_some_and(|(_, sub)| given(sub, id))
 }
 
 /// The error and its causes on one line, each cause once: our errors already name their source

@@ -33,10 +33,12 @@ pub enum SetupError {
         where_: String,
     },
     /// The Envoy path exists but cannot be executed.
-    #[error("envoy binary {path} is not an executable file")]
+    #[error("envoy binary {path} is not an executable file{why}")]
     EnvoyNotExecutable {
         /// The path.
         path: PathBuf,
+        /// Why, when known (permissions for this user, a missing interpreter).
+        why: String,
     },
     /// The status server's address cannot be bound.
     #[error(transparent)]
@@ -61,6 +63,14 @@ pub enum SetupError {
         /// The flag.
         arg: String,
     },
+    /// An extra Envoy argument would break what the agent guarantees.
+    #[error("envoy argument {arg} (after --) cannot be passed through: {instead}")]
+    RefusedArg {
+        /// The flag.
+        arg: String,
+        /// Why, and what to use instead.
+        instead: &'static str,
+    },
 }
 
 /// Refuses flags that cannot apply in the mode chosen (most are refused by the command line
@@ -70,6 +80,17 @@ pub fn check_mode(args: &RunArgs) -> Result<(), SetupError> {
         return Err(SetupError::MissingStateDir);
     }
     Ok(())
+}
+
+/// Refuses extra Envoy arguments that would break a guarantee of the agent's.
+pub fn check_extra_args(config: &ProxyConfig) -> Result<(), SetupError> {
+    match envoy_agent_proxy::refused_extra_arg(config) {
+        Some(refused) => Err(SetupError::RefusedArg {
+            arg: refused.flag,
+            instead: refused.instead,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The hot-restart supervisor's settings.
@@ -92,22 +113,36 @@ pub fn family_config(
     Ok(config)
 }
 
+impl SetupError {
+    /// The exit code this error means: [`EXIT_USAGE`] for what the user can fix in the
+    /// command line or files; [`EXIT_UNAVAILABLE`] for a resource that may come back (a busy
+    /// port), which a supervisor (systemd, the kubelet) should retry.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            SetupError::StatusBind(e) if e.in_use() => EXIT_UNAVAILABLE,
+            SetupError::GrpcBind(e) if e.in_use => EXIT_UNAVAILABLE,
+            _ => EXIT_USAGE,
+        }
+    }
+}
+
+/// `EX_UNAVAILABLE`: a resource the agent needs is not available now (a port in use).
+pub const EXIT_UNAVAILABLE: u8 = 69;
+
 /// Finds the Envoy binary: a path with a `/` is taken as is, a bare name is looked up on PATH.
 pub fn resolve_envoy(path: &Path, search_path: Option<&OsStr>) -> Result<PathBuf, SetupError> {
     if path.components().count() > 1 || path.is_absolute() {
         return check_executable(path)
             .map(|()| path.to_owned())
-            .map_err(|found| {
-                if found {
-                    SetupError::EnvoyNotExecutable {
-                        path: path.to_owned(),
-                    }
-                } else {
-                    SetupError::EnvoyNotFound {
-                        path: path.to_owned(),
-                        where_: String::new(),
-                    }
-                }
+            .map_err(|problem| match problem {
+                Problem::Missing => SetupError::EnvoyNotFound {
+                    path: path.to_owned(),
+                    where_: String::new(),
+                },
+                Problem::NotExecutable(why) => SetupError::EnvoyNotExecutable {
+                    path: path.to_owned(),
+                    why,
+                },
             });
     }
     let dirs = search_path.map(std::env::split_paths).into_iter().flatten();
@@ -123,13 +158,46 @@ pub fn resolve_envoy(path: &Path, search_path: Option<&OsStr>) -> Result<PathBuf
     })
 }
 
-/// `Err(true)`: exists but not an executable file; `Err(false)`: does not exist.
-fn check_executable(path: &Path) -> Result<(), bool> {
-    match std::fs::metadata(path) {
-        Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => Ok(()),
-        Ok(_) => Err(true),
-        Err(_) => Err(false),
+enum Problem {
+    Missing,
+    NotExecutable(String),
+}
+
+/// Whether this user can execute `path`: the kernel's answer (`access(X_OK)`, which knows
+/// the user, the groups and the mount options), not the mode bits; and a script's
+/// interpreter must exist, or exec fails with a "No such file" that names the script.
+fn check_executable(path: &Path) -> Result<(), Problem> {
+    let meta = std::fs::metadata(path).map_err(|_| Problem::Missing)?;
+    if !meta.is_file() {
+        return Err(Problem::NotExecutable(": not a regular file".to_owned()));
     }
+    if let Err(errno) = nix::unistd::access(path, nix::unistd::AccessFlags::X_OK) {
+        let user = nix::unistd::geteuid();
+        return Err(Problem::NotExecutable(format!(
+            ": uid {user} may not execute it ({errno}; mode {:o})",
+            meta.permissions().mode() & 0o7777
+        )));
+    }
+    if let Some(interpreter) = interpreter(path) {
+        if !interpreter.exists() {
+            return Err(Problem::NotExecutable(format!(
+                ": it is a script whose interpreter {} does not exist",
+                interpreter.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The interpreter a `#!` script names, if `path` is one.
+fn interpreter(path: &Path) -> Option<PathBuf> {
+    use std::io::Read;
+    let mut head = [0u8; 256];
+    let n = std::fs::File::open(path).ok()?.read(&mut head).ok()?;
+    let line = head[..n].strip_prefix(b"#!")?;
+    let line = &line[..line.iter().position(|b| *b == b'\n').unwrap_or(line.len())];
+    let text = String::from_utf8_lossy(line);
+    text.split_whitespace().next().map(PathBuf::from)
 }
 
 /// Where the agent reaches Envoy's admin API, and the extra args with any
@@ -248,6 +316,22 @@ mod tests {
             matches!(err, SetupError::EnvoyNotExecutable { .. }),
             "{err}"
         );
+        assert_eq!(err.exit_code(), EXIT_USAGE);
+    }
+
+    #[test]
+    fn a_script_with_a_missing_interpreter_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("envoy");
+        std::fs::write(&script, "#!/no/such/interpreter -x\nexec envoy\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let err = resolve_envoy(&script, None).unwrap_err();
+        assert!(
+            err.to_string().contains("interpreter /no/such/interpreter"),
+            "{err}"
+        );
+        std::fs::write(&script, "#!/bin/sh\nexec envoy\n").unwrap();
+        assert_eq!(resolve_envoy(&script, None).unwrap(), script);
     }
 
     fn bootstrap(dir: &Path, yaml: &str) -> PathBuf {

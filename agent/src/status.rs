@@ -127,12 +127,29 @@ fn is_loopback(ip: IpAddr) -> bool {
     ip.to_canonical().is_loopback()
 }
 
-fn forbidden(peer: SocketAddr) -> Option<Response> {
-    (!is_loopback(peer.ip())).then(|| {
+/// Why a mutating request is refused, if it is: a non-loopback peer, or a browser's
+/// cross-site request (a web page on the node can POST to 127.0.0.1 without a preflight; a
+/// browser says so with `Origin`, or `Sec-Fetch-Site` other than `none`/`same-origin`). curl,
+/// the kubelet's exec probes and the agent's own client send neither.
+fn forbidden(peer: SocketAddr, headers: &axum::http::HeaderMap) -> Option<Response> {
+    if !is_loopback(peer.ip()) {
         tracing::warn!(%peer, "refused a mutating request from a non-loopback peer");
-        text(
+        return Some(text(
             StatusCode::FORBIDDEN,
             "forbidden: only loopback peers may do this",
+        ));
+    }
+    let fetch_site = headers
+        .get("sec-fetch-site")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_ascii_lowercase);
+    let cross_site = headers.contains_key(header::ORIGIN)
+        || fetch_site.is_some_and(|s| s != "none" && s != "same-origin");
+    cross_site.then(|| {
+        tracing::warn!(%peer, origin = ?headers.get(header::ORIGIN), "refused a mutating request sent by a web browser");
+        text(
+            StatusCode::FORBIDDEN,
+            "forbidden: requests from web pages (Origin, Sec-Fetch-Site) may not do this",
         )
     })
 }
@@ -199,8 +216,9 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
 async fn drain(
     State(agent): State<AgentHandle>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: axum::http::HeaderMap,
 ) -> Response {
-    if let Some(response) = forbidden(peer) {
+    if let Some(response) = forbidden(peer, &headers) {
         return response;
     }
     tracing::info!(%peer, "POST /drain");
@@ -213,8 +231,9 @@ async fn drain(
 async fn quit(
     State(agent): State<AgentHandle>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: axum::http::HeaderMap,
 ) -> Response {
-    if let Some(response) = forbidden(peer) {
+    if let Some(response) = forbidden(peer, &headers) {
         return response;
     }
     tracing::info!(%peer, "POST /quitquitquit");
@@ -398,6 +417,43 @@ mod tests {
         }
         assert!(f.proxy.calls().is_empty(), "nothing reached the proxy");
         assert_eq!(f.handle.state().name(), "starting");
+    }
+
+    async fn call_with(f: &Fixture, path: &str, header: (&str, &str)) -> StatusCode {
+        let peer: SocketAddr = LOCAL.parse().unwrap();
+        let app = router(f.handle.clone()).layer(MockConnectInfo(peer));
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(path)
+            .header(header.0, header.1)
+            .body(Body::empty())
+            .unwrap();
+        app.oneshot(request).await.unwrap().status()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn mutating_endpoints_refuse_what_a_browser_sends_cross_site() {
+        let f = fixture();
+        for path in ["/drain", "/quitquitquit"] {
+            for header in [
+                ("origin", "https://evil.example"),
+                ("origin", "null"),
+                ("sec-fetch-site", "cross-site"),
+                ("sec-fetch-site", "same-site"),
+            ] {
+                assert_eq!(
+                    call_with(&f, path, header).await,
+                    StatusCode::FORBIDDEN,
+                    "{path} {header:?}"
+                );
+            }
+        }
+        assert!(f.proxy.calls().is_empty(), "nothing reached the proxy");
+        // What a user typing the address sends is fine.
+        assert_eq!(
+            call_with(&f, "/drain", ("sec-fetch-site", "none")).await,
+            StatusCode::OK
+        );
     }
 
     #[tokio::test(start_paused = true)]

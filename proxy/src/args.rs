@@ -21,14 +21,103 @@ pub struct EnvoyArgs {
     pub warnings: Vec<String>,
 }
 
+/// Whether `args` (the user's extra arguments) set flag `flag` (`--flag value`,
+/// `--flag=value`, or a bare switch), under any of its `names`.
+pub fn sets(args: &[String], names: &[&str]) -> bool {
+    args.iter().any(|a| {
+        names
+            .iter()
+            .any(|n| a == n || a.strip_prefix(n).is_some_and(|rest| rest.starts_with('=')))
+    })
+}
+
+/// An extra argument the agent cannot let through, and what to use instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedArg {
+    /// The flag, as the user wrote it.
+    pub flag: String,
+    /// Why, and the agent flag to use instead.
+    pub instead: &'static str,
+}
+
+/// The first of the user's extra arguments that would break what the agent guarantees (its
+/// epochs, the file it validates and watches, the hot-restart ordering rule), if any. Every
+/// other flag the agent passes is left out when the user sets it: the user's wins, since Envoy
+/// refuses a flag given twice ("Argument already set!").
+pub fn refused_extra_arg(config: &ProxyConfig) -> Option<RefusedArg> {
+    let hot = config.hot_restart.is_some();
+    let rules: &[(&[&str], bool, &'static str)] = &[
+        (
+            &["-c", "--config-path"],
+            true,
+            "the agent reads, validates and watches the bootstrap: give it with `envoy-agent run -c`",
+        ),
+        (
+            &["--mode"],
+            true,
+            "the agent runs envoy in serve mode (it validates configs itself)",
+        ),
+        (
+            &["--restart-epoch"],
+            true,
+            "the agent manages restart epochs (use --hot-restart)",
+        ),
+        (
+            &["--base-id", "--use-dynamic-base-id", "--base-id-path"],
+            true,
+            "the agent names the envoy family: use `envoy-agent run --hot-restart --base-id N`",
+        ),
+        (
+            &["--parent-shutdown-time-s"],
+            true,
+            "use `envoy-agent run --parent-shutdown-time` (with --hot-restart)",
+        ),
+        (
+            &["--drain-time-s"],
+            hot,
+            "use `envoy-agent run --drain-time`: with hot restart it must stay below the parent shutdown time",
+        ),
+        (
+            &["--disable-hot-restart"],
+            hot,
+            "hot restart is on (--hot-restart): leave this out, or run without --hot-restart",
+        ),
+        (
+            &["--config-yaml"],
+            config.outlier_log_path.is_some(),
+            "--outlier-log-path is an overlay too and envoy takes one: put the outlier log path in your overlay",
+        ),
+    ];
+    for (names, refused, instead) in rules {
+        if *refused {
+            if let Some(arg) = config
+                .extra_args
+                .iter()
+                .find(|a| sets(std::slice::from_ref(a), names))
+            {
+                return Some(RefusedArg {
+                    flag: arg.split('=').next().unwrap_or(arg).to_owned(),
+                    instead,
+                });
+            }
+        }
+    }
+    None
+}
+
 /// Envoy's arguments for `config` at restart `epoch`. The epoch is ignored when hot restart is
-/// off (Envoy then runs with `--disable-hot-restart`, always epoch 0).
+/// off (Envoy then runs with `--disable-hot-restart`, always epoch 0). A flag the user's extra
+/// arguments set is left out (theirs wins); [`refused_extra_arg`] says which ones cannot be.
 pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
     let mut args: Vec<String> = Vec::new();
     let mut warnings = Vec::new();
+    let extra = &config.extra_args;
+    let theirs = |names: &[&str]| sets(extra, names);
     let mut push = |flag: &str, value: String| {
-        args.push(flag.to_owned());
-        args.push(value);
+        if !sets(extra, &[flag]) {
+            args.push(flag.to_owned());
+            args.push(value);
+        }
     };
 
     push("-c", config.config_path.display().to_string());
@@ -57,10 +146,13 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
                 hot.parent_shutdown_time.as_secs().to_string(),
             );
         }
+        None if theirs(&["--disable-hot-restart"]) => {}
         None => args.push("--disable-hot-restart".to_owned()),
     }
-    args.push("--allow-unknown-static-fields".to_owned());
-    if config.file_flush_min_size_kb > 0 {
+    if !theirs(&["--allow-unknown-static-fields"]) {
+        args.push("--allow-unknown-static-fields".to_owned());
+    }
+    if config.file_flush_min_size_kb > 0 && !theirs(&["--file-flush-min-size-kb"]) {
         args.push("--file-flush-min-size-kb".to_owned());
         args.push(config.file_flush_min_size_kb.to_string());
     }
@@ -72,25 +164,27 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
             .iter()
             .map(|t| format!("log level token {t:?} has more than one ':' and is ignored")),
     );
-    args.push("-l".to_owned());
-    args.push(levels.global.unwrap_or("warning").to_owned());
+    if !theirs(&["-l", "--log-level"]) {
+        args.push("-l".to_owned());
+        args.push(levels.global.unwrap_or("warning").to_owned());
+    }
     let components = if levels.components.is_empty() {
         config.component_log_level.clone()
     } else {
         levels.components.join(",")
     };
-    if !components.is_empty() {
+    if !components.is_empty() && !theirs(&["--component-log-level"]) {
         args.push("--component-log-level".to_owned());
         args.push(components);
     }
-    if config.log_as_json {
+    if config.log_as_json && !theirs(&["--log-format"]) {
         args.push("--log-format".to_owned());
         args.push(JSON_LOG_FORMAT.to_owned());
     }
-    if config.skip_deprecated_logs {
+    if config.skip_deprecated_logs && !theirs(&["--skip-deprecated-logs"]) {
         args.push("--skip-deprecated-logs".to_owned());
     }
-    if config.enable_core_dump {
+    if config.enable_core_dump && !theirs(&["--enable-core-dump"]) {
         args.push("--enable-core-dump".to_owned());
     }
     if let Some(path) = &config.outlier_log_path {
@@ -100,7 +194,7 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
         args.push("--config-yaml".to_owned());
         args.push(overlay.to_string());
     }
-    if config.concurrency > 0 {
+    if config.concurrency > 0 && !theirs(&["--concurrency"]) {
         args.push("--concurrency".to_owned());
         args.push(config.concurrency.to_string());
     }
@@ -108,7 +202,7 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
         args.push("--admin-address-path".to_owned());
         args.push(path.display().to_string());
     }
-    args.extend(config.extra_args.iter().cloned());
+    args.extend(extra.iter().cloned());
     EnvoyArgs { args, warnings }
 }
 
@@ -362,6 +456,75 @@ mod tests {
             value(&args(&c), "--admin-address-path"),
             Some("/run/agent/admin")
         );
+    }
+
+    #[test]
+    fn extra_args_that_repeat_an_agent_flag_win() {
+        let mut c = config();
+        c.log_as_json = true;
+        c.concurrency = 2;
+        c.extra_args = vec![
+            "-l".into(),
+            "debug".into(),
+            "--drain-strategy=gradual".into(),
+            "--concurrency".into(),
+            "4".into(),
+            "--log-format".into(),
+            "%v".into(),
+            "--disable-hot-restart".into(),
+            "--file-flush-interval-msec".into(),
+            "500".into(),
+            "--local-address-ip-version".into(),
+            "v6".into(),
+        ];
+        let a = args(&c);
+        for flag in [
+            "-l",
+            "--concurrency",
+            "--log-format",
+            "--disable-hot-restart",
+            "--file-flush-interval-msec",
+            "--local-address-ip-version",
+        ] {
+            assert_eq!(
+                a.iter().filter(|x| *x == flag).count(),
+                1,
+                "{flag} given once: {a:?}"
+            );
+        }
+        assert_eq!(value(&a, "-l"), Some("debug"), "theirs");
+        assert_eq!(value(&a, "--concurrency"), Some("4"));
+        assert!(
+            !a.contains(&"--drain-strategy".to_owned()),
+            "theirs as --x=y: {a:?}"
+        );
+        assert_eq!(refused_extra_arg(&c), None);
+    }
+
+    #[test]
+    fn extra_args_that_would_break_a_guarantee_are_refused() {
+        let mut c = config();
+        c.extra_args = vec!["-c".into(), "other.yaml".into()];
+        assert_eq!(refused_extra_arg(&c).unwrap().flag, "-c");
+        c.extra_args = vec!["--restart-epoch=3".into()];
+        assert_eq!(refused_extra_arg(&c).unwrap().flag, "--restart-epoch");
+        c.extra_args = vec!["--drain-time-s".into(), "3".into()];
+        assert_eq!(refused_extra_arg(&c), None, "no hot restart: theirs wins");
+        c.hot_restart = Some(HotRestart {
+            base_id: 1,
+            parent_shutdown_time: Duration::from_secs(60),
+        });
+        let refused = refused_extra_arg(&c).unwrap();
+        assert_eq!(refused.flag, "--drain-time-s");
+        assert!(refused.instead.contains("--drain-time"), "{refused:?}");
+        c.extra_args = vec!["--base-id".into(), "9".into()];
+        assert_eq!(refused_extra_arg(&c).unwrap().flag, "--base-id");
+        c.extra_args = vec!["--disable-hot-restart".into()];
+        assert_eq!(refused_extra_arg(&c).unwrap().flag, "--disable-hot-restart");
+        c.extra_args = vec!["--config-yaml".into(), "{}".into()];
+        assert_eq!(refused_extra_arg(&c), None);
+        c.outlier_log_path = Some(PathBuf::from("/tmp/o"));
+        assert_eq!(refused_extra_arg(&c).unwrap().flag, "--config-yaml");
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub mod state;
 mod sys;
 
 pub use admin::{AdminClient, AdminError, ServerInfo, ServerState};
-pub use args::{EnvoyArgs, envoy_args};
+pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
 pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs};
 pub use config_file::{replace_config, validate_candidate, write_atomically};
 pub use envoy::Envoy;

@@ -81,9 +81,11 @@ pub async fn validate(config: &ProxyConfig) -> Result<(), PreflightError> {
         "validate".to_owned(),
         "-c".to_owned(),
         config.config_path.display().to_string(),
-        "-l".to_owned(),
-        "error".to_owned(),
     ];
+    // Envoy refuses a flag given twice: the user's log level wins here too.
+    if !crate::args::sets(&config.extra_args, &["-l", "--log-level"]) {
+        args.extend(["-l".to_owned(), "error".to_owned()]);
+    }
     args.extend(config.extra_args.iter().cloned());
     let output = run(&config.binary_path, &args, "--mode validate").await?;
     if output.success {

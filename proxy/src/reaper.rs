@@ -41,8 +41,19 @@ fn zombie_children() -> Vec<u32> {
         .collect()
 }
 
-/// The children of process `pid` (every thread's), from `/proc/<pid>/task/*/children`.
+/// Whether this kernel lists a task's children (`/proc/<pid>/task/<tid>/children`, kernels
+/// built with `CONFIG_PROC_CHILDREN`, as most are).
+pub fn lists_children() -> bool {
+    let pid = std::process::id();
+    std::path::Path::new(&format!("/proc/{pid}/task/{pid}/children")).exists()
+}
+
+/// The children of process `pid` (every thread's), from `/proc/<pid>/task/*/children`, or,
+/// on a kernel without those files, from every process's parent pid in `/proc/*/stat`.
 pub fn children(pid: u32) -> Vec<u32> {
+    if !lists_children() {
+        return children_by_scan(pid);
+    }
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
     };
@@ -53,6 +64,27 @@ pub fn children(pid: u32) -> Vec<u32> {
             s.split_whitespace()
                 .filter_map(|p| p.parse::<u32>().ok())
                 .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The processes whose parent is `pid`, by reading every `/proc/<n>/stat` (slower).
+fn children_by_scan(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    // The fields after the parenthesised command name: state, then ppid.
+                    let rest = stat.rsplit_once(')')?.1;
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
         })
         .collect()
 }
@@ -77,6 +109,12 @@ pub async fn run(cancel: tokio_util::sync::CancellationToken) {
             return;
         }
     };
+    if !lists_children() {
+        tracing::warn!(
+            "this kernel does not list a process's children in /proc/<pid>/task/<tid>/children: \
+             orphans are found by scanning /proc instead (slower on busy hosts)"
+        );
+    }
     loop {
         for status in reap_orphans() {
             tracing::debug!(?status, "reaped an orphan");
@@ -85,5 +123,25 @@ pub async fn run(cancel: tokio_util::sync::CancellationToken) {
             () = cancel.cancelled() => return,
             _ = sigchld.recv() => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scan_finds_the_same_children_as_the_kernel_list() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let me = std::process::id();
+        let listed = children(me);
+        let scanned = children_by_scan(me);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(listed.contains(&child.id()), "{listed:?}");
+        assert!(scanned.contains(&child.id()), "{scanned:?}");
     }
 }

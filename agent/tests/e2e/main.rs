@@ -4,6 +4,7 @@
 // Test code: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+mod clients;
 mod cross_pod;
 mod exit_paths;
 mod grpc;
