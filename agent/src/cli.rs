@@ -103,6 +103,15 @@ pub enum ClientCommand {
     },
     /// Stop Envoy at once, without draining, and exit (like POST /quitquitquit).
     Quit,
+    /// Replace Envoy's bootstrap with FILE: validated by the agent first (a rejected one changes
+    /// nothing), written atomically, then hot-restarted onto (with --hot-restart).
+    UpdateConfig {
+        /// The new bootstrap (YAML or JSON, as Envoy reads it).
+        file: PathBuf,
+        /// Why, for the agent's logs and status.
+        #[arg(long, default_value = "envoy-agent update-config")]
+        reason: String,
+    },
     /// Hot-restart Envoy (with --hot-restart); prints the new epoch once it is LIVE.
     Restart {
         /// Why, for the agent's logs and status.

@@ -1,5 +1,5 @@
-//! The client subcommands (`status`, `watch`, `drain`, `quit`, `restart`): one RPC each to a
-//! running agent's gRPC service.
+//! The client subcommands (`status`, `watch`, `drain`, `quit`, `restart`, `update-config`): one
+//! RPC each to a running agent's gRPC service.
 //!
 //! Exit codes: 0 the RPC succeeded; 1 the agent refused or failed it (the message says why);
 //! 69 (`EX_UNAVAILABLE`) the agent is not reachable at the address.
@@ -226,6 +226,36 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
             }
             Err(e) => failed("quit", &e),
         },
+        C::UpdateConfig { file, reason } => {
+            let bootstrap = match std::fs::read(file) {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!(
+                        "envoy-agent update-config: cannot read {}: {e}",
+                        file.display()
+                    );
+                    return crate::setup::EXIT_USAGE;
+                }
+            };
+            let request = pb::UpdateConfigRequest {
+                bootstrap,
+                reason: reason.clone(),
+            };
+            match client.update_config(request).await {
+                Ok(r) => {
+                    let r = r.into_inner();
+                    if r.restarted {
+                        println!("config updated; epoch {} is LIVE on it", r.epoch);
+                    } else {
+                        println!(
+                            "config updated (hot restart is off: envoy reads it when next started)"
+                        );
+                    }
+                    0
+                }
+                Err(e) => failed("update-config", &e),
+            }
+        }
         C::Restart { reason } => {
             let request = pb::HotRestartRequest {
                 reason: reason.clone(),

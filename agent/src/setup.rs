@@ -79,6 +79,17 @@ pub fn check_mode(args: &RunArgs) -> Result<(), SetupError> {
     if args.hot_restart && args.state_dir.is_none() {
         return Err(SetupError::MissingStateDir);
     }
+    // The flags first, before any file is looked at; compared as Envoy gets them.
+    let (drain, parent_shutdown) = (args.drain_time, args.parent_shutdown_time());
+    if args.hot_restart && parent_shutdown.as_secs() <= drain.as_secs() {
+        return Err(
+            envoy_agent_hotrestart::ConfigError::ParentShutdownTooShort {
+                drain,
+                parent_shutdown,
+            }
+            .into(),
+        );
+    }
     Ok(())
 }
 

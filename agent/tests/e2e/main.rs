@@ -6,6 +6,7 @@
 
 mod clients;
 mod cross_pod;
+mod day_one;
 mod exit_paths;
 mod grpc;
 mod handoff_faults;

@@ -23,7 +23,7 @@ impl<H: Host> Supervisor<H> {
                 for epoch in &targets {
                     self.epochs.signal(*epoch, Signal::SIGUSR1, None);
                 }
-                tracing::info!(epochs = ?targets, "asked envoy to reopen its logs");
+                tracing::info!(event = "logs_reopened", epochs = targets.len(), which = ?targets, "asked envoy to reopen its logs");
                 let _ = reply.send(targets.len());
             }
             Command::Successor { reply } => {
