@@ -424,8 +424,8 @@ async fn an_explicit_log_level_beats_rust_log() {
     };
     let with_rust_log = run(None).await;
     assert!(
-        with_rust_log.contains("DEBUG"),
-        "RUST_LOG applies by default: {with_rust_log}"
+        with_rust_log.contains("INFO"),
+        "the run logs at INFO: {with_rust_log}"
     );
     let explicit = run(Some("error")).await;
     assert!(
