@@ -235,12 +235,25 @@ async fn stopping_a_successor_that_is_still_starting_leaves_the_predecessor_serv
         .start()
         .await;
     b.wait_event("epoch_starting", "epoch", "1").await;
-    eventually(
-        "pod-b's envoy to take the admin listener",
-        PATIENCE,
-        || async { node.admin().server_info().await.is_err().then_some(()) },
-    )
+    // Its Envoy has taken the admin listener from pod-a's: nothing, or itself, answers there.
+    let mut last = None;
+    let taken = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let info = node.admin().server_info().await;
+            let taken =
+                !matches!(&info, Ok(i) if i.state == ServerState::Live && i.restart_epoch == 0);
+            last = Some(info);
+            if taken {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
     .await;
+    assert!(
+        taken.is_ok(),
+        "pod-b's envoy never took the admin listener; the admin port last said {last:?}"
+    );
     b.signal_agent(Signal::SIGTERM);
     assert_eq!(b.exit().await.code(), Some(0));
     assert!(a.running(), "the predecessor runs on");
