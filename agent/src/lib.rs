@@ -39,6 +39,7 @@ pub mod cli;
 pub mod client;
 pub mod duration;
 pub mod grpc;
+pub mod notify;
 pub mod setup;
 pub mod signal;
 pub mod socket;
@@ -225,6 +226,9 @@ async fn serve<P: Proxy>(
             }
         }
     });
+    if notify::enabled() {
+        tracker.spawn(notify::run(handle.status(), cancel.clone()));
+    }
     let service = grpc::Service::new(handle.clone(), args.grpc_allow_remote);
     tracker.spawn(
         grpc::serve(grpc_address, service, cancel.clone(), node_proxy)

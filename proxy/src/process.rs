@@ -209,6 +209,8 @@ fn command(config: &ProxyConfig, epoch: u32) -> Command {
         // Its own process group: a terminal's Ctrl-C reaches the agent, which decides.
         .process_group(0)
         .stdin(Stdio::null())
+        // systemd's notification socket is the agent's, not Envoy's.
+        .env_remove("NOTIFY_SOCKET")
         .stdout(Stdio::inherit())
         .stderr(Stdio::piped())
         // Last resort only: if the future running Envoy is dropped, do not leak Envoy.

@@ -43,6 +43,8 @@ pub struct AgentBuilder {
     default_status_address: bool,
     /// Return as soon as the agent runs.
     wait_nothing: bool,
+    /// Extra environment variables for the agent.
+    env: Vec<(String, String)>,
 }
 
 impl AgentBuilder {
@@ -78,6 +80,12 @@ impl AgentBuilder {
     /// Do not wait for Envoy to be LIVE (e.g. it is meant to stay initializing).
     pub fn no_wait_live(mut self) -> Self {
         self.wait_live = false;
+        self
+    }
+
+    /// Sets an environment variable of the agent.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_owned(), value.to_owned()));
         self
     }
 
@@ -209,6 +217,7 @@ impl AgentBuilder {
             .env("ENVOY_AGENT_LOG_LEVEL", "debug")
             // Structured logs: tests assert on `event` fields, not on prose.
             .env("ENVOY_AGENT_LOG_FORMAT", "json")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
@@ -320,6 +329,7 @@ impl AgentProcess {
             owns_shm: false,
             default_status_address: false,
             wait_nothing: false,
+            env: Vec::new(),
         }
     }
 

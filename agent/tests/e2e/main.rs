@@ -14,6 +14,7 @@ mod hot_restart;
 mod manifests;
 mod run;
 mod status;
+mod systemd;
 mod telemetry;
 
 use envoy_agent_tests::{AgentBuilder, AgentProcess};

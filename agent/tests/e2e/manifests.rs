@@ -753,6 +753,11 @@ fn the_systemd_unit_uses_real_flags_and_leaves_stopping_envoy_to_the_agent() {
     };
     assert_eq!(directive("ExecReload"), ["/bin/kill -HUP $MAINPID"]);
     assert_eq!(
+        directive("Type"),
+        ["notify"],
+        "the agent speaks sd_notify (agent/tests/e2e/systemd.rs)"
+    );
+    assert_eq!(
         directive("KillMode"),
         ["mixed"],
         "SIGTERM to the agent alone, which stops every epoch itself"
