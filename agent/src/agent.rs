@@ -387,8 +387,21 @@ pub struct Status {
     pub agent: AgentState,
     /// The proxy's state (every epoch; hot restart's handoffs and cross-pod facts).
     pub proxy: ProxyState,
-    /// When the drain in progress stops Envoy at the latest, if one is under way.
-    pub drain_deadline: Option<SystemTime>,
+    /// The shutdown drain under way, if any.
+    pub drain: Option<DrainProgress>,
+}
+
+/// A shutdown drain under way (SIGTERM, gRPC `Stop`), as a controller wants to see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainProgress {
+    /// Why.
+    pub reason: DrainReason,
+    /// When the drain began (the signal; the drain call follows the drain delay).
+    pub started: SystemTime,
+    /// When Envoy is stopped at the latest; none in exit-on-zero mode without a deadline.
+    pub deadline: Option<SystemTime>,
+    /// Exit-on-zero: the last count of active connections, and when it was taken.
+    pub last_count: Option<(u64, SystemTime)>,
 }
 
 /// How the agent's run ended; [`AgentExit::code`] is the process exit code.
@@ -628,6 +641,8 @@ struct Shutdown {
     stats_errors: u32,
     /// The last count of active connections, if one succeeded.
     last_count: Option<u64>,
+    /// What the status says of this drain.
+    progress: DrainProgress,
 }
 
 /// The agent's mode: one enum, never flags that must agree.
@@ -658,7 +673,7 @@ impl<P: Proxy> Agent<P> {
                 since: SystemTime::now(),
             },
             proxy: proxy.state().borrow().clone(),
-            drain_deadline: None,
+            drain: None,
         });
         let admin = {
             let proxy = proxy.clone();
@@ -920,6 +935,7 @@ impl<P: Proxy> Agent<P> {
                             Ok(n) => {
                                 s.stats_errors = 0;
                                 s.last_count = Some(n);
+                                s.progress.last_count = Some((n, SystemTime::now()));
                                 tracing::debug!(event = "active_connections", active_connections = n, "waiting for zero");
                             }
                             Err(e) => {
@@ -1016,7 +1032,7 @@ impl<P: Proxy> Agent<P> {
         self.status.send_modify(|s| {
             s.agent = final_state;
             s.proxy = self.proxy.state().borrow().clone();
-            s.drain_deadline = None;
+            s.drain = None;
         });
         self.metrics
             .exit(path.name(), drain_started.map(|t| t.elapsed()));
@@ -1068,10 +1084,8 @@ impl<P: Proxy> Agent<P> {
                 _ => AgentState::Starting { since: now },
             },
         };
-        let deadline = match mode {
-            Mode::ShuttingDown(s) => s
-                .deadline
-                .map(|d| SystemTime::now() + d.saturating_duration_since(Instant::now())),
+        let drain = match mode {
+            Mode::ShuttingDown(s) => Some(s.progress.clone()),
             _ => None,
         };
         self.status.send_if_modified(|s| {
@@ -1085,9 +1099,8 @@ impl<P: Proxy> Agent<P> {
                 s.proxy = proxy.clone();
                 changed = true;
             }
-            // The deadline is fixed for a drain; only its presence changes.
-            if s.drain_deadline.is_some() != deadline.is_some() {
-                s.drain_deadline = deadline;
+            if s.drain != drain {
+                s.drain = drain;
                 changed = true;
             }
             changed
@@ -1127,6 +1140,14 @@ impl<P: Proxy> Agent<P> {
             deadline: self.drain_deadline().map(|d| drain_at + d),
             stats_errors: 0,
             last_count: None,
+            progress: DrainProgress {
+                reason,
+                started: SystemTime::now(),
+                deadline: self
+                    .drain_deadline()
+                    .map(|d| SystemTime::now() + self.config.drain_delay + d),
+                last_count: None,
+            },
         }
     }
 

@@ -58,8 +58,8 @@ pub use envoy::Envoy;
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
 pub use state::{
-    EpochInfo, EpochState, FamilyState, Handoff, HandoffResult, HandoffStage, Outcome, ProxyPhase,
-    ProxyState, Wedge, WedgeReason,
+    EpochExit, EpochInfo, EpochState, FamilyState, HISTORY_KEPT, Handoff, HandoffResult,
+    HandoffStage, Outcome, ProxyPhase, ProxyState, Wedge, WedgeReason,
 };
 
 /// Exit code of a proxy that gave up because it was wedged (`EX_TEMPFAIL`: restart me).

@@ -273,4 +273,31 @@ pub struct FamilyState {
     pub handed_over_to: Option<String>,
     /// The family was told to drain: no further hot restart starts.
     pub drained: bool,
+    /// The last hot restarts (and first starts), oldest first, at most [`HISTORY_KEPT`].
+    pub handoffs: Vec<HandoffResult>,
+    /// How the family's Envoy processes ended, oldest first, at most [`HISTORY_KEPT`].
+    pub exits: Vec<EpochExit>,
+}
+
+/// How many handoffs and epoch exits the state keeps.
+pub const HISTORY_KEPT: usize = 16;
+
+/// How an Envoy process of the family ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpochExit {
+    /// Its epoch.
+    pub epoch: u32,
+    /// Its pid.
+    pub pid: u32,
+    /// What it was doing when it ended.
+    pub state: EpochState,
+    /// Its exit code, when it exited.
+    pub code: Option<i32>,
+    /// The signal that killed it, when one did.
+    pub signal: Option<i32>,
+    /// How it ended, in words (`drained parent terminated by its child`, `killed: handoff
+    /// deadline`, `crashed`, ...).
+    pub how: String,
+    /// When.
+    pub at: SystemTime,
 }

@@ -12,8 +12,9 @@ impl<H: Host> Supervisor<H> {
             Ok(exit) => (exit.code(), exit.stderr_tail.clone()),
             Err(e) => (1, e.to_string()),
         };
-        self.metrics
-            .exit(exit_kind(&result, child.state == EpochState::Draining));
+        let kind = exit_kind(&result, child.state == EpochState::Draining);
+        self.metrics.exit(kind);
+        self.record_exit(&child, &result, kind);
         // A stand-in's child is gone: nothing talks to that dead parent's names anymore.
         self.release_stand_ins(|p| p + 1 == epoch, "its child exited");
         if child.state == EpochState::Starting {
@@ -89,6 +90,46 @@ impl<H: Host> Supervisor<H> {
             }
             EpochState::Starting => self.on_failed_start(child, code, &tail),
         }
+    }
+
+    /// Keeps how `child` ended in the published history.
+    fn record_exit(
+        &mut self,
+        child: &crate::epochs::Child,
+        result: &Result<Exit, ProxyError>,
+        kind: ExitKind,
+    ) {
+        use std::os::unix::process::ExitStatusExt;
+        let (code, signal) = match result {
+            Ok(exit) => (exit.status.code(), exit.status.signal()),
+            Err(_) => (None, None),
+        };
+        let how = match (child.stopped, kind) {
+            (Some((Stop::Deadline, _)), _) => "killed: not LIVE by the handoff deadline".to_owned(),
+            (Some((Stop::Overdue, _)), _) => {
+                "killed: still draining past its parent-shutdown time".to_owned()
+            }
+            (Some((Stop::Shutdown, signal)), _) => format!("stopped ({signal})"),
+            (None, ExitKind::DrainedParent) => "terminated by its child after draining".to_owned(),
+            (None, ExitKind::Clean) => "exited 0".to_owned(),
+            (None, ExitKind::Signal) => format!("killed by signal {}", signal.unwrap_or(0)),
+            (None, ExitKind::Crash) => match result {
+                Ok(exit) => format!("exited with code {}", exit.code()),
+                Err(e) => e.to_string(),
+            },
+        };
+        super::handoffs::push_bounded(
+            &mut self.family.exits,
+            envoy_agent_proxy::EpochExit {
+                epoch: child.epoch,
+                pid: child.pid,
+                state: child.state,
+                code,
+                signal,
+                how,
+                at: SystemTime::now(),
+            },
+        );
     }
 
     pub(super) fn stand_in_for(&mut self, parent_epoch: u32) {

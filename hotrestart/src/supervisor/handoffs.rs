@@ -363,7 +363,7 @@ impl<H: Host> Supervisor<H> {
                 Outcome::Failed | Outcome::TimedOut => Err(RestartError::Failed(message.clone())),
             });
         }
-        self.family.last_handoff = Some(HandoffResult {
+        let result = HandoffResult {
             epoch: attempt.epoch,
             reason: attempt.reason,
             outcome,
@@ -372,6 +372,15 @@ impl<H: Host> Supervisor<H> {
             preflight: attempt.preflight,
             at: SystemTime::now(),
             message,
-        });
+        };
+        push_bounded(&mut self.family.handoffs, result.clone());
+        self.family.last_handoff = Some(result);
     }
+}
+
+/// Appends `item`, dropping the oldest beyond [`envoy_agent_proxy::HISTORY_KEPT`].
+pub(super) fn push_bounded<T>(list: &mut Vec<T>, item: T) {
+    list.push(item);
+    let excess = list.len().saturating_sub(envoy_agent_proxy::HISTORY_KEPT);
+    list.drain(..excess);
 }
