@@ -15,6 +15,17 @@ impl<H: Host> Supervisor<H> {
         let kind = exit_kind(&result, child.state == EpochState::Draining);
         self.metrics.exit(kind);
         self.record_exit(&child, &result, kind);
+        if let Some(exit) = self.family.exits.last() {
+            tracing::info!(
+                event = "epoch_exited",
+                epoch,
+                pid,
+                code = exit.code,
+                signal = exit.signal,
+                how = %exit.how,
+                "epoch exited"
+            );
+        }
         // A stand-in's child is gone: nothing talks to that dead parent's names anymore.
         self.release_stand_ins(|p| p + 1 == epoch, "its child exited");
         if child.state == EpochState::Starting {
