@@ -60,6 +60,14 @@ pub enum Command {
     /// Ask a running agent (over gRPC).
     #[command(flatten)]
     Client(ClientCommand),
+    /// Print a shell completion script to stdout.
+    ///
+    /// For example `envoy-agent completions bash > /etc/bash_completion.d/envoy-agent`, or
+    /// `envoy-agent completions zsh > "${fpath[1]}/_envoy-agent"`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// The agent's gRPC address, shared by `run` (where it listens) and the client subcommands
@@ -101,8 +109,16 @@ pub enum ClientCommand {
         #[arg(long)]
         all_listeners: bool,
     },
+    /// Stop gracefully, as on SIGTERM: drain (or hand over to a successor pod), then exit.
+    ///
+    /// The agent hands over to a successor pod, or drains (after the drain delay, for the
+    /// termination drain duration or until no connection is left), then stops Envoy and exits
+    /// 0. Returns once the agent has taken that path; `envoy-agent watch` shows its progress.
+    Stop,
     /// Stop Envoy at once, without draining, and exit (like POST /quitquitquit).
     Quit,
+    /// Make every LIVE Envoy reopen its access logs (SIGUSR1), e.g. after log rotation.
+    ReopenLogs,
     /// Replace Envoy's bootstrap with FILE: validated by the agent first (a rejected one changes
     /// nothing), written atomically, then hot-restarted onto (with --hot-restart).
     UpdateConfig {
@@ -261,14 +277,18 @@ pub struct RunArgs {
     )]
     pub status_address: SocketAddr,
 
-    /// Push metrics over OTLP/gRPC to this collector (host:port or http://host:port). Also read
-    /// from OTEL_EXPORTER_OTLP_METRICS_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT.
+    /// Push metrics over OTLP/gRPC to this collector (host:port, http://host:port, or
+    /// https://host:port verified with the system's roots). When not given:
+    /// OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT; none of them, no
+    /// metrics. The other standard OTEL_* variables apply too (service name, resource
+    /// attributes, headers, timeout).
     #[arg(long, env = "ENVOY_AGENT_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 
-    /// How often metrics are pushed.
-    #[arg(long, env = "ENVOY_AGENT_OTLP_EXPORT_INTERVAL", value_parser = parse_positive_duration, default_value = "10s")]
-    pub otlp_export_interval: Duration,
+    /// How often metrics are pushed. When not given: OTEL_METRIC_EXPORT_INTERVAL
+    /// (milliseconds), else 10s.
+    #[arg(long, env = "ENVOY_AGENT_OTLP_EXPORT_INTERVAL", value_parser = parse_positive_duration)]
+    pub otlp_export_interval: Option<Duration>,
 
     /// Accept mutating gRPC calls from non-loopback TCP peers.
     #[arg(long, env = "ENVOY_AGENT_GRPC_ALLOW_REMOTE")]
@@ -421,6 +441,93 @@ pub fn flag_reference() -> String {
     out
 }
 
+/// The shell completion script for `shell`.
+pub fn completions(shell: clap_complete::Shell) -> Vec<u8> {
+    use clap::CommandFactory;
+    let mut out = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "envoy-agent", &mut out);
+    out
+}
+
+/// The man page (`docs/envoy-agent.1`, roff), generated from the CLI definition like
+/// [`flag_reference`]: the global options, the list of subcommands, then one section per
+/// subcommand with its synopsis, description and own options (one page: `man envoy-agent`).
+pub fn man_page() -> Result<Vec<u8>, std::io::Error> {
+    use clap::CommandFactory;
+    let mut cli = Cli::command();
+    // Built: subcommands get their global options and their full names ("envoy-agent run").
+    cli.build();
+    let subcommands: Vec<&clap::Command> = cli
+        .get_subcommands()
+        .filter(|s| s.get_name() != "help")
+        .collect();
+    let man = clap_mangen::Man::new(cli.clone());
+    let mut out = Vec::new();
+    man.render_title(&mut out)?;
+    man.render_name_section(&mut out)?;
+    man.render_synopsis_section(&mut out)?;
+    man.render_description_section(&mut out)?;
+    man.render_options_section(&mut out)?;
+    // clap_mangen's own list points at a page per subcommand; they are sections of this one.
+    out.extend_from_slice(b".SH SUBCOMMANDS\n");
+    for sub in &subcommands {
+        let about = sub.get_about().map(|a| a.to_string()).unwrap_or_default();
+        out.extend_from_slice(
+            format!(
+                ".TP\n\\fBenvoy\\-agent {}\\fR\n{}\n",
+                roff_escape(sub.get_name()),
+                roff_escape(&about)
+            )
+            .as_bytes(),
+        );
+    }
+    let globals: Vec<clap::Id> = cli
+        .get_arguments()
+        .filter(|a| a.is_global_set())
+        .map(|a| a.get_id().clone())
+        .collect();
+    for sub in subcommands {
+        // Shown once, in the main OPTIONS section.
+        let sub = globals
+            .iter()
+            .fold(sub.clone(), |c, id| c.mut_arg(id.clone(), |a| a.hide(true)));
+        out.extend_from_slice(
+            format!(".SH \"ENVOY-AGENT {}\"\n", sub.get_name().to_uppercase()).as_bytes(),
+        );
+        let man = clap_mangen::Man::new(sub.clone());
+        let mut section = Vec::new();
+        man.render_synopsis_section(&mut section)?;
+        man.render_description_section(&mut section)?;
+        if sub.get_arguments().any(|a| !a.is_hide_set()) {
+            man.render_options_section(&mut section)?;
+        }
+        // Each part comes with its own .SH heading: a paragraph break under this section's.
+        let mut first = true;
+        for line in String::from_utf8_lossy(&section).lines() {
+            if line.starts_with(".SH ") {
+                if !std::mem::take(&mut first) {
+                    out.extend_from_slice(b".PP\n");
+                }
+                continue;
+            }
+            out.extend_from_slice(line.as_bytes());
+            out.push(b'\n');
+        }
+    }
+    man.render_version_section(&mut out)?;
+    Ok(out)
+}
+
+/// Text as roff reads it literally: backslashes and hyphens escaped, no control line.
+fn roff_escape(text: &str) -> String {
+    let escaped = text.replace('\\', "\\e").replace('-', "\\-");
+    if escaped.starts_with('.') || escaped.starts_with('\'') {
+        format!("\\&{escaped}")
+    } else {
+        escaped
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::CommandFactory;
@@ -430,6 +537,20 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn completions_and_the_man_page_cover_the_subcommands() {
+        let bash = String::from_utf8(completions(clap_complete::Shell::Bash)).unwrap();
+        for sub in ["run", "status", "stop", "reopen-logs", "completions"] {
+            assert!(bash.contains(sub), "bash completions lack {sub}");
+        }
+        assert!(bash.contains("--termination-drain-duration"));
+        let man = String::from_utf8(man_page().unwrap()).unwrap();
+        assert!(man.contains("\n.TH envoy-agent 1 "), "{}", &man[..80]);
+        assert!(man.contains(".SH \"ENVOY-AGENT RUN\""), "{man}");
+        assert!(man.contains("termination\\-drain\\-duration"), "{man}");
+        assert!(man.contains(".SH \"ENVOY-AGENT REOPEN-LOGS\""), "{man}");
     }
 
     #[test]

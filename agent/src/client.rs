@@ -1,10 +1,13 @@
-//! The client subcommands (`status`, `watch`, `drain`, `quit`, `restart`, `update-config`): one
-//! RPC each to a running agent's gRPC service.
+//! The client subcommands (`status`, `watch`, `drain`, `stop`, `quit`, `reopen-logs`,
+//! `restart`, `update-config`): one RPC each to a running agent's gRPC service.
+//!
+//! `status` and `watch` print a summary for people, or with `--json` the status message as one
+//! JSON object per line (see [`status_json`] for its form).
 //!
 //! Exit codes: 0 the RPC succeeded; 1 the agent refused or failed it (the message says why);
 //! 69 (`EX_UNAVAILABLE`) the agent is not reachable at the address.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use envoy_agent_proto::pb;
 use envoy_agent_proto::pb::agent_service_client::AgentServiceClient;
@@ -64,39 +67,167 @@ pub async fn connect(
     Ok(AgentServiceClient::new(channel))
 }
 
-/// Prints `status` for people.
+/// A time as RFC 3339, and how long ago (or how far ahead) it is from `now`.
+fn when(t: &Option<prost_types::Timestamp>, now: SystemTime) -> String {
+    let Some(t) = t else {
+        return "-".to_owned();
+    };
+    let Ok(at) = SystemTime::try_from(*t) else {
+        return t.to_string();
+    };
+    let relative = match now.duration_since(at) {
+        Ok(ago) => format!("{} ago", seconds(ago)),
+        Err(ahead) => format!("in {}", seconds(ahead.duration())),
+    };
+    format!("{t} ({relative})")
+}
+
+/// `1.2s`, `45s`, `3m20s`: to a tenth of a second under a minute.
+fn seconds(d: Duration) -> String {
+    let s = d.as_secs_f64();
+    if s < 60.0 {
+        format!("{s:.1}s")
+    } else {
+        format!("{}m{:02}s", d.as_secs() / 60, d.as_secs() % 60)
+    }
+}
+
+fn span(d: &Option<prost_types::Duration>) -> String {
+    d.as_ref()
+        .and_then(|d| Duration::try_from(*d).ok())
+        .map_or_else(|| "-".to_owned(), |d| format!("{d:?}"))
+}
+
+/// An enum's value in the short form `--json` and people read: `AGENT_STATE_LIVE` → `live`.
+fn short<E: std::fmt::Debug>(value: Result<E, prost::UnknownEnumValue>) -> String {
+    match value {
+        Ok(v) => snake(&format!("{v:?}")),
+        Err(e) => format!("unknown({})", e.0),
+    }
+}
+
+/// `HandedOver` → `handed_over`.
+fn snake(name: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in name.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
+    }
+    out
+}
+
+/// Prints `status` for people: what it is, whether it serves, every Envoy, the drain under
+/// way, the node-proxy family's facts and history, and the settings in force.
 pub fn print_status(status: &pb::Status) {
-    println!("mode:      {}", status.mode);
-    println!(
-        "state:     {}{}",
-        status.state,
-        if status.reason.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", status.reason)
-        }
+    print!("{}", status_text(status, SystemTime::now()));
+}
+
+/// The text [`print_status`] prints.
+pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let mut line = |label: &str, value: String| {
+        let _ = writeln!(out, "{label:<18}{value}");
+    };
+    let mode = match status.mode() {
+        pb::Mode::Sidecar => "sidecar (one envoy, hot restart off)".to_owned(),
+        pb::Mode::NodeProxy => "node proxy (hot restart)".to_owned(),
+        pb::Mode::Unspecified => "unknown".to_owned(),
+    };
+    line("mode:", mode);
+    let mut state = short(pb::AgentState::try_from(status.state));
+    if !status.reason.is_empty() {
+        state.push_str(&format!(" ({})", status.reason));
+    }
+    line("state:", state);
+    line("since:", when(&status.state_since, now));
+    line("ready:", if status.ready { "yes" } else { "no" }.to_owned());
+    if let Some(code) = status.exit_code {
+        line("exit code:", code.to_string());
+    }
+    line(
+        "newest LIVE epoch:",
+        status
+            .newest_live_epoch
+            .map_or_else(|| "none".to_owned(), |e| e.to_string()),
     );
-    println!("ready:     {}", if status.ready { "yes" } else { "no" });
-    if status.mode == "supervisor" {
-        println!("base id:   {}", status.base_id);
-        println!("hot-restart version: {}", status.hot_restart_version);
-        println!(
-            "newest LIVE epoch: {}",
-            if status.newest_live_epoch < 0 {
-                "none".to_owned()
-            } else {
-                status.newest_live_epoch.to_string()
-            }
+    if let Some(d) = &status.drain {
+        line(
+            "drain:",
+            format!(
+                "{} since {}",
+                short(pb::DrainReason::try_from(d.reason)),
+                when(&d.start_time, now)
+            ),
         );
-        if let Some(h) = &status.handoff {
-            println!("handoff:   to epoch {} ({})", h.epoch, h.reason);
+        line(
+            "  deadline:",
+            if d.deadline.is_some() {
+                when(&d.deadline, now)
+            } else {
+                "none (exit-on-zero counts until no connection is left)".to_owned()
+            },
+        );
+        if let Some(n) = d.active_connections {
+            line(
+                "  connections:",
+                format!("{n} active, counted {}", when(&d.count_time, now)),
+            );
         }
-        if let Some(h) = &status.last_handoff {
-            println!(
-                "last hot restart: epoch {} {} in {} ms ({}){}",
+    }
+    if !status.epochs.is_empty() {
+        out.push_str("  EPOCH       PID  STATE     STARTED\n");
+        for e in &status.epochs {
+            let _ = writeln!(
+                out,
+                "{:>7}  {:>8}  {:<8}  {}",
+                e.epoch,
+                e.pid,
+                short(pb::EpochState::try_from(e.state)),
+                when(&e.start_time, now)
+            );
+        }
+    }
+    if let Some(f) = &status.family {
+        let _ = writeln!(
+            out,
+            "family:           base id {}, hot-restart version {}, identity {}",
+            f.base_id, f.hot_restart_version, f.identity
+        );
+        for (label, value) in [
+            ("predecessor:", &f.predecessor),
+            ("successor:", &f.successor_starting),
+            ("handed over to:", &f.handed_over_to),
+        ] {
+            if let Some(v) = value {
+                let _ = writeln!(out, "{label:<18}{v}");
+            }
+        }
+        if let Some(h) = &f.handoff {
+            let _ = writeln!(
+                out,
+                "{:<18}to epoch {} ({}), {}{}, since {}",
+                "handoff:",
                 h.epoch,
-                h.outcome,
-                h.duration_ms,
+                h.reason,
+                short(pb::HandoffStage::try_from(h.stage)),
+                h.waiting_for
+                    .as_ref()
+                    .map(|w| format!(": waiting for {w}"))
+                    .unwrap_or_default(),
+                when(&h.start_time, now)
+            );
+        }
+        for h in &f.handoffs {
+            let _ = writeln!(
+                out,
+                "{:<18}epoch {} {} in {} ({}){}",
+                "hot restart:",
+                h.epoch,
+                short(pb::HandoffOutcome::try_from(h.outcome)),
+                span(&h.duration),
                 h.reason,
                 if h.message.is_empty() {
                     String::new()
@@ -105,41 +236,149 @@ pub fn print_status(status: &pb::Status) {
                 }
             );
         }
-        for w in &status.wedges {
-            println!("wedge:     {}: {}", w.reason, w.message);
+        for e in &f.exits {
+            let _ = writeln!(
+                out,
+                "{:<18}epoch {} (pid {}) {}, {}",
+                "envoy exit:",
+                e.epoch,
+                e.pid,
+                e.description,
+                when(&e.time, now)
+            );
         }
-        if !status.epochs.is_empty() {
-            println!("  EPOCH       PID  STATE");
-            for e in &status.epochs {
-                println!("{:>7}  {:>8}  {}", e.epoch, e.pid, e.state);
-            }
+        for w in &f.wedges {
+            let _ = writeln!(
+                out,
+                "{:<18}{}: {} ({})",
+                "wedge:",
+                short(pb::WedgeReason::try_from(w.reason)),
+                w.message,
+                when(&w.time, now)
+            );
         }
     }
+    if let Some(s) = &status.settings {
+        let _ = writeln!(
+            out,
+            "{:<18}drain time {}, termination drain {}, drain delay {}, exit on zero {}{}",
+            "settings:",
+            span(&s.drain_time),
+            span(&s.termination_drain_duration),
+            span(&s.drain_delay),
+            if s.exit_on_zero_active_connections {
+                format!("yes (minimum {})", span(&s.minimum_drain_duration))
+            } else {
+                "no".to_owned()
+            },
+            if status.family.is_some() {
+                format!(
+                    ", parent shutdown {}, handoff deadline {}",
+                    span(&s.parent_shutdown_time),
+                    span(&s.handoff_deadline)
+                )
+            } else {
+                String::new()
+            }
+        );
+        let _ = writeln!(
+            out,
+            "{:<18}{} (admin {})",
+            "config:",
+            s.config_path,
+            s.admin_address.as_deref().unwrap_or("not known yet")
+        );
+    }
+    out
 }
 
-/// Status as one JSON object (for scripts).
-pub fn status_json(status: &pb::Status) -> serde_json::Value {
-    serde_json::json!({
-        "mode": status.mode,
-        "state": status.state,
-        "reason": status.reason,
-        "ready": status.ready,
-        "draining": status.draining,
-        "newest_live_epoch": status.newest_live_epoch,
-        "base_id": status.base_id,
-        "hot_restart_version": status.hot_restart_version,
-        "handed_over_to": status.handed_over_to,
-        "epochs": status.epochs.iter().map(|e| serde_json::json!({
-            "epoch": e.epoch, "pid": e.pid, "state": e.state, "started_unix_ms": e.started_unix_ms,
-        })).collect::<Vec<_>>(),
-        "last_handoff": status.last_handoff.as_ref().map(|h| serde_json::json!({
-            "epoch": h.epoch, "reason": h.reason, "outcome": h.outcome,
-            "duration_ms": h.duration_ms, "message": h.message,
-        })),
-        "wedges": status.wedges.iter().map(|w| serde_json::json!({
-            "reason": w.reason, "at_unix_ms": w.at_unix_ms, "message": w.message,
-        })).collect::<Vec<_>>(),
+/// The API's descriptors, for the JSON form of its messages.
+fn descriptors() -> Option<&'static prost_reflect::DescriptorPool> {
+    static POOL: std::sync::OnceLock<Option<prost_reflect::DescriptorPool>> =
+        std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        prost_reflect::DescriptorPool::decode(envoy_agent_proto::FILE_DESCRIPTOR_SET).ok()
     })
+    .as_ref()
+}
+
+/// The status as one JSON object, for scripts: the message in the proto3 JSON mapping with the
+/// `.proto` field names (`newest_live_epoch`, as grpcurl's `-format-json` with original names),
+/// times in RFC 3339 (`Timestamp`) and seconds (`Duration`, `"5s"`), 64-bit counts as numbers,
+/// and enum values in short form (`live` for `AGENT_STATE_LIVE`); a field that does not apply
+/// (an `*_UNSPECIFIED` enum, an absent message or optional field) is left out.
+pub fn status_json(status: &pb::Status) -> serde_json::Value {
+    message_json(status, "envoyagent.v1.Status")
+}
+
+fn message_json(message: &impl prost::Message, name: &str) -> serde_json::Value {
+    let Some(desc) = descriptors().and_then(|pool| pool.get_message_by_name(name)) else {
+        return serde_json::Value::Null;
+    };
+    let Ok(dynamic) =
+        prost_reflect::DynamicMessage::decode(desc.clone(), &*message.encode_to_vec())
+    else {
+        return serde_json::Value::Null;
+    };
+    let options = prost_reflect::SerializeOptions::new()
+        .use_proto_field_name(true)
+        .skip_default_fields(false)
+        .stringify_64_bit_integers(false);
+    let mut json = dynamic
+        .serialize_with_options(serde_json::value::Serializer, &options)
+        .unwrap_or(serde_json::Value::Null);
+    shorten_enums(&mut json, &desc);
+    json
+}
+
+/// Rewrites the enum values under `json` (a message of type `desc`) to their short form, and
+/// drops those that are UNSPECIFIED.
+fn shorten_enums(json: &mut serde_json::Value, desc: &prost_reflect::MessageDescriptor) {
+    use prost_reflect::Kind;
+    let Some(object) = json.as_object_mut() else {
+        return;
+    };
+    let mut unspecified = Vec::new();
+    for (key, value) in object.iter_mut() {
+        let Some(field) = desc.get_field_by_name(key) else {
+            continue;
+        };
+        match field.kind() {
+            Kind::Enum(e) => {
+                // Every value is PREFIX_NAME, PREFIX_UNSPECIFIED the zero (buf's STANDARD
+                // rules, checked by a test of the proto crate).
+                let prefix = e
+                    .get_value(0)
+                    .and_then(|v| v.name().strip_suffix("UNSPECIFIED").map(str::to_owned))
+                    .unwrap_or_default();
+                let rewrite = |v: &mut serde_json::Value| {
+                    if let Some(name) = v.as_str() {
+                        let short = name.strip_prefix(&prefix).unwrap_or(name);
+                        *v = serde_json::Value::String(short.to_ascii_lowercase());
+                    }
+                };
+                match value {
+                    serde_json::Value::Array(items) => items.iter_mut().for_each(rewrite),
+                    v => {
+                        rewrite(v);
+                        if v == "unspecified" {
+                            unspecified.push(key.clone());
+                        }
+                    }
+                }
+            }
+            Kind::Message(m) if !m.full_name().starts_with("google.protobuf.") => match value {
+                serde_json::Value::Array(items) => {
+                    items.iter_mut().for_each(|v| shorten_enums(v, &m));
+                }
+                v => shorten_enums(v, &m),
+            },
+            _ => {}
+        }
+    }
+    for key in unspecified {
+        object.remove(&key);
+    }
 }
 
 fn failed(what: &str, status: &tonic::Status) -> u8 {
@@ -176,7 +415,7 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
     match command {
         C::Status { json } => match client.get_status(pb::GetStatusRequest {}).await {
             Ok(r) => {
-                let status = r.into_inner();
+                let status = r.into_inner().status.unwrap_or_default();
                 if *json {
                     println!("{}", status_json(&status));
                 } else {
@@ -190,7 +429,7 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
             Ok(r) => {
                 let mut stream = r.into_inner();
                 while let Some(item) = stream.next().await {
-                    match item {
+                    match item.map(|r| r.status.unwrap_or_default()) {
                         Ok(status) if *json => println!("{}", status_json(&status)),
                         Ok(status) => {
                             print_status(&status);
@@ -226,6 +465,23 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
             }
             Err(e) => failed("quit", &e),
         },
+        C::Stop => match client.stop(pb::StopRequest {}).await {
+            Ok(_) => {
+                println!("stopping (the SIGTERM path: see `envoy-agent watch`)");
+                0
+            }
+            Err(e) => failed("stop", &e),
+        },
+        C::ReopenLogs => match client.reopen_logs(pb::ReopenLogsRequest {}).await {
+            Ok(r) => {
+                println!(
+                    "{} envoy process(es) told to reopen their logs",
+                    r.into_inner().envoys_signalled
+                );
+                0
+            }
+            Err(e) => failed("reopen-logs", &e),
+        },
         C::UpdateConfig { file, reason } => {
             let bootstrap = match std::fs::read(file) {
                 Ok(b) => b,
@@ -244,8 +500,8 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
             match client.update_config(request).await {
                 Ok(r) => {
                     let r = r.into_inner();
-                    if r.restarted {
-                        println!("config updated; epoch {} is LIVE on it", r.epoch);
+                    if let (true, Some(epoch)) = (r.restarted, r.epoch) {
+                        println!("config updated; epoch {epoch} is LIVE on it");
                     } else {
                         println!(
                             "config updated (hot restart is off: envoy reads it when next started)"

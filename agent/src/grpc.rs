@@ -10,16 +10,21 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use envoy_agent_proto::pb;
 use envoy_agent_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
-use envoy_agent_proxy::{DrainOptions, ProxyError, RestartError};
+use envoy_agent_proxy::state::{EpochState, FamilyState, HandoffStage, Outcome};
+use envoy_agent_proxy::{DrainOptions, ProxyError, RestartError, WedgeReason};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::agent::{AgentError, AgentHandle, AgentState, DrainPhase, Status as AgentStatus, Via};
+use crate::agent::{
+    AgentConfig, AgentError, AgentHandle, AgentState, DrainPhase, DrainReason, ExitPath,
+    Status as AgentStatus, Via,
+};
+use crate::signal::Intent;
 
 /// The service name, as health checks and reflection know it.
 pub const SERVICE_NAME: &str = "envoyagent.v1.AgentService";
@@ -58,23 +63,210 @@ impl std::fmt::Display for GrpcAddress {
     }
 }
 
-/// The `AgentService` implementation: a handle to the agent, nothing else. Every RPC goes
-/// through the agent actor; no admin call or file write happens here.
+/// The `AgentService` implementation: a handle to the agent and what it reports about itself
+/// (its mode, the settings in force). Every RPC goes through the agent actor; no admin call or
+/// file write happens here.
 #[derive(Debug, Clone)]
 pub struct Service {
     agent: AgentHandle,
-    allow_remote: bool,
+    mode: pb::Mode,
+    settings: pb::Settings,
 }
 
-fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or_default()
+fn timestamp(t: SystemTime) -> Option<prost_types::Timestamp> {
+    Some(prost_types::Timestamp::from(t))
 }
 
-/// The status message for `status`: the agent's state, and the proxy's epochs (one Envoy
-/// without hot restart; with it, every epoch plus the family's handoffs and wedges).
-pub fn status_message(status: &AgentStatus) -> pb::Status {
+fn duration(d: Duration) -> Option<prost_types::Duration> {
+    prost_types::Duration::try_from(d).ok()
+}
+
+/// The settings in force, from the command line (and its environment variables) and the agent
+/// configuration built from it: what `GetStatus` reports under `settings`.
+pub fn settings(
+    args: &crate::cli::RunArgs,
+    config: &AgentConfig,
+    grpc_address: &GrpcAddress,
+) -> pb::Settings {
+    let node_proxy = args.hot_restart;
+    let only_node_proxy = |d: Duration| if node_proxy { duration(d) } else { None };
+    let path = |p: &std::path::Path| p.display().to_string();
+    pb::Settings {
+        config_path: path(&args.config_path),
+        envoy_path: path(&args.envoy_path),
+        admin_address: args.admin_address.map(|a| a.to_string()),
+        status_address: args.status_address.to_string(),
+        grpc_address: grpc_address.to_string(),
+        drain_time: duration(args.drain_time),
+        drain_strategy: match args.drain_strategy {
+            crate::cli::DrainStrategyArg::Immediate => pb::DrainStrategy::Immediate,
+            crate::cli::DrainStrategyArg::Gradual => pb::DrainStrategy::Gradual,
+        }
+        .into(),
+        drain_all_listeners: args.drain_all_listeners,
+        termination_drain_duration: duration(config.termination_drain_duration),
+        minimum_drain_duration: duration(config.minimum_drain_duration),
+        exit_on_zero_active_connections: config.exit_on_zero_active_connections,
+        drain_delay: duration(config.drain_delay),
+        drain_poll_interval: duration(config.poll_interval),
+        exclude_listener_ports: args
+            .exclude_listener_ports
+            .iter()
+            .map(|p| u32::from(*p))
+            .collect(),
+        exclude_listener_prefixes: args.exclude_listener_prefixes.clone(),
+        stop_grace: duration(args.stop_grace),
+        parent_shutdown_time: only_node_proxy(args.parent_shutdown_time()),
+        handoff_deadline: only_node_proxy(args.handoff_deadline()),
+        admin_unresponsive_deadline: only_node_proxy(args.admin_unresponsive_deadline()),
+        handover_timeout: only_node_proxy(config.handover_timeout),
+        base_id: args.base_id,
+        state_dir: args.state_dir.as_deref().map(path),
+        ready_marker: args.ready_marker.as_deref().map(path),
+        watch_config: args.watch_config,
+        grpc_allow_remote: args.grpc_allow_remote,
+    }
+}
+
+fn drain_reason(reason: DrainReason) -> pb::DrainReason {
+    match reason {
+        DrainReason::Signal(Intent::Terminate) => pb::DrainReason::Sigterm,
+        DrainReason::Signal(Intent::Interrupt) => pb::DrainReason::Sigint,
+        // Neither starts a drain; named for completeness, never seen.
+        DrainReason::Signal(Intent::Reload | Intent::ReopenLogs) => pb::DrainReason::Unspecified,
+        DrainReason::Request(Via::Http) => pb::DrainReason::HttpDrain,
+        DrainReason::Request(Via::Grpc) => pb::DrainReason::GrpcDrain,
+    }
+}
+
+fn drain_phase(phase: DrainPhase) -> pb::DrainPhase {
+    match phase {
+        DrainPhase::Deciding => pb::DrainPhase::Deciding,
+        DrainPhase::Delay => pb::DrainPhase::Delay,
+        DrainPhase::Draining => pb::DrainPhase::Draining,
+    }
+}
+
+fn exit_path(path: ExitPath) -> pb::ExitPath {
+    match path {
+        ExitPath::ProxyExited { .. } => pb::ExitPath::ProxyExited,
+        ExitPath::ProxyLost { .. } => pb::ExitPath::ProxyLost,
+        ExitPath::StartFailed { .. } => pb::ExitPath::StartFailed,
+        ExitPath::Wedged { .. } => pb::ExitPath::Wedged,
+        ExitPath::DrainTimeElapsed => pb::ExitPath::DrainTimeElapsed,
+        ExitPath::ZeroConnections => pb::ExitPath::ZeroConnections,
+        ExitPath::DrainDeadline => pb::ExitPath::DrainDeadline,
+        ExitPath::StatsUnavailable => pb::ExitPath::StatsUnavailable,
+        ExitPath::QuitQuitQuit(_) => pb::ExitPath::Quitquitquit,
+        ExitPath::SecondSignal => pb::ExitPath::SecondSignal,
+        ExitPath::SignalAfterDrain => pb::ExitPath::SignalAfterDrain,
+        ExitPath::HandedOver => pb::ExitPath::HandedOver,
+        ExitPath::HandoverTimedOut => pb::ExitPath::HandoverTimedOut,
+        ExitPath::ProxyStopped => pb::ExitPath::ProxyStopped,
+        ExitPath::ProxyFailed => pb::ExitPath::ProxyFailed,
+    }
+}
+
+fn epoch_state(state: EpochState) -> pb::EpochState {
+    match state {
+        EpochState::Starting => pb::EpochState::Starting,
+        EpochState::Live => pb::EpochState::Live,
+        EpochState::Draining => pb::EpochState::Draining,
+    }
+}
+
+fn outcome(outcome: Outcome) -> pb::HandoffOutcome {
+    match outcome {
+        Outcome::Live => pb::HandoffOutcome::Live,
+        Outcome::Rejected => pb::HandoffOutcome::Rejected,
+        Outcome::Failed => pb::HandoffOutcome::Failed,
+        Outcome::TimedOut => pb::HandoffOutcome::TimedOut,
+    }
+}
+
+fn stage(stage: HandoffStage) -> pb::HandoffStage {
+    match stage {
+        HandoffStage::Queued => pb::HandoffStage::Queued,
+        HandoffStage::PreFlight => pb::HandoffStage::PreFlight,
+        HandoffStage::Starting => pb::HandoffStage::Starting,
+    }
+}
+
+fn wedge_reason(reason: WedgeReason) -> pb::WedgeReason {
+    match reason {
+        WedgeReason::HandoffDeadline => pb::WedgeReason::HandoffDeadline,
+        WedgeReason::AdminUnresponsive => pb::WedgeReason::AdminUnresponsive,
+        WedgeReason::StaleInitializing => pb::WedgeReason::StaleInitializing,
+        WedgeReason::ParentOverdue => pb::WedgeReason::ParentOverdue,
+    }
+}
+
+fn handoff_result(h: &envoy_agent_proxy::state::HandoffResult) -> pb::HandoffResult {
+    pb::HandoffResult {
+        epoch: h.epoch,
+        reason: h.reason.clone(),
+        outcome: outcome(h.outcome).into(),
+        duration: duration(h.duration),
+        queued: duration(h.queued),
+        pre_flight: duration(h.preflight),
+        end_time: timestamp(h.at),
+        message: h.message.clone(),
+    }
+}
+
+fn family_message(f: &FamilyState) -> pb::Family {
+    pb::Family {
+        base_id: f.base_id,
+        hot_restart_version: f.hot_restart_version.clone(),
+        identity: f.identity.clone(),
+        handoff: f.handoff.as_ref().map(|h| pb::Handoff {
+            epoch: h.epoch,
+            reason: h.reason.clone(),
+            start_time: timestamp(h.since),
+            stage: stage(h.stage).into(),
+            waiting_for: h.waiting_for.clone(),
+        }),
+        last_handoff: f.last_handoff.as_ref().map(handoff_result),
+        handoffs: f.handoffs.iter().map(handoff_result).collect(),
+        exits: f
+            .exits
+            .iter()
+            .map(|e| pb::EpochExit {
+                epoch: e.epoch,
+                pid: e.pid,
+                state: epoch_state(e.state).into(),
+                exit_code: e.code,
+                signal: e.signal,
+                description: e.how.clone(),
+                time: timestamp(e.at),
+            })
+            .collect(),
+        wedges: f
+            .wedges
+            .iter()
+            .map(|w| pb::Wedge {
+                reason: wedge_reason(w.reason).into(),
+                time: timestamp(w.at),
+                message: w.message.clone(),
+            })
+            .collect(),
+        predecessor: f.predecessor.clone(),
+        predecessor_drains_until: f.foreign_parent_until.and_then(timestamp),
+        successor_starting: f.successor_starting.clone(),
+        handed_over_to: f.handed_over_to.clone(),
+        drained: f.drained,
+    }
+}
+
+/// The status message: the agent's state, the proxy's epochs (one Envoy in sidecar mode;
+/// with hot restart, every epoch plus the family's facts), the shutdown drain under way and
+/// the settings in force. `admin`: Envoy's admin address as known now.
+pub fn status_message(
+    status: &AgentStatus,
+    mode: pb::Mode,
+    settings: &pb::Settings,
+    admin: Option<SocketAddr>,
+) -> pb::Status {
     let agent = &status.agent;
     let reason = match agent {
         AgentState::Draining { reason, phase, .. } => match phase {
@@ -87,81 +279,97 @@ pub fn status_message(status: &AgentStatus) -> pb::Status {
         AgentState::Exiting { path, .. } => path.to_string(),
         AgentState::Starting { .. } | AgentState::Live { .. } => String::new(),
     };
+    let (state, draining_why, exiting_why, successor) = match agent {
+        AgentState::Starting { .. } => (pb::AgentState::Starting, None, None, None),
+        AgentState::Live { .. } => (pb::AgentState::Live, None, None, None),
+        AgentState::Draining { reason, phase, .. } => (
+            pb::AgentState::Draining,
+            Some((drain_reason(*reason), drain_phase(*phase))),
+            None,
+            None,
+        ),
+        AgentState::HandedOver { successor, .. } => (
+            pb::AgentState::HandedOver,
+            None,
+            None,
+            Some(successor.clone()),
+        ),
+        AgentState::HandingOver { successor, .. } => (
+            pb::AgentState::HandingOver,
+            None,
+            None,
+            Some(successor.clone()),
+        ),
+        AgentState::Exiting { path, .. } => (pb::AgentState::Exiting, None, Some(*path), None),
+    };
     let proxy = &status.proxy;
-    let family = proxy.family.as_ref();
+    let mut settings = settings.clone();
+    if let Some(admin) = admin {
+        settings.admin_address = Some(admin.to_string());
+    }
     pb::Status {
-        mode: if family.is_some() {
-            "supervisor"
-        } else {
-            "agent"
-        }
-        .to_owned(),
-        state: agent.name().to_owned(),
+        mode: mode.into(),
+        state: state.into(),
         reason,
-        state_since_unix_ms: unix_ms(agent.since()),
+        state_since: timestamp(agent.since()),
         ready: agent.serving(),
         draining: agent.draining(),
+        drain_reason: draining_why
+            .map_or(pb::DrainReason::Unspecified, |w| w.0)
+            .into(),
+        drain_phase: draining_why
+            .map_or(pb::DrainPhase::Unspecified, |w| w.1)
+            .into(),
+        exit_path: exiting_why
+            .map_or(pb::ExitPath::Unspecified, exit_path)
+            .into(),
+        exit_code: exiting_why.map(|p| u32::from(p.code())),
+        successor: successor.filter(|s| !s.is_empty()),
         epochs: proxy
             .epochs
             .iter()
             .map(|e| pb::Epoch {
                 epoch: e.epoch,
                 pid: e.pid,
-                state: e.state.as_str().to_owned(),
-                started_unix_ms: unix_ms(e.started),
+                state: epoch_state(e.state).into(),
+                start_time: timestamp(e.started),
+                state_since: timestamp(e.since),
             })
             .collect(),
-        newest_live_epoch: proxy.newest_live.map_or(-1, i64::from),
-        base_id: family.map_or(0, |f| f.base_id),
-        hot_restart_version: family
-            .map(|f| f.hot_restart_version.clone())
-            .unwrap_or_default(),
-        handoff: family
-            .and_then(|f| f.handoff.as_ref())
-            .map(|h| pb::Handoff {
-                epoch: h.epoch,
-                reason: h.reason.clone(),
-                since_unix_ms: unix_ms(h.since),
-            }),
-        last_handoff: family
-            .and_then(|f| f.last_handoff.as_ref())
-            .map(|h| pb::HandoffResult {
-                epoch: h.epoch,
-                reason: h.reason.clone(),
-                outcome: h.outcome.as_str().to_owned(),
-                duration_ms: h.duration.as_millis() as u64,
-                message: h.message.clone(),
-            }),
-        wedges: family
-            .map(|f| {
-                f.wedges
-                    .iter()
-                    .map(|w| pb::Wedge {
-                        reason: w.reason.as_str().to_owned(),
-                        at_unix_ms: unix_ms(w.at),
-                        message: w.message.clone(),
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
-        handed_over_to: family
-            .and_then(|f| f.handed_over_to.clone())
-            .unwrap_or_default(),
+        newest_live_epoch: proxy.newest_live,
+        drain: status.drain.as_ref().map(|d| pb::Drain {
+            reason: drain_reason(d.reason).into(),
+            start_time: timestamp(d.started),
+            deadline: d.deadline.and_then(timestamp),
+            active_connections: d.last_count.map(|(n, _)| n),
+            count_time: d.last_count.and_then(|(_, at)| timestamp(at)),
+        }),
+        settings: Some(settings),
+        family: proxy.family.as_ref().map(family_message),
     }
 }
 
 impl Service {
-    /// A service over the agent behind `agent`.
-    pub fn new(agent: AgentHandle, allow_remote: bool) -> Self {
+    /// A service over the agent behind `agent`, which runs in `mode` with `settings` (see
+    /// [`settings`]; `grpc_allow_remote` there decides who may call mutating RPCs).
+    pub fn new(agent: AgentHandle, mode: pb::Mode, settings: pb::Settings) -> Self {
         Service {
             agent,
-            allow_remote,
+            mode,
+            settings,
         }
+    }
+
+    fn status_now(&self, status: &AgentStatus) -> pb::Status {
+        let admin = self.agent.admin().map(|a| a.addr());
+        status_message(status, self.mode, &self.settings, admin)
     }
 
     fn check_mutation<T>(&self, request: &Request<T>) -> Result<(), Status> {
         match request.remote_addr() {
-            Some(peer) if !peer.ip().to_canonical().is_loopback() && !self.allow_remote => {
+            Some(peer)
+                if !peer.ip().to_canonical().is_loopback() && !self.settings.grpc_allow_remote =>
+            {
                 tracing::warn!(%peer, "refused a mutating gRPC call from a non-loopback peer");
                 Err(Status::permission_denied(format!(
                     "{peer} is not a loopback peer (the agent allows mutating calls from loopback only; see --grpc-allow-remote)"
@@ -196,15 +404,18 @@ fn agent_error(e: AgentError) -> Status {
     }
 }
 
-type StatusStream = Pin<Box<dyn Stream<Item = Result<pb::Status, Status>> + Send>>;
+type StatusStream = Pin<Box<dyn Stream<Item = Result<pb::WatchStatusResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl AgentService for Service {
     async fn get_status(
         &self,
         _request: Request<pb::GetStatusRequest>,
-    ) -> Result<Response<pb::Status>, Status> {
-        Ok(Response::new(status_message(&self.agent.status().borrow())))
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let status = self.status_now(&self.agent.status().borrow());
+        Ok(Response::new(pb::GetStatusResponse {
+            status: Some(status),
+        }))
     }
 
     type WatchStatusStream = StatusStream;
@@ -213,9 +424,13 @@ impl AgentService for Service {
         &self,
         _request: Request<pb::WatchStatusRequest>,
     ) -> Result<Response<Self::WatchStatusStream>, Status> {
+        let service = self.clone();
         let stream: StatusStream = Box::pin(
-            tokio_stream::wrappers::WatchStream::new(self.agent.status())
-                .map(|status| Ok(status_message(&status))),
+            tokio_stream::wrappers::WatchStream::new(self.agent.status()).map(move |status| {
+                Ok(pb::WatchStatusResponse {
+                    status: Some(service.status_now(&status)),
+                })
+            }),
         );
         Ok(Response::new(stream))
     }
@@ -240,10 +455,10 @@ impl AgentService for Service {
     async fn drain_now(
         &self,
         request: Request<pb::DrainNowRequest>,
-    ) -> Result<Response<pb::DrainResponse>, Status> {
+    ) -> Result<Response<pb::DrainNowResponse>, Status> {
         self.check_mutation(&request)?;
         self.agent.drain_now(Via::Grpc).await.map_err(agent_error)?;
-        Ok(Response::new(pb::DrainResponse {}))
+        Ok(Response::new(pb::DrainNowResponse {}))
     }
 
     async fn disable_draining(
@@ -255,6 +470,16 @@ impl AgentService for Service {
         Ok(Response::new(pb::DisableDrainingResponse {}))
     }
 
+    async fn stop(
+        &self,
+        request: Request<pb::StopRequest>,
+    ) -> Result<Response<pb::StopResponse>, Status> {
+        self.check_mutation(&request)?;
+        // Already exiting is fine: the request is satisfied, as for QuitQuitQuit.
+        let _ = self.agent.stop().await;
+        Ok(Response::new(pb::StopResponse {}))
+    }
+
     async fn quit_quit_quit(
         &self,
         request: Request<pb::QuitQuitQuitRequest>,
@@ -263,6 +488,22 @@ impl AgentService for Service {
         // Already exiting is fine: the request is satisfied.
         let _ = self.agent.quit(Via::Grpc).await;
         Ok(Response::new(pb::QuitQuitQuitResponse {}))
+    }
+
+    async fn reopen_logs(
+        &self,
+        request: Request<pb::ReopenLogsRequest>,
+    ) -> Result<Response<pb::ReopenLogsResponse>, Status> {
+        self.check_mutation(&request)?;
+        let signalled = self.agent.reopen_logs().await.map_err(agent_error)?;
+        tracing::info!(
+            event = "reopen_logs",
+            envoys = signalled,
+            "gRPC ReopenLogs: asked envoy to reopen its logs"
+        );
+        Ok(Response::new(pb::ReopenLogsResponse {
+            envoys_signalled: u32::try_from(signalled).unwrap_or(u32::MAX),
+        }))
     }
 
     async fn hot_restart(
@@ -291,7 +532,7 @@ impl AgentService for Service {
             .map_err(agent_error)?;
         Ok(Response::new(pb::UpdateConfigResponse {
             restarted: applied.restarted_epoch.is_some(),
-            epoch: applied.restarted_epoch.unwrap_or_default(),
+            epoch: applied.restarted_epoch,
         }))
     }
 }

@@ -183,7 +183,11 @@ async fn serve<P: Proxy>(
     intents: impl IntentSource,
     node_proxy: bool,
 ) -> anyhow::Result<u8> {
-    let (agent, handle) = Agent::new(proxy, agent_config(args));
+    let config = agent_config(args);
+    // What GetStatus reports as the settings in force: taken once, here, from the same
+    // arguments the agent and the proxy were built from.
+    let settings = grpc::settings(args, &config, &grpc_address);
+    let (agent, handle) = Agent::new(proxy, config);
     let agent = agent.with_metrics(metrics);
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -229,7 +233,12 @@ async fn serve<P: Proxy>(
     if notify::enabled() {
         tracker.spawn(notify::run(handle.status(), cancel.clone()));
     }
-    let service = grpc::Service::new(handle.clone(), args.grpc_allow_remote);
+    let mode = if node_proxy {
+        envoy_agent_proto::pb::Mode::NodeProxy
+    } else {
+        envoy_agent_proto::pb::Mode::Sidecar
+    };
+    let service = grpc::Service::new(handle.clone(), mode, settings);
     tracker.spawn(
         grpc::serve(grpc_address, service, cancel.clone(), node_proxy)
             .await

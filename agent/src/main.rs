@@ -27,6 +27,17 @@ fn main() -> ExitCode {
             };
         }
     };
+    if let Command::Completions { shell } = &cli.command {
+        use std::io::Write as _;
+        let script = envoy_agent::cli::completions(*shell);
+        return match std::io::stdout().write_all(&script) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("envoy-agent completions: cannot write: {e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        };
+    }
     // An explicit --log-level (or ENVOY_AGENT_LOG_LEVEL) wins; RUST_LOG beats the default.
     let explicit = given(&matches, "log_level");
     let filter = if explicit {
@@ -68,6 +79,8 @@ fn main() -> ExitCode {
                     .unwrap_or_else(envoy_agent::client::default_address);
                 Ok(envoy_agent::client::run(&command, &addr, cli.client.timeout).await)
             }
+            // Answered above, before the runtime.
+            Command::Completions { .. } => Ok(0),
         }
     });
     match code {

@@ -5,12 +5,16 @@
 //! histogram show how far a handoff got and how long it took, the wedge counter says why the
 //! watchdog acted, and the exit counter tells expected drains from crashes.
 //!
+//! Attribute names follow the OpenTelemetry semantic conventions: namespaced under
+//! `envoy_agent.`, or `error.type` where the value is a kind of failure. The histogram has
+//! explicit bucket boundaries in its unit, seconds ([`HANDOFF_DURATION_BUCKETS`]).
+//!
 //! | instrument | kind | unit | attributes |
 //! |---|---|---|---|
 //! | `envoy_agent.hot_restart.epoch` | gauge | `{epoch}` | |
-//! | `envoy_agent.hot_restart.handoff.duration` | histogram | `s` | `outcome`: live, rejected, failed, timed_out |
-//! | `envoy_agent.hot_restart.wedges` | counter | `{wedge}` | `reason`: handoff_deadline, admin_unresponsive, stale_initializing |
-//! | `envoy_agent.envoy.exits` | counter | `{exit}` | `kind`: drained_parent, crash, signal, clean |
+//! | `envoy_agent.hot_restart.handoff.duration` | histogram | `s` | `envoy_agent.handoff.outcome`: live, rejected, failed, timed_out |
+//! | `envoy_agent.hot_restart.wedges` | counter | `{wedge}` | `error.type`: handoff_deadline, admin_unresponsive, stale_initializing, parent_overdue |
+//! | `envoy_agent.envoy.exits` | counter | `{exit}` | `envoy_agent.envoy.exit_kind`: drained_parent, crash, signal, clean |
 //! | `envoy_agent.config.rejected` | counter | `{config}` | |
 
 use std::sync::Arc;
@@ -42,6 +46,20 @@ impl ExitKind {
         }
     }
 }
+
+/// Bucket boundaries of `envoy_agent.hot_restart.handoff.duration`, in seconds: a handoff
+/// takes a few hundred milliseconds (pre-flight and spawn to LIVE); a queued one waits up to
+/// the parent shutdown time (60 s by default); one that times out, the handoff deadline.
+pub const HANDOFF_DURATION_BUCKETS: [f64; 12] = [
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// The handoff histogram's outcome attribute.
+pub const HANDOFF_OUTCOME: &str = "envoy_agent.handoff.outcome";
+/// The wedge counter's reason attribute: a kind of failure.
+pub const WEDGE_REASON: &str = "error.type";
+/// The Envoy exit counter's kind attribute (not all kinds are failures).
+pub const EXIT_KIND: &str = "envoy_agent.envoy.exit_kind";
 
 #[derive(Debug)]
 struct Instruments {
@@ -76,9 +94,7 @@ impl SupervisorMetrics {
                 .f64_histogram("envoy_agent.hot_restart.handoff.duration")
                 .with_description("Hot restart trigger to outcome.")
                 .with_unit("s")
-                .with_boundaries(vec![
-                    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-                ])
+                .with_boundaries(HANDOFF_DURATION_BUCKETS.to_vec())
                 .build(),
             wedges: meter
                 .u64_counter("envoy_agent.hot_restart.wedges")
@@ -111,22 +127,24 @@ impl SupervisorMetrics {
     /// A hot restart ended with `outcome` after `duration`.
     pub fn handoff(&self, duration: Duration, outcome: &'static str) {
         if let Some(i) = &self.inner {
-            i.handoff
-                .record(duration.as_secs_f64(), &[KeyValue::new("outcome", outcome)]);
+            i.handoff.record(
+                duration.as_secs_f64(),
+                &[KeyValue::new(HANDOFF_OUTCOME, outcome)],
+            );
         }
     }
 
     /// A wedge.
     pub fn wedge(&self, reason: &'static str) {
         if let Some(i) = &self.inner {
-            i.wedges.add(1, &[KeyValue::new("reason", reason)]);
+            i.wedges.add(1, &[KeyValue::new(WEDGE_REASON, reason)]);
         }
     }
 
     /// An Envoy process exited.
     pub fn exit(&self, kind: ExitKind) {
         if let Some(i) = &self.inner {
-            i.exits.add(1, &[KeyValue::new("kind", kind.as_str())]);
+            i.exits.add(1, &[KeyValue::new(EXIT_KIND, kind.as_str())]);
         }
     }
 

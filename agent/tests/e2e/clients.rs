@@ -70,7 +70,16 @@ async fn python_grpcio_and_grpcurl_work_over_the_unix_socket_as_they_come() {
         .find_map(|l| l.strip_prefix("status "))
         .unwrap_or_else(|| panic!("{out}"));
     let status: serde_json::Value = serde_json::from_str(status).unwrap();
-    assert_eq!(status["state"], "live", "{status}");
+    // The proto3 JSON mapping: enum names, RFC 3339 times (the well-known types resolved
+    // through reflection too).
+    assert_eq!(status["status"]["state"], "AGENT_STATE_LIVE", "{status}");
+    assert_eq!(status["status"]["mode"], "MODE_SIDECAR", "{status}");
+    assert!(
+        status["status"]["stateSince"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z') && t.contains('T')),
+        "{status}"
+    );
 
     let grpcurl = test_tool("grpcurl");
     let (ok, out) = run(&grpcurl, &["-plaintext", "-unix", &socket, "list"]).await;
@@ -116,7 +125,33 @@ async fn python_grpcio_and_grpcurl_work_over_the_unix_socket_as_they_come() {
     .await;
     assert!(ok, "grpcurl GetStatus: {out}");
     let status: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(status["state"], "live", "{status}");
+    let status = &status["status"];
+    assert_eq!(status["state"], "AGENT_STATE_LIVE", "{status}");
+    assert_eq!(status["newestLiveEpoch"], 0, "{status}");
+    assert!(
+        status["settings"]["terminationDrainDuration"] == "5s",
+        "a Duration: {status}"
+    );
+    assert!(
+        status["epochs"][0]["startTime"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z')),
+        "a Timestamp in RFC 3339: {status}"
+    );
+    // ReopenLogs through reflection, as documented in the README.
+    let (ok, out) = run(
+        &grpcurl,
+        &[
+            "-plaintext",
+            "-unix",
+            &socket,
+            "envoyagent.v1.AgentService/ReopenLogs",
+        ],
+    )
+    .await;
+    assert!(ok, "grpcurl ReopenLogs: {out}");
+    let reopened: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(reopened["envoysSignalled"], 1, "{reopened}");
 
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));

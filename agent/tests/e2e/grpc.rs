@@ -19,6 +19,18 @@ async fn client(
     connect(&addr, PATIENCE).await.unwrap()
 }
 
+/// GetStatus's status.
+pub(crate) async fn get_status(
+    c: &mut pb::agent_service_client::AgentServiceClient<tonic::transport::Channel>,
+) -> pb::Status {
+    c.get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .expect("GetStatus carries a status")
+}
+
 /// Runs `envoy-agent <args>` against `agent`, returning exit code and stdout+stderr.
 pub(crate) async fn cli(agent: &AgentProcess, args: &[&str]) -> (i32, String, String) {
     let output = tokio::time::timeout(
@@ -85,20 +97,17 @@ async fn agent_over_a_unix_socket_status_drain_health_reflection_and_quit() {
     );
 
     let mut c = client(&agent).await;
-    let status = c
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let status = get_status(&mut c).await;
     assert_eq!(
-        (status.mode.as_str(), status.state.as_str(), status.ready),
-        ("agent", "live", true)
+        (status.mode(), status.state(), status.ready),
+        (pb::Mode::Sidecar, pb::AgentState::Live, true)
     );
 
     let (code, out, _) = cli(&agent, &["status", "--json"]).await;
     assert_eq!(code, 0);
     let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(json["state"], "live");
+    assert_eq!(json["mode"], "sidecar");
 
     // Health: SERVING, then NOT_SERVING once draining.
     let channel = tonic::transport::Endpoint::from_static("http://localhost")
@@ -156,12 +165,11 @@ async fn agent_over_a_unix_socket_status_drain_health_reflection_and_quit() {
         }
     })
     .await;
-    let status = c
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!((status.state.as_str(), status.draining), ("draining", true));
+    let status = get_status(&mut c).await;
+    assert_eq!(
+        (status.state(), status.draining, status.drain_reason()),
+        (pb::AgentState::Draining, true, pb::DrainReason::GrpcDrain)
+    );
 
     // Hot restart is off here: refused, and the CLI says so with exit 1.
     let err = c
@@ -191,12 +199,8 @@ async fn agent_over_tcp_and_an_unreachable_agent() {
         .start()
         .await;
     let mut c = client(&agent).await;
-    let status = c
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(status.state, "live");
+    let status = get_status(&mut c).await;
+    assert_eq!(status.state(), pb::AgentState::Live);
     // DisableDraining: the next SIGTERM stops at once (the drain would last an hour).
     c.disable_draining(pb::DisableDrainingRequest {})
         .await
@@ -219,12 +223,8 @@ async fn agent_over_tcp_and_an_unreachable_agent() {
         .await;
     let mut c = client(&agent).await;
     c.drain_now(pb::DrainNowRequest {}).await.unwrap();
-    let status = c
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(status.state, "draining");
+    let status = get_status(&mut c).await;
+    assert_eq!(status.state(), pb::AgentState::Draining);
     c.quit_quit_quit(pb::QuitQuitQuitRequest {}).await.unwrap();
     assert_eq!(agent.exit().await.code(), Some(0));
 
@@ -258,11 +258,12 @@ async fn supervisor_hot_restart_update_config_and_watch() {
         .into_inner();
     let seen = tokio::spawn(async move {
         let mut seen = Vec::new();
-        while let Some(Ok(s)) = watch.next().await {
+        while let Some(Ok(r)) = watch.next().await {
+            let s = r.status.unwrap();
             seen.push((
-                s.state.clone(),
+                s.state(),
                 s.newest_live_epoch,
-                s.handoff.is_some(),
+                s.family.as_ref().unwrap().handoff.is_some(),
                 s.ready,
             ));
         }
@@ -278,13 +279,23 @@ async fn supervisor_hot_restart_update_config_and_watch() {
         .into_inner()
         .epoch;
     assert_eq!(epoch, 1);
-    let status = c
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(status.newest_live_epoch, 1);
-    assert_eq!(status.last_handoff.unwrap().outcome, "live");
+    let status = get_status(&mut c).await;
+    assert_eq!(status.newest_live_epoch, Some(1));
+    let family = status.family.unwrap();
+    let last = family.last_handoff.unwrap();
+    assert_eq!(
+        (last.epoch, last.outcome(), last.reason.as_str()),
+        (1, pb::HandoffOutcome::Live, "grpc: test")
+    );
+    assert!(
+        last.duration.is_some() && last.end_time.is_some(),
+        "{last:?}"
+    );
+    assert_eq!(
+        family.handoffs.last(),
+        Some(&last),
+        "the history ends with the last handoff"
+    );
 
     // The CLI: waits for the parent to drain away, then restarts.
     let (code, out, err) = cli(&agent, &["restart", "--reason", "from the cli"]).await;
@@ -302,7 +313,7 @@ async fn supervisor_hot_restart_update_config_and_watch() {
         .unwrap()
         .into_inner();
     assert!(r.restarted);
-    assert_eq!(r.epoch, 3);
+    assert_eq!(r.epoch, Some(3));
     assert_eq!(http_get(listener, "/").await.unwrap().body, "updated");
     let path = agent.dir.join("bootstrap.yaml");
     assert_eq!(std::fs::read_to_string(&path).unwrap(), good);
@@ -321,12 +332,12 @@ async fn supervisor_hot_restart_update_config_and_watch() {
         good,
         "the file is unchanged"
     );
-    let status = c
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(status.newest_live_epoch, 3, "the old epoch keeps serving");
+    let status = get_status(&mut c).await;
+    assert_eq!(
+        status.newest_live_epoch,
+        Some(3),
+        "the old epoch keeps serving"
+    );
     assert_eq!(http_get(listener, "/").await.unwrap().body, "updated");
 
     agent.signal(Signal::SIGTERM);
@@ -334,18 +345,18 @@ async fn supervisor_hot_restart_update_config_and_watch() {
     let seen = tokio::time::timeout(PATIENCE, seen).await.unwrap().unwrap();
     let live0 = seen
         .iter()
-        .position(|s| s.0 == "live" && s.1 == 0)
+        .position(|s| s.0 == pb::AgentState::Live && s.1 == Some(0))
         .expect("LIVE at 0");
     let handoff = seen.iter().position(|s| s.2).expect("a handoff");
     assert_eq!(
-        (seen[handoff].0.as_str(), seen[handoff].3),
-        ("live", true),
+        (seen[handoff].0, seen[handoff].3),
+        (pb::AgentState::Live, true),
         "a handoff is not a drain: the serving epoch serves, readiness stays: {seen:?}"
     );
-    let live1 = seen.iter().position(|s| s.1 == 1).expect("LIVE at 1");
+    let live1 = seen.iter().position(|s| s.1 == Some(1)).expect("LIVE at 1");
     let stopping = seen
         .iter()
-        .position(|s| s.0 == "draining" || s.0 == "exiting")
+        .position(|s| matches!(s.0, pb::AgentState::Draining | pb::AgentState::Exiting))
         .expect("stopping");
     assert!(
         live0 < handoff && handoff < live1 && live1 < stopping,
@@ -383,14 +394,10 @@ async fn many_slow_watchers_do_not_hold_the_supervisor_back() {
     }
     // A lagging watcher catches up with the latest state. (What it has not read is bounded by
     // HTTP/2 flow control; past that the server skips to the latest state.)
-    let now = c
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let now = get_status(&mut c).await;
     let mut read = 0;
     loop {
-        let status = idle[0].next().await.unwrap().unwrap();
+        let status = idle[0].next().await.unwrap().unwrap().status.unwrap();
         read += 1;
         if status.newest_live_epoch == now.newest_live_epoch {
             break;

@@ -4,6 +4,7 @@
 // Test code: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+mod api;
 mod clients;
 mod cross_pod;
 mod day_one;
