@@ -134,12 +134,22 @@ async fn hot_restarts_and_a_rejection_reach_an_otlp_receiver() {
         handoffs
             .data_points
             .iter()
-            .filter(|p| attr(&p.attributes, "outcome").as_deref() == Some(outcome))
+            .filter(|p| {
+                attr(&p.attributes, "envoy_agent.handoff.outcome").as_deref() == Some(outcome)
+            })
             .map(|p| p.count)
             .sum::<u64>()
     };
     assert_eq!(count("live"), 2);
     assert_eq!(count("rejected"), 1);
+    // Buckets in seconds, as configured (the SDK's defaults are meant for milliseconds).
+    for point in &handoffs.data_points {
+        assert_eq!(
+            point.explicit_bounds,
+            envoy_agent_hotrestart::metrics::HANDOFF_DURATION_BUCKETS,
+            "{point:?}"
+        );
+    }
 
     let Some(Data::Sum(rejected)) = latest(&requests, "envoy_agent.config.rejected") else {
         panic!("no rejection counter");
@@ -155,7 +165,9 @@ async fn hot_restarts_and_a_rejection_reach_an_otlp_receiver() {
     let drained: i64 = exits
         .data_points
         .iter()
-        .filter(|p| attr(&p.attributes, "kind").as_deref() == Some("drained_parent"))
+        .filter(|p| {
+            attr(&p.attributes, "envoy_agent.envoy.exit_kind").as_deref() == Some("drained_parent")
+        })
         .map(|p| match p.value {
             Some(Number::AsInt(n)) => n,
             _ => 0,
@@ -217,5 +229,72 @@ async fn a_collector_that_is_down_changes_nothing() {
         stopping.elapsed() < bound,
         "exit took {:?}, more than {bound:?}",
         stopping.elapsed()
+    );
+}
+
+/// The OpenTelemetry SDK's standard environment alone configures the pipeline: no telemetry
+/// flag, only `OTEL_EXPORTER_OTLP_ENDPOINT` (a bare host:port) and `OTEL_SERVICE_NAME`. The
+/// metrics reach the receiver under that service name, and the drain histogram has the
+/// configured buckets, in seconds.
+#[tokio::test]
+async fn the_standard_otel_environment_alone_configures_the_export() {
+    let (addr, receiver) = receiver().await;
+    let mut agent = agent()
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &addr.to_string())
+        .env("OTEL_SERVICE_NAME", "edge-proxy-7")
+        .env(
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "deployment.environment.name=staging",
+        )
+        .args(&["--termination-drain-duration", "300ms"])
+        .start()
+        .await;
+    let telemetry = agent
+        .wait_event("telemetry", "source", "OTEL_EXPORTER_OTLP_ENDPOINT")
+        .await;
+    assert_eq!(telemetry["service_name"], "edge-proxy-7", "{telemetry}");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+
+    // The final flush at exit carries the drain.
+    let requests = receiver.requests.lock().unwrap().clone();
+    assert!(!requests.is_empty(), "metrics were pushed");
+    let resource = requests.last().unwrap().resource_metrics[0]
+        .resource
+        .clone()
+        .unwrap();
+    assert_eq!(
+        attr(&resource.attributes, "service.name").as_deref(),
+        Some("edge-proxy-7")
+    );
+    assert_eq!(
+        attr(&resource.attributes, "deployment.environment.name").as_deref(),
+        Some("staging")
+    );
+    let Some(Data::Histogram(drain)) = latest(&requests, "envoy_agent.drain.duration") else {
+        panic!("no drain histogram");
+    };
+    let point = drain.data_points.last().unwrap();
+    assert_eq!(
+        attr(&point.attributes, "envoy_agent.exit_path").as_deref(),
+        Some("drain_time_elapsed"),
+        "{point:?}"
+    );
+    assert_eq!(point.count, 1);
+    assert_eq!(
+        point.explicit_bounds,
+        envoy_agent::telemetry::DRAIN_DURATION_BUCKETS,
+        "the configured buckets, in seconds"
+    );
+    let Some(Data::Sum(exits)) = latest(&requests, "envoy_agent.exits") else {
+        panic!("no exit counter");
+    };
+    assert!(
+        exits
+            .data_points
+            .iter()
+            .any(|p| attr(&p.attributes, "envoy_agent.exit_path").as_deref()
+                == Some("drain_time_elapsed")),
+        "{exits:?}"
     );
 }
