@@ -92,10 +92,18 @@ fn seconds(d: Duration) -> String {
     }
 }
 
+/// A configured duration as the flags take it: `45s`, `250ms`, `1.5s`, `0s`.
 fn span(d: &Option<prost_types::Duration>) -> String {
-    d.as_ref()
-        .and_then(|d| Duration::try_from(*d).ok())
-        .map_or_else(|| "-".to_owned(), |d| format!("{d:?}"))
+    let Some(d) = d.as_ref().and_then(|d| Duration::try_from(*d).ok()) else {
+        return "-".to_owned();
+    };
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d < Duration::from_secs(1) && d.subsec_nanos() % 1_000_000 == 0 {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}s", d.as_secs_f64())
+    }
 }
 
 /// An enum's value in the short form `--json` and people read: `AGENT_STATE_LIVE` → `live`.
@@ -118,6 +126,9 @@ fn snake(name: &str) -> String {
     out
 }
 
+/// How many of the family's last handoffs and exits the summary shows (`--json` has them all).
+const SHOWN: usize = 3;
+
 /// Prints `status` for people: what it is, whether it serves, every Envoy, the drain under
 /// way, the node-proxy family's facts and history, and the settings in force.
 pub fn print_status(status: &pb::Status) {
@@ -129,7 +140,7 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
     let mut line = |label: &str, value: String| {
-        let _ = writeln!(out, "{label:<18}{value}");
+        let _ = writeln!(out, "{label:<20}{value}");
     };
     let mode = match status.mode() {
         pb::Mode::Sidecar => "sidecar (one envoy, hot restart off)".to_owned(),
@@ -193,7 +204,7 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
     if let Some(f) = &status.family {
         let _ = writeln!(
             out,
-            "family:           base id {}, hot-restart version {}, identity {}",
+            "family:             base id {}, hot-restart version {}, identity {}",
             f.base_id, f.hot_restart_version, f.identity
         );
         for (label, value) in [
@@ -202,13 +213,13 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
             ("handed over to:", &f.handed_over_to),
         ] {
             if let Some(v) = value {
-                let _ = writeln!(out, "{label:<18}{v}");
+                let _ = writeln!(out, "{label:<20}{v}");
             }
         }
         if let Some(h) = &f.handoff {
             let _ = writeln!(
                 out,
-                "{:<18}to epoch {} ({}), {}{}, since {}",
+                "{:<20}to epoch {} ({}), {}{}, since {}",
                 "handoff:",
                 h.epoch,
                 h.reason,
@@ -220,10 +231,14 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
                 when(&h.start_time, now)
             );
         }
-        for h in &f.handoffs {
+        let earlier = |n: usize| {
+            (n > SHOWN).then(|| format!("{:<20}{} earlier (see --json)\n", "", n - SHOWN))
+        };
+        out.push_str(&earlier(f.handoffs.len()).unwrap_or_default());
+        for h in f.handoffs.iter().rev().take(SHOWN).rev() {
             let _ = writeln!(
                 out,
-                "{:<18}epoch {} {} in {} ({}){}",
+                "{:<20}epoch {} {} in {} ({}){}",
                 "hot restart:",
                 h.epoch,
                 short(pb::HandoffOutcome::try_from(h.outcome)),
@@ -236,10 +251,11 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
                 }
             );
         }
-        for e in &f.exits {
+        out.push_str(&earlier(f.exits.len()).unwrap_or_default());
+        for e in f.exits.iter().rev().take(SHOWN).rev() {
             let _ = writeln!(
                 out,
-                "{:<18}epoch {} (pid {}) {}, {}",
+                "{:<20}epoch {} (pid {}) {}, {}",
                 "envoy exit:",
                 e.epoch,
                 e.pid,
@@ -250,7 +266,7 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
         for w in &f.wedges {
             let _ = writeln!(
                 out,
-                "{:<18}{}: {} ({})",
+                "{:<20}{}: {} ({})",
                 "wedge:",
                 short(pb::WedgeReason::try_from(w.reason)),
                 w.message,
@@ -261,7 +277,7 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
     if let Some(s) = &status.settings {
         let _ = writeln!(
             out,
-            "{:<18}drain time {}, termination drain {}, drain delay {}, exit on zero {}{}",
+            "{:<20}drain time {}, termination drain {}, drain delay {}, exit on zero {}{}",
             "settings:",
             span(&s.drain_time),
             span(&s.termination_drain_duration),
@@ -283,7 +299,7 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
         );
         let _ = writeln!(
             out,
-            "{:<18}{} (admin {})",
+            "{:<20}{} (admin {})",
             "config:",
             s.config_path,
             s.admin_address.as_deref().unwrap_or("not known yet")
@@ -524,5 +540,118 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
                 Err(e) => failed("restart", &e),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(seconds: i64) -> Option<prost_types::Timestamp> {
+        Some(prost_types::Timestamp { seconds, nanos: 0 })
+    }
+
+    fn node_proxy_draining() -> pb::Status {
+        let handoff = |epoch| pb::HandoffResult {
+            epoch,
+            reason: "SIGHUP".into(),
+            outcome: pb::HandoffOutcome::Live.into(),
+            duration: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: 250_000_000,
+            }),
+            end_time: at(990),
+            ..Default::default()
+        };
+        pb::Status {
+            mode: pb::Mode::NodeProxy.into(),
+            state: pb::AgentState::Draining.into(),
+            reason: "SIGTERM".into(),
+            state_since: at(995),
+            drain_reason: pb::DrainReason::Sigterm.into(),
+            drain_phase: pb::DrainPhase::Draining.into(),
+            newest_live_epoch: Some(4),
+            epochs: vec![pb::Epoch {
+                epoch: 4,
+                pid: 4242,
+                state: pb::EpochState::Live.into(),
+                start_time: at(900),
+                state_since: at(901),
+            }],
+            drain: Some(pb::Drain {
+                reason: pb::DrainReason::Sigterm.into(),
+                start_time: at(995),
+                deadline: at(1025),
+                active_connections: Some(3),
+                count_time: at(999),
+            }),
+            settings: Some(pb::Settings {
+                drain_time: Some(prost_types::Duration {
+                    seconds: 45,
+                    nanos: 0,
+                }),
+                drain_delay: Some(prost_types::Duration {
+                    seconds: 0,
+                    nanos: 250_000_000,
+                }),
+                config_path: "/etc/envoy/envoy.yaml".into(),
+                ..Default::default()
+            }),
+            family: Some(pb::Family {
+                base_id: 7,
+                hot_restart_version: "11.104".into(),
+                identity: "pod-b-1a2b".into(),
+                predecessor: Some("pod-a-9f8e".into()),
+                handoffs: (0..5).map(handoff).collect(),
+                wedges: vec![pb::Wedge {
+                    reason: pb::WedgeReason::StaleInitializing.into(),
+                    time: at(950),
+                    message: "cleared".into(),
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_summary_says_what_a_person_needs() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
+        let text = status_text(&node_proxy_draining(), now);
+        let has = |needle: &str| assert!(text.contains(needle), "{needle:?} in\n{text}");
+        has("mode:               node proxy");
+        has("state:              draining (SIGTERM)");
+        has("ready:              no");
+        has("newest LIVE epoch:  4");
+        has("drain:              sigterm since 1970-01-01T00:16:35Z (5.0s ago)");
+        has("deadline:         1970-01-01T00:17:05Z (in 25.0s)");
+        has("3 active, counted 1970-01-01T00:16:39Z (1.0s ago)");
+        has("      4      4242  live");
+        has("identity pod-b-1a2b");
+        has("predecessor:        pod-a-9f8e");
+        has("2 earlier (see --json)");
+        has("epoch 4 live in 250ms (SIGHUP)");
+        assert!(!text.contains("epoch 1 live"), "only the last 3: {text}");
+        has("wedge:              stale_initializing: cleared");
+        has("drain time 45s, termination drain -, drain delay 250ms");
+    }
+
+    #[test]
+    fn json_has_proto_names_short_enums_and_leaves_out_what_does_not_apply() {
+        let json = status_json(&node_proxy_draining());
+        assert_eq!(json["mode"], "node_proxy");
+        assert_eq!(json["state"], "draining");
+        assert_eq!(json["drain_reason"], "sigterm");
+        assert_eq!(json["newest_live_epoch"], 4);
+        assert!(json.get("exit_path").is_none(), "unspecified: {json}");
+        assert!(json.get("exit_code").is_none(), "absent: {json}");
+        assert_eq!(json["ready"], false, "defaults are shown: {json}");
+        assert_eq!(json["drain"]["active_connections"], 3, "a number: {json}");
+        assert_eq!(json["drain"]["deadline"], "1970-01-01T00:17:05Z");
+        assert_eq!(json["settings"]["drain_delay"], "0.250s");
+        assert_eq!(json["family"]["handoffs"][4]["outcome"], "live");
+        assert_eq!(json["family"]["wedges"][0]["reason"], "stale_initializing");
+        assert_eq!(json["epochs"][0]["state"], "live");
+        assert!(json["family"].get("handoff").is_none());
     }
 }

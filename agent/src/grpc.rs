@@ -1,11 +1,22 @@
 //! The gRPC service for controllers (`envoyagent.v1.AgentService`), standard
-//! `grpc.health.v1` (NOT_SERVING while draining) and server reflection, on a Unix socket
-//! (`unix:/path`, mode 0600) or TCP (`host:port`).
+//! `grpc.health.v1` (NOT_SERVING while draining) and server reflection (v1 and v1alpha), on a
+//! Unix socket (`unix:/path`, mode 0600) or TCP (`host:port`).
 //!
 //! The service holds handles only: every decision stays with the agent or supervisor actor.
-//! `WatchStatus` streams read the actor's `watch` channel, so a slow watcher skips to the latest
-//! state and costs the actor nothing. Mutating RPCs from a non-loopback TCP peer are refused
-//! (PERMISSION_DENIED) unless `--grpc-allow-remote`; a Unix socket is guarded by its mode.
+//! `Stop` is the agent's SIGTERM path ([`AgentHandle::stop`]), `ReopenLogs` its SIGUSR1
+//! ([`AgentHandle::reopen_logs`]). `WatchStatus` streams read the actor's `watch` channel, so a
+//! slow watcher skips to the latest state and costs the actor nothing. Mutating RPCs from a
+//! non-loopback TCP peer are refused (PERMISSION_DENIED) unless `--grpc-allow-remote`; a Unix
+//! socket is guarded by its mode.
+//!
+//! # The status message
+//!
+//! [`status_message`] maps the agent's typed status (its [`AgentState`], the proxy's
+//! `ProxyState` and the shutdown drain's progress) onto the proto, enum to enum (every Rust enum
+//! has a proto enum whose zero is `*_UNSPECIFIED`, "does not apply"), `SystemTime` to
+//! `Timestamp`, `Duration` to `Duration`, `Option` to an absent field. The settings in force are
+//! a snapshot taken at start ([`settings`], from the same arguments the agent was built from);
+//! only Envoy's admin address is filled in per call, since Envoy may pick it at start.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

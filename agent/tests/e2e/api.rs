@@ -534,3 +534,32 @@ async fn reopen_logs_makes_envoy_reopen_its_access_log() {
     c.quit_quit_quit(pb::QuitQuitQuitRequest {}).await.unwrap();
     assert_eq!(agent.exit().await.code(), Some(0));
 }
+
+/// The example collector config is well-formed: every pipeline component is defined, and the
+/// OTLP receiver listens for gRPC on the port the README's example endpoint names.
+#[test]
+fn the_example_collector_config_is_consistent() {
+    let text = std::fs::read_to_string(repo_root().join("docs/otel-collector.yaml")).unwrap();
+    let config: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    let pipeline = &config["service"]["pipelines"]["metrics"];
+    for (kind, section) in [
+        ("receivers", "receivers"),
+        ("processors", "processors"),
+        ("exporters", "exporters"),
+    ] {
+        let names = pipeline[kind].as_sequence().unwrap();
+        assert!(!names.is_empty(), "{kind}");
+        for name in names {
+            let name = name.as_str().unwrap();
+            assert!(
+                config[section].get(name).is_some(),
+                "{kind}: {name} is not defined under {section}"
+            );
+        }
+    }
+    assert_eq!(
+        config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"],
+        "0.0.0.0:4317"
+    );
+    assert!(text.contains("OTEL_EXPORTER_OTLP_ENDPOINT"));
+}
