@@ -36,6 +36,26 @@ impl MetricsService for Receiver {
     }
 }
 
+/// A receiver speaking TLS with `identity` (the certificate and key, PEM).
+async fn tls_receiver(cert: &[u8], key: &[u8]) -> (SocketAddr, Receiver) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let receiver = Receiver::default();
+    let service = MetricsServiceServer::new(receiver.clone());
+    let tls = tonic::transport::ServerTlsConfig::new()
+        .identity(tonic::transport::Identity::from_pem(cert, key));
+    let server = tonic::transport::Server::builder()
+        .tls_config(tls)
+        .unwrap()
+        .add_service(service);
+    tokio::spawn(async move {
+        server
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await
+    });
+    (addr, receiver)
+}
+
 async fn receiver() -> (SocketAddr, Receiver) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -296,5 +316,127 @@ async fn the_standard_otel_environment_alone_configures_the_export() {
             .any(|p| attr(&p.attributes, "envoy_agent.exit_path").as_deref()
                 == Some("drain_time_elapsed")),
         "{exits:?}"
+    );
+}
+
+/// A private CA and a certificate it signed for `localhost` and 127.0.0.1, made with the
+/// openssl command: (CA certificate path, server certificate PEM, server key PEM).
+fn certificates(dir: &std::path::Path) -> (std::path::PathBuf, Vec<u8>, Vec<u8>) {
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap_or_else(|e| panic!("openssl (Debian: apt-get install openssl): {e}"));
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=envoy-agent test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    ]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+        "-out",
+        "server.pem",
+    ]);
+    (
+        dir.join("ca.pem"),
+        std::fs::read(dir.join("server.pem")).unwrap(),
+        std::fs::read(dir.join("server.key")).unwrap(),
+    )
+}
+
+/// An `https://` collector is reached over TLS, verified with the system's roots: here a
+/// private CA named by `SSL_CERT_FILE`, as an operator would name a cluster's. Without that CA
+/// among the roots, the certificate is refused and nothing arrives.
+#[tokio::test]
+async fn an_https_collector_is_reached_over_tls_with_the_system_roots() {
+    let dir = envoy_agent_tests::TestDir::new();
+    let (ca, cert, key) = certificates(dir.path());
+    let (addr, receiver) = tls_receiver(&cert, &key).await;
+    let endpoint = format!("https://localhost:{}", addr.port());
+
+    // Trusted: the metrics arrive.
+    let mut trusted = agent()
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("SSL_CERT_FILE", ca.to_str().unwrap())
+        .args(&[
+            "--otlp-export-interval",
+            "200ms",
+            "--termination-drain-duration",
+            "0s",
+        ])
+        .start()
+        .await;
+    trusted.signal(Signal::SIGTERM);
+    assert_eq!(trusted.exit().await.code(), Some(0));
+    // A sidecar records at its exit: the final flush carries it, over TLS.
+    assert!(
+        !receiver.requests.lock().unwrap().is_empty(),
+        "metrics over TLS"
+    );
+
+    // Not trusted (the real system roots, which do not have the test CA): refused.
+    receiver.requests.lock().unwrap().clear();
+    let mut untrusted = agent()
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+        .env("SSL_CERT_FILE", "/nonexistent/ca.pem")
+        .args(&[
+            "--otlp-export-interval",
+            "200ms",
+            "--termination-drain-duration",
+            "0s",
+        ])
+        .start()
+        .await;
+    untrusted.signal(Signal::SIGTERM);
+    assert_eq!(untrusted.exit().await.code(), Some(0));
+    assert!(
+        receiver.requests.lock().unwrap().is_empty(),
+        "an untrusted certificate must not be accepted"
     );
 }
