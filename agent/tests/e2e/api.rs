@@ -563,3 +563,37 @@ fn the_example_collector_config_is_consistent() {
     );
     assert!(text.contains("OTEL_EXPORTER_OTLP_ENDPOINT"));
 }
+
+/// `envoy-agent completions <shell>` prints a script the shell accepts, naming every
+/// subcommand; an unknown shell is a usage error.
+#[tokio::test]
+async fn completions_for_each_shell() {
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let out = tokio::process::Command::new(crate::AGENT)
+            .args(["completions", shell])
+            .output()
+            .await
+            .unwrap();
+        assert!(out.status.success(), "{shell}: {out:?}");
+        let script = String::from_utf8(out.stdout).unwrap();
+        for sub in ["run", "status", "stop", "reopen-logs", "update-config"] {
+            assert!(script.contains(sub), "{shell} completions lack {sub}");
+        }
+        if shell == "bash" {
+            let dir = envoy_agent_tests::TestDir::new();
+            let path = dir.write("envoy-agent.bash", &script);
+            let check = std::process::Command::new("bash")
+                .arg("-n")
+                .arg(&path)
+                .output()
+                .unwrap();
+            assert!(check.status.success(), "bash -n: {check:?}");
+        }
+    }
+    let out = tokio::process::Command::new(crate::AGENT)
+        .args(["completions", "tcsh"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64), "{out:?}");
+}
