@@ -597,3 +597,77 @@ async fn completions_for_each_shell() {
         .unwrap();
     assert_eq!(out.status.code(), Some(64), "{out:?}");
 }
+
+/// The cross-pod facts over gRPC (node proxy, two pods of one node in PID namespaces of their
+/// own): the successor names its predecessor and its first handoff; the predecessor is handed
+/// over to the successor, not ready, and once the successor's Envoy has terminated its own,
+/// has no epoch left and the exit in its history.
+#[tokio::test]
+async fn cross_pod_facts_name_predecessor_and_successor() {
+    let node = crate::cross_pod::Node::new();
+    let mut a = node.pod("pod-a").start().await;
+    let mut b = node.pod("pod-b").start().await;
+    envoy_agent_tests::live_at(&node.admin(), 1).await;
+
+    let cb = client(&b).await;
+    let status_b = eventually("pod-b live at epoch 1", PATIENCE, || {
+        let mut cb = cb.clone();
+        async move {
+            let s = get_status(&mut cb).await;
+            (s.state() == pb::AgentState::Live && s.newest_live_epoch == Some(1)).then_some(s)
+        }
+    })
+    .await;
+    let family_b = status_b.family.unwrap();
+    assert!(family_b.identity.starts_with("pod-b-"), "{family_b:?}");
+    let predecessor = family_b.predecessor.clone().expect("a predecessor");
+    assert!(predecessor.starts_with("pod-a-"), "{predecessor}");
+    let first = family_b
+        .last_handoff
+        .clone()
+        .expect("the takeover's handoff");
+    assert_eq!(
+        (first.epoch, first.outcome()),
+        (1, pb::HandoffOutcome::Live)
+    );
+
+    let ca = client(&a).await;
+    let status_a = eventually("pod-a handed over", PATIENCE, || {
+        let mut ca = ca.clone();
+        async move {
+            let s = get_status(&mut ca).await;
+            (s.state() == pb::AgentState::HandedOver).then_some(s)
+        }
+    })
+    .await;
+    assert_eq!(status_a.successor, Some(family_b.identity.clone()));
+    assert!(!status_a.ready && status_a.draining, "{status_a:?}");
+    let family_a = status_a.family.unwrap();
+    assert_eq!(family_a.identity, predecessor);
+    assert_eq!(family_a.handed_over_to, Some(family_b.identity.clone()));
+
+    // pod-b's Envoy terminates pod-a's after the parent shutdown time (2s).
+    let gone = eventually("pod-a's envoy terminated by pod-b's", PATIENCE, || {
+        let mut ca = ca.clone();
+        async move {
+            let s = get_status(&mut ca).await;
+            let exits = &s.family.as_ref()?.exits;
+            (s.epochs.is_empty() && !exits.is_empty()).then_some(s)
+        }
+    })
+    .await;
+    let exit = gone.family.unwrap().exits.last().cloned().unwrap();
+    assert_eq!(exit.epoch, 0, "{exit:?}");
+    assert!(
+        exit.time.is_some() && !exit.description.is_empty(),
+        "{exit:?}"
+    );
+    let (_, out, _) = cli(&a, &["status"]).await;
+    assert!(out.contains("handed over to"), "{out}");
+    assert!(out.contains("envoy exit:"), "{out}");
+
+    a.signal_agent(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(a.exit().await.code(), Some(0));
+    b.signal_agent(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(b.exit().await.code(), Some(0));
+}
