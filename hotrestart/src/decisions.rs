@@ -565,26 +565,166 @@ async fn a_rejected_first_epoch_never_starts() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_admin_answer_from_another_family_never_counts_as_live() {
+async fn an_older_envoy_on_the_admin_port_never_counts_as_our_first_epoch() {
     let host = FakeHost::default();
     host.world().live_after = None;
     let f = start(host, config());
     f.spawned(&[0]).await;
-    host_answers(&f, 0, 8);
+    // An orphan of an earlier container (or another family), up for an hour.
+    host_answers(&f, 0, Duration::from_secs(3600));
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(f.handle.state().borrow().phase, ProxyPhase::Starting);
-    host_answers(&f, 0, 7);
+    host_answers(&f, 0, Duration::ZERO);
     f.serving_at(0).await;
     f.stop().await;
 }
 
-fn host_answers(f: &Family, epoch: u32, base_id: u64) {
+fn host_answers(f: &Family, epoch: u32, uptime: Duration) {
     f.host.world().admin = Admin::Answers {
         epoch,
         state: ServerState::Live,
-        base_id,
+        base_id: 7,
         version: "11.104".to_owned(),
+        uptime,
     };
+}
+
+#[tokio::test(start_paused = true)]
+async fn only_an_epoch_beside_a_serving_one_is_validated_first() {
+    let host = FakeHost::default();
+    let f = start(host, config());
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    {
+        let w = f.host.world();
+        assert_eq!(
+            w.preflight_calls,
+            [(None, false), (Some("11.104".to_owned()), true)],
+            "the first epoch: nothing to compare or protect; the restart: both checks"
+        );
+        assert_eq!(w.passed_live, 2, "each LIVE epoch proves its pair");
+        assert_eq!(w.version_asks, 1, "asked once, after the first LIVE");
+    }
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restart_right_after_the_start_waits_for_the_running_version() {
+    let host = FakeHost::default();
+    let f = start(host, config());
+    f.serving_at(0).await;
+    // The version is still being asked (the fake takes 50 ms): the restart waits for it.
+    assert_eq!(f.host.world().version_asks, 1);
+    assert!(
+        f.handle
+            .state()
+            .borrow()
+            .family
+            .as_ref()
+            .unwrap()
+            .hot_restart_version
+            .is_empty()
+    );
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    assert_eq!(
+        f.host.world().preflight_calls[1].0.as_deref(),
+        Some("11.104")
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unknown_running_version_refuses_restarts_and_says_why() {
+    let host = FakeHost::default();
+    host.world().version = Err("cannot run /fake/envoy --hot-restart-version".to_owned());
+    let f = start(host, config());
+    f.serving_at(0).await;
+    match f.restart("SIGHUP").await.unwrap() {
+        Err(RestartError::Rejected(m)) => assert!(m.contains("--hot-restart-version"), "{m}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    assert_eq!(f.host.world().spawns, [0], "nothing started");
+    assert_eq!(
+        f.handle.state().borrow().newest_live,
+        Some(0),
+        "still serving"
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn live_is_seen_within_two_milliseconds_without_polling_all_along() {
+    let host = FakeHost::default();
+    let start_time = Duration::from_millis(133);
+    host.world().live_after = Some(start_time);
+    let f = start(host, config());
+    f.serving_at(0).await;
+    for epoch in 1..=3u32 {
+        let checks_before = f.host.world().admin_calls.2;
+        let spawned = {
+            let restart = f.restart("SIGHUP");
+            f.spawned(&(0..=epoch).collect::<Vec<_>>()).await;
+            let spawned = tokio::time::Instant::now();
+            assert_eq!(restart.await.unwrap(), Ok(epoch));
+            spawned
+        };
+        let seen = spawned.elapsed();
+        let checks = f.host.world().admin_calls.2 - checks_before;
+        assert!(
+            seen <= start_time + Duration::from_millis(2),
+            "epoch {epoch}: LIVE at {start_time:?}, seen after {seen:?}"
+        );
+        // Fixed 1 ms polling would take ~133; fixed 10 ms polling would see LIVE 7 ms late.
+        assert!(checks <= 45, "epoch {epoch}: {checks} LIVE checks");
+        // Let the parent go.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_agent_with_nobody_to_take_over_from_starts_without_waiting_for_its_version() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    let started = tokio::time::Instant::now();
+    f.spawned(&[0]).await;
+    // The fake takes 50 ms to answer the version.
+    assert!(
+        started.elapsed() < Duration::from_millis(50),
+        "{:?}",
+        started.elapsed()
+    );
+    f.serving_at(0).await;
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_agent_waits_for_its_version_before_judging_a_predecessor() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    host.world().live(3);
+    host.world().foreign_alive.push(3);
+    host.world().version = Ok("12.104".to_owned());
+    let f = start(host, config());
+    // Once known, the version differs from the predecessor's: no takeover, ever.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(f.host.world().spawns.is_empty());
+    assert_eq!(f.host.world().version_asks, 1);
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_binary_on_disk_is_validated_before_anyone_asks() {
+    let host = FakeHost::default();
+    let f = start(host, config());
+    f.serving_at(0).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(f.host.world().prevalidations.is_empty());
+    f.host.world().binary_changed = true;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(f.host.world().prevalidations, [None]);
+    f.stop().await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -11,6 +11,7 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use envoy_agent_proxy::preflight::cache::PreflightCache;
 use envoy_agent_proxy::{
     AdminClient, ConfigApplied, DrainOptions, Ended, Proxy, ProxyError, ProxyState, RestartError,
 };
@@ -90,6 +91,8 @@ pub struct EnvoyFamily<H: Host = RealHost> {
     supervisor: Mutex<Option<Supervisor<H>>>,
     /// One config update at a time.
     updates: tokio::sync::Mutex<()>,
+    /// Pre-flight verdicts, shared with the real host's restarts.
+    cache: PreflightCache,
 }
 
 impl<H: Host> std::fmt::Debug for EnvoyFamily<H> {
@@ -105,14 +108,18 @@ impl EnvoyFamily<RealHost> {
     /// A family for `config`, on the real host. Nothing starts until [`Proxy::run`].
     pub fn new(config: Config, metrics: SupervisorMetrics) -> Result<Self, ConfigError> {
         let (admin, base_id) = config.validate()?;
+        let cache = PreflightCache::new();
         let host = RealHost::new(
             config.proxy.clone(),
             AdminClient::new(admin).with_timeout(ADMIN_TIMEOUT),
             base_id,
             config.state_dir.clone(),
             config.ready_marker.clone(),
+            cache.clone(),
         );
-        Self::with_host(config, Arc::new(host), metrics)
+        let mut family = Self::with_host(config, Arc::new(host), metrics)?;
+        family.cache = cache;
+        Ok(family)
     }
 }
 
@@ -137,6 +144,7 @@ impl<H: Host> EnvoyFamily<H> {
             handle,
             supervisor: Mutex::new(Some(supervisor)),
             updates: tokio::sync::Mutex::new(()),
+            cache: PreflightCache::new(),
         })
     }
 
@@ -184,7 +192,9 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
     ) -> Result<ConfigApplied, ProxyError> {
         let _one_at_a_time = self.updates.lock().await;
         let path = self.config.proxy.config_path.clone();
-        envoy_agent_proxy::validate_candidate(&self.config.proxy, &config).await?;
+        // Through the cache: the restart below then finds these bytes validated.
+        envoy_agent_proxy::validate_candidate_cached(&self.config.proxy, &config, &self.cache)
+            .await?;
         self.handle.expect(config.clone()).await;
         envoy_agent_proxy::replace_config(&path, config).await?;
         tracing::info!(path = %path.display(), %reason, "config updated; hot-restarting onto it");

@@ -58,8 +58,12 @@ pub(crate) struct Attempt {
     pub(crate) began: Instant,
     /// How long pre-flight took.
     pub(crate) preflight: Duration,
+    /// What pre-flight found (the pair to mark good at LIVE; whether it execed anything).
+    pub(crate) checked: crate::host::Checked,
     /// When its epoch was spawned.
     pub(crate) spawned: Option<Instant>,
+    /// How late LIVE was seen at most: since the last check that found the epoch not LIVE.
+    pub(crate) live_seen_within: Option<Duration>,
     /// Who waits for its outcome.
     pub(crate) waiters: Vec<Waiter>,
     /// Same-epoch retries so far (a failed child took its parent's admin listener).
@@ -152,7 +156,9 @@ impl Queue {
             triggered: self.since.take().unwrap_or(now),
             began: now,
             preflight: Duration::ZERO,
+            checked: crate::host::Checked::default(),
             spawned: None,
+            live_seen_within: None,
             waiters: std::mem::take(&mut self.waiters),
             retries: std::mem::take(&mut self.retries),
             first: false,

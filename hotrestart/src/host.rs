@@ -5,17 +5,24 @@
 //!
 //! Calls that can take long (admin queries, pre-flight) return `'static` futures that the
 //! supervisor runs beside its loop; the rest are quick and synchronous.
+//!
+//! The real host keeps pre-flight verdicts in a [`PreflightCache`] shared with the family's
+//! config updates: a (binary, config) pair is validated once, and an epoch that reached LIVE
+//! proves its pair good (see `envoy_agent_proxy::preflight::cache`).
 
 use std::any::Any;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoy_agent_proxy::admin::DrainListeners;
+use envoy_agent_proxy::admin::{DrainListeners, EpochStats, Readiness};
+use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCache};
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
-    AdminClient, AdminError, EnvoyProcess, Exit, ProxyConfig, ProxyError, ServerInfo, Signal,
+    AdminClient, AdminError, EnvoyProcess, Exit, ProxyConfig, ProxyError, ServerInfo, ServerState,
+    Signal,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -49,19 +56,52 @@ pub enum Repair {
     Failed(String),
 }
 
+/// What a pre-flight did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Checked {
+    /// The (binary, config) pair the epoch starts with, when the files could be read: marked
+    /// good once the epoch is LIVE.
+    pub key: Option<PairKey>,
+    /// Whether a check had to exec the binary; `None` when nothing needed checking.
+    pub lookup: Option<Lookup>,
+}
+
+impl Checked {
+    /// `hit`, `miss` or `none`, as in the `handoff` event.
+    pub fn cache(&self) -> &'static str {
+        self.lookup.map_or("none", Lookup::as_str)
+    }
+}
+
 /// Everything the supervisor does outside its own memory.
 pub trait Host: Send + Sync + 'static {
     /// Starts Envoy at `epoch`.
     fn spawn(&self, epoch: u32) -> impl Future<Output = Result<Spawned, ProxyError>> + Send;
-    /// `/server_info` on the family's admin address, bounded.
+    /// `/server_info` on the family's admin address, bounded (discovery: it alone names the
+    /// base id and the hot-restart version of whoever answers).
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>>;
+    /// Which epoch answers on the family's admin address and its state, bounded and cheap
+    /// (the watchdog and every other probe of a running family).
+    fn epoch_stats(&self) -> Task<Result<EpochStats, AdminError>>;
+    /// Whether the admin address answers LIVE, and who: `None` while it is not LIVE. Asked
+    /// every millisecond or so while an epoch starts: the cheapest answer first.
+    fn live_check(&self) -> Task<Result<Option<EpochStats>, AdminError>>;
     /// `POST /drain_listeners` on the family's admin address, bounded.
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>>;
-    /// The binary's `--hot-restart-version`.
+    /// The binary's `--hot-restart-version` (known per binary identity once asked).
     fn hot_restart_version(&self) -> Task<Result<String, String>>;
     /// Pre-flight for a new epoch: the binary's hot-restart version must be `running` (when one
-    /// runs) and Envoy must accept the config. `Err` holds the reason, in Envoy's words.
-    fn preflight(&self, running: Option<String>) -> Task<Result<(), String>>;
+    /// runs), and when `validate`, Envoy must accept the config. `Err` holds the reason, in
+    /// Envoy's words. Pairs already judged are answered without an exec.
+    fn preflight(&self, running: Option<String>, validate: bool) -> Task<Result<Checked, String>>;
+    /// Validates ahead of a restart (a config still settling, given as `content`, or a new
+    /// binary on disk), so that the restart finds the verdict ready. Errors are only logged.
+    fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()>;
+    /// An epoch reached LIVE after `checked`: its pair is good.
+    fn passed_live(&self, checked: &Checked);
+    /// Whether the binary on disk is another one than when last asked (a release copied over
+    /// it): worth validating before anyone asks for a restart. False the first time.
+    fn binary_changed(&self) -> bool;
     /// Clears a stale INITIALIZING flag. Only called when no Envoy of the family initializes.
     fn repair_initializing(&self, hot_restart_version: &str) -> Repair;
     /// Binds the hot-restart socket names of dead (or gone) `parent_epoch` and answers its
@@ -91,16 +131,20 @@ pub struct RealHost {
     base_id: u32,
     state_dir: Option<PathBuf>,
     marker: Option<PathBuf>,
+    cache: PreflightCache,
+    /// The binary's identity when last looked at.
+    binary_seen: Arc<Mutex<Option<FileId>>>,
 }
 
 impl RealHost {
-    /// The host for a family of `proxy`, reached at `admin`.
+    /// The host for a family of `proxy`, reached at `admin`, keeping verdicts in `cache`.
     pub fn new(
         proxy: ProxyConfig,
         admin: AdminClient,
         base_id: u32,
         state_dir: Option<PathBuf>,
         marker: Option<PathBuf>,
+        cache: PreflightCache,
     ) -> Self {
         RealHost {
             proxy,
@@ -108,8 +152,89 @@ impl RealHost {
             base_id,
             state_dir,
             marker,
+            cache,
+            binary_seen: Arc::new(Mutex::new(None)),
         }
     }
+}
+
+/// `binary`'s `--hot-restart-version` through `cache`.
+async fn version_of(
+    cache: &PreflightCache,
+    binary: &std::path::Path,
+    id: FileId,
+) -> (Result<String, String>, Lookup) {
+    let (version, lookup) = cache
+        .hot_restart_version(id, || preflight::hot_restart_version(binary))
+        .await;
+    (version.map_err(|e| e.to_string()), lookup)
+}
+
+/// The pre-flight behind [`Host::preflight`] and [`Host::prevalidate`]: `content`, when given,
+/// stands for the bootstrap's bytes.
+async fn check(
+    proxy: &ProxyConfig,
+    cache: &PreflightCache,
+    content: Option<&[u8]>,
+    running: Option<String>,
+    validate: bool,
+) -> Result<Checked, String> {
+    let key = PairKey::of(proxy, content).map_err(|e| e.to_string())?;
+    let versions = async {
+        match &running {
+            Some(running) => {
+                let (version, lookup) = version_of(cache, &proxy.binary_path, key.binary).await;
+                let version = version?;
+                if version != *running {
+                    return Err(format!(
+                        "{} has hot-restart version {version}, the running envoy {running}: \
+                         they cannot hot-restart (a cold handover is needed)",
+                        proxy.binary_path.display()
+                    ));
+                }
+                Ok(Some(lookup))
+            }
+            None => Ok(None),
+        }
+    };
+    let validation = async {
+        if !validate {
+            return (Ok(()), None);
+        }
+        let (result, lookup) = match content {
+            Some(bytes) => {
+                match envoy_agent_proxy::validate_candidate_cached(proxy, bytes, cache).await {
+                    Ok(lookup) => (Ok(()), lookup),
+                    Err(e) => (Err(e.to_string()), Lookup::Miss),
+                }
+            }
+            None => {
+                let (result, lookup) = cache
+                    .validate(key, &proxy.config_path, || preflight::validate(proxy))
+                    .await;
+                let result = result.map_err(|e| match e {
+                    PreflightError::Invalid { message, .. } => {
+                        format!("envoy rejects {}: {message}", proxy.config_path.display())
+                    }
+                    other => other.to_string(),
+                });
+                (result, lookup)
+            }
+        };
+        (result, Some(lookup))
+    };
+    // Both may exec the binary (~50-100 ms each): side by side, not one after the other.
+    let (version, (validated, validate_lookup)) = tokio::join!(versions, validation);
+    let version_lookup = version?;
+    validated?;
+    let lookup = match (version_lookup, validate_lookup) {
+        (Some(a), Some(b)) => Some(a.and(b)),
+        (a, b) => a.or(b),
+    };
+    Ok(Checked {
+        key: Some(key),
+        lookup,
+    })
 }
 
 /// Bound on a drain call.
@@ -140,38 +265,79 @@ impl Host for RealHost {
         })
     }
 
-    fn hot_restart_version(&self) -> Task<Result<String, String>> {
-        let binary = self.proxy.binary_path.clone();
+    fn epoch_stats(&self) -> Task<Result<EpochStats, AdminError>> {
+        let admin = self.admin.clone();
+        Box::pin(async move { admin.epoch_stats().await })
+    }
+
+    fn live_check(&self) -> Task<Result<Option<EpochStats>, AdminError>> {
+        let admin = self.admin.clone();
         Box::pin(async move {
-            preflight::hot_restart_version(&binary)
-                .await
-                .map_err(|e| e.to_string())
+            // `/ready` costs Envoy next to nothing, even with a huge config; only a LIVE answer
+            // needs the epoch (it may still be the parent's admin, or another pod's).
+            match admin.ready().await? {
+                Readiness::NotReady(_) => Ok(None),
+                Readiness::Ready => {
+                    let stats = admin.epoch_stats().await?;
+                    Ok((stats.state == ServerState::Live).then_some(stats))
+                }
+            }
         })
     }
 
-    fn preflight(&self, running: Option<String>) -> Task<Result<(), String>> {
-        let proxy = self.proxy.clone();
+    fn hot_restart_version(&self) -> Task<Result<String, String>> {
+        let binary = self.proxy.binary_path.clone();
+        let cache = self.cache.clone();
         Box::pin(async move {
-            // Both exec the binary (~50 ms each): side by side, not one after the other.
-            let (version, validated) = tokio::join!(
-                preflight::hot_restart_version(&proxy.binary_path),
-                preflight::validate(&proxy)
-            );
-            let version = version.map_err(|e| e.to_string())?;
-            if let Some(running) = running.filter(|r| *r != version) {
-                return Err(format!(
-                    "{} has hot-restart version {version}, the running envoy {running}: \
-                     they cannot hot-restart (a cold handover is needed)",
-                    proxy.binary_path.display()
-                ));
-            }
-            validated.map_err(|e| match e {
-                PreflightError::Invalid { message, .. } => {
-                    format!("envoy rejects {}: {message}", proxy.config_path.display())
-                }
-                other => other.to_string(),
-            })
+            let id = FileId::of(&binary)
+                .map_err(|e| format!("cannot look at {}: {e}", binary.display()))?;
+            version_of(&cache, &binary, id).await.0
         })
+    }
+
+    fn preflight(&self, running: Option<String>, validate: bool) -> Task<Result<Checked, String>> {
+        let proxy = self.proxy.clone();
+        let cache = self.cache.clone();
+        Box::pin(async move { check(&proxy, &cache, None, running, validate).await })
+    }
+
+    fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()> {
+        let proxy = self.proxy.clone();
+        let cache = self.cache.clone();
+        Box::pin(async move {
+            let started = std::time::Instant::now();
+            let result = check(&proxy, &cache, content.as_deref(), running, true).await;
+            match result {
+                Ok(checked) => tracing::info!(
+                    event = "prevalidated",
+                    cache = checked.cache(),
+                    took = ?started.elapsed(),
+                    "validated ahead of the restart"
+                ),
+                Err(message) => tracing::warn!(
+                    event = "prevalidated",
+                    %message,
+                    "validated ahead of the restart: the restart would be refused"
+                ),
+            }
+        })
+    }
+
+    fn passed_live(&self, checked: &Checked) {
+        if let Some(key) = checked.key {
+            self.cache.mark_live(key);
+        }
+    }
+
+    fn binary_changed(&self) -> bool {
+        let Ok(now) = FileId::of(&self.proxy.binary_path) else {
+            // Gone or mid-copy: the next look (or the restart's pre-flight) says more.
+            return false;
+        };
+        let mut seen = self.binary_seen.lock().unwrap_or_else(|p| p.into_inner());
+        let changed = seen.is_some_and(|s| s != now);
+        *seen = Some(now);
+        changed
     }
 
     fn repair_initializing(&self, hot_restart_version: &str) -> Repair {
@@ -195,7 +361,7 @@ impl Host for RealHost {
             return Ok(());
         };
         if present {
-            envoy_agent_proxy::write_atomically(marker, b"ready\n")
+            envoy_agent_proxy::replace_atomically(marker, b"ready\n")
         } else {
             match std::fs::remove_file(marker) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

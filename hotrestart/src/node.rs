@@ -145,7 +145,16 @@ fn file_name(identity: &str) -> String {
 /// Writes `heartbeat` atomically into `dir`.
 pub fn write(dir: &Path, heartbeat: &Heartbeat) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(heartbeat).map_err(std::io::Error::other)?;
-    envoy_agent_proxy::write_atomically(&dir.join(file_name(&heartbeat.identity)), &bytes)
+    let path = dir.join(file_name(&heartbeat.identity));
+    // Atomic (readers see one whole heartbeat) but not synced: a heartbeat means something only
+    // while this boot lasts, and two fsyncs every period cost more than a crash could lose.
+    match envoy_agent_proxy::replace_atomically(&path, &bytes) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir)?;
+            envoy_agent_proxy::replace_atomically(&path, &bytes)
+        }
+        other => other,
+    }
 }
 
 /// Removes `identity`'s heartbeat.

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::admin::DrainListeners;
+use envoy_agent_proxy::admin::{DrainListeners, EpochStats};
 use envoy_agent_proxy::{
     AdminError, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffResult, HandoffStage,
     Outcome, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo, ServerState, Signal,
@@ -24,7 +24,7 @@ use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
 use crate::handoff::{Attempt, Handoff, Parent, Queue, Waiter};
-use crate::host::{Guard, Host, Repair};
+use crate::host::{Checked, Guard, Host, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};
 
@@ -34,8 +34,15 @@ mod handoffs;
 mod node_io;
 mod probes;
 
-/// How often a starting epoch's admin is asked whether it is LIVE.
+/// How often a starting epoch's admin is asked whether it is LIVE, at most (before LIVE is
+/// expected, and when it is long overdue).
 pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
+/// ... and at least: around the time LIVE is expected (so it is seen within ~1 ms).
+pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
+/// How long an epoch is expected to take from spawn to LIVE before any has been seen.
+pub(crate) const EXPECTED_START: Duration = Duration::from_millis(100);
+/// Spawn-to-LIVE times kept to expect the next one.
+const STARTS_KEPT: usize = 3;
 /// How often the serving epoch's admin is checked by the watchdog.
 pub(crate) const WATCHDOG_POLL: Duration = Duration::from_secs(1);
 /// ... while a successor pod is starting (its takeover is seen that much sooner).
@@ -80,13 +87,9 @@ pub(crate) enum Command {
     },
 }
 
-/// Why an admin probe was sent.
+/// Why an admin probe (of [`EpochStats`]) was sent.
 #[derive(Debug)]
 enum Probe {
-    /// Where does our first epoch start?
-    Discover,
-    /// Is the starting epoch LIVE?
-    Live { epoch: u32 },
     /// Is the serving epoch's admin alive (and is it still ours)?
     Watchdog,
     /// A stop is coming: is a successor taking over?
@@ -108,17 +111,29 @@ enum Event {
     },
     Probed {
         probe: Probe,
-        result: Result<ServerInfo, AdminError>,
+        result: Result<EpochStats, AdminError>,
     },
+    /// Where does our first epoch start?
+    Discovered(Result<ServerInfo, AdminError>),
+    /// Is the starting epoch LIVE? (`Some`: the admin answers LIVE, as this epoch.)
+    LiveChecked {
+        epoch: u32,
+        sent: Instant,
+        result: Result<Option<EpochStats>, AdminError>,
+    },
+    /// The binary's hot-restart version.
+    Version(Result<String, String>),
     PreFlight {
         epoch: u32,
-        result: Result<(), String>,
+        result: Result<Checked, String>,
     },
     Drained {
         result: Result<(), String>,
         replies: Vec<oneshot::Sender<Result<(), String>>>,
     },
     ConfigChanged,
+    /// The config is being changed (the watch's debounce runs): its content as it looks now.
+    ConfigSettling(Vec<u8>),
     Tick,
 }
 
@@ -185,8 +200,16 @@ pub(crate) struct Supervisor<H: Host> {
     epochs: Epochs,
     handoff: Handoff,
     queue: Queue,
-    /// The running Envoy's hot-restart version.
+    /// The running Envoy's hot-restart version; empty until known (the first epoch starts
+    /// without waiting for it, except where discovery needs it).
     version: String,
+    /// Whether `--hot-restart-version` is being asked.
+    version_asked: bool,
+    /// Spawn-to-LIVE times of our latest epochs: when the next is expected to be LIVE.
+    starts: std::collections::VecDeque<Duration>,
+    /// When the latest LIVE check that found the starting epoch not LIVE yet was sent: Envoy
+    /// became LIVE after it, so it bounds how late the supervisor saw LIVE.
+    live_missed: Option<Instant>,
     newest_live: Option<u32>,
     /// The node's epoch lock, held from a handoff's start until its epoch is LIVE or failed.
     lock: Option<Guard>,
@@ -251,6 +274,9 @@ impl<H: Host> Supervisor<H> {
             handoff: Handoff::Idle,
             queue: Queue::default(),
             version: String::new(),
+            version_asked: false,
+            starts: std::collections::VecDeque::new(),
+            live_missed: None,
             newest_live: None,
             lock: None,
             stand_ins: Vec::new(),
@@ -279,14 +305,12 @@ impl<H: Host> Supervisor<H> {
         if let Err(e) = self.host.set_marker(false) {
             tracing::error!(error = %e, "cannot remove the readiness marker");
         }
-        let ended = match self.host.hot_restart_version().await {
-            Ok(version) => {
-                self.version = version;
-                self.family.hot_restart_version = self.version.clone();
-                self.supervise(abort).await
-            }
-            Err(message) => Ended::StartFailed { code: 1, message },
-        };
+        // Discovery compares it with a predecessor's; alone, the first epoch starts without it
+        // (nothing runs to compare with), and it is asked once that epoch is LIVE.
+        if self.host.has_node() {
+            self.ask_version();
+        }
+        let ended = self.supervise(abort).await;
         self.host.remove_heartbeat(&self.config.identity);
         self.lock = None;
         self.stand_ins.clear();
@@ -329,7 +353,8 @@ impl<H: Host> Supervisor<H> {
                 Some(event) = self.events.recv() => event,
                 Some(command) = self.commands.recv() => Event::Command(command),
                 changed = watch_changed(&mut self.watch) => match changed {
-                    Some(()) => Event::ConfigChanged,
+                    Some(crate::watch::Change::Settled) => Event::ConfigChanged,
+                    Some(crate::watch::Change::Settling(content)) => Event::ConfigSettling(content),
                     None => {
                         tracing::error!("config watch ended");
                         self.watch = None;
@@ -369,6 +394,16 @@ impl<H: Host> Supervisor<H> {
             Event::Command(command) => self.on_command(command),
             Event::Exited { epoch, pid, result } => self.on_exit(epoch, pid, result),
             Event::Probed { probe, result } => self.on_probe(probe, result),
+            Event::Discovered(result) => self.on_discovery(result),
+            Event::LiveChecked {
+                epoch,
+                sent,
+                result,
+            } => {
+                self.live.in_flight = false;
+                self.on_live_check(epoch, sent, result);
+            }
+            Event::Version(result) => self.on_version(result),
             Event::PreFlight { epoch, result } => self.on_preflight(epoch, result).await,
             Event::Drained { result, replies } => {
                 match &result {
@@ -382,6 +417,12 @@ impl<H: Host> Supervisor<H> {
             Event::ConfigChanged => {
                 tracing::info!(path = %self.config.proxy.config_path.display(), "config changed");
                 self.request_restart("config change".to_owned(), None);
+            }
+            Event::ConfigSettling(content) => {
+                if self.can_restart() {
+                    tracing::debug!("config changing: validating it while the watch settles");
+                    self.prevalidate(Some(content));
+                }
             }
             Event::Tick => self.on_tick().await,
         }
@@ -508,7 +549,7 @@ impl<H: Host> Supervisor<H> {
 
         if self.live.due(now) {
             if let Some(epoch) = self.handoff.starting_epoch() {
-                self.probe(Probe::Live { epoch });
+                self.live_check(epoch);
             } else {
                 self.live = Probing::default();
             }
@@ -516,9 +557,23 @@ impl<H: Host> Supervisor<H> {
         if self.watchdog.due(now) {
             if matches!(self.life, Life::Running) && self.newest_live.is_some() {
                 self.probe(Probe::Watchdog);
+                // A release copied over the binary: validate it with the config before a
+                // restart needs the answer.
+                if self.host.binary_changed() && self.can_restart() && self.handoff.is_idle() {
+                    tracing::info!(binary = %self.config.proxy.binary_path.display(), "the envoy binary changed on disk: validating it ahead of the next restart");
+                    self.prevalidate(None);
+                }
             } else {
                 self.watchdog = Probing::default();
             }
+        }
+        if self.version.is_empty()
+            && !self.version_asked
+            && !self.queue.is_empty()
+            && matches!(self.life, Life::Running)
+        {
+            // A restart waits for the running version; the last ask failed.
+            self.ask_version();
         }
         self.handoff_timers(now);
         if self.handoff.is_idle() && !self.queue.is_empty() && self.can_restart() {
@@ -593,6 +648,49 @@ impl<H: Host> Supervisor<H> {
     }
 }
 
+impl<H: Host> Supervisor<H> {
+    /// Asks the binary's hot-restart version beside the loop.
+    fn ask_version(&mut self) {
+        self.version_asked = true;
+        let ask = self.host.hot_restart_version();
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let _ = events.send(Event::Version(ask.await));
+        });
+    }
+
+    fn on_version(&mut self, result: Result<String, String>) {
+        self.version_asked = false;
+        match result {
+            Ok(version) => {
+                if self.version.is_empty() {
+                    self.version = version;
+                    self.family.hot_restart_version = self.version.clone();
+                    self.write_heartbeat();
+                }
+            }
+            Err(message) => {
+                tracing::error!(%message, "cannot learn the binary's hot-restart version");
+                match self.life {
+                    Life::Discovering { .. } => self.begin_stop(
+                        Ended::StartFailed { code: 1, message },
+                        "no hot-restart version",
+                    ),
+                    _ => self.queue.refuse(&RestartError::Rejected(format!(
+                        "the running envoy's hot-restart version is unknown: {message}"
+                    ))),
+                }
+            }
+        }
+    }
+
+    /// Validates ahead of a restart, beside the loop (the restart's pre-flight joins it).
+    fn prevalidate(&mut self, content: Option<Vec<u8>>) {
+        let running = Some(self.version.clone()).filter(|v| !v.is_empty());
+        tokio::spawn(self.host.prevalidate(content, running));
+    }
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -600,7 +698,9 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-async fn watch_changed(watch: &mut Option<crate::watch::ConfigWatch>) -> Option<()> {
+async fn watch_changed(
+    watch: &mut Option<crate::watch::ConfigWatch>,
+) -> Option<crate::watch::Change> {
     match watch {
         Some(w) => w.changed().await,
         None => std::future::pending().await,
@@ -625,12 +725,4 @@ fn last_line(text: &str) -> String {
         .unwrap_or("")
         .trim()
         .to_owned()
-}
-
-/// Envoy's `uptime_current_epoch` (`"12s"`).
-fn uptime(text: &str) -> Option<Duration> {
-    text.strip_suffix('s')?
-        .parse::<u64>()
-        .ok()
-        .map(Duration::from_secs)
 }

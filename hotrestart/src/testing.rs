@@ -11,12 +11,12 @@ use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use envoy_agent_proxy::admin::DrainListeners;
+use envoy_agent_proxy::admin::{DrainListeners, EpochStats};
 use envoy_agent_proxy::{AdminError, Exit, ProxyError, ServerInfo, ServerState, Signal};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::host::{Guard, Host, Repair, Spawned, Task};
+use crate::host::{Checked, Guard, Host, Repair, Spawned, Task};
 use crate::node::{Heartbeat, Rejected};
 
 /// What answers on the family's admin port.
@@ -26,12 +26,13 @@ pub(crate) enum Admin {
     Refused,
     /// Something accepts and never answers (a stopped Envoy).
     Silent,
-    /// An Envoy at this epoch and state, of this base id.
+    /// An Envoy at this epoch and state, of this base id, up this long.
     Answers {
         epoch: u32,
         state: ServerState,
         base_id: u64,
         version: String,
+        uptime: Duration,
     },
 }
 
@@ -54,6 +55,19 @@ pub(crate) struct World {
     pub(crate) live_after: Option<Duration>,
     /// Answers of the next pre-flights (default: pass).
     pub(crate) preflights: VecDeque<Result<(), String>>,
+    /// Each pre-flight's running version and whether it asked for validation, in order.
+    pub(crate) preflight_calls: Vec<(Option<String>, bool)>,
+    /// The binary's `--hot-restart-version` answer, and how often it was asked.
+    pub(crate) version: Result<String, String>,
+    pub(crate) version_asks: u32,
+    /// Ahead-of-time validations asked: the content given, if any.
+    pub(crate) prevalidations: Vec<Option<Vec<u8>>>,
+    /// Whether the binary on disk changed (taken by the next look).
+    pub(crate) binary_changed: bool,
+    /// How many epochs were reported LIVE to the cache.
+    pub(crate) passed_live: u32,
+    /// Admin calls made: (`/server_info`, epoch stats, LIVE checks).
+    pub(crate) admin_calls: (u32, u32, u32),
     pub(crate) spawns: Vec<u32>,
     /// Every signal the supervisor sent: (epoch, signal).
     pub(crate) signals: Vec<(u32, Signal)>,
@@ -84,6 +98,13 @@ impl Default for World {
             admin: Admin::Refused,
             live_after: Some(Duration::from_millis(50)),
             preflights: VecDeque::new(),
+            preflight_calls: Vec::new(),
+            version: Ok("11.104".to_owned()),
+            version_asks: 0,
+            prevalidations: Vec::new(),
+            binary_changed: false,
+            passed_live: 0,
+            admin_calls: (0, 0, 0),
             spawns: Vec::new(),
             signals: Vec::new(),
             marker: true,
@@ -112,6 +133,7 @@ impl World {
             state: ServerState::Live,
             base_id: self.base_id,
             version: "11.104".to_owned(),
+            uptime: Duration::ZERO,
         };
     }
 
@@ -168,6 +190,36 @@ pub(crate) struct FakeHost {
 impl FakeHost {
     pub(crate) fn world(&self) -> MutexGuard<'_, World> {
         self.world.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What the fake admin port answers: (epoch, state, base id, version, uptime), or the error.
+async fn answer(
+    admin: Admin,
+    endpoint: &str,
+) -> Result<(u32, ServerState, u64, String, Duration), AdminError> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], 9901));
+    match admin {
+        Admin::Refused => Err(AdminError::Connect {
+            addr,
+            endpoint: endpoint.to_owned(),
+            source: std::io::ErrorKind::ConnectionRefused.into(),
+        }),
+        Admin::Silent => {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            Err(AdminError::Timeout {
+                addr,
+                endpoint: endpoint.to_owned(),
+                timeout: Duration::from_secs(2),
+            })
+        }
+        Admin::Answers {
+            epoch,
+            state,
+            base_id,
+            version,
+            uptime,
+        } => Ok((epoch, state, base_id, version, uptime)),
     }
 }
 
@@ -277,37 +329,58 @@ impl Host for FakeHost {
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
-        let admin = self.world().admin.clone();
-        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], 9901));
+        let admin = {
+            let mut w = self.world();
+            w.admin_calls.0 += 1;
+            w.admin.clone()
+        };
         Box::pin(async move {
-            match admin {
-                Admin::Refused => Err(AdminError::Connect {
-                    addr,
-                    endpoint: "/server_info".to_owned(),
-                    source: std::io::ErrorKind::ConnectionRefused.into(),
-                }),
-                Admin::Silent => {
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                    Err(AdminError::Timeout {
-                        addr,
-                        endpoint: "/server_info".to_owned(),
-                        timeout: Duration::from_secs(2),
-                    })
-                }
-                Admin::Answers {
-                    epoch,
-                    state,
-                    base_id,
-                    version,
-                } => Ok(ServerInfo {
+            answer(admin, "/server_info")
+                .await
+                .map(|(epoch, state, base_id, version, _)| ServerInfo {
                     version: "fake".to_owned(),
                     state,
                     restart_epoch: epoch,
                     base_id,
                     hot_restart_version: version,
                     uptime_current_epoch: "0s".to_owned(),
-                }),
-            }
+                })
+        })
+    }
+
+    fn epoch_stats(&self) -> Task<Result<EpochStats, AdminError>> {
+        let admin = {
+            let mut w = self.world();
+            w.admin_calls.1 += 1;
+            w.admin.clone()
+        };
+        Box::pin(async move {
+            answer(admin, "/stats")
+                .await
+                .map(|(epoch, state, _, _, uptime)| EpochStats {
+                    epoch,
+                    state,
+                    uptime: Some(uptime),
+                })
+        })
+    }
+
+    fn live_check(&self) -> Task<Result<Option<EpochStats>, AdminError>> {
+        let admin = {
+            let mut w = self.world();
+            w.admin_calls.2 += 1;
+            w.admin.clone()
+        };
+        Box::pin(async move {
+            answer(admin, "/ready")
+                .await
+                .map(|(epoch, state, _, _, uptime)| {
+                    (state == ServerState::Live).then_some(EpochStats {
+                        epoch,
+                        state,
+                        uptime: Some(uptime),
+                    })
+                })
         })
     }
 
@@ -317,15 +390,47 @@ impl Host for FakeHost {
     }
 
     fn hot_restart_version(&self) -> Task<Result<String, String>> {
-        Box::pin(async { Ok("11.104".to_owned()) })
-    }
-
-    fn preflight(&self, _running: Option<String>) -> Task<Result<(), String>> {
-        let answer = self.world().preflights.pop_front().unwrap_or(Ok(()));
+        let answer = {
+            let mut w = self.world();
+            w.version_asks += 1;
+            w.version.clone()
+        };
         Box::pin(async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
             answer
         })
+    }
+
+    fn preflight(&self, running: Option<String>, validate: bool) -> Task<Result<Checked, String>> {
+        // Only a check that would exec the binary takes time.
+        let execs = validate || running.is_some();
+        let answer = {
+            let mut w = self.world();
+            w.preflight_calls.push((running, validate));
+            w.preflights.pop_front().unwrap_or(Ok(()))
+        };
+        Box::pin(async move {
+            if execs {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            answer.map(|()| Checked {
+                key: None,
+                lookup: validate.then_some(envoy_agent_proxy::preflight::cache::Lookup::Miss),
+            })
+        })
+    }
+
+    fn prevalidate(&self, content: Option<Vec<u8>>, _running: Option<String>) -> Task<()> {
+        self.world().prevalidations.push(content);
+        Box::pin(async {})
+    }
+
+    fn passed_live(&self, _checked: &Checked) {
+        self.world().passed_live += 1;
+    }
+
+    fn binary_changed(&self) -> bool {
+        std::mem::take(&mut self.world().binary_changed)
     }
 
     fn repair_initializing(&self, _version: &str) -> Repair {

@@ -6,6 +6,8 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::preflight::PreflightError;
+use crate::preflight::cache::{Lookup, PairKey, PreflightCache};
 use crate::{ProxyConfig, ProxyError};
 
 /// Validates `bytes` as the bootstrap of `config` with `envoy --mode validate`, on a candidate
@@ -14,6 +16,54 @@ use crate::{ProxyConfig, ProxyError};
 /// candidate is created exclusively and removed afterwards: concurrent calls never validate
 /// each other's bytes. Nothing else on disk changes.
 pub async fn validate_candidate(config: &ProxyConfig, bytes: &[u8]) -> Result<(), ProxyError> {
+    let mut unwritten = None;
+    let validated = validate_bytes(config, bytes, &mut unwritten).await;
+    match unwritten {
+        Some(e) => Err(e),
+        None => validated.map_err(|e| rejected(config, e)),
+    }
+}
+
+/// [`validate_candidate`] through `cache`: bytes already judged with this binary (and these
+/// named files and arguments) are answered without an exec, and concurrent calls on the same
+/// bytes share one. Keyed by content, so the hot restart that follows writing them finds the
+/// verdict ready. Says whether it ran `--mode validate`.
+pub async fn validate_candidate_cached(
+    config: &ProxyConfig,
+    bytes: &[u8],
+    cache: &PreflightCache,
+) -> Result<Lookup, ProxyError> {
+    let key = PairKey::of(config, Some(bytes)).map_err(|e| rejected(config, e))?;
+    let mut unwritten = None;
+    let (validated, lookup) = cache
+        .validate(key, &config.config_path, || {
+            validate_bytes(config, bytes, &mut unwritten)
+        })
+        .await;
+    match unwritten {
+        Some(e) => Err(e),
+        None => validated.map(|()| lookup).map_err(|e| rejected(config, e)),
+    }
+}
+
+fn rejected(config: &ProxyConfig, e: PreflightError) -> ProxyError {
+    let message = match e {
+        PreflightError::Invalid { message, .. } => message,
+        other => other.to_string(),
+    };
+    ProxyError::ConfigRejected {
+        path: config.config_path.clone(),
+        message,
+    }
+}
+
+/// `--mode validate` on `bytes` written to a candidate file. A candidate that cannot be written
+/// goes to `unwritten` (and the check counts as not run).
+async fn validate_bytes(
+    config: &ProxyConfig,
+    bytes: &[u8],
+    unwritten: &mut Option<ProxyError>,
+) -> Result<(), PreflightError> {
     let path = &config.config_path;
     let candidate = candidate_path(path);
     let write = (|| {
@@ -26,25 +76,22 @@ pub async fn validate_candidate(config: &ProxyConfig, bytes: &[u8]) -> Result<()
     })();
     if let Err(source) = write {
         let _ = fs::remove_file(&candidate);
-        return Err(ProxyError::ConfigWrite {
+        let message = source.to_string();
+        *unwritten = Some(ProxyError::ConfigWrite {
             path: candidate,
             source,
+        });
+        return Err(PreflightError::Run {
+            binary: config.binary_path.clone(),
+            what: "--mode validate",
+            message: format!("cannot write the candidate config: {message}"),
         });
     }
     let mut check = config.clone();
     check.config_path = candidate.clone();
     let validated = crate::preflight::validate(&check).await;
     let _ = fs::remove_file(&candidate);
-    validated.map_err(|e| match e {
-        crate::preflight::PreflightError::Invalid { message, .. } => ProxyError::ConfigRejected {
-            path: path.clone(),
-            message,
-        },
-        other => ProxyError::ConfigRejected {
-            path: path.clone(),
-            message: other.to_string(),
-        },
-    })
+    validated
 }
 
 /// Replaces the config file at `path` with `bytes` atomically (off the async threads).
@@ -85,6 +132,18 @@ fn candidate_path(path: &Path) -> PathBuf {
 /// On failure the temp file is removed and `path` is untouched. The new file keeps the old
 /// file's permissions.
 pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
+    replace(path, contents, true)
+}
+
+/// Replaces `path` with `contents` as [`write_atomically`] does (readers see the old file or
+/// the new one), without forcing either to disk: for small files that only mean something
+/// while this boot lasts (a heartbeat, a readiness marker), rewritten often, where two
+/// `fsync`s per write would cost more than a crash could lose.
+pub fn replace_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
+    replace(path, contents, false)
+}
+
+fn replace(path: &Path, contents: &[u8], durable: bool) -> io::Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let name = path
         .file_name()
@@ -99,14 +158,20 @@ pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let result = write_then_rename(&tmp, path, &dir, contents);
+    let result = write_then_rename(&tmp, path, &dir, contents, durable);
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     result
 }
 
-fn write_then_rename(tmp: &Path, path: &Path, dir: &Path, contents: &[u8]) -> io::Result<()> {
+fn write_then_rename(
+    tmp: &Path,
+    path: &Path,
+    dir: &Path,
+    contents: &[u8],
+    durable: bool,
+) -> io::Result<()> {
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
@@ -116,10 +181,15 @@ fn write_then_rename(tmp: &Path, path: &Path, dir: &Path, contents: &[u8]) -> io
         file.set_permissions(meta.permissions())?;
     }
     file.write_all(contents)?;
-    file.sync_all()?;
+    if durable {
+        file.sync_all()?;
+    }
     drop(file);
     fs::rename(tmp, path)?;
-    File::open(dir)?.sync_all()
+    if durable {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -53,7 +53,10 @@ mod sys;
 pub use admin::{AdminClient, AdminError, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
 pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs};
-pub use config_file::{replace_config, validate_candidate, write_atomically};
+pub use config_file::{
+    replace_atomically, replace_config, validate_candidate, validate_candidate_cached,
+    write_atomically,
+};
 pub use envoy::Envoy;
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};

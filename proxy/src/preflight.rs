@@ -11,11 +11,13 @@ use tokio::process::Command;
 use crate::config::ProxyConfig;
 use crate::spawner;
 
+pub mod cache;
+
 /// Bound on one pre-flight command (`--mode validate` takes ~50 ms; a broken binary may hang).
 pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Why a pre-flight check failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum PreflightError {
     /// Envoy rejects the config.
@@ -24,6 +26,14 @@ pub enum PreflightError {
         /// The config.
         path: PathBuf,
         /// Envoy's own explanation (the end of its output).
+        message: String,
+    },
+    /// The config cannot be read.
+    #[error("cannot read config {path}: {message}")]
+    Read {
+        /// The config.
+        path: PathBuf,
+        /// Why.
         message: String,
     },
     /// The check itself could not run.
@@ -87,14 +97,30 @@ pub async fn validate(config: &ProxyConfig) -> Result<(), PreflightError> {
         args.extend(["-l".to_owned(), "error".to_owned()]);
     }
     args.extend(config.extra_args.iter().cloned());
-    let output = run(&config.binary_path, &args, "--mode validate").await?;
-    if output.success {
-        return Ok(());
-    }
-    Err(PreflightError::Invalid {
-        path: config.config_path.clone(),
-        message: last_lines(&output.text, 6),
-    })
+    let started = std::time::Instant::now();
+    let output = run(&config.binary_path, &args, "--mode validate").await;
+    let took = started.elapsed();
+    // One event per exec, so that a test (or an operator) can count them.
+    let (outcome, result) = match output {
+        Ok(output) if output.success => ("accepted", Ok(())),
+        Ok(output) => (
+            "rejected",
+            Err(PreflightError::Invalid {
+                path: config.config_path.clone(),
+                message: last_lines(&output.text, 6),
+            }),
+        ),
+        Err(e) => ("error", Err(e)),
+    };
+    tracing::info!(
+        event = "validate",
+        binary = %config.binary_path.display(),
+        config = %config.config_path.display(),
+        outcome,
+        duration_ms = took.as_secs_f64() * 1000.0,
+        "envoy --mode validate ran"
+    );
+    result
 }
 
 /// `envoy --hot-restart-version` of `binary` (Envoy prints it on stderr), e.g. `11.104`.

@@ -186,6 +186,15 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn repair_initializing(&mut self, epoch: u32) {
+        if self.version.is_empty() {
+            // Only before our first epoch was LIVE: nothing serves, the family stops, and the
+            // next epoch 0 makes a new segment.
+            tracing::debug!(
+                epoch,
+                "hot-restart version unknown: shared memory left alone"
+            );
+            return;
+        }
         match self.host.repair_initializing(&self.version) {
             Repair::Clean => {}
             Repair::Cleared => self.record_wedge(

@@ -29,7 +29,11 @@ impl<H: Host> Supervisor<H> {
             // A successor's first epoch: the predecessor runs our version (discovery checked).
             attempt.parent.as_ref().map(|_| self.version.clone())
         });
-        let check = self.host.preflight(running);
+        // A first epoch with nothing to take over from risks nothing that Envoy's own start
+        // would not say as well (and as fast): only an epoch beside a serving one is
+        // validated first.
+        let validate = attempt.parent.is_some() || self.newest_live.is_some();
+        let check = self.host.preflight(running, validate);
         let events = self.events_tx.clone();
         let epoch = attempt.epoch;
         tokio::spawn(async move {
@@ -40,7 +44,7 @@ impl<H: Host> Supervisor<H> {
         self.write_heartbeat();
     }
 
-    pub(super) async fn on_preflight(&mut self, epoch: u32, result: Result<(), String>) {
+    pub(super) async fn on_preflight(&mut self, epoch: u32, result: Result<Checked, String>) {
         let Handoff::PreFlight(attempt) = &self.handoff else {
             return; // cancelled meanwhile
         };
@@ -52,6 +56,7 @@ impl<H: Host> Supervisor<H> {
             return;
         };
         attempt.preflight = attempt.began.elapsed();
+        let result = result.map(|checked| attempt.checked = checked);
         if let Err(message) = result {
             self.lock = None;
             if self.newest_live.is_none() {
@@ -86,8 +91,9 @@ impl<H: Host> Supervisor<H> {
                     attempt,
                     deadline: now + self.config.handoff_deadline,
                 };
+                self.live_missed = None;
                 self.live = Probing {
-                    next: Some(now + LIVE_POLL),
+                    next: Some(now + self.live_poll_gap(Duration::ZERO)),
                     in_flight: false,
                 };
                 self.write_heartbeat();
@@ -108,12 +114,34 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
+    /// How long until the next LIVE check of an epoch spawned `since` ago: sparse until LIVE
+    /// is near (three quarters of the shortest recent start), every millisecond around it,
+    /// slowing down again once the start is long overdue (a config grown much bigger).
+    pub(super) fn live_poll_gap(&self, since: Duration) -> Duration {
+        let expected = self.starts.iter().min().copied().unwrap_or(EXPECTED_START);
+        let near = expected * 3 / 4;
+        if since < near {
+            return (near - since).clamp(LIVE_POLL_FAST, LIVE_POLL);
+        }
+        let overdue = since.saturating_sub(expected * 2);
+        (LIVE_POLL_FAST + overdue / 16).min(LIVE_POLL)
+    }
+
     pub(super) fn go_live(&mut self, epoch: u32) {
-        let Handoff::Starting { attempt, .. } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::Starting { mut attempt, .. } =
+            std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
         self.live = Probing::default();
+        if let Some(spawned) = attempt.spawned {
+            if self.starts.len() >= STARTS_KEPT {
+                self.starts.pop_front();
+            }
+            self.starts.push_back(spawned.elapsed());
+        }
+        attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
+        self.host.passed_live(&attempt.checked);
         self.admin_ok = Instant::now();
         self.epochs.set_state(epoch, EpochState::Live);
         let now = Instant::now();
@@ -153,11 +181,14 @@ impl<H: Host> Supervisor<H> {
             next: Some(now + WATCHDOG_POLL),
             in_flight: false,
         };
-        self.write_heartbeat();
-        // Last: whoever waits for this restart sees the new state at once.
+        // Whoever waits for this restart sees the new state at once; the files follow.
         self.publish();
         self.finish(attempt, Outcome::Live, String::new());
+        self.write_heartbeat();
         self.flush_pending_drains();
+        if self.version.is_empty() && !self.version_asked {
+            self.ask_version();
+        }
     }
 
     pub(super) fn on_failed_start(&mut self, child: crate::epochs::Child, code: i32, tail: &str) {
@@ -218,7 +249,11 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn can_restart(&self) -> bool {
-        matches!(self.life, Life::Running) && self.newest_live.is_some() && !self.family.drained
+        matches!(self.life, Life::Running)
+            && self.newest_live.is_some()
+            && !self.family.drained
+            // What the next binary must match.
+            && !self.version.is_empty()
     }
 
     pub(super) fn handoff_timers(&mut self, now: Instant) {
@@ -322,29 +357,22 @@ impl<H: Host> Supervisor<H> {
             self.metrics.config_rejected();
         }
         let spawn_to_live = attempt.spawned.map(|s| s.elapsed());
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         match outcome {
-            Outcome::Live if attempt.first => tracing::info!(
-                event = "handoff",
-                outcome = outcome.as_str(),
-                first = true,
-                epoch = attempt.epoch,
-                reason = %attempt.reason,
-                ?duration,
-                preflight = ?attempt.preflight,
-                start_to_live = ?spawn_to_live,
-                "first epoch LIVE"
-            ),
             Outcome::Live => tracing::info!(
                 event = "handoff",
                 outcome = outcome.as_str(),
-                first = false,
+                first = attempt.first,
                 epoch = attempt.epoch,
                 reason = %attempt.reason,
-                ?duration,
-                queued = ?attempt.queued(),
-                preflight = ?attempt.preflight,
-                start_to_live = ?spawn_to_live,
-                "hot restart done: epoch LIVE"
+                duration_ms = ms(duration),
+                queued_ms = ms(attempt.queued()),
+                preflight_ms = ms(attempt.preflight),
+                preflight_cache = attempt.checked.cache(),
+                start_to_live_ms = spawn_to_live.map(ms),
+                live_seen_within_ms = attempt.live_seen_within.map(ms),
+                "{}",
+                if attempt.first { "first epoch LIVE" } else { "hot restart done: epoch LIVE" }
             ),
             _ => tracing::error!(
                 event = "handoff",
@@ -352,6 +380,7 @@ impl<H: Host> Supervisor<H> {
                 first = attempt.first,
                 epoch = attempt.epoch,
                 reason = %attempt.reason,
+                preflight_cache = attempt.checked.cache(),
                 %message,
                 "hot restart did not happen; the serving epoch keeps serving"
             ),

@@ -5,6 +5,15 @@ use super::*;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
+        if let Life::Discovering { probing, next, .. } = &mut self.life {
+            if result.is_ok() && self.version.is_empty() {
+                // Someone answers: only our own version tells whether we can take over. It is
+                // being asked; look again once it is known.
+                *probing = false;
+                *next = Instant::now() + LIVE_POLL;
+                return;
+            }
+        }
         let now_ms = self.host.now_unix_ms();
         let others = self.read_node();
         let decision = discovery::decide(&others, &result, self.base_id, &self.version, now_ms);
@@ -79,18 +88,12 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
+    /// Asks which epoch answers on the admin address, beside the loop.
     pub(super) fn probe(&mut self, probe: Probe) {
-        match &probe {
-            Probe::Live { .. } => self.live.in_flight = true,
-            Probe::Watchdog => self.watchdog.in_flight = true,
-            Probe::Discover => {
-                if let Life::Discovering { probing, .. } = &mut self.life {
-                    *probing = true;
-                }
-            }
-            _ => {}
+        if matches!(probe, Probe::Watchdog) {
+            self.watchdog.in_flight = true;
         }
-        let call = self.host.server_info();
+        let call = self.host.epoch_stats();
         let events = self.events_tx.clone();
         tokio::spawn(async move {
             let result = call.await;
@@ -98,13 +101,36 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    pub(super) fn on_probe(&mut self, probe: Probe, result: Result<ServerInfo, AdminError>) {
+    /// Asks who answers on the admin address, in full (discovery), beside the loop.
+    fn discover_probe(&mut self) {
+        if let Life::Discovering { probing, .. } = &mut self.life {
+            *probing = true;
+        }
+        let call = self.host.server_info();
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let _ = events.send(Event::Discovered(call.await));
+        });
+    }
+
+    /// Asks whether the starting `epoch` is LIVE, beside the loop.
+    pub(super) fn live_check(&mut self, epoch: u32) {
+        self.live.in_flight = true;
+        let call = self.host.live_check();
+        let events = self.events_tx.clone();
+        let sent = Instant::now();
+        tokio::spawn(async move {
+            let result = call.await;
+            let _ = events.send(Event::LiveChecked {
+                epoch,
+                sent,
+                result,
+            });
+        });
+    }
+
+    pub(super) fn on_probe(&mut self, probe: Probe, result: Result<EpochStats, AdminError>) {
         match probe {
-            Probe::Discover => self.on_discovery(result),
-            Probe::Live { epoch } => {
-                self.live.in_flight = false;
-                self.on_live_probe(epoch, result);
-            }
             Probe::Watchdog => {
                 self.watchdog.in_flight = false;
                 self.on_watchdog(result);
@@ -185,17 +211,19 @@ impl<H: Host> Supervisor<H> {
 
     /// Whether the admin answer shows a newer epoch of the family that is not ours: a
     /// successor pod's Envoy took over. Its supervisor's name if so.
+    ///
+    /// Only a hot-restart child of our Envoy (so of our base id) can take its admin address
+    /// over, so a newer epoch there that is not ours is a successor's.
     pub(super) fn takeover_seen(
         &mut self,
-        result: &Result<ServerInfo, AdminError>,
+        result: &Result<EpochStats, AdminError>,
         ours: Option<u32>,
     ) -> Option<String> {
         let info = result.as_ref().ok()?;
         let ours = ours?;
         if info.state != ServerState::Live
-            || info.base_id != u64::from(self.base_id)
-            || info.restart_epoch <= ours
-            || self.epochs.get(info.restart_epoch).is_some()
+            || info.epoch <= ours
+            || self.epochs.get(info.epoch).is_some()
         {
             return None;
         }
@@ -203,9 +231,9 @@ impl<H: Host> Supervisor<H> {
         Some(
             others
                 .iter()
-                .find(|h| h.newest_epoch == info.restart_epoch)
+                .find(|h| h.newest_epoch == info.epoch)
                 .map(|h| h.identity.clone())
-                .unwrap_or_else(|| format!("the supervisor of epoch {}", info.restart_epoch)),
+                .unwrap_or_else(|| format!("the supervisor of epoch {}", info.epoch)),
         )
     }
 
@@ -231,32 +259,48 @@ impl<H: Host> Supervisor<H> {
         self.write_heartbeat();
     }
 
-    pub(super) fn on_live_probe(&mut self, epoch: u32, result: Result<ServerInfo, AdminError>) {
-        if self.handoff.starting_epoch() != Some(epoch) {
+    /// The answer of a LIVE check sent at `sent`. The answering Envoy is ours when it is LIVE
+    /// at our starting epoch while our process of that epoch runs: two Envoys of one base id
+    /// cannot both hold an epoch's hot-restart sockets, so no other process of the family can
+    /// be that epoch. A fresh epoch 0 also proves it is not an older Envoy squatting on the
+    /// admin port (an orphan of an earlier container, another family): it has not been up
+    /// longer than ours. (A child's `server.uptime` counts from its chain's first epoch.)
+    pub(super) fn on_live_check(
+        &mut self,
+        epoch: u32,
+        sent: Instant,
+        result: Result<Option<EpochStats>, AdminError>,
+    ) {
+        let Some(attempt) = self.handoff.attempt().filter(|a| a.epoch == epoch) else {
             return;
-        }
+        };
+        let fresh = attempt.parent.is_none() && self.newest_live.is_none();
         let ours = match (&result, self.epochs.get(epoch)) {
-            (Ok(info), Some(child)) => {
-                info.state == ServerState::Live
-                    && info.restart_epoch == epoch
-                    && info.base_id == u64::from(self.base_id)
+            (Ok(Some(live)), Some(child)) => {
+                live.epoch == epoch
                     && child.state == EpochState::Starting
                     && child.stopped.is_none()
-                    // Proof that the answering Envoy is the process we started: it has not
-                    // been up longer than ours.
-                    && uptime(&info.uptime_current_epoch)
-                        .is_none_or(|up| up <= child.started_at.elapsed() + Duration::from_secs(2))
+                    && (!fresh
+                        || live.uptime.is_none_or(|up| {
+                            up <= child.started_at.elapsed() + Duration::from_secs(2)
+                        }))
             }
             _ => false,
         };
         if ours {
             self.go_live(epoch);
         } else {
-            self.live.next = Some(Instant::now() + LIVE_POLL);
+            self.live_missed = Some(sent);
+            let since = self
+                .handoff
+                .attempt()
+                .and_then(|a| a.spawned)
+                .map_or(Duration::ZERO, |s| s.elapsed());
+            self.live.next = Some(Instant::now() + self.live_poll_gap(since));
         }
     }
 
-    pub(super) fn on_watchdog(&mut self, result: Result<ServerInfo, AdminError>) {
+    pub(super) fn on_watchdog(&mut self, result: Result<EpochStats, AdminError>) {
         if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
             return;
         }
@@ -334,6 +378,6 @@ impl<H: Host> Supervisor<H> {
                 }
             }
         }
-        self.probe(Probe::Discover);
+        self.discover_probe();
     }
 }
