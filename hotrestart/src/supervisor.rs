@@ -221,6 +221,9 @@ pub(crate) struct Supervisor<H: Host> {
     /// Drains asked for while a handoff settles; applied once it has.
     pending_drains: Vec<(DrainOptions, oneshot::Sender<Result<(), String>>)>,
     heartbeat_due: Instant,
+    /// The heartbeat last written, and when: an unchanged one is rewritten only every other
+    /// period (readers allow four).
+    heartbeat_written: Option<(Heartbeat, Instant)>,
     foreign_check: Option<Instant>,
     family: FamilyState,
     phase_since: (ProxyPhase, SystemTime),
@@ -285,6 +288,7 @@ impl<H: Host> Supervisor<H> {
             admin_ok: now,
             pending_drains: Vec::new(),
             heartbeat_due: now,
+            heartbeat_written: None,
             foreign_check: None,
             family,
             phase_since: (ProxyPhase::Starting, SystemTime::now()),

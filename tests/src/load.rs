@@ -12,7 +12,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
@@ -22,6 +22,8 @@ use crate::KeepAlive;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Failures kept with their error text.
 const ERRORS_KEPT: usize = 20;
+/// The width of one bucket of [`LoadReport::timeline`].
+pub const BUCKET: Duration = Duration::from_millis(100);
 
 /// What the load saw.
 #[derive(Debug, Clone, Default)]
@@ -34,6 +36,17 @@ pub struct LoadReport {
     pub errors: Vec<String>,
     /// When each failure was seen, Unix milliseconds.
     pub failure_times: Vec<u64>,
+    /// Requests answered and failed in each [`BUCKET`] since [`Load::started`].
+    pub timeline: Vec<Bucket>,
+}
+
+/// Requests finished within one [`BUCKET`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Bucket {
+    /// Answered 200.
+    pub ok: u64,
+    /// Failed.
+    pub failed: u64,
 }
 
 impl LoadReport {
@@ -51,17 +64,47 @@ pub fn unix_ms() -> u64 {
         .unwrap_or_default()
 }
 
-#[derive(Default)]
 struct Counters {
+    started: Instant,
     ok: AtomicU64,
     failed: AtomicU64,
     errors: std::sync::Mutex<Vec<String>>,
     failure_times: std::sync::Mutex<Vec<u64>>,
+    timeline: std::sync::Mutex<Vec<Bucket>>,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Counters {
+            started: Instant::now(),
+            ok: AtomicU64::default(),
+            failed: AtomicU64::default(),
+            errors: std::sync::Mutex::default(),
+            failure_times: std::sync::Mutex::default(),
+            timeline: std::sync::Mutex::default(),
+        }
+    }
 }
 
 impl Counters {
+    fn bucket(&self, f: impl FnOnce(&mut Bucket)) {
+        let i = (self.started.elapsed().as_millis() / BUCKET.as_millis()) as usize;
+        if let Ok(mut timeline) = self.timeline.lock() {
+            if timeline.len() <= i {
+                timeline.resize(i + 1, Bucket::default());
+            }
+            f(&mut timeline[i]);
+        }
+    }
+
+    fn succeed(&self) {
+        self.ok.fetch_add(1, Ordering::Relaxed);
+        self.bucket(|b| b.ok += 1);
+    }
+
     fn fail(&self, kind: &str, error: String) {
         self.failed.fetch_add(1, Ordering::Relaxed);
+        self.bucket(|b| b.failed += 1);
         if let Ok(mut times) = self.failure_times.lock() {
             times.push(unix_ms());
         }
@@ -118,7 +161,7 @@ impl Load {
                     let Some(c) = conn.as_mut() else { continue };
                     match tokio::time::timeout(REQUEST_TIMEOUT, c.get(&path)).await {
                         Ok(Ok(r)) if r.status == 200 => {
-                            counters.0.ok.fetch_add(1, Ordering::Relaxed);
+                            counters.0.succeed();
                             if r.connection_close() {
                                 conn = None;
                             }
@@ -150,9 +193,7 @@ impl Load {
                         c.get(&path).await
                     };
                     match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
-                        Ok(Ok(r)) if r.status == 200 => {
-                            counters.0.ok.fetch_add(1, Ordering::Relaxed);
-                        }
+                        Ok(Ok(r)) if r.status == 200 => counters.0.succeed(),
                         Ok(Ok(r)) => counters
                             .0
                             .fail("new-connection", format!("status {}", r.status)),
@@ -167,6 +208,11 @@ impl Load {
             counters,
             workers,
         }
+    }
+
+    /// When the load started: the origin of [`LoadReport::timeline`].
+    pub fn started(&self) -> Instant {
+        self.counters.0.started
     }
 
     /// Requests answered so far.
@@ -196,6 +242,13 @@ impl Load {
                 .failure_times
                 .lock()
                 .map(|e| e.clone())
+                .unwrap_or_default(),
+            timeline: self
+                .counters
+                .0
+                .timeline
+                .lock()
+                .map(|t| t.clone())
                 .unwrap_or_default(),
         }
     }

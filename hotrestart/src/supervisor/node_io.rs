@@ -116,8 +116,18 @@ impl<H: Host> Supervisor<H> {
             parent_draining_until_unix_ms: parent_until,
             restart_in_flight: self.newest_live.is_some() && self.handoff.attempt().is_some(),
         };
-        if let Err(e) = self.host.write_heartbeat(&heartbeat) {
-            tracing::error!(error = %e, "cannot write the heartbeat");
+        if let Some((last, at)) = &self.heartbeat_written {
+            let same = Heartbeat {
+                updated_unix_ms: last.updated_unix_ms,
+                ..heartbeat.clone()
+            } == *last;
+            if same && now < *at + self.config.heartbeat_period * 2 {
+                return;
+            }
+        }
+        match self.host.write_heartbeat(&heartbeat) {
+            Ok(()) => self.heartbeat_written = Some((heartbeat, now)),
+            Err(e) => tracing::error!(error = %e, "cannot write the heartbeat"),
         }
     }
 

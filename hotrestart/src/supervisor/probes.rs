@@ -290,7 +290,9 @@ impl<H: Host> Supervisor<H> {
         if ours {
             self.go_live(epoch);
         } else {
-            self.live_missed = Some(sent);
+            // Envoy answered "not LIVE" before this moment (and after `sent`).
+            let _ = sent;
+            self.live_missed = Some(Instant::now());
             let since = self
                 .handoff
                 .attempt()
