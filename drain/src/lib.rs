@@ -62,14 +62,18 @@ pub struct Exclusions {
     pub ports: BTreeSet<u16>,
     /// Listener stat names (the part after `listener.`) starting with any of these.
     pub name_prefixes: Vec<String>,
+    /// Listener stat names excluded exactly (with their per-thread lines).
+    pub names: Vec<String>,
 }
 
 impl Default for Exclusions {
-    /// The admin listener and Envoy-internal listeners (ambient HBONE, Istio PR #60731).
+    /// The admin listener (by its exact name: `admin_api` is a listener of the user's) and
+    /// Envoy-internal listeners (ambient HBONE, Istio PR #60731).
     fn default() -> Self {
         Exclusions {
             ports: BTreeSet::new(),
-            name_prefixes: vec!["admin".to_owned(), "envoy_internal_".to_owned()],
+            name_prefixes: vec!["envoy_internal_".to_owned()],
+            names: vec!["admin".to_owned()],
         }
     }
 }
@@ -86,7 +90,13 @@ impl Exclusions {
         if self
             .name_prefixes
             .iter()
-            .any(|p| listener == p || listener.starts_with(p.as_str()))
+            .any(|p| listener.starts_with(p.as_str()))
+            || self.names.iter().any(|n| {
+                listener == n
+                    || listener
+                        .strip_prefix(n.as_str())
+                        .is_some_and(|rest| rest.starts_with('.'))
+            })
         {
             return true;
         }
@@ -98,7 +108,9 @@ impl Exclusions {
 }
 
 /// Sums the listeners' active connections in an Envoy `/stats` text body.
-/// Lines that are not `listener.<name>.downstream_cx_active: <n>` are ignored.
+/// Lines that are not `listener.<name>.downstream_cx_active: <n>` are ignored. The sum
+/// saturates: a gauge gone wrong (a huge value) reads as "connections open", never wraps
+/// around to zero.
 pub fn sum_active_connections(stats: &str, exclusions: &Exclusions) -> u64 {
     stats
         .lines()
@@ -108,16 +120,18 @@ pub fn sum_active_connections(stats: &str, exclusions: &Exclusions) -> u64 {
                 .trim()
                 .strip_prefix("listener.")?
                 .strip_suffix(".downstream_cx_active")?;
-            // Per-worker duplicates of a listener's gauge: `<listener>.worker_3`.
-            if listener.split('.').any(|part| part.starts_with("worker_")) {
-                return None;
-            }
-            if exclusions.excludes(listener) {
+            // Per-worker duplicates of a listener's gauge: `<listener>.worker_3` (a listener
+            // whose own name starts with `worker_` counts).
+            let per_worker = listener.rsplit_once('.').is_some_and(|(_, last)| {
+                last.strip_prefix("worker_")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            });
+            if per_worker || exclusions.excludes(listener) {
                 return None;
             }
             value.trim().parse::<u64>().ok()
         })
-        .sum()
+        .fold(0u64, u64::saturating_add)
 }
 
 /// Envoy's active downstream connections, exclusions applied. One admin call, bounded by the
@@ -191,6 +205,33 @@ listener.envoy_internal_x.downstream_cx_active: 1
         let mut exclusions = Exclusions::default();
         exclusions.name_prefixes.push("probe_".to_owned());
         assert_eq!(sum_active_connections(stats, &exclusions), 3);
+    }
+
+    #[test]
+    fn listeners_named_like_workers_or_admin_count() {
+        // Found by fuzzing and checked with Envoy 1.40 (`stat_prefix: worker_pool`).
+        let stats = "listener.worker_pool.downstream_cx_active: 1\n\
+                     listener.worker_pool.worker_0.downstream_cx_active: 1\n\
+                     listener.admin_api.downstream_cx_active: 2\n\
+                     listener.administration.downstream_cx_active: 3\n\
+                     listener.admin.downstream_cx_active: 4\n\
+                     listener.admin.main_thread.downstream_cx_active: 4\n\
+                     listener.x.worker_.downstream_cx_active: 5\n";
+        assert_eq!(
+            sum_active_connections(stats, &Exclusions::default()),
+            1 + 2 + 3 + 5
+        );
+    }
+
+    #[test]
+    fn a_sum_too_large_saturates_instead_of_wrapping_to_zero() {
+        // The fuzzer's minimized input: a gauge gone below zero (as u64) plus one connection.
+        let stats = "listener.0.downstream_cx_active: 18446744073709551615\n\
+                     listener.min.downstream_cx_active: 1\n";
+        assert_eq!(
+            sum_active_connections(stats, &Exclusions::default()),
+            u64::MAX
+        );
     }
 
     #[test]
