@@ -1,8 +1,8 @@
 //! `envoy-agent-bench`: runs the benchmarks and prints a table and the JSON report.
 //!
 //! ```sh
-//! scripts/bench.sh            # K=20 restarts, release builds
-//! envoy-agent-bench --restarts 1 --load-ms 1000 --json report.json
+//! scripts/bench.sh            # release builds; 10 restarts of each kind
+//! envoy-agent-bench --restarts 1 --load-ms 1000 --json report.json --svg timeline.svg
 //! ```
 
 use std::path::PathBuf;
@@ -16,13 +16,14 @@ fn main() -> std::process::ExitCode {
             .ok()
             .and_then(|p| p.parent().map(|d| d.join("envoy-agent")))
             .unwrap_or_else(|| PathBuf::from("envoy-agent")),
-        restarts: 20,
-        load_per_restart: Duration::from_secs(3),
+        restarts: 10,
+        load_per_restart: Duration::from_secs(4),
         workers: 4,
         grpc_calls: 2000,
         samples: 10,
     };
     let mut json_out = None;
+    let mut svg_out = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().unwrap_or_default();
@@ -36,6 +37,7 @@ fn main() -> std::process::ExitCode {
             "--grpc-calls" => config.grpc_calls = value().parse().unwrap_or(config.grpc_calls),
             "--samples" => config.samples = value().parse().unwrap_or(config.samples),
             "--json" => json_out = Some(PathBuf::from(value())),
+            "--svg" => svg_out = Some(PathBuf::from(value())),
             other => {
                 eprintln!("envoy-agent-bench: unknown argument {other:?}");
                 return std::process::ExitCode::from(64);
@@ -53,8 +55,14 @@ fn main() -> std::process::ExitCode {
         }
     };
     let report = runtime.block_on(run(&config));
-    println!("{}", table(&report));
-    let text = serde_json::to_string_pretty(&report).unwrap_or_default();
+    println!("{}", table(&report.json));
+    if let Some(path) = svg_out {
+        if let Err(e) = std::fs::write(&path, &report.svg) {
+            eprintln!("envoy-agent-bench: cannot write {}: {e}", path.display());
+            return std::process::ExitCode::from(74);
+        }
+    }
+    let text = serde_json::to_string_pretty(&report.json).unwrap_or_default();
     match json_out {
         Some(path) => {
             if let Err(e) = std::fs::write(&path, &text) {

@@ -26,16 +26,33 @@ async fn the_benchmark_runs_with_tiny_settings() {
         samples: 1,
     })
     .await;
-    let failed = &report["failed_requests"];
-    assert_eq!(failed["keep_alive"]["failed"], 0, "{report}");
-    assert_eq!(
-        failed["new_connection_per_request"]["failed"], 0,
-        "{report}"
-    );
+    let json = &report.json;
+    let agent = &json["agent"];
+    let failed = &agent["failed_requests"];
+    assert_eq!(failed["keep_alive"]["failed"], 0, "{json}");
+    assert_eq!(failed["new_connection_per_request"]["failed"], 0, "{json}");
     assert!(failed["keep_alive"]["ok"].as_u64().unwrap() > 0);
-    assert_eq!(report["handoff_sighup_to_live"]["n"], 1);
-    assert_eq!(report["supervisor"]["exit_code"], 0);
-    assert!(report["grpc_get_status"]["per_second"].as_f64().unwrap() > 0.0);
-    let table = table(&report);
-    assert!(table.contains("handoff SIGHUP → LIVE"), "{table}");
+    // One restart of each kind, and the cache saw them for what they are.
+    assert_eq!(agent["hits"]["sighup_to_live"]["n"], 1, "{json}");
+    assert_eq!(agent["misses"]["sighup_to_live"]["n"], 1, "{json}");
+    assert_eq!(agent["hits"]["preflight_cache"][0], "hit", "{json}");
+    assert_eq!(agent["misses"]["preflight_cache"][0], "miss", "{json}");
+    assert_eq!(json["envoy_hot_restart"]["exec_to_live"]["n"], 1, "{json}");
+    assert_eq!(
+        json["startup"]["hot_restart_start_to_ready"]["n"], 1,
+        "{json}"
+    );
+    assert_eq!(agent["supervisor"]["exit_code"], 0);
+    assert!(agent["grpc_get_status"]["per_second"].as_f64().unwrap() > 0.0);
+    assert!(
+        json["targets"]["no_failed_requests"]["met"]
+            .as_bool()
+            .unwrap()
+    );
+    let table = table(json);
+    assert!(table.contains("agent handoff SIGHUP → LIVE"), "{table}");
+    // The timeline: both loads, and the three marks of each of the two restarts.
+    let svg = &report.svg;
+    assert_eq!(svg.matches("<polyline").count(), 2, "{svg}");
+    assert_eq!(svg.matches("<line x1=").count() - 5, 2 * 2 * 3, "{svg}");
 }

@@ -22,7 +22,7 @@ mod agent_process;
 mod load;
 
 pub use agent_process::{AgentBuilder, AgentProcess, HotRestartPorts};
-pub use load::{Load, LoadReport, unix_ms};
+pub use load::{BUCKET, Bucket, Load, LoadReport, unix_ms};
 
 /// How long a test waits for something that should happen in well under a second. Generous:
 /// machines are shared and slow; a test that needs it is broken, not flaky.
