@@ -156,7 +156,7 @@ async fn live_at(admin: &AdminClient, epoch: Option<u32>) -> Instant {
                 None => return Instant::now(),
                 Some(epoch) => {
                     let seen = Instant::now();
-                    if let Ok(s) = admin.epoch_stats().await {
+                    if let Ok(s) = admin.admin_state().await {
                         if s.epoch == epoch && s.state == ServerState::Live {
                             return seen;
                         }

@@ -603,7 +603,12 @@ async fn only_an_epoch_beside_a_serving_one_is_validated_first() {
             "the first epoch: nothing to compare or protect; the restart: both checks"
         );
         assert_eq!(w.passed_live, 2, "each LIVE epoch proves its pair");
-        assert_eq!(w.version_asks, 1, "asked once, after the first LIVE");
+        assert_eq!(w.version_asks, 0, "the running envoy named its version");
+        assert_eq!(
+            w.prevalidations,
+            [None],
+            "the binary's own version was asked ahead of the first restart"
+        );
     }
     f.stop().await;
 }
@@ -611,10 +616,10 @@ async fn only_an_epoch_beside_a_serving_one_is_validated_first() {
 #[tokio::test(start_paused = true)]
 async fn a_restart_right_after_the_start_waits_for_the_running_version() {
     let host = FakeHost::default();
+    host.world().server_info_delay = Duration::from_millis(50);
     let f = start(host, config());
     f.serving_at(0).await;
-    // The version is still being asked (the fake takes 50 ms): the restart waits for it.
-    assert_eq!(f.host.world().version_asks, 1);
+    // The running envoy is still being asked (the fake takes 50 ms): the restart waits.
     assert!(
         f.handle
             .state()
@@ -636,11 +641,13 @@ async fn a_restart_right_after_the_start_waits_for_the_running_version() {
 #[tokio::test(start_paused = true)]
 async fn an_unknown_running_version_refuses_restarts_and_says_why() {
     let host = FakeHost::default();
-    host.world().version = Err("cannot run /fake/envoy --hot-restart-version".to_owned());
+    host.world().admin_version = String::new();
     let f = start(host, config());
     f.serving_at(0).await;
     match f.restart("SIGHUP").await.unwrap() {
-        Err(RestartError::Rejected(m)) => assert!(m.contains("--hot-restart-version"), "{m}"),
+        Err(RestartError::Rejected(m)) => {
+            assert!(m.contains("names no hot-restart version"), "{m}")
+        }
         other => panic!("expected a rejection, got {other:?}"),
     }
     assert_eq!(f.host.world().spawns, [0], "nothing started");
@@ -720,10 +727,11 @@ async fn a_new_binary_on_disk_is_validated_before_anyone_asks() {
     let f = start(host, config());
     f.serving_at(0).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(f.host.world().prevalidations.is_empty());
+    // Ahead of the first restart, once.
+    assert_eq!(f.host.world().prevalidations, [None]);
     f.host.world().binary_changed = true;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(f.host.world().prevalidations, [None]);
+    assert_eq!(f.host.world().prevalidations, [None, None]);
     f.stop().await;
 }
 

@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoy_agent_proxy::admin::{DrainListeners, EpochStats, Readiness};
+use envoy_agent_proxy::admin::{AdminState, DrainListeners, Readiness};
 use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCache};
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
@@ -82,10 +82,10 @@ pub trait Host: Send + Sync + 'static {
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>>;
     /// Which epoch answers on the family's admin address and its state, bounded and cheap
     /// (the watchdog and every other probe of a running family).
-    fn epoch_stats(&self) -> Task<Result<EpochStats, AdminError>>;
+    fn admin_state(&self) -> Task<Result<AdminState, AdminError>>;
     /// Whether the admin address answers LIVE, and who: `None` while it is not LIVE. Asked
     /// every millisecond or so while an epoch starts: the cheapest answer first.
-    fn live_check(&self) -> Task<Result<Option<EpochStats>, AdminError>>;
+    fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>>;
     /// `POST /drain_listeners` on the family's admin address, bounded.
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>>;
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
@@ -93,7 +93,11 @@ pub trait Host: Send + Sync + 'static {
     /// Pre-flight for a new epoch: the binary's hot-restart version must be `running` (when one
     /// runs), and when `validate`, Envoy must accept the config. `Err` holds the reason, in
     /// Envoy's words. Pairs already judged are answered without an exec.
-    fn preflight(&self, running: Option<String>, validate: bool) -> Task<Result<Checked, String>>;
+    fn preflight(
+        &self,
+        running: Option<String>,
+        validate: bool,
+    ) -> Task<(Checked, Result<(), String>)>;
     /// Validates ahead of a restart (a config still settling, given as `content`, or a new
     /// binary on disk), so that the restart finds the verdict ready. Errors are only logged.
     fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()>;
@@ -178,34 +182,36 @@ async fn check(
     content: Option<&[u8]>,
     running: Option<String>,
     validate: bool,
-) -> Result<Checked, String> {
-    let key = PairKey::of(proxy, content).map_err(|e| e.to_string())?;
+    warm: bool,
+) -> (Checked, Result<(), String>) {
+    let key = match PairKey::of(proxy, content) {
+        Ok(key) => key,
+        Err(e) => return (Checked::default(), Err(e.to_string())),
+    };
     let versions = async {
-        match &running {
-            Some(running) => {
-                let (version, lookup) = version_of(cache, &proxy.binary_path, key.binary).await;
-                let version = version?;
-                if version != *running {
-                    return Err(format!(
-                        "{} has hot-restart version {version}, the running envoy {running}: \
-                         they cannot hot-restart (a cold handover is needed)",
-                        proxy.binary_path.display()
-                    ));
-                }
-                Ok(Some(lookup))
-            }
-            None => Ok(None),
+        if running.is_none() && !warm {
+            return (None, Ok(()));
         }
+        let (version, lookup) = version_of(cache, &proxy.binary_path, key.binary).await;
+        let result = version.and_then(|version| match &running {
+            Some(running) if version != *running => Err(format!(
+                "{} has hot-restart version {version}, the running envoy {running}: \
+                 they cannot hot-restart (a cold handover is needed)",
+                proxy.binary_path.display()
+            )),
+            _ => Ok(()),
+        });
+        (Some(lookup), result)
     };
     let validation = async {
         if !validate {
-            return (Ok(()), None);
+            return (None, Ok(()));
         }
-        let (result, lookup) = match content {
+        let (lookup, result) = match content {
             Some(bytes) => {
                 match envoy_agent_proxy::validate_candidate_cached(proxy, bytes, cache).await {
-                    Ok(lookup) => (Ok(()), lookup),
-                    Err(e) => (Err(e.to_string()), Lookup::Miss),
+                    Ok(lookup) => (lookup, Ok(())),
+                    Err(e) => (Lookup::Miss, Err(e.to_string())),
                 }
             }
             None => {
@@ -218,23 +224,23 @@ async fn check(
                     }
                     other => other.to_string(),
                 });
-                (result, lookup)
+                (lookup, result)
             }
         };
-        (result, Some(lookup))
+        (Some(lookup), result)
     };
     // Both may exec the binary (~50-100 ms each): side by side, not one after the other.
-    let (version, (validated, validate_lookup)) = tokio::join!(versions, validation);
-    let version_lookup = version?;
-    validated?;
+    let ((version_lookup, version), (validate_lookup, validated)) =
+        tokio::join!(versions, validation);
     let lookup = match (version_lookup, validate_lookup) {
         (Some(a), Some(b)) => Some(a.and(b)),
         (a, b) => a.or(b),
     };
-    Ok(Checked {
+    let checked = Checked {
         key: Some(key),
         lookup,
-    })
+    };
+    (checked, version.and(validated))
 }
 
 /// Bound on a drain call.
@@ -265,21 +271,22 @@ impl Host for RealHost {
         })
     }
 
-    fn epoch_stats(&self) -> Task<Result<EpochStats, AdminError>> {
+    fn admin_state(&self) -> Task<Result<AdminState, AdminError>> {
         let admin = self.admin.clone();
-        Box::pin(async move { admin.epoch_stats().await })
+        Box::pin(async move { admin.admin_state().await })
     }
 
-    fn live_check(&self) -> Task<Result<Option<EpochStats>, AdminError>> {
+    fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {
         let admin = self.admin.clone();
         Box::pin(async move {
             // `/ready` costs Envoy next to nothing, even with a huge config; only a LIVE answer
-            // needs the epoch (it may still be the parent's admin, or another pod's).
+            // needs to say who (it may still be the parent's admin, or another pod's), and
+            // then LIVE is asked again of whoever the epoch came from.
             match admin.ready().await? {
                 Readiness::NotReady(_) => Ok(None),
                 Readiness::Ready => {
-                    let stats = admin.epoch_stats().await?;
-                    Ok((stats.state == ServerState::Live).then_some(stats))
+                    let state = admin.admin_state().await?;
+                    Ok((state.state == ServerState::Live).then_some(state))
                 }
             }
         })
@@ -295,10 +302,14 @@ impl Host for RealHost {
         })
     }
 
-    fn preflight(&self, running: Option<String>, validate: bool) -> Task<Result<Checked, String>> {
+    fn preflight(
+        &self,
+        running: Option<String>,
+        validate: bool,
+    ) -> Task<(Checked, Result<(), String>)> {
         let proxy = self.proxy.clone();
         let cache = self.cache.clone();
-        Box::pin(async move { check(&proxy, &cache, None, running, validate).await })
+        Box::pin(async move { check(&proxy, &cache, None, running, validate, false).await })
     }
 
     fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()> {
@@ -306,15 +317,15 @@ impl Host for RealHost {
         let cache = self.cache.clone();
         Box::pin(async move {
             let started = std::time::Instant::now();
-            let result = check(&proxy, &cache, content.as_deref(), running, true).await;
+            let result = check(&proxy, &cache, content.as_deref(), running, true, true).await;
             match result {
-                Ok(checked) => tracing::info!(
+                (checked, Ok(())) => tracing::info!(
                     event = "prevalidated",
                     cache = checked.cache(),
                     took = ?started.elapsed(),
                     "validated ahead of the restart"
                 ),
-                Err(message) => tracing::warn!(
+                (_, Err(message)) => tracing::warn!(
                     event = "prevalidated",
                     %message,
                     "validated ahead of the restart: the restart would be refused"

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::admin::{DrainListeners, EpochStats};
+use envoy_agent_proxy::admin::{AdminState, DrainListeners};
 use envoy_agent_proxy::{
     AdminError, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffResult, HandoffStage,
     Outcome, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo, ServerState, Signal,
@@ -87,7 +87,7 @@ pub(crate) enum Command {
     },
 }
 
-/// Why an admin probe (of [`EpochStats`]) was sent.
+/// Why an admin probe (of [`AdminState`]) was sent.
 #[derive(Debug)]
 enum Probe {
     /// Is the serving epoch's admin alive (and is it still ours)?
@@ -111,7 +111,7 @@ enum Event {
     },
     Probed {
         probe: Probe,
-        result: Result<EpochStats, AdminError>,
+        result: Result<AdminState, AdminError>,
     },
     /// Where does our first epoch start?
     Discovered(Result<ServerInfo, AdminError>),
@@ -119,13 +119,14 @@ enum Event {
     LiveChecked {
         epoch: u32,
         sent: Instant,
-        result: Result<Option<EpochStats>, AdminError>,
+        result: Result<Option<AdminState>, AdminError>,
     },
     /// The binary's hot-restart version.
     Version(Result<String, String>),
     PreFlight {
         epoch: u32,
-        result: Result<Checked, String>,
+        checked: Checked,
+        result: Result<(), String>,
     },
     Drained {
         result: Result<(), String>,
@@ -408,7 +409,11 @@ impl<H: Host> Supervisor<H> {
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
-            Event::PreFlight { epoch, result } => self.on_preflight(epoch, result).await,
+            Event::PreFlight {
+                epoch,
+                checked,
+                result,
+            } => self.on_preflight(epoch, checked, result).await,
             Event::Drained { result, replies } => {
                 match &result {
                     Ok(()) => tracing::info!("envoy is draining its listeners"),
@@ -653,14 +658,32 @@ impl<H: Host> Supervisor<H> {
 }
 
 impl<H: Host> Supervisor<H> {
-    /// Asks the binary's hot-restart version beside the loop.
+    /// Asks the running family's hot-restart version beside the loop: of our LIVE epoch when
+    /// there is one (the binary on disk may be a newer one already), else of the binary.
     fn ask_version(&mut self) {
         self.version_asked = true;
-        let ask = self.host.hot_restart_version();
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let _ = events.send(Event::Version(ask.await));
-        });
+        if self.newest_live.is_some() {
+            let ask = self.host.server_info();
+            tokio::spawn(async move {
+                let version = match ask.await {
+                    Ok(info) if !info.hot_restart_version.is_empty() => {
+                        Ok(info.hot_restart_version)
+                    }
+                    Ok(info) => Err(format!(
+                        "the serving envoy (epoch {}) names no hot-restart version",
+                        info.restart_epoch
+                    )),
+                    Err(e) => Err(e.to_string()),
+                };
+                let _ = events.send(Event::Version(version));
+            });
+        } else {
+            let ask = self.host.hot_restart_version();
+            tokio::spawn(async move {
+                let _ = events.send(Event::Version(ask.await));
+            });
+        }
     }
 
     fn on_version(&mut self, result: Result<String, String>) {
@@ -671,6 +694,11 @@ impl<H: Host> Supervisor<H> {
                     self.version = version;
                     self.family.hot_restart_version = self.version.clone();
                     self.write_heartbeat();
+                    if self.can_restart() {
+                        // The binary's own version (and the pair, already proven LIVE), so that
+                        // the first restart execs nothing.
+                        self.prevalidate(None);
+                    }
                 }
             }
             Err(message) => {

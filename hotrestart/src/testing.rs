@@ -11,7 +11,7 @@ use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use envoy_agent_proxy::admin::{DrainListeners, EpochStats};
+use envoy_agent_proxy::admin::{AdminState, DrainListeners};
 use envoy_agent_proxy::{AdminError, Exit, ProxyError, ServerInfo, ServerState, Signal};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -57,6 +57,10 @@ pub(crate) struct World {
     pub(crate) preflights: VecDeque<Result<(), String>>,
     /// Each pre-flight's running version and whether it asked for validation, in order.
     pub(crate) preflight_calls: Vec<(Option<String>, bool)>,
+    /// The hot-restart version a LIVE fake Envoy names on its admin.
+    pub(crate) admin_version: String,
+    /// How long `/server_info` takes to answer.
+    pub(crate) server_info_delay: Duration,
     /// The binary's `--hot-restart-version` answer, and how often it was asked.
     pub(crate) version: Result<String, String>,
     pub(crate) version_asks: u32,
@@ -99,6 +103,8 @@ impl Default for World {
             live_after: Some(Duration::from_millis(50)),
             preflights: VecDeque::new(),
             preflight_calls: Vec::new(),
+            admin_version: "11.104".to_owned(),
+            server_info_delay: Duration::ZERO,
             version: Ok("11.104".to_owned()),
             version_asks: 0,
             prevalidations: Vec::new(),
@@ -132,7 +138,7 @@ impl World {
             epoch,
             state: ServerState::Live,
             base_id: self.base_id,
-            version: "11.104".to_owned(),
+            version: self.admin_version.clone(),
             uptime: Duration::ZERO,
         };
     }
@@ -329,12 +335,13 @@ impl Host for FakeHost {
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
-        let admin = {
+        let (admin, delay) = {
             let mut w = self.world();
             w.admin_calls.0 += 1;
-            w.admin.clone()
+            (w.admin.clone(), w.server_info_delay)
         };
         Box::pin(async move {
+            tokio::time::sleep(delay).await;
             answer(admin, "/server_info")
                 .await
                 .map(|(epoch, state, base_id, version, _)| ServerInfo {
@@ -348,7 +355,7 @@ impl Host for FakeHost {
         })
     }
 
-    fn epoch_stats(&self) -> Task<Result<EpochStats, AdminError>> {
+    fn admin_state(&self) -> Task<Result<AdminState, AdminError>> {
         let admin = {
             let mut w = self.world();
             w.admin_calls.1 += 1;
@@ -357,7 +364,7 @@ impl Host for FakeHost {
         Box::pin(async move {
             answer(admin, "/stats")
                 .await
-                .map(|(epoch, state, _, _, uptime)| EpochStats {
+                .map(|(epoch, state, _, _, uptime)| AdminState {
                     epoch,
                     state,
                     uptime: Some(uptime),
@@ -365,7 +372,7 @@ impl Host for FakeHost {
         })
     }
 
-    fn live_check(&self) -> Task<Result<Option<EpochStats>, AdminError>> {
+    fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {
         let admin = {
             let mut w = self.world();
             w.admin_calls.2 += 1;
@@ -375,7 +382,7 @@ impl Host for FakeHost {
             answer(admin, "/ready")
                 .await
                 .map(|(epoch, state, _, _, uptime)| {
-                    (state == ServerState::Live).then_some(EpochStats {
+                    (state == ServerState::Live).then_some(AdminState {
                         epoch,
                         state,
                         uptime: Some(uptime),
@@ -401,7 +408,11 @@ impl Host for FakeHost {
         })
     }
 
-    fn preflight(&self, running: Option<String>, validate: bool) -> Task<Result<Checked, String>> {
+    fn preflight(
+        &self,
+        running: Option<String>,
+        validate: bool,
+    ) -> Task<(Checked, Result<(), String>)> {
         // Only a check that would exec the binary takes time.
         let execs = validate || running.is_some();
         let answer = {
@@ -413,10 +424,11 @@ impl Host for FakeHost {
             if execs {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            answer.map(|()| Checked {
+            let checked = Checked {
                 key: None,
                 lookup: validate.then_some(envoy_agent_proxy::preflight::cache::Lookup::Miss),
-            })
+            };
+            (checked, answer)
         })
     }
 

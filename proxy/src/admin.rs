@@ -154,29 +154,27 @@ struct RawOptions {
     base_id: String,
 }
 
-/// Which epoch answers on an admin address and in what state, from two of Envoy's gauges.
-/// `/server_info` says the same and more, but its node section lists every extension
-/// (~120 KiB in Envoy 1.40, several ms of Envoy's main thread per call): too much for a
-/// watchdog or for polling an Envoy that is starting.
+/// Which process answers on an admin address, from two of Envoy's gauges. `/server_info`
+/// says it too, but its node section lists every extension (~120 KiB in Envoy 1.40, several
+/// ms of Envoy's main thread per call): too much for a watchdog or for polling an Envoy that is
+/// starting. The `server.state` gauge is no substitute for `/ready`: it reads 0 (LIVE) until
+/// the first stats flush, seconds into an Envoy's start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EpochStats {
     /// `server.hot_restart_epoch`: the answering process's `--restart-epoch`.
     pub epoch: u32,
-    /// `server.state`.
-    pub state: ServerState,
     /// `server.uptime`: since the first epoch of a hot-restart chain (a child takes its
     /// parent's over), so the answering process's own uptime only at a fresh epoch 0.
     pub uptime: Option<Duration>,
 }
 
 /// The stats filter behind [`EpochStats`].
-pub const EPOCH_STATS_FILTER: &str = r"^server\.(state|hot_restart_epoch|uptime)$";
+pub const EPOCH_STATS_FILTER: &str = r"^server\.(hot_restart_epoch|uptime)$";
 
 impl EpochStats {
-    /// Parses the text of `/stats?filter=^server\.(state|hot_restart_epoch|uptime)$`.
+    /// Parses the text of `/stats?filter=^server\.(hot_restart_epoch|uptime)$`.
     pub fn parse(text: &str) -> Result<EpochStats, String> {
         let mut epoch = None;
-        let mut state = None;
         let mut uptime = None;
         for line in text.lines() {
             let Some((name, value)) = line.split_once(':') else {
@@ -190,29 +188,39 @@ impl EpochStats {
                 "server.uptime" => {
                     uptime = value.parse().ok().map(Duration::from_secs);
                 }
-                // envoy.admin.v3.ServerInfo.State's numbers.
-                "server.state" => {
-                    state = Some(match value {
-                        "0" => ServerState::Live,
-                        "1" => ServerState::Draining,
-                        "2" => ServerState::PreInitializing,
-                        "3" => ServerState::Initializing,
-                        _ => ServerState::Unknown,
-                    });
-                }
                 _ => {}
             }
         }
-        match (epoch, state) {
-            (Some(epoch), Some(state)) => Ok(EpochStats {
-                epoch,
-                state,
-                uptime,
-            }),
-            _ => Err(format!(
-                "no server.hot_restart_epoch and server.state in {:?}",
+        match epoch {
+            Some(epoch) => Ok(EpochStats { epoch, uptime }),
+            None => Err(format!(
+                "no server.hot_restart_epoch in {:?}",
                 text.chars().take(200).collect::<String>()
             )),
+        }
+    }
+}
+
+/// Which epoch answers on an admin address, and its state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdminState {
+    /// The answering process's `--restart-epoch`.
+    pub epoch: u32,
+    /// Its state, from `/ready`.
+    pub state: ServerState,
+    /// See [`EpochStats::uptime`].
+    pub uptime: Option<Duration>,
+}
+
+impl ServerState {
+    /// The state `/ready` names in its body.
+    pub fn from_ready(text: &str) -> ServerState {
+        match text.trim() {
+            "LIVE" => ServerState::Live,
+            "DRAINING" => ServerState::Draining,
+            "PRE_INITIALIZING" => ServerState::PreInitializing,
+            "INITIALIZING" => ServerState::Initializing,
+            _ => ServerState::Unknown,
         }
     }
 }
@@ -315,10 +323,26 @@ impl AdminClient {
         }
     }
 
-    /// Which epoch answers, and its state (see [`EpochStats`]).
+    /// Which process answers (see [`EpochStats`]).
     pub async fn epoch_stats(&self) -> Result<EpochStats, AdminError> {
         let text = self.stats(EPOCH_STATS_FILTER, false).await?;
         EpochStats::parse(&text).map_err(|e| self.decode("/stats", e))
+    }
+
+    /// Which epoch answers and its state: the epoch first, then `/ready`. The admin address
+    /// passes from a parent to its child once (the child shuts the parent's down, then binds
+    /// its own), so the state comes from that epoch or a newer one, never an older one.
+    pub async fn admin_state(&self) -> Result<AdminState, AdminError> {
+        let stats = self.epoch_stats().await?;
+        let state = match self.ready().await? {
+            Readiness::Ready => ServerState::Live,
+            Readiness::NotReady(text) => ServerState::from_ready(&text),
+        };
+        Ok(AdminState {
+            epoch: stats.epoch,
+            state,
+            uptime: stats.uptime,
+        })
     }
 
     /// `GET /stats?filter=<regex>` (plus `usedonly`), as Envoy's text format.
@@ -519,22 +543,33 @@ mod tests {
             s,
             EpochStats {
                 epoch: 3,
-                state: ServerState::Live,
                 uptime: Some(Duration::from_secs(12)),
             }
         );
-        let s = EpochStats::parse("server.state: 3\nserver.hot_restart_epoch: 0").unwrap();
-        assert_eq!(s.state, ServerState::Initializing);
-        assert_eq!(s.uptime, None);
         assert_eq!(
-            EpochStats::parse("server.state: 9\nserver.hot_restart_epoch: 1")
+            EpochStats::parse("server.hot_restart_epoch: 0")
                 .unwrap()
-                .state,
-            ServerState::Unknown
+                .uptime,
+            None
         );
         assert!(EpochStats::parse("server.state: 0\n").is_err());
-        assert!(EpochStats::parse("server.hot_restart_epoch: x\nserver.state: 0").is_err());
+        assert!(EpochStats::parse("server.hot_restart_epoch: x").is_err());
         assert!(EpochStats::parse("").is_err());
+    }
+
+    #[test]
+    fn ready_names_the_state() {
+        assert_eq!(ServerState::from_ready("LIVE\n"), ServerState::Live);
+        assert_eq!(
+            ServerState::from_ready("PRE_INITIALIZING"),
+            ServerState::PreInitializing
+        );
+        assert_eq!(
+            ServerState::from_ready("INITIALIZING"),
+            ServerState::Initializing
+        );
+        assert_eq!(ServerState::from_ready("DRAINING"), ServerState::Draining);
+        assert_eq!(ServerState::from_ready("what"), ServerState::Unknown);
     }
 
     #[test]

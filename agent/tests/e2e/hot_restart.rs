@@ -231,7 +231,11 @@ async fn a_sighup_storm_is_coalesced_without_a_third_generation() {
     // Every SIGHUP was queued long before: nothing is left queued or under way.
     let (_, json, _) = crate::grpc::cli(&agent, &["status", "--json"]).await;
     let status: serde_json::Value = serde_json::from_str(&json).unwrap();
-    assert!(status["handoff"].is_null(), "no restart pending: {status}");
+    assert!(
+        status["family"]["handoff"].is_null(),
+        "no restart pending: {status}"
+    );
+    assert!(status["family"].is_object(), "{status}");
     assert_eq!(status["newest_live_epoch"], 2, "{status}");
     let most = watcher.await.unwrap();
     assert!(most <= 2, "at most two generations at once, saw {most}");
@@ -449,28 +453,36 @@ async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
 
 #[tokio::test]
 async fn a_binary_with_another_hot_restart_version_is_rejected() {
-    // An "envoy" whose --hot-restart-version the test controls; otherwise the real one.
+    // An "envoy" that says the hot-restart version the test wants, and otherwise runs the real
+    // one. Replaced on disk the way a release is (a new file renamed over the path), so the
+    // agent sees another binary each time.
     let builder = agent().hot_restart();
-    let version = builder.dir().join("version");
     let wrapper = builder.dir().join("envoy-with-version");
-    std::fs::write(
-        &wrapper,
-        format!(
-            "#!/bin/sh\nif [ \"$1\" = --hot-restart-version ] && [ -s {v} ]; then cat {v} >&2; exit 0; fi\nexec {envoy} \"$@\"\n",
-            v = version.display(),
-            envoy = envoy_agent_tests::envoy_path().display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let mut agent = builder.envoy_path(wrapper).args(FAST).start().await;
+    let install = |version: Option<&str>| {
+        let fake = match version {
+            Some(v) => {
+                format!("if [ \"$1\" = --hot-restart-version ]; then echo {v} >&2; exit 0; fi\n")
+            }
+            None => String::new(),
+        };
+        let next = wrapper.with_extension("new");
+        std::fs::write(
+            &next,
+            format!(
+                "#!/bin/sh\n{fake}exec {envoy} \"$@\"\n",
+                envoy = envoy_agent_tests::envoy_path().display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&next, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        std::fs::rename(&next, &wrapper).unwrap();
+    };
+    install(None);
+    let mut agent = builder.envoy_path(wrapper.clone()).args(FAST).start().await;
 
-    // As after an upgrade of the binary on disk to an incompatible Envoy.
-    std::fs::write(&version, "12.999\n").unwrap();
+    // An upgrade of the binary on disk to an incompatible Envoy.
+    install(Some("12.999"));
     agent.signal(Signal::SIGHUP);
     eventually("the restart to be rejected", PATIENCE, || async {
         (restarts(&agent, "rejected") == 1).then_some(())
@@ -486,8 +498,18 @@ async fn a_binary_with_another_hot_restart_version_is_rejected() {
     assert_eq!((info.state, info.restart_epoch), (ServerState::Live, 0));
     assert_eq!(agent.envoys().len(), 1, "nothing was started");
 
+    // The same binary again: the same answer, without asking it again.
+    agent.signal(Signal::SIGHUP);
+    eventually("the second rejection", PATIENCE, || async {
+        (restarts(&agent, "rejected") == 2).then_some(())
+    })
+    .await;
+    let second = &agent.events_with("handoff", "outcome", "rejected")[1];
+    assert_eq!(second["message"], rejected["message"]);
+    assert_eq!(second["preflight_cache"], "hit", "{second}");
+
     // Back to a compatible binary: hot restart works again.
-    std::fs::write(&version, "").unwrap();
+    install(None);
     agent.signal(Signal::SIGHUP);
     live_at(&agent.admin, 1).await;
     agent.signal(Signal::SIGTERM);

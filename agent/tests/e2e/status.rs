@@ -63,18 +63,27 @@ async fn readiness_is_200_when_live_and_503_while_draining_with_the_server_still
     assert_eq!(response.body, "ready\n");
 
     agent.signal(Signal::SIGTERM);
+    // With hot restart, the agent first asks whether a successor takes over (not ready
+    // already, and saying so); then it drains.
+    let before = std::sync::Mutex::new(Vec::new());
     let response = eventually("readiness 503 during the drain", PATIENCE, || async {
-        http_get(agent.status(), "/healthz/ready")
+        let r = http_get(agent.status(), "/healthz/ready")
             .await
             .ok()
-            .filter(|r| r.status == 503)
+            .filter(|r| r.status == 503)?;
+        if r.body.starts_with("not ready: draining") {
+            return Some(r);
+        }
+        before.lock().unwrap().push(r.body);
+        None
     })
     .await;
-    assert!(
-        response.body.starts_with("not ready: draining"),
-        "{}",
-        response.body
-    );
+    for body in before.into_inner().unwrap() {
+        assert!(
+            body.starts_with("not ready: stopping") && body.contains("successor"),
+            "{body}"
+        );
+    }
     assert!(response.body.contains("SIGTERM"), "{}", response.body);
     assert_eq!(response.body.lines().count(), 1);
 

@@ -37,14 +37,23 @@ impl<H: Host> Supervisor<H> {
         let events = self.events_tx.clone();
         let epoch = attempt.epoch;
         tokio::spawn(async move {
-            let result = check.await;
-            let _ = events.send(Event::PreFlight { epoch, result });
+            let (checked, result) = check.await;
+            let _ = events.send(Event::PreFlight {
+                epoch,
+                checked,
+                result,
+            });
         });
         self.handoff = Handoff::PreFlight(attempt);
         self.write_heartbeat();
     }
 
-    pub(super) async fn on_preflight(&mut self, epoch: u32, result: Result<Checked, String>) {
+    pub(super) async fn on_preflight(
+        &mut self,
+        epoch: u32,
+        checked: Checked,
+        result: Result<(), String>,
+    ) {
         let Handoff::PreFlight(attempt) = &self.handoff else {
             return; // cancelled meanwhile
         };
@@ -56,7 +65,7 @@ impl<H: Host> Supervisor<H> {
             return;
         };
         attempt.preflight = attempt.began.elapsed();
-        let result = result.map(|checked| attempt.checked = checked);
+        attempt.checked = checked;
         if let Err(message) = result {
             self.lock = None;
             if self.newest_live.is_none() {

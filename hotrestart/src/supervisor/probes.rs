@@ -93,7 +93,7 @@ impl<H: Host> Supervisor<H> {
         if matches!(probe, Probe::Watchdog) {
             self.watchdog.in_flight = true;
         }
-        let call = self.host.epoch_stats();
+        let call = self.host.admin_state();
         let events = self.events_tx.clone();
         tokio::spawn(async move {
             let result = call.await;
@@ -129,7 +129,7 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    pub(super) fn on_probe(&mut self, probe: Probe, result: Result<EpochStats, AdminError>) {
+    pub(super) fn on_probe(&mut self, probe: Probe, result: Result<AdminState, AdminError>) {
         match probe {
             Probe::Watchdog => {
                 self.watchdog.in_flight = false;
@@ -216,7 +216,7 @@ impl<H: Host> Supervisor<H> {
     /// over, so a newer epoch there that is not ours is a successor's.
     pub(super) fn takeover_seen(
         &mut self,
-        result: &Result<EpochStats, AdminError>,
+        result: &Result<AdminState, AdminError>,
         ours: Option<u32>,
     ) -> Option<String> {
         let info = result.as_ref().ok()?;
@@ -269,7 +269,7 @@ impl<H: Host> Supervisor<H> {
         &mut self,
         epoch: u32,
         sent: Instant,
-        result: Result<Option<EpochStats>, AdminError>,
+        result: Result<Option<AdminState>, AdminError>,
     ) {
         let Some(attempt) = self.handoff.attempt().filter(|a| a.epoch == epoch) else {
             return;
@@ -302,7 +302,7 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    pub(super) fn on_watchdog(&mut self, result: Result<EpochStats, AdminError>) {
+    pub(super) fn on_watchdog(&mut self, result: Result<AdminState, AdminError>) {
         if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
             return;
         }
