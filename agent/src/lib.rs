@@ -132,10 +132,10 @@ pub async fn run(
         .as_ref()
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
-    let proxy = setup::proxy_config(&args, binary, admin, extra_args);
+    let proxy = setup::proxy_config(&args, binary, admin, extra_args, &runtime_dir);
     setup::check_extra_args(&proxy)?;
-    let own_runtime_dir =
-        matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
+    let own_runtime_dir = args.hot_restart
+        || matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
     if own_runtime_dir {
         std::fs::create_dir_all(&runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;

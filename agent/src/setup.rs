@@ -261,6 +261,7 @@ pub fn proxy_config(
     binary: PathBuf,
     admin: AdminAddress,
     extra_args: Vec<String>,
+    runtime_dir: &Path,
 ) -> ProxyConfig {
     let mut config = ProxyConfig::new(binary, args.config_path.clone(), admin);
     config.log_level = args.proxy_log_level.clone();
@@ -287,6 +288,12 @@ pub fn proxy_config(
         (true, Some(base_id)) => Some(envoy_agent_proxy::HotRestart {
             base_id,
             parent_shutdown_time: args.parent_shutdown_time(),
+            // Envoy running as another user could not write into our private directory: the
+            // supervisor then polls for LIVE without the hint.
+            admin_address_dir: match config.run_as {
+                Some(_) if config.agent_is_root => None,
+                _ => Some(runtime_dir.to_path_buf()),
+            },
         }),
         _ => None,
     };

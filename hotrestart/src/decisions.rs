@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::family::{EnvoyFamily, SupervisorHandle};
 use crate::metrics::SupervisorMetrics;
 use crate::node::{FORMAT, Heartbeat, NodeState};
+use crate::supervisor::LIVE_POLL_UNBOUND;
 use crate::testing::{Admin, FakeHost, code, killed};
 
 /// Longer than anything here takes; with paused time it costs nothing.
@@ -31,6 +32,7 @@ fn config() -> Config {
     proxy.hot_restart = Some(HotRestart {
         base_id: 7,
         parent_shutdown_time: Duration::from_secs(2),
+        admin_address_dir: None,
     });
     let mut c = Config::new(proxy);
     c.identity = "pod-a-0000aaaa".to_owned();
@@ -460,6 +462,27 @@ async fn a_successor_waits_for_the_predecessors_draining_parent_then_takes_over(
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_unchanged_heartbeat_is_touched_not_rewritten_and_stays_fresh() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let writes = f.host.world().heartbeat_writes;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = crate::host::Host::now_unix_ms(&f.host);
+        let ours = f.host.world().ours.clone().unwrap();
+        assert!(ours.fresh(now, Duration::from_secs(2)), "{ours:?} at {now}");
+    }
+    let w = f.host.world();
+    assert_eq!(w.heartbeat_writes, writes, "nothing changed: no rewrite");
+    assert!(w.touches >= 4, "{} touches", w.touches);
+    drop(w);
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
     let host = FakeHost::default();
     host.world().node = true;
@@ -686,6 +709,58 @@ async fn live_is_seen_within_two_milliseconds_without_polling_all_along() {
         // Let the parent go.
         tokio::time::sleep(Duration::from_secs(5)).await;
     }
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_the_admin_listener_as_the_sign_live_is_seen_within_two_milliseconds_in_a_few_checks()
+{
+    let host = FakeHost::default();
+    let start_time = Duration::from_millis(133);
+    host.world().live_after = Some(start_time);
+    // As measured on Envoy 1.40: the child binds its admin listener ~3 ms before LIVE.
+    host.world().admin_bound_before_live = Some(Duration::from_millis(3));
+    let f = start(host, config());
+    f.serving_at(0).await;
+    for epoch in 1..=3u32 {
+        let checks_before = f.host.world().admin_calls.2;
+        let spawned = {
+            let restart = f.restart("SIGHUP");
+            f.spawned(&(0..=epoch).collect::<Vec<_>>()).await;
+            let spawned = tokio::time::Instant::now();
+            assert_eq!(restart.await.unwrap(), Ok(epoch));
+            spawned
+        };
+        let seen = spawned.elapsed();
+        let checks = f.host.world().admin_calls.2 - checks_before;
+        assert!(
+            seen <= start_time + Duration::from_millis(2),
+            "epoch {epoch}: LIVE at {start_time:?}, seen after {seen:?}"
+        );
+        // One check per 25 ms until the sign, then one per millisecond: 133 / 25 + 3 + 1.
+        assert!(checks <= 10, "epoch {epoch}: {checks} LIVE checks");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    }
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_the_sign_coming_live_is_still_seen() {
+    let host = FakeHost::default();
+    host.world().live_after = Some(Duration::from_millis(133));
+    // The sign is expected but never comes (Envoy could not write the file).
+    host.world().admin_bound_before_live = Some(Duration::from_secs(3600));
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let spawned = tokio::time::Instant::now();
+    assert_eq!(restart.await.unwrap(), Ok(1));
+    assert!(
+        spawned.elapsed() <= Duration::from_millis(133) + LIVE_POLL_UNBOUND,
+        "{:?}",
+        spawned.elapsed()
+    );
     f.stop().await;
 }
 

@@ -26,6 +26,7 @@ use envoy_agent_proxy::{
 };
 use tokio::sync::{mpsc, oneshot};
 
+use crate::admin_files::AdminFiles;
 use crate::node::{self, EpochLock, Heartbeat, Rejected};
 
 /// A future the supervisor runs beside its loop.
@@ -43,6 +44,8 @@ pub struct Spawned {
     pub signals: mpsc::UnboundedSender<Signal>,
     /// Its exit, once reaped.
     pub exit: oneshot::Receiver<Result<Exit, ProxyError>>,
+    /// Resolves once its admin listener is bound (LIVE is near); `None`: no such sign.
+    pub admin_bound: Option<oneshot::Receiver<()>>,
 }
 
 /// What the stale-INITIALIZING repair found.
@@ -119,6 +122,8 @@ pub trait Host: Send + Sync + 'static {
     fn read_heartbeats(&self) -> (Vec<Heartbeat>, Vec<Rejected>);
     /// Writes this supervisor's heartbeat.
     fn write_heartbeat(&self, heartbeat: &Heartbeat) -> std::io::Result<()>;
+    /// Marks this supervisor's unchanged heartbeat as written now.
+    fn touch_heartbeat(&self, identity: &str) -> std::io::Result<()>;
     /// Removes this supervisor's heartbeat (only its own).
     fn remove_heartbeat(&self, identity: &str);
     /// Takes the node's epoch lock if free.
@@ -138,6 +143,8 @@ pub struct RealHost {
     cache: PreflightCache,
     /// The binary's identity when last looked at.
     binary_seen: Arc<Mutex<Option<FileId>>>,
+    /// The watch on the epochs' admin address files, set up at the first spawn.
+    admin_files: Arc<std::sync::OnceLock<Option<AdminFiles>>>,
 }
 
 impl RealHost {
@@ -158,7 +165,26 @@ impl RealHost {
             marker,
             cache,
             binary_seen: Arc::new(Mutex::new(None)),
+            admin_files: Arc::default(),
         }
+    }
+
+    fn admin_files(&self) -> Option<&AdminFiles> {
+        self.admin_files
+            .get_or_init(|| {
+                let dir = self
+                    .proxy
+                    .hot_restart
+                    .as_ref()?
+                    .admin_address_dir
+                    .as_ref()?;
+                AdminFiles::watch(dir)
+                    .inspect_err(|e| {
+                        tracing::warn!(error = %e, "no admin address hint: LIVE is polled for");
+                    })
+                    .ok()
+            })
+            .as_ref()
     }
 }
 
@@ -248,14 +274,28 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Host for RealHost {
     async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
-        let process = EnvoyProcess::spawn(&self.proxy, epoch).await?;
+        let admin_bound = self.admin_files().map(|files| files.expect(epoch));
+        let process = match EnvoyProcess::spawn(&self.proxy, epoch).await {
+            Ok(process) => process,
+            Err(e) => {
+                if let Some(files) = self.admin_files() {
+                    files.forget(epoch);
+                }
+                return Err(e);
+            }
+        };
         let pid = process.pid();
         let (signals, receiver) = mpsc::unbounded_channel();
         let (report, exit) = oneshot::channel();
         tokio::spawn(async move {
             let _ = report.send(process.supervise(receiver).await);
         });
-        Ok(Spawned { pid, signals, exit })
+        Ok(Spawned {
+            pid,
+            signals,
+            exit,
+            admin_bound,
+        })
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
@@ -395,6 +435,13 @@ impl Host for RealHost {
     fn write_heartbeat(&self, heartbeat: &Heartbeat) -> std::io::Result<()> {
         match &self.state_dir {
             Some(dir) => node::write(dir, heartbeat),
+            None => Ok(()),
+        }
+    }
+
+    fn touch_heartbeat(&self, identity: &str) -> std::io::Result<()> {
+        match &self.state_dir {
+            Some(dir) => node::touch(dir, identity),
             None => Ok(()),
         }
     }

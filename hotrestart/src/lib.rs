@@ -50,6 +50,7 @@
 //!   SIGKILL to what is left after the grace; bounded; nothing is left running.
 
 pub mod absorber;
+mod admin_files;
 mod config;
 #[cfg(test)]
 mod decisions;

@@ -41,6 +41,9 @@ pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
 pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
 /// How long an epoch is expected to take from spawn to LIVE before any has been seen.
 pub(crate) const EXPECTED_START: Duration = Duration::from_millis(100);
+/// How often a starting epoch is asked whether it is LIVE while its admin listener is not bound
+/// yet (the sign is expected; this only covers a sign that never comes).
+pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_millis(25);
 /// Spawn-to-LIVE times kept to expect the next one.
 const STARTS_KEPT: usize = 3;
 /// How often the serving epoch's admin is checked by the watchdog.
@@ -123,6 +126,8 @@ enum Event {
     },
     /// The binary's hot-restart version.
     Version(Result<String, String>),
+    /// Epoch `epoch`'s admin listener is bound.
+    AdminBound(u32),
     PreFlight {
         epoch: u32,
         checked: Checked,
@@ -176,6 +181,17 @@ struct Probing {
     in_flight: bool,
 }
 
+/// What the starting epoch's LIVE checks go by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LiveHint {
+    /// No sign will come: the time recent starts took.
+    Blind,
+    /// The sign (its admin listener bound) is expected and has not come.
+    Unbound,
+    /// Its admin listener was bound then: LIVE follows within milliseconds.
+    Bound(Instant),
+}
+
 impl Probing {
     fn due(&self, now: Instant) -> bool {
         !self.in_flight && self.next.is_some_and(|t| t <= now)
@@ -217,6 +233,8 @@ pub(crate) struct Supervisor<H: Host> {
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
     live: Probing,
+    /// What tells the starting epoch's LIVE checks when to come close.
+    live_hint: LiveHint,
     watchdog: Probing,
     admin_ok: Instant,
     /// Drains asked for while a handoff settles; applied once it has.
@@ -285,6 +303,7 @@ impl<H: Host> Supervisor<H> {
             lock: None,
             stand_ins: Vec::new(),
             live: Probing::default(),
+            live_hint: LiveHint::Blind,
             watchdog: Probing::default(),
             admin_ok: now,
             pending_drains: Vec::new(),
@@ -409,6 +428,7 @@ impl<H: Host> Supervisor<H> {
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
+            Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::PreFlight {
                 epoch,
                 checked,
@@ -514,8 +534,15 @@ impl<H: Host> Supervisor<H> {
 
     async fn on_tick(&mut self) {
         let now = Instant::now();
-        if self.host.has_node() && now >= self.heartbeat_due {
-            self.heartbeat_due = now + self.config.heartbeat_period;
+        // Early rather than a wake-up of its own when something else woke us (each wake-up
+        // costs more than the work); every other period while nothing happens (a heartbeat is
+        // fresh for four).
+        if self.host.has_node() && now + self.config.heartbeat_period / 2 >= self.heartbeat_due {
+            let steady = matches!(self.life, Life::Running)
+                && self.newest_live.is_some()
+                && self.handoff.is_idle()
+                && self.family.successor_starting.is_none();
+            self.heartbeat_due = now + self.config.heartbeat_period * if steady { 2 } else { 1 };
             self.read_node();
             self.write_heartbeat();
         }
@@ -563,7 +590,12 @@ impl<H: Host> Supervisor<H> {
                 self.live = Probing::default();
             }
         }
-        if self.watchdog.due(now) {
+        // Early too, to share the heartbeat's wake-up (only at its steady pace).
+        let early = match self.family.successor_starting {
+            None => WATCHDOG_POLL / 4,
+            Some(_) => Duration::ZERO,
+        };
+        if self.watchdog.due(now + early) {
             if matches!(self.life, Life::Running) && self.newest_live.is_some() {
                 self.probe(Probe::Watchdog);
                 // A release copied over the binary: validate it with the config before a

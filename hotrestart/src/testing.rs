@@ -53,6 +53,9 @@ pub(crate) struct World {
     /// A spawned process answers LIVE on the admin port this long after it starts (if alive
     /// and the port is free or held by its parent); `None`: only when the test says so.
     pub(crate) live_after: Option<Duration>,
+    /// A spawned process's admin listener is bound this long before it is LIVE (and the
+    /// supervisor is told); `None`: no such sign.
+    pub(crate) admin_bound_before_live: Option<Duration>,
     /// Answers of the next pre-flights (default: pass).
     pub(crate) preflights: VecDeque<Result<(), String>>,
     /// Each pre-flight's running version and whether it asked for validation, in order.
@@ -81,6 +84,9 @@ pub(crate) struct World {
     /// Other supervisors' heartbeats on the node.
     pub(crate) others: Vec<Heartbeat>,
     pub(crate) ours: Option<Heartbeat>,
+    /// How often our unchanged heartbeat was touched instead of rewritten.
+    pub(crate) touches: u32,
+    pub(crate) heartbeat_writes: u32,
     pub(crate) lock_taken_by_other: bool,
     pub(crate) our_lock: bool,
     /// Epochs of another pod's Envoys that live (their socket names are taken).
@@ -101,6 +107,7 @@ impl Default for World {
             processes: BTreeMap::new(),
             admin: Admin::Refused,
             live_after: Some(Duration::from_millis(50)),
+            admin_bound_before_live: None,
             preflights: VecDeque::new(),
             preflight_calls: Vec::new(),
             admin_version: "11.104".to_owned(),
@@ -118,6 +125,8 @@ impl Default for World {
             node: false,
             others: Vec::new(),
             ours: None,
+            touches: 0,
+            heartbeat_writes: 0,
             lock_taken_by_other: false,
             our_lock: false,
             foreign_alive: Vec::new(),
@@ -287,6 +296,22 @@ impl Host for FakeHost {
         let world = self.world.clone();
         let started = Instant::now();
         let live_after = self.world().live_after;
+        let admin_bound = match (live_after, self.world().admin_bound_before_live) {
+            (Some(live), Some(lead)) if lead > live => {
+                // A sign that never comes.
+                let (_, rx) = oneshot::channel();
+                Some(rx)
+            }
+            (Some(live), Some(lead)) => {
+                let (tx, rx) = oneshot::channel();
+                tokio::spawn(async move {
+                    tokio::time::sleep_until(started + live.saturating_sub(lead)).await;
+                    let _ = tx.send(());
+                });
+                Some(rx)
+            }
+            _ => None,
+        };
         tokio::spawn(async move {
             let mut live_at = live_after.map(|d| started + d);
             let status = loop {
@@ -331,7 +356,12 @@ impl Host for FakeHost {
                 stderr_tail: format!("fake envoy {epoch} ended\n"),
             }));
         });
-        Ok(Spawned { pid, signals, exit })
+        Ok(Spawned {
+            pid,
+            signals,
+            exit,
+            admin_bound,
+        })
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
@@ -483,8 +513,23 @@ impl Host for FakeHost {
     }
 
     fn write_heartbeat(&self, heartbeat: &Heartbeat) -> std::io::Result<()> {
-        self.world().ours = Some(heartbeat.clone());
+        let mut w = self.world();
+        w.heartbeat_writes += 1;
+        w.ours = Some(heartbeat.clone());
         Ok(())
+    }
+
+    fn touch_heartbeat(&self, _identity: &str) -> std::io::Result<()> {
+        let now = self.now_unix_ms();
+        let mut w = self.world();
+        w.touches += 1;
+        match &mut w.ours {
+            Some(ours) => {
+                ours.updated_unix_ms = now;
+                Ok(())
+            }
+            None => Err(std::io::ErrorKind::NotFound.into()),
+        }
     }
 
     fn remove_heartbeat(&self, _identity: &str) {

@@ -332,17 +332,46 @@ impl AdminClient {
     /// Which epoch answers and its state: the epoch first, then `/ready`. The admin address
     /// passes from a parent to its child once (the child shuts the parent's down, then binds
     /// its own), so the state comes from that epoch or a newer one, never an older one.
+    ///
+    /// Both questions go over one connection, so one process answers both (and it costs one
+    /// connection, not two: the watchdog and the LIVE checks ask this often).
     pub async fn admin_state(&self) -> Result<AdminState, AdminError> {
-        let stats = self.epoch_stats().await?;
-        let state = match self.ready().await? {
-            Readiness::Ready => ServerState::Live,
-            Readiness::NotReady(text) => ServerState::from_ready(&text),
+        let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
+        let exchange = async {
+            let mut connection = self.connect(&endpoint).await?;
+            let (status, body) = connection.get(&endpoint).await?;
+            if status != StatusCode::OK {
+                return Err(self.status(&endpoint, status, &body));
+            }
+            let text = String::from_utf8_lossy(&body);
+            let stats = EpochStats::parse(&text).map_err(|e| self.decode("/stats", e))?;
+            // A connection Envoy closed after the first answer (`Connection: close` while it
+            // drains) cannot carry the second: ask on a new one.
+            let (status, body) = match connection.get("/ready").await {
+                Ok(answer) => answer,
+                Err(_) => self.connect("/ready").await?.get("/ready").await?,
+            };
+            let state = match status {
+                StatusCode::OK => ServerState::Live,
+                StatusCode::SERVICE_UNAVAILABLE => {
+                    ServerState::from_ready(String::from_utf8_lossy(&body).trim())
+                }
+                status => return Err(self.status("/ready", status, &body)),
+            };
+            Ok(AdminState {
+                epoch: stats.epoch,
+                state,
+                uptime: stats.uptime,
+            })
         };
-        Ok(AdminState {
-            epoch: stats.epoch,
-            state,
-            uptime: stats.uptime,
-        })
+        match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(AdminError::Timeout {
+                addr: self.addr,
+                endpoint,
+                timeout: self.timeout,
+            }),
+        }
     }
 
     /// `GET /stats?filter=<regex>` (plus `usedonly`), as Envoy's text format.
@@ -444,11 +473,14 @@ impl AdminClient {
         method: Method,
         endpoint: &str,
     ) -> Result<(StatusCode, Bytes), AdminError> {
-        let http = |message: String| AdminError::Http {
-            addr: self.addr,
-            endpoint: endpoint.to_owned(),
-            message,
-        };
+        self.connect(endpoint)
+            .await?
+            .request(method, endpoint)
+            .await
+    }
+
+    /// A new HTTP/1.1 connection to the admin address (`endpoint`: for errors).
+    async fn connect(&self, endpoint: &str) -> Result<Connection, AdminError> {
         let stream = TcpStream::connect(self.addr)
             .await
             .map_err(|source| AdminError::Connect {
@@ -456,30 +488,21 @@ impl AdminClient {
                 endpoint: endpoint.to_owned(),
                 source,
             })?;
-        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
-            .map_err(|e| http(format!("handshake: {e}")))?;
-        // The connection task ends with the exchange: the sender is dropped when we return.
+            .map_err(|e| AdminError::Http {
+                addr: self.addr,
+                endpoint: endpoint.to_owned(),
+                message: format!("handshake: {e}"),
+            })?;
+        // The connection task ends once the sender is dropped (with the `Connection`).
         tokio::spawn(async move {
             let _ = connection.await;
         });
-        let request = Request::builder()
-            .method(method)
-            .uri(endpoint)
-            .header(http::header::HOST, self.addr.to_string())
-            .body(Empty::<Bytes>::new())
-            .map_err(|e| http(format!("building request: {e}")))?;
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| http(format!("request: {e}")))?;
-        let status = response.status();
-        let body = Limited::new(response.into_body(), MAX_BODY)
-            .collect()
-            .await
-            .map_err(|e| http(format!("reading body: {e}")))?
-            .to_bytes();
-        Ok((status, body))
+        Ok(Connection {
+            addr: self.addr,
+            sender,
+        })
     }
 
     fn status(&self, endpoint: &str, status: StatusCode, body: &[u8]) -> AdminError {
@@ -498,6 +521,52 @@ impl AdminClient {
             endpoint: endpoint.to_owned(),
             message: e.to_string(),
         }
+    }
+}
+
+/// One connection to the admin API, for one request after another.
+struct Connection {
+    addr: SocketAddr,
+    sender: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+}
+
+impl Connection {
+    async fn get(&mut self, endpoint: &str) -> Result<(StatusCode, Bytes), AdminError> {
+        self.request(Method::GET, endpoint).await
+    }
+
+    async fn request(
+        &mut self,
+        method: Method,
+        endpoint: &str,
+    ) -> Result<(StatusCode, Bytes), AdminError> {
+        let http = |message: String| AdminError::Http {
+            addr: self.addr,
+            endpoint: endpoint.to_owned(),
+            message,
+        };
+        self.sender
+            .ready()
+            .await
+            .map_err(|e| http(format!("connection: {e}")))?;
+        let request = Request::builder()
+            .method(method)
+            .uri(endpoint)
+            .header(http::header::HOST, self.addr.to_string())
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| http(format!("building request: {e}")))?;
+        let response = self
+            .sender
+            .send_request(request)
+            .await
+            .map_err(|e| http(format!("request: {e}")))?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), MAX_BODY)
+            .collect()
+            .await
+            .map_err(|e| http(format!("reading body: {e}")))?
+            .to_bytes();
+        Ok((status, body))
     }
 }
 

@@ -198,12 +198,26 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
         args.push("--concurrency".to_owned());
         args.push(config.concurrency.to_string());
     }
-    if let AdminAddress::FromFile(path) = &config.admin {
-        args.push("--admin-address-path".to_owned());
-        args.push(path.display().to_string());
+    match (&config.admin, &config.hot_restart) {
+        (AdminAddress::FromFile(path), _) => {
+            args.push("--admin-address-path".to_owned());
+            args.push(path.display().to_string());
+        }
+        (AdminAddress::Fixed(_), Some(hot)) => {
+            if let Some(dir) = &hot.admin_address_dir {
+                args.push("--admin-address-path".to_owned());
+                args.push(admin_address_file(dir, epoch).display().to_string());
+            }
+        }
+        (AdminAddress::Fixed(_), None) => {}
     }
     args.extend(extra.iter().cloned());
     EnvoyArgs { args, warnings }
+}
+
+/// Where epoch `epoch` of a hot-restart family writes its admin address, in `dir`.
+pub fn admin_address_file(dir: &std::path::Path, epoch: u32) -> std::path::PathBuf {
+    dir.join(format!("admin-address.{epoch}"))
 }
 
 /// `v6` only when every parseable node IP is IPv6 and there is at least one. Unparseable
@@ -345,12 +359,32 @@ mod tests {
         c.hot_restart = Some(HotRestart {
             base_id: 42,
             parent_shutdown_time: Duration::from_secs(60),
+            admin_address_dir: None,
         });
         let a = envoy_args(&c, 3).args;
         assert!(!a.contains(&"--disable-hot-restart".to_owned()));
         assert_eq!(value(&a, "--restart-epoch"), Some("3"));
         assert_eq!(value(&a, "--base-id"), Some("42"));
         assert_eq!(value(&a, "--parent-shutdown-time-s"), Some("60"));
+        assert_eq!(value(&a, "--admin-address-path"), None, "no hint asked");
+    }
+
+    #[test]
+    fn each_epoch_writes_its_admin_address_to_its_own_file_when_asked() {
+        let mut c = config();
+        c.hot_restart = Some(HotRestart {
+            base_id: 42,
+            parent_shutdown_time: Duration::from_secs(60),
+            admin_address_dir: Some(PathBuf::from("/run/agent")),
+        });
+        assert_eq!(
+            value(&envoy_args(&c, 3).args, "--admin-address-path"),
+            Some("/run/agent/admin-address.3")
+        );
+        assert_eq!(
+            value(&envoy_args(&c, 4).args, "--admin-address-path"),
+            Some("/run/agent/admin-address.4")
+        );
     }
 
     #[test]
@@ -513,6 +547,7 @@ mod tests {
         c.hot_restart = Some(HotRestart {
             base_id: 1,
             parent_shutdown_time: Duration::from_secs(60),
+            admin_address_dir: None,
         });
         let refused = refused_extra_arg(&c).unwrap();
         assert_eq!(refused.flag, "--drain-time-s");

@@ -35,6 +35,11 @@ pub struct HotRestart {
     /// `--parent-shutdown-time-s`: when a new epoch terminates its parent. Must exceed the drain
     /// duration, or connections are cut before they drain.
     pub parent_shutdown_time: Duration,
+    /// A private directory where each epoch writes its admin address (`--admin-address-path`,
+    /// `admin-address.<epoch>`) the moment its admin listener is bound: a child binds it only
+    /// after its parent gave it up, a few milliseconds before LIVE, so the file's arrival tells
+    /// the supervisor when to look closely. `None`: no such hint (the supervisor polls on).
+    pub admin_address_dir: Option<PathBuf>,
 }
 
 /// A uid/gid Envoy runs as when the agent itself runs as root (Istio runs Envoy as 1337).

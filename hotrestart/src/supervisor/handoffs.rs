@@ -86,6 +86,18 @@ impl<H: Host> Supervisor<H> {
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
+                self.live_hint = match spawned.admin_bound {
+                    Some(bound) => {
+                        let events = self.events_tx.clone();
+                        tokio::spawn(async move {
+                            if bound.await.is_ok() {
+                                let _ = events.send(Event::AdminBound(epoch));
+                            }
+                        });
+                        LiveHint::Unbound
+                    }
+                    None => LiveHint::Blind,
+                };
                 let events = self.events_tx.clone();
                 let pid = spawned.pid;
                 let exit = spawned.exit;
@@ -123,10 +135,17 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// How long until the next LIVE check of an epoch spawned `since` ago: sparse until LIVE
-    /// is near (three quarters of the shortest recent start), every millisecond around it,
-    /// slowing down again once the start is long overdue (a config grown much bigger).
+    /// How long until the next LIVE check of an epoch spawned `since` ago: every millisecond
+    /// once its admin listener is bound (slowing down if LIVE is long in coming: an xDS config
+    /// to fetch), rarely before. Without that sign: sparse until LIVE is near (three quarters
+    /// of the shortest recent start), every millisecond around it, slowing down again once the
+    /// start is long overdue (a config grown much bigger).
     pub(super) fn live_poll_gap(&self, since: Duration) -> Duration {
+        match self.live_hint {
+            LiveHint::Unbound => return LIVE_POLL_UNBOUND,
+            LiveHint::Bound(at) => return (LIVE_POLL_FAST + at.elapsed() / 32).min(LIVE_POLL),
+            LiveHint::Blind => {}
+        }
         let expected = self.starts.iter().min().copied().unwrap_or(EXPECTED_START);
         let near = expected * 3 / 4;
         if since < near {
@@ -134,6 +153,25 @@ impl<H: Host> Supervisor<H> {
         }
         let overdue = since.saturating_sub(expected * 2);
         (LIVE_POLL_FAST + overdue / 16).min(LIVE_POLL)
+    }
+
+    /// The starting epoch's admin listener is bound: LIVE is near, look now and closely.
+    pub(super) fn on_admin_bound(&mut self, epoch: u32) {
+        if self.handoff.attempt().is_none_or(|a| a.epoch != epoch)
+            || self.live_hint != LiveHint::Unbound
+        {
+            return;
+        }
+        let now = Instant::now();
+        tracing::debug!(
+            epoch,
+            since_spawn = ?self.handoff.attempt().and_then(|a| a.spawned).map(|s| s.elapsed()),
+            "the starting epoch's admin listener is bound: LIVE is near"
+        );
+        self.live_hint = LiveHint::Bound(now);
+        if !self.live.in_flight {
+            self.live.next = Some(now);
+        }
     }
 
     pub(super) fn go_live(&mut self, epoch: u32) {

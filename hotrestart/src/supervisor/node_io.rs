@@ -116,12 +116,17 @@ impl<H: Host> Supervisor<H> {
             parent_draining_until_unix_ms: parent_until,
             restart_in_flight: self.newest_live.is_some() && self.handoff.attempt().is_some(),
         };
-        if let Some((last, at)) = &self.heartbeat_written {
+        if let Some((last, at)) = &mut self.heartbeat_written {
             let same = Heartbeat {
                 updated_unix_ms: last.updated_unix_ms,
                 ..heartbeat.clone()
             } == *last;
-            if same && now < *at + self.config.heartbeat_period * 2 {
+            if same && now < *at + self.config.heartbeat_period {
+                return;
+            }
+            // Unchanged: readers take the file's modification time as its freshness.
+            if same && self.host.touch_heartbeat(&self.config.identity).is_ok() {
+                *at = now;
                 return;
             }
         }
