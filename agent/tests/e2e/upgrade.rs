@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use envoy_agent_proxy::ServerState;
 use envoy_agent_tests::{
-    AgentProcess, Load, PATIENCE, envoy_children_of, envoy_path, envoy_release, eventually,
-    live_at, process_alive, release_of, upgrade_from_envoy_path,
+    Load, PATIENCE, envoy_children_of, envoy_path, envoy_release, eventually, live_at,
+    process_alive, release_of, upgrade_from_envoy_path,
 };
 use nix::sys::signal::Signal;
 
