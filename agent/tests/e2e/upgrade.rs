@@ -189,6 +189,100 @@ async fn an_upgrade_in_one_pod_by_renaming_a_release_over_the_binary_validated_a
     upgrade_in_one_pod(Replace::Rename, Trigger::Grpc, true).await;
 }
 
+/// The test bootstrap with an HTTP filter that only the new release has
+/// (`envoy.filters.http.body_size_limit`, new in 1.40): the old release rejects it.
+fn bootstrap_for_the_new_release(agent: &envoy_agent_tests::AgentProcess) -> String {
+    let p = agent.ports.unwrap();
+    let yaml = envoy_agent_tests::bootstrap_yaml_on(p.admin_port, p.listener_port, "new only");
+    let filters = "          http_filters:\n";
+    assert!(yaml.contains(filters));
+    yaml.replacen(
+        filters,
+        &format!(
+            "{filters}          - name: envoy.filters.http.body_size_limit\n            \
+             typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.\
+             filters.http.body_size_limit.v3.BodySizeLimit\n"
+        ),
+        1,
+    )
+}
+
+/// Whether `envoy --mode validate` of `binary` accepts `bootstrap`.
+fn accepts(binary: &Path, bootstrap: &Path) -> bool {
+    std::process::Command::new(binary)
+        .args(["--mode", "validate", "-l", "error", "-c"])
+        .arg(bootstrap)
+        .output()
+        .unwrap()
+        .status
+        .success()
+}
+
+#[tokio::test]
+async fn a_config_only_the_new_release_runs_is_judged_by_the_new_release_and_a_rollback_refused() {
+    let ((old, old_release), (new, new_release)) = releases();
+    let builder = agent().hot_restart();
+    let path = builder.dir().join("envoy");
+    install(Replace::Symlink, &old, &path);
+    let mut agent = builder
+        .envoy_path(path.clone())
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+        .start()
+        .await;
+    let listener = std::net::SocketAddr::from((
+        [127, 0, 0, 1],
+        agent.ports.map(|p| p.listener_port).unwrap(),
+    ));
+    let load = Load::start(listener, "/", 2, 2);
+
+    // The release and the config that needs it, in one step.
+    let bootstrap = agent.dir.join("bootstrap.yaml");
+    envoy_agent_proxy::write_atomically(
+        &bootstrap,
+        bootstrap_for_the_new_release(&agent).as_bytes(),
+    )
+    .unwrap();
+    assert!(
+        !accepts(&old, &bootstrap) && accepts(&new, &bootstrap),
+        "the premise: {old_release} rejects the config, {new_release} accepts it"
+    );
+    install(Replace::Symlink, &new, &path);
+    agent.signal(Signal::SIGHUP);
+    // Judged by the old release, the restart would have been refused.
+    live_at(&agent.admin, 1).await;
+    assert_eq!(live_release(&agent.admin, 1).await, new_release);
+    eventually("the old epoch to exit", PATIENCE, || async {
+        (agent.envoys().len() == 1).then_some(())
+    })
+    .await;
+    assert_eq!(
+        envoy_agent_tests::http_get(listener, "/")
+            .await
+            .unwrap()
+            .body,
+        "new only"
+    );
+
+    // A rollback to a release that cannot run the config: refused, the new release serves on.
+    install(Replace::Symlink, &old, &path);
+    agent.signal(Signal::SIGHUP);
+    let rejected = agent.wait_event("handoff", "outcome", "rejected").await;
+    assert_eq!(rejected["epoch"], 2, "{rejected}");
+    let reason = rejected["message"].as_str().unwrap();
+    assert!(
+        reason.contains("body_size_limit"),
+        "Envoy's reason: {reason}"
+    );
+    assert_eq!(live_release(&agent.admin, 1).await, new_release);
+    assert_eq!(agent.envoys().len(), 1, "nothing was started");
+
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert!(report.ok > 0, "{report:?}");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
 #[tokio::test]
 async fn an_upgrade_across_pods_to_a_successor_with_the_new_release_loses_no_request() {
     let ((old, old_release), (new, new_release)) = releases();
