@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs the whole test suite against the real Envoy, installing Envoy (and the gRPC clients the
-# tests use: Python's grpcio, grpcurl) first when needed.
+# Runs the whole test suite against the real Envoy, installing Envoy, the older Envoy release the
+# upgrade tests start from, and the gRPC clients the tests use (Python's grpcio, grpcurl) first
+# when needed.
 # Extra arguments go to `cargo test` (e.g. `scripts/test.sh -p envoy-agent-drain`).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,6 +9,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "${ENVOY_PATH:-}" ]; then
   ENVOY_PATH="$(scripts/install-envoy.sh)"
   export ENVOY_PATH
+fi
+# The older release the upgrade tests hot-restart from (tests/src/lib.rs: UPGRADE_FROM_VERSION).
+if [ -z "${ENVOY_UPGRADE_FROM_PATH:-}" ]; then
+  ENVOY_UPGRADE_FROM_PATH="$(ENVOY_VERSION=1.39.3 scripts/install-envoy.sh)"
+  export ENVOY_UPGRADE_FROM_PATH
 fi
 # The second-language gRPC clients (Python's grpcio, grpcurl) the tests use.
 if [ -z "${ENVOY_AGENT_TEST_TOOLS:-}" ]; then

@@ -106,8 +106,9 @@ pub trait Host: Send + Sync + 'static {
     fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()>;
     /// An epoch reached LIVE after `checked`: its pair is good.
     fn passed_live(&self, checked: &Checked);
-    /// Whether the binary on disk is another one than when last asked (a release copied over
-    /// it): worth validating before anyone asks for a restart. False the first time.
+    /// Whether the binary on disk is another one than when last asked, or, the first time,
+    /// than when the family was created (a release put over it): worth validating before
+    /// anyone asks for a restart.
     fn binary_changed(&self) -> bool;
     /// Clears a stale INITIALIZING flag. Only called when no Envoy of the family initializes.
     fn repair_initializing(&self, hot_restart_version: &str) -> Repair;
@@ -141,7 +142,8 @@ pub struct RealHost {
     state_dir: Option<PathBuf>,
     marker: Option<PathBuf>,
     cache: PreflightCache,
-    /// The binary's identity when last looked at.
+    /// The binary's identity when last looked at (first: when the host was made, before the
+    /// first epoch starts from it).
     binary_seen: Arc<Mutex<Option<FileId>>>,
     /// The watch on the epochs' admin address files, set up at the first spawn.
     admin_files: Arc<std::sync::OnceLock<Option<AdminFiles>>>,
@@ -157,6 +159,10 @@ impl RealHost {
         marker: Option<PathBuf>,
         cache: PreflightCache,
     ) -> Self {
+        // Not on the first watchdog tick, a second or more after the first epoch's LIVE: a
+        // release put over the binary before then would become the baseline and never be
+        // validated ahead of the restart.
+        let binary_seen = FileId::of(&proxy.binary_path).ok();
         RealHost {
             proxy,
             admin,
@@ -164,7 +170,7 @@ impl RealHost {
             state_dir,
             marker,
             cache,
-            binary_seen: Arc::new(Mutex::new(None)),
+            binary_seen: Arc::new(Mutex::new(binary_seen)),
             admin_files: Arc::default(),
         }
     }
@@ -464,5 +470,59 @@ impl Host for RealHost {
 
     fn now_unix_ms(&self) -> u64 {
         node::unix_ms()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn host_for(binary: &std::path::Path) -> RealHost {
+        let proxy = ProxyConfig::new(
+            binary.to_owned(),
+            binary.with_file_name("bootstrap.yaml"),
+            envoy_agent_proxy::AdminAddress::Fixed(([127, 0, 0, 1], 1).into()),
+        );
+        RealHost::new(
+            proxy,
+            AdminClient::new(([127, 0, 0, 1], 1).into()),
+            1,
+            None,
+            None,
+            PreflightCache::new(),
+        )
+    }
+
+    /// Puts a new file at `path` the way a release is installed: renamed over it.
+    fn release(path: &std::path::Path, contents: &str) {
+        let next = path.with_extension("next");
+        std::fs::write(&next, contents).unwrap();
+        std::fs::rename(&next, path).unwrap();
+    }
+
+    #[test]
+    fn a_binary_replaced_before_the_first_look_is_a_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let binary = dir.path().join("envoy");
+        release(&binary, "old");
+        let host = host_for(&binary);
+        // Replaced right after the first epoch started, before anything looked again.
+        release(&binary, "new release");
+        assert!(host.binary_changed());
+        assert!(!host.binary_changed(), "seen now");
+        release(&binary, "newer release");
+        assert!(host.binary_changed());
+    }
+
+    #[test]
+    fn an_unchanged_binary_is_no_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let binary = dir.path().join("envoy");
+        release(&binary, "old");
+        let host = host_for(&binary);
+        assert!(!host.binary_changed());
+        assert!(!host.binary_changed());
     }
 }

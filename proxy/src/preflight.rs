@@ -97,6 +97,9 @@ pub async fn validate(config: &ProxyConfig) -> Result<(), PreflightError> {
         args.extend(["-l".to_owned(), "error".to_owned()]);
     }
     args.extend(config.extra_args.iter().cloned());
+    // During an upgrade the binary's path often stays while what it leads to changes (a
+    // symlink repointed): the event names the file that was judged.
+    let resolved = std::fs::canonicalize(&config.binary_path).ok();
     let started = std::time::Instant::now();
     let output = run(&config.binary_path, &args, "--mode validate").await;
     let took = started.elapsed();
@@ -115,6 +118,7 @@ pub async fn validate(config: &ProxyConfig) -> Result<(), PreflightError> {
     tracing::info!(
         event = "validate",
         binary = %config.binary_path.display(),
+        resolved = resolved.as_ref().map(|t| tracing::field::display(t.display())),
         config = %config.config_path.display(),
         outcome,
         duration_ms = took.as_secs_f64() * 1000.0,

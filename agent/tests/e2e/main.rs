@@ -17,6 +17,7 @@ mod run;
 mod status;
 mod systemd;
 mod telemetry;
+mod upgrade;
 
 use envoy_agent_tests::{AgentBuilder, AgentProcess};
 
