@@ -426,10 +426,9 @@ impl AgentState {
                 AgentState::HandingOver { successor: s, .. },
             ) => successor == s,
             (AgentState::Exiting { path, .. }, AgentState::Exiting { path: p, .. }) => path == p,
-            (
-                AgentState::Recovering { attempt, .. },
-                AgentState::Recovering { attempt: a, .. },
-            ) => attempt == a,
+            (AgentState::Recovering { attempt, .. }, AgentState::Recovering { attempt: a, .. }) => {
+                attempt == a
+            }
             _ => false,
         }
     }
@@ -1346,7 +1345,8 @@ impl<P: Proxy> Agent<P> {
             crash.code,
             crash.stderr_tail
         );
-        self.metrics.crash(crash.kind.as_str(), crash.action.as_str());
+        self.metrics
+            .crash(crash.kind.as_str(), crash.action.as_str());
     }
 
     fn successor_future(&self) -> Pin<Box<dyn Future<Output = Option<String>> + Send>> {
@@ -2029,7 +2029,11 @@ mod tests {
         h.handle.quit(Via::Http).await.unwrap();
         let (exit, proxy, _) = h.exit().await;
         assert_eq!(exit.path, ExitPath::QuitQuitQuit(Via::Http));
-        assert_eq!(proxy.calls(), [Call::Stop], "the restarted proxy was stopped");
+        assert_eq!(
+            proxy.calls(),
+            [Call::Stop],
+            "the restarted proxy was stopped"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -389,14 +389,15 @@ pub mod defaults {
 impl RunArgs {
     /// Crash recovery's settings, `None` without `--restart-on-crash`.
     pub fn crash_recovery(&self) -> Option<crate::crash::CrashRecovery> {
-        self.restart_on_crash
-            .then(|| crate::crash::CrashRecovery {
-                limit: self
-                    .crash_restart_limit
-                    .unwrap_or(defaults::CRASH_RESTART_LIMIT),
-                backoff_max: self.crash_backoff_max.unwrap_or(defaults::CRASH_BACKOFF_MAX),
-                ..crate::crash::CrashRecovery::default()
-            })
+        self.restart_on_crash.then(|| crate::crash::CrashRecovery {
+            limit: self
+                .crash_restart_limit
+                .unwrap_or(defaults::CRASH_RESTART_LIMIT),
+            backoff_max: self
+                .crash_backoff_max
+                .unwrap_or(defaults::CRASH_BACKOFF_MAX),
+            ..crate::crash::CrashRecovery::default()
+        })
     }
 
     /// `--parent-shutdown-time` or its default.

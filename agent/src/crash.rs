@@ -360,7 +360,10 @@ mod tests {
     #[test]
     fn only_unasked_ends_after_serving_are_crashes() {
         let crashed = Ended::Exited(exit(139, false));
-        assert!(crash_of(&crashed, false).is_none(), "never served: as today");
+        assert!(
+            crash_of(&crashed, false).is_none(),
+            "never served: as today"
+        );
         let crash = crash_of(&crashed, true).unwrap();
         assert_eq!((crash.kind, crash.code), (CrashKind::Exited, 139));
         assert!(crash_of(&Ended::Exited(exit(0, false)), true).is_none());
@@ -380,7 +383,10 @@ mod tests {
             message: "bad config".to_owned(),
         };
         let crash = crash_of(&failed, true).unwrap();
-        assert_eq!((crash.kind, crash.stderr_tail.as_str()), (CrashKind::StartFailed, "bad config"));
+        assert_eq!(
+            (crash.kind, crash.stderr_tail.as_str()),
+            (CrashKind::StartFailed, "bad config")
+        );
     }
 
     #[test]

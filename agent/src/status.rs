@@ -197,7 +197,10 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
             );
         }
         AgentState::Recovering { .. } => {
-            return text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {state}"));
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {state}"),
+            );
         }
     }
     let Some(admin) = agent.admin() else {

@@ -796,8 +796,12 @@ async fn a_family_that_ended_on_a_crash_runs_again_as_a_fresh_family_at_epoch_ze
     let host = FakeHost::default();
     host.world().node = true;
     let family = Arc::new(
-        EnvoyFamily::with_host(config(), Arc::new(host.clone()), SupervisorMetrics::default())
-            .unwrap(),
+        EnvoyFamily::with_host(
+            config(),
+            Arc::new(host.clone()),
+            SupervisorMetrics::default(),
+        )
+        .unwrap(),
     );
     let handle = family.handle();
     let run = |abort: CancellationToken| {

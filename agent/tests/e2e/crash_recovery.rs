@@ -57,7 +57,11 @@ async fn a_killed_serving_envoy_is_replaced_in_place_and_the_crash_reported(mode
     assert!(!process_alive(envoy), "the crashed envoy was reaped");
     assert!(agent.running(), "the agent kept running");
     assert_eq!(agent.pid(), agent_pid, "the same agent");
-    assert_eq!(agent.envoy_pid(), replacement, "the new envoy is the agent's child");
+    assert_eq!(
+        agent.envoy_pid(),
+        replacement,
+        "the new envoy is the agent's child"
+    );
     // A fresh family at epoch 0 in node-proxy mode; epoch 0 always in sidecar mode.
     assert_eq!(after.newest_live_epoch, Some(0));
     if matches!(mode, Mode::NodeProxy) {
@@ -128,7 +132,9 @@ async fn a_crash_loop_backs_off_and_gives_up_at_the_limit_with_the_crash_code(mo
         .await;
     let envoy = agent.envoy_pid();
     // From now on every Envoy refuses its bootstrap (exit 1).
-    agent.dir.write("bootstrap.yaml", "static_resources: [not, a, map]\n");
+    agent
+        .dir
+        .write("bootstrap.yaml", "static_resources: [not, a, map]\n");
     kill(Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
 
     assert_eq!(agent.exit().await.code(), Some(1), "the last crash's code");
