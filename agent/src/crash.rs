@@ -26,7 +26,8 @@
 //!   does about it) is kept in the status (the last [`CRASHES_KEPT`]), logged as
 //!   `event="envoy_crashed"` and counted (`envoy_agent.envoy.crashes`).
 //!
-//! The decisions are the pure [`decide`] and [`crash_of`]; [`CrashLoop`] keeps their inputs.
+//! The decisions are the pure [`decide`] and [`crash_of`]; the agent keeps their inputs (the
+//! streak, whether and since when the proxy served) between crashes.
 
 use std::time::{Duration, SystemTime};
 
