@@ -12,6 +12,9 @@
 //! | event | what happens | exit code |
 //! |---|---|---|
 //! | Envoy exits on its own | the agent exits | Envoy's (128+N for signal N) |
+//! | same, with crash recovery ([`crate::crash`]), after it served | a fresh Envoy (family) after a back-off; the agent, its servers and its status stay up | — |
+//! | same, the crash after the limit of restarts in a row | the agent exits | the crash's (never 0) |
+//! | SIGTERM / SIGINT / `Stop` during a crash back-off | nothing runs: the agent exits at once | 0 |
 //! | SIGTERM / SIGINT, no successor pod | [drain delay] → graceful drain of every epoch → wait the termination drain duration (less if Envoy exits) → stop | 0 |
 //! | same, exit-on-zero | … → drain → wait the minimum drain duration → count active connections, stop at zero (and no parent epoch still draining); the termination drain duration is a hard deadline; N stats errors in a row end the wait | 0 |
 //! | SIGTERM / SIGINT while a successor pod takes over | wait until the successor's Envoy has terminated ours (bounded), then exit | 0 |
@@ -45,6 +48,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::crash::{Crash, CrashAction, CrashLoop, CrashRecovery, Crashes};
 use crate::signal::{Intent, IntentSource};
 
 /// `EX_SOFTWARE`: the proxy could not be run at all.
@@ -76,6 +80,8 @@ pub struct AgentConfig {
     pub stats_error_budget: u32,
     /// How long a stopping agent waits for a successor pod's Envoy to terminate its own.
     pub handover_timeout: Duration,
+    /// Crash recovery in place; `None`: a crash of the serving Envoy ends the agent.
+    pub crash_recovery: Option<CrashRecovery>,
 }
 
 impl Default for AgentConfig {
@@ -90,6 +96,7 @@ impl Default for AgentConfig {
             stats_timeout: Duration::from_secs(2),
             stats_error_budget: 5,
             handover_timeout: Duration::from_secs(130),
+            crash_recovery: None,
         }
     }
 }
@@ -178,6 +185,13 @@ pub enum ExitPath {
     ProxyStopped,
     /// The proxy could not be run.
     ProxyFailed,
+    /// Crash recovery: Envoy crashed once more after the limit of restarts in a row.
+    CrashLoop {
+        /// The last crash's code (never 0).
+        code: u8,
+    },
+    /// SIGTERM/SIGINT (or `Stop`) during a crash back-off, while nothing ran.
+    StoppedWhileRecovering,
 }
 
 impl fmt::Display for ExitPath {
@@ -205,6 +219,13 @@ impl fmt::Display for ExitPath {
             }
             ExitPath::ProxyStopped => f.write_str("envoy stopped before it served"),
             ExitPath::ProxyFailed => f.write_str("envoy could not be run"),
+            ExitPath::CrashLoop { code } => write!(
+                f,
+                "envoy kept crashing: the restart limit was reached (last crash: exit {code})"
+            ),
+            ExitPath::StoppedWhileRecovering => {
+                f.write_str("stopped while recovering from a crash")
+            }
         }
     }
 }
@@ -214,7 +235,9 @@ impl ExitPath {
     pub fn code(self) -> u8 {
         match self {
             ExitPath::ProxyExited { code } => u8::try_from(code).unwrap_or(1),
-            ExitPath::ProxyLost { code } | ExitPath::StartFailed { code } => code,
+            ExitPath::ProxyLost { code }
+            | ExitPath::StartFailed { code }
+            | ExitPath::CrashLoop { code } => code,
             ExitPath::Wedged { .. } => envoy_agent_proxy::EXIT_WEDGED,
             ExitPath::ProxyFailed => EXIT_SOFTWARE,
             _ => 0,
@@ -239,6 +262,8 @@ impl ExitPath {
             ExitPath::HandoverTimedOut => "handover_timed_out",
             ExitPath::ProxyStopped => "proxy_stopped",
             ExitPath::ProxyFailed => "proxy_failed",
+            ExitPath::CrashLoop { .. } => "crash_loop",
+            ExitPath::StoppedWhileRecovering => "stopped_while_recovering",
         }
     }
 }
@@ -286,6 +311,15 @@ pub enum AgentState {
         /// Why.
         path: ExitPath,
     },
+    /// Crash recovery: the serving Envoy crashed; nothing runs until the back-off ends.
+    Recovering {
+        /// Since when.
+        since: SystemTime,
+        /// The restart to come, 1 for the first of a streak.
+        attempt: u32,
+        /// When it starts.
+        restart_at: SystemTime,
+    },
 }
 
 impl fmt::Display for AgentState {
@@ -308,12 +342,27 @@ impl fmt::Display for AgentState {
                 write!(f, "handing over to {successor}")
             }
             AgentState::Exiting { path, .. } => write!(f, "exiting ({path})"),
+            AgentState::Recovering {
+                attempt,
+                restart_at,
+                ..
+            } => {
+                let wait = restart_at
+                    .duration_since(SystemTime::now())
+                    .unwrap_or_default();
+                write!(
+                    f,
+                    "recovering from a crash (restart {attempt} in {:.1}s)",
+                    wait.as_secs_f64()
+                )
+            }
         }
     }
 }
 
 impl AgentState {
-    /// A short name: `starting`, `live`, `draining`, `handed_over`, `handing_over`, `exiting`.
+    /// A short name: `starting`, `live`, `draining`, `handed_over`, `handing_over`, `exiting`,
+    /// `recovering`.
     pub fn name(&self) -> &'static str {
         match self {
             AgentState::Starting { .. } => "starting",
@@ -322,6 +371,7 @@ impl AgentState {
             AgentState::HandedOver { .. } => "handed_over",
             AgentState::HandingOver { .. } => "handing_over",
             AgentState::Exiting { .. } => "exiting",
+            AgentState::Recovering { .. } => "recovering",
         }
     }
 
@@ -333,7 +383,8 @@ impl AgentState {
             | AgentState::Draining { since, .. }
             | AgentState::HandedOver { since, .. }
             | AgentState::HandingOver { since, .. }
-            | AgentState::Exiting { since, .. } => *since,
+            | AgentState::Exiting { since, .. }
+            | AgentState::Recovering { since, .. } => *since,
         }
     }
 
@@ -375,6 +426,9 @@ impl AgentState {
                 AgentState::HandingOver { successor: s, .. },
             ) => successor == s,
             (AgentState::Exiting { path, .. }, AgentState::Exiting { path: p, .. }) => path == p,
+            (AgentState::Recovering { attempt, .. }, AgentState::Recovering { attempt: a, .. }) => {
+                attempt == a
+            }
             _ => false,
         }
     }
@@ -389,6 +443,8 @@ pub struct Status {
     pub proxy: ProxyState,
     /// The shutdown drain under way, if any.
     pub drain: Option<DrainProgress>,
+    /// Crash recovery: its settings, the current streak and the last crashes.
+    pub crashes: Crashes,
 }
 
 /// A shutdown drain under way (SIGTERM, gRPC `Stop`), as a controller wants to see it.
@@ -660,6 +716,15 @@ enum Mode {
     HandingOver { successor: String, until: Instant },
     /// The proxy was told to stop; waiting for it to end.
     Stopping(ExitPath),
+    /// Crash recovery: the proxy's run ended in a crash; it runs again at `next_at`.
+    Recovering {
+        attempt: u32,
+        next_at: Instant,
+        /// `next_at` on the wall clock, for the status.
+        restart_at: SystemTime,
+        /// What a SIGTERM would have done once the proxy runs again.
+        on_signal: OnSignal,
+    },
 }
 
 // === impl Agent ===
@@ -674,6 +739,10 @@ impl<P: Proxy> Agent<P> {
             },
             proxy: proxy.state().borrow().clone(),
             drain: None,
+            crashes: Crashes {
+                recovery: config.crash_recovery,
+                ..Crashes::default()
+            },
         });
         let admin = {
             let proxy = proxy.clone();
@@ -712,12 +781,11 @@ impl<P: Proxy> Agent<P> {
     /// Starts the proxy and returns once it has ended and every Envoy has been reaped.
     pub async fn run(mut self, mut intents: impl IntentSource) -> AgentExit {
         let abort = CancellationToken::new();
-        let run = {
-            let (proxy, abort) = (self.proxy.clone(), abort.clone());
-            async move { proxy.run(abort).await }
-        };
-        tokio::pin!(run);
+        // None only while recovering from a crash: nothing runs then.
+        let mut run: Pending<Result<Ended, ProxyError>> = Some(self.run_future(&abort));
         let mut proxy_state = self.proxy.state();
+        let mut crash_loop = CrashLoop::new(self.config.crash_recovery);
+        let mut gave_up: Option<ExitPath> = None;
 
         let mut mode = Mode::Running(OnSignal::Drain);
         let mut intents_open = true;
@@ -731,13 +799,43 @@ impl<P: Proxy> Agent<P> {
         let mut proxy_state_open = true;
 
         let result = loop {
-            self.publish(&mode, &proxy_state.borrow_and_update());
-            let wake = self.next_wake(&mode, count_call.is_some());
+            {
+                let state = proxy_state.borrow_and_update();
+                crash_loop.observe(state.serving(), Instant::now());
+                self.publish(&mode, &state, crash_loop.crashes());
+            }
+            let wake = earliest(
+                self.next_wake(&mode, count_call.is_some()),
+                crash_loop.streak_ends_at(),
+            );
             // Decisions taken in a branch; applied below, where `self` is free again.
             let mut stop_now: Option<ExitPath> = None;
             let mut shutdown_now: Option<DrainReason> = None;
             tokio::select! {
-                result = &mut run => break result,
+                result = settle(&mut run) => {
+                    run = None;
+                    // Only an end the agent did not ask for, while it ran the proxy.
+                    let crash = match (&mode, &result) {
+                        (Mode::Running(_), Ok(ended)) => crash_loop.on_end(ended, Instant::now()),
+                        _ => None,
+                    };
+                    let Some(crash) = crash else { break result };
+                    self.report_crash(&crash, crash_loop.crashes());
+                    match (crash.action, &mode) {
+                        (CrashAction::Restart { attempt, backoff }, Mode::Running(on_signal)) => {
+                            mode = Mode::Recovering {
+                                attempt,
+                                next_at: Instant::now() + backoff,
+                                restart_at: SystemTime::now() + backoff,
+                                on_signal: *on_signal,
+                            };
+                        }
+                        _ => {
+                            gave_up = Some(ExitPath::CrashLoop { code: crash.code });
+                            break result;
+                        }
+                    }
+                }
 
                 changed = proxy_state.changed(), if proxy_state_open => {
                     // Closed: the proxy is ending; only its run's end is left to see.
@@ -748,6 +846,7 @@ impl<P: Proxy> Agent<P> {
                     None => intents_open = false,
                     Some(intent @ (Intent::Terminate | Intent::Interrupt)) => match &mode {
                         Mode::Stopping(_) => tracing::info!(signal = intent.signal_name(), "already stopping"),
+                        Mode::Recovering { .. } => stop_now = Some(ExitPath::StoppedWhileRecovering),
                         Mode::ShuttingDown(_) | Mode::Deciding { .. } | Mode::HandingOver { .. } => {
                             stop_now = Some(ExitPath::SecondSignal);
                         }
@@ -763,6 +862,9 @@ impl<P: Proxy> Agent<P> {
                             successor_call = Some(self.successor_future());
                         }
                     },
+                    Some(Intent::ReopenLogs) if matches!(mode, Mode::Recovering { .. }) => {
+                        tracing::info!("SIGUSR1: no envoy runs (recovering from a crash)");
+                    }
                     Some(Intent::ReopenLogs) => self.spawn_reply(None, |p| async move {
                         let n = p.reopen_logs().await;
                         match &n {
@@ -780,6 +882,8 @@ impl<P: Proxy> Agent<P> {
                                 }
                                 r.map_err(AgentError::Restart)
                             });
+                        } else if matches!(mode, Mode::Recovering { .. }) {
+                            tracing::warn!("SIGHUP ignored: no envoy runs (recovering from a crash)");
                         } else {
                             tracing::warn!("SIGHUP ignored: the agent is draining or stopping");
                         }
@@ -806,12 +910,13 @@ impl<P: Proxy> Agent<P> {
                             Mode::Drained { .. } | Mode::Running(OnSignal::StopAtOnce) => {
                                 stop_now = Some(ExitPath::SignalAfterDrain);
                             }
+                            Mode::Recovering { .. } => stop_now = Some(ExitPath::StoppedWhileRecovering),
                             _ => {}
                         }
                         let _ = reply.send(Ok(()));
                     }
                     Some(Command::DisableDraining { reply }) => {
-                        if let Mode::Running(on_signal) = &mut mode {
+                        if let Mode::Running(on_signal) | Mode::Recovering { on_signal, .. } = &mut mode {
                             tracing::info!("draining disabled: the next SIGTERM stops envoy at once");
                             *on_signal = OnSignal::StopAtOnce;
                         }
@@ -828,6 +933,9 @@ impl<P: Proxy> Agent<P> {
                             drain_call = Some(self.drain_future(options));
                             drain_replies.push(reply);
                         }
+                        Mode::Recovering { .. } => {
+                            let _ = reply.send(Err(AgentError::DrainFailed(RECOVERING.to_owned())));
+                        }
                         // Already draining, handing over or stopping: nothing more to ask.
                         _ => {
                             let _ = reply.send(Ok(()));
@@ -841,9 +949,7 @@ impl<P: Proxy> Agent<P> {
                                 p.hot_restart(reason).await.map_err(AgentError::Restart)
                             });
                         } else {
-                            let _ = reply.send(Err(AgentError::Restart(RestartError::Refused(
-                                "the agent is draining or stopping".to_owned(),
-                            ))));
+                            let _ = reply.send(Err(AgentError::Restart(refusal(&mode))));
                         }
                     }
                     Some(Command::UpdateConfig { config, reason, reply }) => {
@@ -852,10 +958,11 @@ impl<P: Proxy> Agent<P> {
                                 p.update_config(config, reason).await.map_err(AgentError::Config)
                             });
                         } else {
-                            let _ = reply.send(Err(AgentError::Restart(RestartError::Refused(
-                                "the agent is draining or stopping".to_owned(),
-                            ))));
+                            let _ = reply.send(Err(AgentError::Restart(refusal(&mode))));
                         }
+                    }
+                    Some(Command::ReopenLogs { reply }) if matches!(mode, Mode::Recovering { .. }) => {
+                        let _ = reply.send(Ok(0));
                     }
                     Some(Command::ReopenLogs { reply }) => self.spawn_reply(Some(reply), |p| async move {
                         p.reopen_logs().await.map_err(AgentError::Config)
@@ -882,6 +989,11 @@ impl<P: Proxy> Agent<P> {
                 () = sleep_until(wake) => {
                     let now = Instant::now();
                     match &mut mode {
+                        Mode::Recovering { attempt, next_at, on_signal, .. } if *next_at <= now => {
+                            tracing::info!(event = "envoy_restarting", attempt = *attempt, "recovering from a crash: starting envoy again");
+                            mode = Mode::Running(*on_signal);
+                            run = Some(self.run_future(&abort));
+                        }
                         Mode::HandingOver { until, successor } if *until <= now => {
                             tracing::error!(%successor, bound = ?self.config.handover_timeout, "the successor did not terminate our envoy in time; stopping it");
                             stop_now = Some(ExitPath::HandoverTimedOut);
@@ -999,6 +1111,10 @@ impl<P: Proxy> Agent<P> {
             for reply in quit_replies.drain(..) {
                 let _ = reply.send(Ok(()));
             }
+            if matches!(mode, Mode::Stopping(_)) && run.is_none() {
+                // Stopped during a crash back-off: nothing runs, nothing to wait for.
+                break Ok(Ended::Stopped { last: None });
+            }
         };
         self.proxy.cleanup();
 
@@ -1012,7 +1128,8 @@ impl<P: Proxy> Agent<P> {
                 (ExitPath::ProxyFailed, None, Some(e))
             }
             Ok(ended) => {
-                let path = match (&ended, stopping) {
+                let path = match (&ended, stopping.or(gave_up)) {
+                    (_, Some(path @ ExitPath::CrashLoop { .. })) => path,
                     (Ended::Stopped { .. }, Some(path)) => path,
                     (Ended::Stopped { .. }, None) => ExitPath::ProxyStopped,
                     (Ended::Exited(exit), _) => ExitPath::ProxyExited { code: exit.code() },
@@ -1033,6 +1150,7 @@ impl<P: Proxy> Agent<P> {
             s.agent = final_state;
             s.proxy = self.proxy.state().borrow().clone();
             s.drain = None;
+            s.crashes = crash_loop.crashes().clone();
         });
         self.metrics
             .exit(path.name(), drain_started.map(|t| t.elapsed()));
@@ -1041,9 +1159,18 @@ impl<P: Proxy> Agent<P> {
 
     /// Publishes the agent's state, derived from its mode and the proxy's state, when it
     /// changed.
-    fn publish(&self, mode: &Mode, proxy: &ProxyState) {
+    fn publish(&self, mode: &Mode, proxy: &ProxyState, crashes: &Crashes) {
         let now = SystemTime::now();
         let state = match mode {
+            Mode::Recovering {
+                attempt,
+                restart_at,
+                ..
+            } => AgentState::Recovering {
+                since: now,
+                attempt: *attempt,
+                restart_at: *restart_at,
+            },
             Mode::Stopping(path) => AgentState::Exiting {
                 since: now,
                 path: *path,
@@ -1103,6 +1230,10 @@ impl<P: Proxy> Agent<P> {
                 s.drain = drain;
                 changed = true;
             }
+            if s.crashes != *crashes {
+                s.crashes = crashes.clone();
+                changed = true;
+            }
             changed
         });
     }
@@ -1155,6 +1286,7 @@ impl<P: Proxy> Agent<P> {
     fn next_wake(&self, mode: &Mode, counting: bool) -> Option<Instant> {
         match mode {
             Mode::HandingOver { until, .. } => Some(*until),
+            Mode::Recovering { next_at, .. } => Some(*next_at),
             Mode::ShuttingDown(s) => {
                 let mut wake = s.deadline;
                 let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
@@ -1168,6 +1300,53 @@ impl<P: Proxy> Agent<P> {
             }
             _ => None,
         }
+    }
+
+    fn run_future(
+        &self,
+        abort: &CancellationToken,
+    ) -> Pin<Box<dyn Future<Output = Result<Ended, ProxyError>> + Send>> {
+        let (proxy, abort) = (self.proxy.clone(), abort.clone());
+        Box::pin(async move { proxy.run(abort).await })
+    }
+
+    /// Logs and counts a crash and what the agent does about it.
+    fn report_crash(&self, crash: &Crash, crashes: &Crashes) {
+        let (epoch, pid) = crash.process.unzip();
+        let limit = crashes.recovery.map_or(0, |r| r.limit);
+        let what = match crash.action {
+            CrashAction::Restart { attempt, backoff } => format!(
+                "starting it again in {backoff:?} (restart {attempt} of at most {limit} in a row)"
+            ),
+            CrashAction::GiveUp => {
+                format!("{limit} restarts in a row did not help: giving up")
+            }
+        };
+        let (attempt, backoff_ms) = match crash.action {
+            CrashAction::Restart { attempt, backoff } => {
+                (Some(attempt), Some(backoff.as_millis() as u64))
+            }
+            CrashAction::GiveUp => (None, None),
+        };
+        tracing::error!(
+            event = "envoy_crashed",
+            kind = crash.kind.as_str(),
+            code = crash.code,
+            signal = crash.signal,
+            epoch,
+            pid,
+            ran_for_ms = crash.ran_for.map(|d| d.as_millis() as u64),
+            action = crash.action.as_str(),
+            attempt,
+            backoff_ms,
+            consecutive = crashes.consecutive,
+            limit,
+            "envoy crashed (exit {}): {what}; the end of its stderr:\n{}",
+            crash.code,
+            crash.stderr_tail
+        );
+        self.metrics
+            .crash(crash.kind.as_str(), crash.action.as_str());
     }
 
     fn successor_future(&self) -> Pin<Box<dyn Future<Output = Option<String>> + Send>> {
@@ -1222,6 +1401,24 @@ impl<P: Proxy> Agent<P> {
     }
 }
 
+/// Why nothing runs while the agent recovers from a crash.
+const RECOVERING: &str = "no envoy runs: the agent is recovering from a crash";
+
+/// Why a hot restart or config update is refused in `mode`.
+fn refusal(mode: &Mode) -> RestartError {
+    RestartError::Refused(match mode {
+        Mode::Recovering { .. } => RECOVERING.to_owned(),
+        _ => "the agent is draining or stopping".to_owned(),
+    })
+}
+
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1272,7 +1469,7 @@ fn log_ended(ended: &Ended) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{Call, FakeProxy, epoch};
+    use crate::testing::{Call, FakeProxy, epoch, exit};
     use envoy_agent_proxy::{EpochState, FamilyState};
 
     struct Harness {
@@ -1733,6 +1930,183 @@ mod tests {
             ..ProxyState::starting()
         };
         assert!(!state.parent_draining());
+    }
+
+    fn recovering(limit: u32) -> AgentConfig {
+        AgentConfig {
+            crash_recovery: Some(CrashRecovery {
+                limit,
+                backoff: Duration::from_secs(1),
+                backoff_max: Duration::from_secs(3),
+                stable_after: Duration::from_secs(60),
+            }),
+            ..config()
+        }
+    }
+
+    impl Harness {
+        /// Waits until the proxy has been run `n` times, and returns when each run started.
+        async fn runs(&self, n: usize) -> Vec<Instant> {
+            while self.proxy.runs().len() < n {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            self.proxy.runs()
+        }
+
+        fn crashes(&self) -> Crashes {
+            self.handle.status().borrow().crashes.clone()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_crash_loop_backs_off_exponentially_and_gives_up_at_the_limit() {
+        let h = start(FakeProxy::default(), recovering(3));
+        h.proxy.go_live();
+        h.state(AgentState::serving).await;
+        h.proxy.end_with(Ended::Exited(crate::testing::killed(9)));
+        h.state(|s| matches!(s, AgentState::Recovering { attempt: 1, .. }))
+            .await;
+        assert!(!h.handle.status().borrow().agent.serving(), "not ready");
+        let answer = h.handle.hot_restart("x".to_owned()).await.unwrap_err();
+        assert!(
+            matches!(&answer, AgentError::Restart(RestartError::Refused(m)) if m.contains("recovering")),
+            "{answer}"
+        );
+        // Every restart fails to start.
+        for n in 2..=4 {
+            h.runs(n).await;
+            h.proxy.end_with(Ended::StartFailed {
+                code: 1,
+                message: "bad config".to_owned(),
+            });
+        }
+        let status = h.handle.status();
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::CrashLoop { code: 1 });
+        assert_eq!(exit.code(), 1, "the last crash's code");
+        let gaps: Vec<u64> = proxy
+            .runs()
+            .windows(2)
+            .map(|w| (w[1] - w[0]).as_secs())
+            .collect();
+        assert_eq!(gaps, [1, 2, 3], "1 s doubling, capped at 3 s");
+        assert_eq!(proxy.runs()[0], started);
+        assert!(proxy.calls().is_empty(), "nothing was asked of envoy");
+        let crashes = status.borrow().crashes.clone();
+        assert_eq!((crashes.consecutive, crashes.total), (4, 4));
+        let actions: Vec<&str> = crashes.recent.iter().map(|c| c.action.as_str()).collect();
+        assert_eq!(actions, ["restart", "restart", "restart", "give_up"]);
+        assert!(matches!(
+            status.borrow().agent,
+            AgentState::Exiting {
+                path: ExitPath::CrashLoop { code: 1 },
+                ..
+            }
+        ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_crash_is_in_the_status_with_its_code_signal_and_stderr() {
+        let h = start(FakeProxy::default(), recovering(1));
+        h.proxy.go_live();
+        h.state(AgentState::serving).await;
+        h.proxy.end_with(Ended::Exited(crate::testing::killed(9)));
+        h.runs(2).await;
+        let crashes = h.crashes();
+        assert_eq!((crashes.consecutive, crashes.total), (1, 1));
+        let crash = &crashes.recent[0];
+        assert_eq!((crash.code, crash.signal), (137, Some(9)));
+        assert_eq!(crash.stderr_tail, "killed");
+        assert_eq!(
+            crash.action,
+            CrashAction::Restart {
+                attempt: 1,
+                backoff: Duration::from_secs(1)
+            }
+        );
+        h.proxy.go_live();
+        h.state(AgentState::serving).await;
+        h.handle.quit(Via::Http).await.unwrap();
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::QuitQuitQuit(Via::Http));
+        assert_eq!(
+            proxy.calls(),
+            [Call::Stop],
+            "the restarted proxy was stopped"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_restart_that_stays_live_ends_the_streak() {
+        let h = start(FakeProxy::default(), recovering(1));
+        h.proxy.go_live();
+        h.proxy.end_with(Ended::Exited(exit(139, false)));
+        h.runs(2).await;
+        h.proxy.go_live();
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        assert_eq!(h.crashes().consecutive, 0, "forgotten once stable");
+        h.proxy.end_with(Ended::Exited(exit(139, false)));
+        h.runs(3).await;
+        assert_eq!(h.crashes().consecutive, 1);
+        // Not stable this time: the next crash is over the limit.
+        h.proxy.go_live();
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        h.proxy.end_with(Ended::Exited(exit(139, false)));
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::CrashLoop { code: 139 });
+        assert_eq!(proxy.runs().len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_the_agent_asked_for_or_a_first_envoy_that_never_served_is_no_crash() {
+        // Envoy exiting during the agent's own drain ends the agent, as without the flag.
+        let h = start(FakeProxy::default(), recovering(5));
+        h.proxy.go_live();
+        h.signal(Intent::Terminate).await;
+        h.state(AgentState::draining).await;
+        h.proxy.end_with(Ended::Exited(crate::testing::killed(9)));
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::ProxyExited { code: 137 });
+        assert_eq!(proxy.runs().len(), 1);
+
+        // A bad bootstrap at start fails fast.
+        let h = start(FakeProxy::default(), recovering(5));
+        h.proxy.exit_on_its_own(1);
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::ProxyExited { code: 1 });
+        assert_eq!(proxy.runs().len(), 1);
+
+        // Envoy's own clean exit (its /quitquitquit) is not a crash either.
+        let h = start(FakeProxy::default(), recovering(5));
+        h.proxy.go_live();
+        h.state(AgentState::serving).await;
+        h.proxy.exit_on_its_own(0);
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::ProxyExited { code: 0 });
+        assert_eq!(proxy.runs().len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_during_the_backoff_exits_at_once_and_starts_nothing() {
+        let h = start(FakeProxy::default(), recovering(5));
+        h.proxy.go_live();
+        h.state(AgentState::serving).await;
+        h.proxy.end_with(Ended::Lost {
+            exit: exit(0, false),
+            message: "terminated from outside".to_owned(),
+        });
+        h.state(|s| matches!(s, AgentState::Recovering { .. }))
+            .await;
+        let drain = h.handle.drain_now(Via::Http).await.unwrap_err();
+        assert!(matches!(drain, AgentError::DrainFailed(_)), "{drain}");
+        let before = Instant::now();
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::StoppedWhileRecovering);
+        assert_eq!(exit.code(), 0);
+        assert_eq!(Instant::now(), before, "at once");
+        assert_eq!(proxy.runs().len(), 1);
+        assert!(proxy.calls().is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -344,13 +344,33 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_positive_duration, requires = "hot_restart")]
     pub admin_unresponsive_deadline: Option<Duration>,
 
+    /// Crash recovery in place: when the serving Envoy dies without the agent asking (exits
+    /// non-zero, is killed; with --hot-restart, dies with nothing else serving) after it has
+    /// served, start a fresh Envoy (with --hot-restart a fresh family) after a back-off
+    /// instead of exiting; the agent, its status server and gRPC stay up, readiness answers
+    /// 503 meanwhile, and each crash is reported in the status, the logs
+    /// (event="envoy_crashed") and the metrics. Off: a crash ends the agent with its code.
+    #[arg(long, env = "ENVOY_AGENT_RESTART_ON_CRASH")]
+    pub restart_on_crash: bool,
+
+    /// With --restart-on-crash: restarts in a row before the agent gives up and exits with
+    /// the last crash's code (a restarted Envoy that stays LIVE for a minute ends the streak).
+    /// [default: 5]
+    #[arg(long, env = "ENVOY_AGENT_CRASH_RESTART_LIMIT", value_parser = clap::value_parser!(u32).range(1..), requires = "restart_on_crash")]
+    pub crash_restart_limit: Option<u32>,
+
+    /// With --restart-on-crash: the longest wait between a crash and the restart (the first
+    /// wait is 1s, or this if shorter; each next one doubles). [default: 30s]
+    #[arg(long, env = "ENVOY_AGENT_CRASH_BACKOFF_MAX", value_parser = parse_positive_duration, requires = "restart_on_crash")]
+    pub crash_backoff_max: Option<Duration>,
+
     /// Extra arguments passed to Envoy verbatim, after `--`.
     #[arg(last = true)]
     pub envoy_args: Vec<String>,
 }
 
-/// Defaults of the hot-restart flags (they are `Option`s so that giving one without
-/// `--hot-restart` is refused instead of silently ignored).
+/// Defaults of the hot-restart and crash-recovery flags (they are `Option`s so that giving one
+/// without `--hot-restart` or `--restart-on-crash` is refused instead of silently ignored).
 pub mod defaults {
     use std::time::Duration;
 
@@ -360,9 +380,26 @@ pub mod defaults {
     pub const HANDOFF_DEADLINE: Duration = Duration::from_secs(60);
     /// `--admin-unresponsive-deadline`.
     pub const ADMIN_UNRESPONSIVE_DEADLINE: Duration = Duration::from_secs(30);
+    /// `--crash-restart-limit`.
+    pub const CRASH_RESTART_LIMIT: u32 = 5;
+    /// `--crash-backoff-max`.
+    pub const CRASH_BACKOFF_MAX: Duration = Duration::from_secs(30);
 }
 
 impl RunArgs {
+    /// Crash recovery's settings, `None` without `--restart-on-crash`.
+    pub fn crash_recovery(&self) -> Option<crate::crash::CrashRecovery> {
+        self.restart_on_crash.then(|| crate::crash::CrashRecovery {
+            limit: self
+                .crash_restart_limit
+                .unwrap_or(defaults::CRASH_RESTART_LIMIT),
+            backoff_max: self
+                .crash_backoff_max
+                .unwrap_or(defaults::CRASH_BACKOFF_MAX),
+            ..crate::crash::CrashRecovery::default()
+        })
+    }
+
     /// `--parent-shutdown-time` or its default.
     pub fn parent_shutdown_time(&self) -> Duration {
         self.parent_shutdown_time

@@ -188,6 +188,26 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
             );
         }
     }
+    if let Some(r) = &status.crash_recovery {
+        let mut crashes = format!(
+            "{} since start, {} in a row (restart limit {})",
+            r.total_crashes, r.consecutive_crashes, r.limit
+        );
+        if r.next_restart_time.is_some() {
+            crashes.push_str(&format!(
+                "; next restart {}",
+                when(&r.next_restart_time, now)
+            ));
+        }
+        line("crashes:", crashes);
+        if let Some(c) = r.crashes.last() {
+            let how = match c.signal {
+                Some(signal) => format!("killed by signal {signal}"),
+                None => format!("exit {}", c.exit_code),
+            };
+            line("  last crash:", format!("{how}, {}", when(&c.time, now)));
+        }
+    }
     if !status.epochs.is_empty() {
         out.push_str("  EPOCH       PID  STATE     STARTED\n");
         for e in &status.epochs {

@@ -35,6 +35,7 @@ use crate::agent::{
     AgentConfig, AgentError, AgentHandle, AgentState, DrainPhase, DrainReason, ExitPath,
     Status as AgentStatus, Via,
 };
+use crate::crash::{CrashAction, CrashKind, Crashes};
 use crate::signal::Intent;
 
 /// The service name, as health checks and reflection know it.
@@ -175,6 +176,8 @@ fn exit_path(path: ExitPath) -> pb::ExitPath {
         ExitPath::HandoverTimedOut => pb::ExitPath::HandoverTimedOut,
         ExitPath::ProxyStopped => pb::ExitPath::ProxyStopped,
         ExitPath::ProxyFailed => pb::ExitPath::ProxyFailed,
+        ExitPath::CrashLoop { .. } => pb::ExitPath::CrashLoop,
+        ExitPath::StoppedWhileRecovering => pb::ExitPath::StoppedWhileRecovering,
     }
 }
 
@@ -288,6 +291,7 @@ pub fn status_message(
         AgentState::HandedOver { successor, .. } => format!("handed over to {successor}"),
         AgentState::HandingOver { successor, .. } => format!("handing over to {successor}"),
         AgentState::Exiting { path, .. } => path.to_string(),
+        AgentState::Recovering { .. } => agent.to_string(),
         AgentState::Starting { .. } | AgentState::Live { .. } => String::new(),
     };
     let (state, draining_why, exiting_why, successor) = match agent {
@@ -312,6 +316,7 @@ pub fn status_message(
             Some(successor.clone()),
         ),
         AgentState::Exiting { path, .. } => (pb::AgentState::Exiting, None, Some(*path), None),
+        AgentState::Recovering { .. } => (pb::AgentState::Recovering, None, None, None),
     };
     let proxy = &status.proxy;
     let mut settings = settings.clone();
@@ -357,7 +362,54 @@ pub fn status_message(
         }),
         settings: Some(settings),
         family: proxy.family.as_ref().map(family_message),
+        crash_recovery: crash_recovery_message(&status.crashes, agent),
     }
+}
+
+fn crash_recovery_message(crashes: &Crashes, agent: &AgentState) -> Option<pb::CrashRecovery> {
+    let recovery = crashes.recovery.as_ref()?;
+    Some(pb::CrashRecovery {
+        limit: recovery.limit,
+        backoff: duration(recovery.backoff),
+        backoff_max: duration(recovery.backoff_max),
+        stable_after: duration(recovery.stable_after),
+        consecutive_crashes: crashes.consecutive,
+        total_crashes: crashes.total,
+        next_restart_time: match agent {
+            AgentState::Recovering { restart_at, .. } => timestamp(*restart_at),
+            _ => None,
+        },
+        crashes: crashes
+            .recent
+            .iter()
+            .map(|c| {
+                let (action, attempt, backoff) = match c.action {
+                    CrashAction::Restart { attempt, backoff } => {
+                        (pb::CrashAction::Restart, attempt, duration(backoff))
+                    }
+                    CrashAction::GiveUp => (pb::CrashAction::GiveUp, 0, None),
+                };
+                pb::Crash {
+                    time: timestamp(c.at),
+                    kind: match c.kind {
+                        CrashKind::Exited => pb::CrashKind::Exited,
+                        CrashKind::Lost => pb::CrashKind::Lost,
+                        CrashKind::StartFailed => pb::CrashKind::StartFailed,
+                    }
+                    .into(),
+                    epoch: c.process.map(|(epoch, _)| epoch),
+                    pid: c.process.map(|(_, pid)| pid),
+                    exit_code: u32::from(c.code),
+                    signal: c.signal,
+                    ran_for: c.ran_for.and_then(duration),
+                    stderr_tail: c.stderr_tail.clone(),
+                    action: action.into(),
+                    attempt,
+                    backoff,
+                }
+            })
+            .collect(),
+    })
 }
 
 impl Service {

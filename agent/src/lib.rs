@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 pub mod agent;
 pub mod cli;
 pub mod client;
+pub mod crash;
 pub mod duration;
 pub mod grpc;
 pub mod notify;
@@ -73,6 +74,7 @@ pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
         handover_timeout: args.handoff_deadline()
             + args.parent_shutdown_time()
             + Duration::from_secs(10),
+        crash_recovery: args.crash_recovery(),
         ..AgentConfig::default()
     }
 }

@@ -99,6 +99,15 @@ fn tell(s: &Status, told: &mut Told) {
         }
         return;
     }
+    if let AgentState::Recovering { attempt, .. } = &s.agent {
+        // Not STOPPING: the agent stays up and starts Envoy again after the back-off.
+        let line = format!("recovering from a crash (restart {attempt} after a back-off)");
+        if told.status != line {
+            send(&[NotifyState::Status(&line)]);
+            told.status = line;
+        }
+        return;
+    }
     if !told.ready {
         if s.agent.serving() {
             told.ready = true;

@@ -196,6 +196,12 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
                 format!("not ready: exiting ({path})"),
             );
         }
+        AgentState::Recovering { .. } => {
+            return text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {state}"),
+            );
+        }
     }
     let Some(admin) = agent.admin() else {
         return text(
@@ -292,6 +298,7 @@ pub fn agent_metrics(state: &AgentState) -> String {
         "handed_over",
         "handing_over",
         "exiting",
+        "recovering",
     ] {
         let _ = writeln!(
             out,

@@ -35,6 +35,7 @@
 //! |---|---|---|---|
 //! | `envoy_agent.drain.duration` | histogram ([`DRAIN_DURATION_BUCKETS`]) | `s` | `envoy_agent.exit_path` |
 //! | `envoy_agent.exits` | counter | `{exit}` | `envoy_agent.exit_path` |
+//! | `envoy_agent.envoy.crashes` | counter | `{crash}` | `envoy_agent.crash.kind` (`exited`, `lost`, `start_failed`), `envoy_agent.crash.action` (`restart`, `give_up`) |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -293,10 +294,15 @@ impl Telemetry {
 struct Instruments {
     drain: Histogram<f64>,
     exits: Counter<u64>,
+    crashes: Counter<u64>,
 }
 
 /// The exit path attribute (`drain_time_elapsed`, `quitquitquit`, ...: `ExitPath::name`).
 pub const EXIT_PATH: &str = "envoy_agent.exit_path";
+/// The crash counter's kind attribute (`CrashKind::as_str`).
+pub const CRASH_KIND: &str = "envoy_agent.crash.kind";
+/// The crash counter's action attribute (`CrashAction::as_str`).
+pub const CRASH_ACTION: &str = "envoy_agent.crash.action";
 
 /// The agent's instruments, or none (nil-safe).
 #[derive(Debug, Clone, Default)]
@@ -320,6 +326,13 @@ impl AgentMetrics {
                     .with_description("How the agent ended, by exit path.")
                     .with_unit("{exit}")
                     .build(),
+                crashes: meter
+                    .u64_counter("envoy_agent.envoy.crashes")
+                    .with_description(
+                        "Crashes of the serving Envoy seen by crash recovery, by kind and action.",
+                    )
+                    .with_unit("{crash}")
+                    .build(),
             })),
         }
     }
@@ -332,6 +345,19 @@ impl AgentMetrics {
             if let Some(d) = drained {
                 i.drain.record(d.as_secs_f64(), &attrs);
             }
+        }
+    }
+
+    /// Crash recovery saw a crash of `kind` and took `action`.
+    pub fn crash(&self, kind: &'static str, action: &'static str) {
+        if let Some(i) = &self.inner {
+            i.crashes.add(
+                1,
+                &[
+                    KeyValue::new(CRASH_KIND, kind),
+                    KeyValue::new(CRASH_ACTION, action),
+                ],
+            );
         }
     }
 }

@@ -32,6 +32,10 @@ pub(crate) struct FakeProxy {
     /// What `successor` answers.
     pub(crate) successor: Mutex<Option<String>>,
     pub(crate) state: watch::Sender<ProxyState>,
+    /// When each run started.
+    pub(crate) runs: Mutex<Vec<Instant>>,
+    /// How the next runs end when told to exit (else: `Exited` with `exit_code`).
+    pub(crate) ends: Mutex<std::collections::VecDeque<Ended>>,
 }
 
 impl Default for FakeProxy {
@@ -43,6 +47,8 @@ impl Default for FakeProxy {
             hang_drain: false,
             successor: Mutex::default(),
             state: watch::Sender::new(ProxyState::starting()),
+            runs: Mutex::default(),
+            ends: Mutex::default(),
         }
     }
 }
@@ -72,6 +78,17 @@ impl FakeProxy {
     pub(crate) fn exit_on_its_own(&self, code: i32) {
         *self.exit_code.lock().unwrap() = Some(code);
         self.exit_now.notify_one();
+    }
+
+    /// Ends the run under way with `ended`, as the proxy would on its own.
+    pub(crate) fn end_with(&self, ended: Ended) {
+        self.ends.lock().unwrap().push_back(ended);
+        self.exit_now.notify_one();
+    }
+
+    /// When each run started.
+    pub(crate) fn runs(&self) -> Vec<Instant> {
+        self.runs.lock().unwrap().clone()
     }
 
     /// Publishes one LIVE epoch.
@@ -109,6 +126,15 @@ pub(crate) fn epoch(epoch: u32, state: EpochState) -> EpochInfo {
     }
 }
 
+/// An Envoy killed by `signal`.
+pub(crate) fn killed(signal: i32) -> Exit {
+    Exit {
+        status: ExitStatus::from_raw(signal),
+        stderr_tail: "killed\n".to_owned(),
+        ..exit(0, false)
+    }
+}
+
 pub(crate) fn exit(code: i32, aborted: bool) -> Exit {
     Exit {
         pid: 1,
@@ -122,14 +148,28 @@ pub(crate) fn exit(code: i32, aborted: bool) -> Exit {
 
 impl Proxy for FakeProxy {
     async fn run(&self, abort: CancellationToken) -> Result<Ended, ProxyError> {
+        let again = {
+            let mut runs = self.runs.lock().unwrap();
+            runs.push(Instant::now());
+            runs.len() > 1
+        };
+        if again {
+            // A fresh start, as a real proxy publishes it.
+            self.set(ProxyPhase::Starting, vec![], None);
+        }
         tokio::select! {
             () = abort.cancelled() => {
                 self.record(Call::Stop);
                 Ok(Ended::Stopped { last: Some(exit(0, true)) })
             }
             () = self.exit_now.notified() => {
-                let code = self.exit_code.lock().unwrap().unwrap_or(0);
-                Ok(Ended::Exited(exit(code, false)))
+                let ended = self.ends.lock().unwrap().pop_front();
+                let ended = ended.unwrap_or_else(|| {
+                    let code = self.exit_code.lock().unwrap().unwrap_or(0);
+                    Ended::Exited(exit(code, false))
+                });
+                self.set(ProxyPhase::Exited, vec![], None);
+                Ok(ended)
             }
         }
     }

@@ -864,3 +864,66 @@ async fn a_newer_serving_heartbeat_is_a_successor_before_the_admin_shows_it() {
     );
     f.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_family_that_ended_on_a_crash_runs_again_as_a_fresh_family_at_epoch_zero() {
+    // The agent's crash recovery runs the same family again once its run has ended.
+    let host = FakeHost::default();
+    host.world().node = true;
+    let family = Arc::new(
+        EnvoyFamily::with_host(
+            config(),
+            Arc::new(host.clone()),
+            SupervisorMetrics::default(),
+        )
+        .unwrap(),
+    );
+    let handle = family.handle();
+    let run = |abort: CancellationToken| {
+        let family = family.clone();
+        tokio::spawn(async move { family.run(abort).await })
+    };
+    let f = Family {
+        host: host.clone(),
+        handle: handle.clone(),
+        abort: CancellationToken::new(),
+        task: run(CancellationToken::new()),
+    };
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    // Terminated by its child; then the serving epoch is SIGKILLed with no parent left.
+    host.world().exit(0, code(0));
+    f.until("the parent gone", |s| s.epochs.len() == 1).await;
+    host.world().exit(1, killed(9));
+    let (ended, host) = f.ended().await;
+    assert_eq!(ended.code(), 137, "{ended:?}");
+    {
+        let w = host.world();
+        assert!(!w.marker, "not ready while nothing serves");
+        assert!(w.ours.is_none(), "no heartbeat while nothing runs");
+    }
+
+    let abort = CancellationToken::new();
+    let again = Family {
+        host: host.clone(),
+        handle,
+        abort: abort.clone(),
+        task: run(abort),
+    };
+    let s = again.serving_at(0).await;
+    assert_eq!(host.world().spawns, [0, 1, 0], "a cold start at epoch 0");
+    assert!(host.world().marker);
+    let family_state = s.family.unwrap();
+    assert!(
+        family_state
+            .exits
+            .iter()
+            .any(|e| e.epoch == 1 && e.signal == Some(9)),
+        "the crash stays in the history: {:?}",
+        family_state.exits
+    );
+    // The fresh family hot-restarts as the first did.
+    assert_eq!(again.restart("SIGHUP").await.unwrap(), Ok(1));
+    let (ended, _) = again.stop().await;
+    assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
+}

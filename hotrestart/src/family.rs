@@ -161,13 +161,18 @@ impl<H: Host> EnvoyFamily<H> {
 
 impl<H: Host> Proxy for EnvoyFamily<H> {
     async fn run(&self, abort: CancellationToken) -> Result<Ended, ProxyError> {
-        let supervisor = self
+        // Taken while it runs: a second concurrent run finds none.
+        let mut supervisor = self
             .supervisor
             .lock()
             .map_err(|_| ProxyError::NotRunning)?
             .take()
             .ok_or(ProxyError::NotRunning)?;
-        Ok(supervisor.run(abort).await)
+        let ended = supervisor.run(abort).await;
+        if let Ok(mut slot) = self.supervisor.lock() {
+            *slot = Some(supervisor.into_fresh());
+        }
+        Ok(ended)
     }
 
     fn state(&self) -> watch::Receiver<ProxyState> {

@@ -38,7 +38,9 @@
 //! - **Deaths**: a parent that dies while its child still talks to it (draining, or the
 //!   serving epoch dying while its successor starts) is stood in for ([`absorber`]), so the
 //!   child keeps serving. The serving epoch exiting with no successor ends the family with
-//!   its code (never 0: a serving Envoy killed from outside is a failure).
+//!   its code (never 0: a serving Envoy killed from outside is a failure). `run` may then be
+//!   called again (the agent's crash recovery): a fresh family, started as the first was
+//!   (discovery, then epoch 0), with the old one's history.
 //! - **Cross-pod**: the node's other heartbeats are read every period; a starting successor
 //!   makes the watchdog look at the admin port often, and its Envoy answering at a newer epoch
 //!   is a handover: marker removed, ours drain until the successor terminates them. A stop

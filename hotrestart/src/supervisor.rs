@@ -322,8 +322,9 @@ impl<H: Host> Supervisor<H> {
     }
 
     /// Starts the first epoch and supervises until the family cannot serve anymore or `abort`
-    /// is cancelled; every epoch has been stopped and reaped when it returns.
-    pub(crate) async fn run(mut self, abort: CancellationToken) -> Ended {
+    /// is cancelled; every epoch has been stopped and reaped when it returns. Then
+    /// [`Supervisor::into_fresh`] makes the supervisor of a fresh family.
+    pub(crate) async fn run(&mut self, abort: CancellationToken) -> Ended {
         // The marker means "our newest epoch is LIVE": whatever a crashed predecessor in this
         // container left there is wrong now, before anything else happens.
         if let Err(e) = self.host.set_marker(false) {
@@ -339,8 +340,42 @@ impl<H: Host> Supervisor<H> {
         self.lock = None;
         self.stand_ins.clear();
         self.publish();
+        // Asked of a family that is gone: each asker hears so (its reply is dropped) rather
+        // than waiting for the next family.
+        while self.commands.try_recv().is_ok() {}
         tracing::info!(outcome = ?ended, code = ended.code(), "supervisor done");
         ended
+    }
+
+    /// The supervisor of a fresh family after this one ended (crash recovery in place): the
+    /// same host, handles, state channel and metrics, nothing of the old family's running
+    /// state (its epochs are reaped, its lock and stand-ins released), only its history. It
+    /// starts as any first start does: discovery on the node, then epoch 0 (Envoy's epoch 0
+    /// unlinks and recreates the shared memory a crashed family left behind) or a takeover
+    /// from whatever LIVE family answers on the admin port.
+    pub(crate) fn into_fresh(self) -> Self {
+        let FamilyState {
+            exits,
+            handoffs,
+            wedges,
+            last_handoff,
+            ..
+        } = self.family;
+        let starts = self.starts;
+        let mut fresh = Supervisor::new(
+            self.config,
+            self.base_id,
+            self.host,
+            self.commands,
+            self.state,
+            self.metrics,
+        );
+        fresh.family.exits = exits;
+        fresh.family.handoffs = handoffs;
+        fresh.family.wedges = wedges;
+        fresh.family.last_handoff = last_handoff;
+        fresh.starts = starts;
+        fresh
     }
 
     async fn supervise(&mut self, abort: CancellationToken) -> Ended {

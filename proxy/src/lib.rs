@@ -78,6 +78,10 @@ pub const EXIT_WEDGED: u8 = 75;
 pub trait Proxy: Send + Sync + 'static {
     /// Starts the proxy and resolves when it cannot serve anymore: the serving Envoy exited,
     /// the family gave up, or `abort` was cancelled (then everything is stopped first).
+    ///
+    /// Once it has resolved it may be called again (never twice at once): a fresh start, as
+    /// the first (the agent's crash recovery). State, drain and restart calls apply to the run
+    /// under way; between runs nothing serves.
     fn run(
         &self,
         abort: CancellationToken,

@@ -196,6 +196,44 @@ async fn hot_restarts_and_a_rejection_reach_an_otlp_receiver() {
     assert_eq!(drained, 2, "two parents drained away");
 }
 
+/// A crash that crash recovery restarts is counted, with its kind and what was done.
+#[tokio::test]
+async fn a_recovered_crash_reaches_an_otlp_receiver() {
+    let (addr, receiver) = receiver().await;
+    let endpoint = format!("http://{addr}");
+    let mut agent = agent()
+        .args(&["--restart-on-crash", "--otlp-endpoint", &endpoint])
+        .start()
+        .await;
+    let envoy = agent.envoy_pid();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
+    agent.wait_event("envoy_restarting", "attempt", "1").await;
+    eventually("ready again", PATIENCE, || async {
+        let r = envoy_agent_tests::http_get(agent.status(), "/healthz/ready")
+            .await
+            .ok()?;
+        (r.status == 200).then_some(())
+    })
+    .await;
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+
+    let requests = receiver.requests.lock().unwrap().clone();
+    let Some(Data::Sum(crashes)) = latest(&requests, "envoy_agent.envoy.crashes") else {
+        panic!("no crash counter");
+    };
+    let point = crashes.data_points.last().unwrap();
+    assert_eq!(
+        (
+            attr(&point.attributes, "envoy_agent.crash.kind").as_deref(),
+            attr(&point.attributes, "envoy_agent.crash.action").as_deref(),
+            point.value,
+        ),
+        (Some("exited"), Some("restart"), Some(Number::AsInt(1))),
+        "{crashes:?}"
+    );
+}
+
 /// SIGHUP to LIVE at the next epoch.
 async fn handoff_time(agent: &envoy_agent_tests::AgentProcess, epoch: u32) -> std::time::Duration {
     let started = std::time::Instant::now();

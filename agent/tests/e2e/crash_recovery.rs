@@ -1,0 +1,156 @@
+//! Crash recovery in place (`--restart-on-crash`), in both modes, with the real Envoy killed
+//! by a real SIGKILL: a new Envoy serves while the same agent keeps running and reports the
+//! crash; a crash loop backs off and gives up at the limit with the crash's code. Without the
+//! flag a crash ends the agent with Envoy's code: `run::run_serves_traffic_and_passes_on_
+//! sigkill_as_137` and `hot_restart::a_killed_serving_epoch_ends_the_supervisor_with_its_code`.
+
+use envoy_agent::client::connect;
+use envoy_agent::grpc::GrpcAddress;
+use envoy_agent_proto::pb;
+use envoy_agent_proxy::AdminClient;
+use envoy_agent_tests::{AgentProcess, PATIENCE, eventually, http_get, process_alive};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::exit_paths::{Mode, agent_in, both_modes};
+use crate::grpc::{cli, get_status};
+
+both_modes!(
+    a_killed_serving_envoy_is_replaced_in_place_and_the_crash_reported,
+    a_crash_loop_backs_off_and_gives_up_at_the_limit_with_the_crash_code,
+);
+
+async fn status(agent: &AgentProcess) -> pb::Status {
+    let addr: GrpcAddress = agent.grpc.parse().unwrap();
+    let mut client = connect(&addr, PATIENCE).await.unwrap();
+    get_status(&mut client).await
+}
+
+/// The pid of the one LIVE Envoy the agent reports, once it reports one.
+async fn live_envoy(agent: &AgentProcess, not: Option<u32>) -> pb::Status {
+    eventually("a LIVE envoy in the status", PATIENCE, || async {
+        let s = status(agent).await;
+        let live = s.state() == pb::AgentState::Live
+            && s.epochs.len() == 1
+            && s.epochs[0].state() == pb::EpochState::Live
+            && Some(s.epochs[0].pid) != not;
+        live.then_some(s)
+    })
+    .await
+}
+
+async fn a_killed_serving_envoy_is_replaced_in_place_and_the_crash_reported(mode: Mode) {
+    let mut agent = agent_in(mode).args(&["--restart-on-crash"]).start().await;
+    let agent_pid = agent.pid();
+    let before = live_envoy(&agent, None).await;
+    // From the status: a node proxy may run a validation of the binary beside Envoy.
+    let envoy = before.epochs[0].pid;
+    assert!(agent.children().contains(&envoy));
+
+    kill(Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
+    let crashed = agent.wait_event("envoy_crashed", "signal", "9").await;
+    assert_eq!(crashed["code"], 137, "{crashed}");
+    assert_eq!(crashed["action"], "restart", "{crashed}");
+    assert_eq!(crashed["attempt"], 1, "{crashed}");
+
+    let after = live_envoy(&agent, Some(envoy)).await;
+    let replacement = after.epochs[0].pid;
+    assert!(!process_alive(envoy), "the crashed envoy was reaped");
+    assert!(agent.running(), "the agent kept running");
+    assert_eq!(agent.pid(), agent_pid, "the same agent");
+    assert!(
+        agent.children().contains(&replacement),
+        "the new envoy is the agent's child"
+    );
+    // A fresh family at epoch 0 in node-proxy mode; epoch 0 always in sidecar mode.
+    assert_eq!(after.newest_live_epoch, Some(0));
+    if matches!(mode, Mode::NodeProxy) {
+        assert!(agent.marker_present(), "the readiness marker is back");
+    }
+
+    // It serves: a sidecar's Envoy picked new ports, so ask the agent where its admin is.
+    let admin = AdminClient::new(
+        after
+            .settings
+            .as_ref()
+            .and_then(|s| s.admin_address.as_deref())
+            .unwrap()
+            .parse()
+            .unwrap(),
+    );
+    let listener = admin
+        .listeners()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|l| l.name == "hello")
+        .and_then(|l| l.local_address)
+        .unwrap();
+    assert_eq!(http_get(listener, "/").await.unwrap().status, 200);
+    assert_eq!(
+        http_get(agent.status(), "/healthz/ready")
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+
+    // The crash, in the status as gRPC and `status --json` show it.
+    let recovery = after.crash_recovery.expect("crash recovery is on");
+    assert_eq!(
+        (recovery.total_crashes, recovery.consecutive_crashes),
+        (1, 1)
+    );
+    let crash = &recovery.crashes[0];
+    assert_eq!(crash.signal, Some(9));
+    assert_eq!(crash.exit_code, 137);
+    assert_eq!(crash.pid, Some(envoy));
+    assert_eq!(crash.action(), pb::CrashAction::Restart);
+    let (code, out, err) = cli(&agent, &["status", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let crash = &json["crash_recovery"]["crashes"][0];
+    assert_eq!(crash["signal"], 9, "{json}");
+    assert_eq!(crash["exit_code"], 137, "{json}");
+    assert_eq!(crash["action"], "restart", "{json}");
+
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    assert!(!process_alive(replacement));
+}
+
+async fn a_crash_loop_backs_off_and_gives_up_at_the_limit_with_the_crash_code(mode: Mode) {
+    let mut agent = agent_in(mode)
+        .args(&[
+            "--restart-on-crash",
+            "--crash-restart-limit",
+            "2",
+            "--crash-backoff-max",
+            "2s",
+        ])
+        .start()
+        .await;
+    let envoy = live_envoy(&agent, None).await.epochs[0].pid;
+    // From now on every Envoy refuses its bootstrap (exit 1).
+    agent
+        .dir
+        .write("bootstrap.yaml", "static_resources: [not, a, map]\n");
+    kill(Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
+
+    assert_eq!(agent.exit().await.code(), Some(1), "the last crash's code");
+    let crashes = agent.events("envoy_crashed");
+    let actions: Vec<&str> = crashes
+        .iter()
+        .map(|c| c["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(actions, ["restart", "restart", "give_up"], "{crashes:?}");
+    let backoffs: Vec<u64> = crashes
+        .iter()
+        .filter_map(|c| c["backoff_ms"].as_u64())
+        .collect();
+    assert_eq!(backoffs, [1000, 2000], "1 s, doubled");
+    assert_eq!(crashes[0]["signal"], 9);
+    assert_eq!(crashes[2]["code"], 1);
+    assert_eq!(agent.events("envoy_restarting").len(), 2);
+    agent.wait_event("exit", "exit_path", "crash_loop").await;
+}
