@@ -180,14 +180,14 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
             reason,
             phase,
         } => {
-            let what = match phase {
-                DrainPhase::Deciding => "stopping",
-                DrainPhase::Delay => "about to drain",
-                DrainPhase::Draining => "draining",
+            let (what, asking) = match phase {
+                DrainPhase::Deciding => ("stopping", "; is a successor taking over?"),
+                DrainPhase::Delay => ("about to drain", ""),
+                DrainPhase::Draining => ("draining", ""),
             };
             return text(
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: {what} since {} ({reason})", ago(since)),
+                format!("not ready: {what} since {} ({reason}{asking})", ago(since)),
             );
         }
         AgentState::Exiting { path, .. } => {

@@ -4,6 +4,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use envoy_agent_proxy::{AdminClient, ServerState};
 use nix::sys::signal::{Signal, kill};
@@ -410,15 +411,32 @@ impl AgentProcess {
         children_of(self.pid())
     }
 
-    /// Envoy's pid: the agent's one child.
+    /// Envoy's pid: the agent's one child that runs Envoy. A pre-flight (`--mode validate`,
+    /// `--hot-restart-version`, run ahead of a restart) or a fork not yet exec'd may be there
+    /// beside it for a moment: those are waited out (bounded).
     pub fn envoy_pid(&self) -> u32 {
-        let children = self.children();
-        assert_eq!(
-            children.len(),
-            1,
-            "the agent has one child, envoy: {children:?}"
-        );
-        children[0]
+        let agent_exe = std::fs::read_link(format!("/proc/{}/exe", self.pid())).ok();
+        let serving = |child: &u32| {
+            let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).unwrap_or_default();
+            let preflight = cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == b"validate" || arg == b"--hot-restart-version");
+            let exe = std::fs::read_link(format!("/proc/{child}/exe")).ok();
+            !preflight && exe.is_some() && exe != agent_exe
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let children = self.children();
+            let envoys: Vec<u32> = children.iter().copied().filter(serving).collect();
+            if envoys.len() == 1 && children.len() == 1 {
+                return envoys[0];
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the agent has one child, envoy: {children:?} (envoys: {envoys:?})"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// Sends `signal` to the agent.

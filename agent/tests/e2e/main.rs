@@ -14,6 +14,7 @@ mod grpc;
 mod handoff_faults;
 mod hot_restart;
 mod manifests;
+mod preflight_cache;
 mod run;
 mod status;
 mod systemd;
