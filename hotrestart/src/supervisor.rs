@@ -43,7 +43,7 @@ pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
 pub(crate) const EXPECTED_START: Duration = Duration::from_millis(100);
 /// How often a starting epoch is asked whether it is LIVE while its admin listener is not bound
 /// yet (the sign is expected; this only covers a sign that never comes).
-pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_millis(25);
+pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_millis(50);
 /// Spawn-to-LIVE times kept to expect the next one.
 const STARTS_KEPT: usize = 3;
 /// How often the serving epoch's admin is checked by the watchdog.

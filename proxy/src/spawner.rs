@@ -1,7 +1,8 @@
 //! The one thread that forks Envoy, and the registry of the children it forked.
 //!
-//! Envoy sets `PR_SET_PDEATHSIG(SIGTERM)` on itself when hot restart is on (and we set it for
-//! it otherwise), and Linux ties that to the *thread* that forked it, not the process: were
+//! The agent sets `PR_SET_PDEATHSIG(SIGTERM)` for Envoy in every mode (an Envoy 1.40 started
+//! with hot restart at epoch 0 was seen to outlive a SIGKILLed parent without it), and Linux
+//! ties that to the *thread* that forked it, not the process: were
 //! Envoy spawned from a tokio worker or a `spawn_blocking` thread, that thread retiring would
 //! SIGTERM a healthy Envoy. So every spawn goes through this dedicated thread, started on
 //! first use and alive until the process exits. If the agent itself dies, this thread dies
