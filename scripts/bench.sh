@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (release builds, the real Envoy) and prints a table and JSON.
-# Extra arguments go to envoy-agent-bench (e.g. --restarts 5 --json report.json).
+# Runs the benchmarks (release builds, the real Envoy): prints a table, and writes the JSON report
+# and the timeline SVG to target/bench/ (report.json, timeline.svg). Takes ~6 minutes.
+# Extra arguments go to envoy-agent-bench (e.g. --restarts 5, or --json/--svg elsewhere).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "${ENVOY_PATH:-}" ]; then
@@ -8,4 +9,5 @@ if [ -z "${ENVOY_PATH:-}" ]; then
   export ENVOY_PATH
 fi
 cargo build --locked --release -p envoy-agent -p envoy-agent-bench
-exec target/release/envoy-agent-bench "$@"
+mkdir -p target/bench
+exec target/release/envoy-agent-bench --json target/bench/report.json --svg target/bench/timeline.svg "$@"

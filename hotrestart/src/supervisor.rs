@@ -572,12 +572,13 @@ impl<H: Host> Supervisor<H> {
         // Early rather than a wake-up of its own when something else woke us (each wake-up
         // costs more than the work); every other period while nothing happens (a heartbeat is
         // fresh for four).
-        if self.host.has_node() && now + self.config.heartbeat_period / 2 >= self.heartbeat_due {
-            let steady = matches!(self.life, Life::Running)
-                && self.newest_live.is_some()
-                && self.handoff.is_idle()
-                && self.family.successor_starting.is_none();
-            self.heartbeat_due = now + self.config.heartbeat_period * if steady { 2 } else { 1 };
+        let steady = matches!(self.life, Life::Running)
+            && self.newest_live.is_some()
+            && self.handoff.is_idle()
+            && self.family.successor_starting.is_none();
+        let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
+        if self.host.has_node() && now + interval / 2 >= self.heartbeat_due {
+            self.heartbeat_due = now + interval;
             self.read_node();
             self.write_heartbeat();
         }
