@@ -43,8 +43,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_drain::{DrainError, Exclusions};
 pub use envoy_agent_drain::Counting;
+use envoy_agent_drain::{DrainError, Exclusions};
 use envoy_agent_proxy::{
     AdminClient, ConfigApplied, DrainOptions, Ended, Proxy, ProxyError, ProxyPhase, ProxyState,
     RestartError, WedgeReason,
@@ -212,7 +212,10 @@ impl fmt::Display for ExitPath {
             ExitPath::DrainTimeElapsed => f.write_str("termination drain duration elapsed"),
             ExitPath::ZeroActive(what) => write!(f, "no active {what} left"),
             ExitPath::DrainDeadline(what) => {
-                write!(f, "active {what} remained at the termination drain deadline")
+                write!(
+                    f,
+                    "active {what} remained at the termination drain deadline"
+                )
             }
             ExitPath::StatsUnavailable(what) => write!(f, "active {what} could not be counted"),
             ExitPath::QuitQuitQuit(Via::Http) => f.write_str("POST /quitquitquit"),
@@ -1816,7 +1819,11 @@ mod tests {
         let (h, _) = start_counting(c, &[0]);
         h.signal(Intent::Terminate).await;
         let (exit, proxy, started) = h.exit().await;
-        assert_eq!(exit.path, ExitPath::ZeroActive(Counting::Connections), "not the deadline");
+        assert_eq!(
+            exit.path,
+            ExitPath::ZeroActive(Counting::Connections),
+            "not the deadline"
+        );
         assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
     }
 

@@ -425,9 +425,7 @@ impl RunArgs {
         match (self.exit_on_zero, self.exit_on_zero_active_connections) {
             (Some(ExitOnZeroArg::Requests), true) => Err(ExitOnZeroConflict),
             (Some(ExitOnZeroArg::Requests), false) => Ok(Some(Counting::Requests)),
-            (Some(ExitOnZeroArg::Connections), _) | (None, true) => {
-                Ok(Some(Counting::Connections))
-            }
+            (Some(ExitOnZeroArg::Connections), _) | (None, true) => Ok(Some(Counting::Connections)),
             (None, false) => Ok(None),
         }
     }
@@ -650,8 +648,8 @@ mod tests {
     }
 
     fn run_args(args: &[&str]) -> RunArgs {
-        let cli = Cli::try_parse_from(["envoy-agent", "run", "-c", "b.yaml"].iter().chain(args))
-            .unwrap();
+        let cli =
+            Cli::try_parse_from(["envoy-agent", "run", "-c", "b.yaml"].iter().chain(args)).unwrap();
         let Command::Run(run) = cli.command else {
             panic!("run expected");
         };
@@ -663,10 +661,16 @@ mod tests {
         let counting = |args: &[&str]| run_args(args).exit_on_zero();
         assert_eq!(counting(&[]), Ok(None));
         let connections = Ok(Some(Counting::Connections));
-        assert_eq!(counting(&["--exit-on-zero-active-connections"]), connections);
+        assert_eq!(
+            counting(&["--exit-on-zero-active-connections"]),
+            connections
+        );
         assert_eq!(counting(&["--exit-on-zero", "connections"]), connections);
         assert_eq!(
-            counting(&["--exit-on-zero=connections", "--exit-on-zero-active-connections"]),
+            counting(&[
+                "--exit-on-zero=connections",
+                "--exit-on-zero-active-connections"
+            ]),
             connections
         );
         assert_eq!(
@@ -674,7 +678,10 @@ mod tests {
             Ok(Some(Counting::Requests))
         );
         assert_eq!(
-            counting(&["--exit-on-zero=requests", "--exit-on-zero-active-connections"]),
+            counting(&[
+                "--exit-on-zero=requests",
+                "--exit-on-zero-active-connections"
+            ]),
             Err(ExitOnZeroConflict)
         );
     }

@@ -663,7 +663,10 @@ mod tests {
         has("drain:              sigterm since 1970-01-01T00:16:35Z (5.0s ago)");
         has("deadline:         1970-01-01T00:17:05Z (in 25.0s)");
         has("  requests:         3 active, counted 1970-01-01T00:16:39Z (1.0s ago)");
-        assert!(!text.contains("connections:"), "requests are counted: {text}");
+        assert!(
+            !text.contains("connections:"),
+            "requests are counted: {text}"
+        );
         has("      4      4242  live");
         has("identity pod-b-1a2b");
         has("predecessor:        pod-a-9f8e");
@@ -671,7 +674,9 @@ mod tests {
         has("epoch 4 live in 250ms (SIGHUP)");
         assert!(!text.contains("epoch 1 live"), "only the last 3: {text}");
         has("wedge:              stale_initializing: cleared");
-        has("drain time 45s, termination drain -, drain delay 250ms, exit on zero requests (minimum 5s)");
+        has(
+            "drain time 45s, termination drain -, drain delay 250ms, exit on zero requests (minimum 5s)",
+        );
     }
 
     #[test]

@@ -32,8 +32,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::agent::{
-    AgentConfig, AgentError, AgentHandle, AgentState, Counting, DrainPhase, DrainReason,
-    ExitPath, Status as AgentStatus, Via,
+    AgentConfig, AgentError, AgentHandle, AgentState, Counting, DrainPhase, DrainReason, ExitPath,
+    Status as AgentStatus, Via,
 };
 use crate::crash::{CrashAction, CrashKind, Crashes};
 use crate::signal::Intent;

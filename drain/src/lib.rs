@@ -492,7 +492,10 @@ listener.0.0.0.0_8080.http.shared.downstream_rq_completed: 1
 listener.0.0.0.0_15021.downstream_cx_active: 2
 listener.0.0.0.0_15021.http.shared.downstream_rq_completed: 1
 ";
-        assert_eq!(sum_active_requests(stats, &Exclusions::with_ports([15021])), 1);
+        assert_eq!(
+            sum_active_requests(stats, &Exclusions::with_ports([15021])),
+            1
+        );
         assert_eq!(sum_active_requests(stats, &Exclusions::default()), 0);
     }
 
@@ -550,9 +553,6 @@ listener.l.downstream_cx_active: 1
 listener.l.http.h.downstream_rq_completed: 0
 listener.t.downstream_cx_active: 1
 ";
-        assert_eq!(
-            sum_active_requests(huge, &Exclusions::default()),
-            u64::MAX
-        );
+        assert_eq!(sum_active_requests(huge, &Exclusions::default()), u64::MAX);
     }
 }

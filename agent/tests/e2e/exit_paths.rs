@@ -84,9 +84,13 @@ async fn hello_gauges(agent: &envoy_agent_tests::AgentProcess) -> Option<(u64, u
         .await
         .ok()?;
     let gauge = |name: &str| {
-        stats
-            .lines()
-            .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(": ")?.parse().ok())
+        stats.lines().find_map(|l| {
+            l.trim()
+                .strip_prefix(name)?
+                .strip_prefix(": ")?
+                .parse()
+                .ok()
+        })
     };
     Some((
         gauge("http.hello.downstream_cx_active")?,
