@@ -16,7 +16,7 @@
 //! | same, the crash after the limit of restarts in a row | the agent exits | the crash's (never 0) |
 //! | SIGTERM / SIGINT / `Stop` during a crash back-off | nothing runs: the agent exits at once | 0 |
 //! | SIGTERM / SIGINT, no successor pod | [drain delay] → graceful drain of every epoch → wait the termination drain duration (less if Envoy exits) → stop | 0 |
-//! | same, exit-on-zero | … → drain → wait the minimum drain duration → count active connections, stop at zero (and no parent epoch still draining); the termination drain duration is a hard deadline; N stats errors in a row end the wait | 0 |
+//! | same, exit-on-zero | … → drain → wait the minimum drain duration → count active connections (or requests: [`Counting`]), stop at zero (and no parent epoch still draining); the termination drain duration is a hard deadline; N stats errors in a row end the wait | 0 |
 //! | SIGTERM / SIGINT while a successor pod takes over | wait until the successor's Envoy has terminated ours (bounded), then exit | 0 |
 //! | `/drain`, gRPC `Drain` | every epoch drains (with `skip_exit`: keeps accepting); the next SIGTERM stops at once | 0 |
 //! | `/quitquitquit`, gRPC `QuitQuitQuit` | stop at once, no drain | 0 |
@@ -25,6 +25,10 @@
 //! "Stop" cancels the proxy's run: it stops every Envoy (SIGTERM, SIGKILL after its grace;
 //! SIGKILL at once for an epoch that is not LIVE while its parent lives) and the agent waits
 //! for them all to be reaped, so no Envoy outlives it.
+//!
+//! Exit-on-zero counts at the newest epoch's admin API, in both modes: a hot-restart parent
+//! still draining holds its own connections and requests, which the newest epoch's stats may
+//! not show, so a zero counts only once no parent drains.
 //!
 //! # Bounds
 //!
@@ -39,7 +43,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_drain::{DrainError, Exclusions, active_connections};
+pub use envoy_agent_drain::Counting;
+use envoy_agent_drain::{DrainError, Exclusions};
 use envoy_agent_proxy::{
     AdminClient, ConfigApplied, DrainOptions, Ended, Proxy, ProxyError, ProxyPhase, ProxyState,
     RestartError, WedgeReason,
@@ -61,22 +66,23 @@ const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     /// How long a shutdown drain lasts before Envoy is stopped; in exit-on-zero mode, the hard
-    /// deadline of the wait for zero connections.
+    /// deadline of the wait for zero.
     pub termination_drain_duration: Duration,
     /// In exit-on-zero mode, how long to wait after the drain starts before counting.
     pub minimum_drain_duration: Duration,
-    /// Stop as soon as Envoy has no active downstream connections (after the minimum).
-    pub exit_on_zero_active_connections: bool,
+    /// Exit-on-zero: stop as soon as Envoy has no active downstream connections, or requests
+    /// (after the minimum). None: drain for the termination drain duration.
+    pub exit_on_zero: Option<Counting>,
     /// On SIGTERM, report not-ready for this long before draining, so load balancers and
     /// endpoint lists drop the pod first (Istio #36660).
     pub drain_delay: Duration,
-    /// Listeners that do not count as active connections.
+    /// Listeners whose connections and requests do not count.
     pub exclusions: Exclusions,
-    /// How often active connections are counted in exit-on-zero mode.
+    /// How often exit-on-zero counts.
     pub poll_interval: Duration,
     /// Bound on one stats call in exit-on-zero mode.
     pub stats_timeout: Duration,
-    /// Consecutive stats failures that end the wait for zero connections.
+    /// Consecutive stats failures that end the wait for zero.
     pub stats_error_budget: u32,
     /// How long a stopping agent waits for a successor pod's Envoy to terminate its own.
     pub handover_timeout: Duration,
@@ -89,7 +95,7 @@ impl Default for AgentConfig {
         AgentConfig {
             termination_drain_duration: Duration::from_secs(5),
             minimum_drain_duration: Duration::from_secs(5),
-            exit_on_zero_active_connections: false,
+            exit_on_zero: None,
             drain_delay: Duration::ZERO,
             exclusions: Exclusions::with_ports([15021, 15090]),
             poll_interval: Duration::from_millis(50),
@@ -165,12 +171,12 @@ pub enum ExitPath {
     },
     /// The termination drain duration passed.
     DrainTimeElapsed,
-    /// Exit-on-zero: no active connections were left.
-    ZeroConnections,
-    /// Exit-on-zero: connections remained when the deadline passed.
-    DrainDeadline,
-    /// Exit-on-zero: the connection count could not be read, too often in a row.
-    StatsUnavailable,
+    /// Exit-on-zero: nothing it counts was left active.
+    ZeroActive(Counting),
+    /// Exit-on-zero: connections (or requests) remained when the deadline passed.
+    DrainDeadline(Counting),
+    /// Exit-on-zero: the count could not be read, too often in a row.
+    StatsUnavailable(Counting),
     /// `/quitquitquit` or gRPC `QuitQuitQuit`.
     QuitQuitQuit(Via),
     /// A second SIGTERM/SIGINT during a drain.
@@ -204,11 +210,14 @@ impl fmt::Display for ExitPath {
             ExitPath::StartFailed { code } => write!(f, "envoy failed to start (exit {code})"),
             ExitPath::Wedged { reason } => write!(f, "wedged ({reason})"),
             ExitPath::DrainTimeElapsed => f.write_str("termination drain duration elapsed"),
-            ExitPath::ZeroConnections => f.write_str("no active connections left"),
-            ExitPath::DrainDeadline => {
-                f.write_str("connections remained at the termination drain deadline")
+            ExitPath::ZeroActive(what) => write!(f, "no active {what} left"),
+            ExitPath::DrainDeadline(what) => {
+                write!(
+                    f,
+                    "active {what} remained at the termination drain deadline"
+                )
             }
-            ExitPath::StatsUnavailable => f.write_str("active connections could not be counted"),
+            ExitPath::StatsUnavailable(what) => write!(f, "active {what} could not be counted"),
             ExitPath::QuitQuitQuit(Via::Http) => f.write_str("POST /quitquitquit"),
             ExitPath::QuitQuitQuit(Via::Grpc) => f.write_str("gRPC QuitQuitQuit"),
             ExitPath::SecondSignal => f.write_str("second signal during the drain"),
@@ -252,9 +261,10 @@ impl ExitPath {
             ExitPath::StartFailed { .. } => "start_failed",
             ExitPath::Wedged { .. } => "wedged",
             ExitPath::DrainTimeElapsed => "drain_time_elapsed",
-            ExitPath::ZeroConnections => "zero_connections",
-            ExitPath::DrainDeadline => "drain_deadline",
-            ExitPath::StatsUnavailable => "stats_unavailable",
+            ExitPath::ZeroActive(Counting::Connections) => "zero_connections",
+            ExitPath::ZeroActive(Counting::Requests) => "zero_requests",
+            ExitPath::DrainDeadline(_) => "drain_deadline",
+            ExitPath::StatsUnavailable(_) => "stats_unavailable",
             ExitPath::QuitQuitQuit(_) => "quitquitquit",
             ExitPath::SecondSignal => "second_signal",
             ExitPath::SignalAfterDrain => "signal_after_drain",
@@ -264,6 +274,16 @@ impl ExitPath {
             ExitPath::ProxyFailed => "proxy_failed",
             ExitPath::CrashLoop { .. } => "crash_loop",
             ExitPath::StoppedWhileRecovering => "stopped_while_recovering",
+        }
+    }
+
+    /// What exit-on-zero counted, for its paths.
+    pub fn counting(self) -> Option<Counting> {
+        match self {
+            ExitPath::ZeroActive(what)
+            | ExitPath::DrainDeadline(what)
+            | ExitPath::StatsUnavailable(what) => Some(what),
+            _ => None,
         }
     }
 }
@@ -456,7 +476,9 @@ pub struct DrainProgress {
     pub started: SystemTime,
     /// When Envoy is stopped at the latest; none in exit-on-zero mode without a deadline.
     pub deadline: Option<SystemTime>,
-    /// Exit-on-zero: the last count of active connections, and when it was taken.
+    /// Exit-on-zero: what it counts; none without exit-on-zero.
+    pub counting: Option<Counting>,
+    /// Exit-on-zero: the last count (of [`DrainProgress::counting`]), and when it was taken.
     pub last_count: Option<(u64, SystemTime)>,
 }
 
@@ -646,11 +668,11 @@ pub struct Agent<P> {
     metrics: crate::telemetry::AgentMetrics,
     commands: mpsc::Receiver<Command>,
     status: watch::Sender<Status>,
-    /// Counts Envoy's active connections (exit-on-zero); the admin API unless replaced.
+    /// Counts for exit-on-zero; the admin API unless replaced.
     counter: Option<Counter>,
 }
 
-/// Counts active downstream connections, once per call.
+/// Counts what exit-on-zero counts, once per call.
 pub type Counter =
     Arc<dyn Fn() -> Pin<Box<dyn Future<Output = Result<u64, DrainError>> + Send>> + Send + Sync>;
 
@@ -695,7 +717,7 @@ struct Shutdown {
     /// drain duration is not longer than the minimum (Istio's: count until zero, no cap).
     deadline: Option<Instant>,
     stats_errors: u32,
-    /// The last count of active connections, if one succeeded.
+    /// The last count, if one succeeded.
     last_count: Option<u64>,
     /// What the status says of this drain.
     progress: DrainProgress,
@@ -766,7 +788,7 @@ impl<P: Proxy> Agent<P> {
         )
     }
 
-    /// Counts active connections with `counter` instead of Envoy's admin API (tests).
+    /// Counts with `counter` instead of Envoy's admin API (tests).
     pub fn with_counter(mut self, counter: Counter) -> Self {
         self.counter = Some(counter);
         self
@@ -1004,13 +1026,12 @@ impl<P: Proxy> Agent<P> {
                                 drain_call = Some(self.drain_future(DrainOptions::default()));
                             }
                             if s.deadline.is_some_and(|d| d <= now) {
-                                // Never claim connections remained unless they were counted.
-                                stop_now = Some(if s.last_count.is_some_and(|n| n > 0) {
-                                    ExitPath::DrainDeadline
-                                } else {
-                                    ExitPath::DrainTimeElapsed
+                                // Never claim anything remained unless it was counted.
+                                stop_now = Some(match (self.config.exit_on_zero, s.last_count) {
+                                    (Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
+                                    _ => ExitPath::DrainTimeElapsed,
                                 });
-                            } else if self.config.exit_on_zero_active_connections
+                            } else if self.config.exit_on_zero.is_some()
                                 && s.drain_sent
                                 && s.count_from <= now
                                 && s.next_count <= now
@@ -1037,18 +1058,21 @@ impl<P: Proxy> Agent<P> {
 
                 count = settle(&mut count_call) => {
                     count_call = None;
-                    if let Mode::ShuttingDown(s) = &mut mode {
+                    if let (Mode::ShuttingDown(s), Some(what)) = (&mut mode, self.config.exit_on_zero) {
                         match count {
                             // A parent epoch still drains its own connections, which the count
                             // may not show: zero means zero only once it is gone.
                             Ok(0) if !proxy_state.borrow().parent_draining() => {
-                                stop_now = Some(ExitPath::ZeroConnections)
+                                stop_now = Some(ExitPath::ZeroActive(what))
                             }
                             Ok(n) => {
                                 s.stats_errors = 0;
                                 s.last_count = Some(n);
                                 s.progress.last_count = Some((n, SystemTime::now()));
-                                tracing::debug!(event = "active_connections", active_connections = n, "waiting for zero");
+                                match what {
+                                    Counting::Connections => tracing::debug!(event = "active_connections", active_connections = n, "waiting for zero"),
+                                    Counting::Requests => tracing::debug!(event = "active_requests", active_requests = n, "waiting for zero"),
+                                }
                             }
                             Err(e) => {
                                 s.stats_errors += 1;
@@ -1056,10 +1080,10 @@ impl<P: Proxy> Agent<P> {
                                     error = %e,
                                     errors = s.stats_errors,
                                     budget = self.config.stats_error_budget,
-                                    "cannot count active connections"
+                                    "cannot count active {what}"
                                 );
                                 if s.stats_errors >= self.config.stats_error_budget {
-                                    stop_now = Some(ExitPath::StatsUnavailable);
+                                    stop_now = Some(ExitPath::StatsUnavailable(what));
                                 }
                             }
                         }
@@ -1094,6 +1118,7 @@ impl<P: Proxy> Agent<P> {
                     tracing::info!(
                         event = "stopping",
                         exit_path = path.name(),
+                        counting = path.counting().map(Counting::name),
                         at_unix_ms = unix_ms(),
                         "stopping envoy: {path}"
                     );
@@ -1243,12 +1268,12 @@ impl<P: Proxy> Agent<P> {
     /// when it is longer than the minimum (else nothing would ever be counted).
     fn drain_deadline(&self) -> Option<Duration> {
         let c = &self.config;
-        match c.exit_on_zero_active_connections {
-            false => Some(c.termination_drain_duration),
-            true if c.termination_drain_duration > c.minimum_drain_duration => {
+        match c.exit_on_zero {
+            None => Some(c.termination_drain_duration),
+            Some(_) if c.termination_drain_duration > c.minimum_drain_duration => {
                 Some(c.termination_drain_duration)
             }
-            true => None,
+            Some(_) => None,
         }
     }
 
@@ -1259,7 +1284,7 @@ impl<P: Proxy> Agent<P> {
             %reason,
             drain_delay = ?self.config.drain_delay,
             termination_drain_duration = ?self.config.termination_drain_duration,
-            exit_on_zero = self.config.exit_on_zero_active_connections,
+            exit_on_zero = self.config.exit_on_zero.map(Counting::name),
             "shutting down: draining envoy"
         );
         Shutdown {
@@ -1277,6 +1302,7 @@ impl<P: Proxy> Agent<P> {
                 deadline: self
                     .drain_deadline()
                     .map(|d| SystemTime::now() + self.config.drain_delay + d),
+                counting: self.config.exit_on_zero,
                 last_count: None,
             },
         }
@@ -1293,7 +1319,7 @@ impl<P: Proxy> Agent<P> {
                 if !s.drain_sent {
                     consider(s.drain_at);
                 }
-                if self.config.exit_on_zero_active_connections && s.drain_sent && !counting {
+                if self.config.exit_on_zero.is_some() && s.drain_sent && !counting {
                     consider(s.next_count.max(s.count_from));
                 }
                 wake
@@ -1378,9 +1404,10 @@ impl<P: Proxy> Agent<P> {
             .admin_address()
             .map(|a| AdminClient::new(a).with_timeout(self.config.stats_timeout));
         let exclusions = self.config.exclusions.clone();
+        let what = self.config.exit_on_zero.unwrap_or(Counting::Connections);
         Box::pin(async move {
             let admin = admin.ok_or(DrainError::AdminUnknown)?;
-            active_connections(&admin, &exclusions).await
+            envoy_agent_drain::active(&admin, what, &exclusions).await
         })
     }
 
@@ -1721,12 +1748,12 @@ mod tests {
     async fn exit_on_zero_gives_up_after_the_stats_error_budget() {
         // The fake has no admin API: every count fails.
         let mut c = config();
-        c.exit_on_zero_active_connections = true;
+        c.exit_on_zero = Some(Counting::Connections);
         c.termination_drain_duration = Duration::from_secs(60);
         let h = start(FakeProxy::default(), c);
         h.signal(Intent::Terminate).await;
         let (exit, proxy, started) = h.exit().await;
-        assert_eq!(exit.path, ExitPath::StatsUnavailable);
+        assert_eq!(exit.path, ExitPath::StatsUnavailable(Counting::Connections));
         let stopped = proxy.stopped_at().unwrap() - started;
         // Minimum drain (5s), then five failures 50ms apart.
         assert!(
@@ -1774,11 +1801,11 @@ mod tests {
         // Istio's defaults: 5s minimum, 5s termination drain duration. Nothing would ever be
         // counted if that were a deadline; it is not: counting goes on until zero.
         let mut c = config();
-        c.exit_on_zero_active_connections = true;
+        c.exit_on_zero = Some(Counting::Connections);
         let (h, calls) = start_counting(c, &[3, 3, 2, 1, 1, 0]);
         h.signal(Intent::Terminate).await;
         let (exit, proxy, started) = h.exit().await;
-        assert_eq!(exit.path, ExitPath::ZeroConnections);
+        assert_eq!(exit.path, ExitPath::ZeroActive(Counting::Connections));
         assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 6);
         let stopped = proxy.stopped_at().unwrap() - started;
         // The minimum, then five 50 ms polls.
@@ -1788,18 +1815,22 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn exit_on_zero_with_no_connection_at_all_stops_at_the_minimum() {
         let mut c = config();
-        c.exit_on_zero_active_connections = true;
+        c.exit_on_zero = Some(Counting::Connections);
         let (h, _) = start_counting(c, &[0]);
         h.signal(Intent::Terminate).await;
         let (exit, proxy, started) = h.exit().await;
-        assert_eq!(exit.path, ExitPath::ZeroConnections, "not the deadline");
+        assert_eq!(
+            exit.path,
+            ExitPath::ZeroActive(Counting::Connections),
+            "not the deadline"
+        );
         assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_longer_termination_drain_duration_is_a_hard_deadline_on_counted_connections() {
         let mut c = config();
-        c.exit_on_zero_active_connections = true;
+        c.exit_on_zero = Some(Counting::Connections);
         c.minimum_drain_duration = Duration::from_secs(2);
         c.termination_drain_duration = Duration::from_secs(7);
         let (h, calls) = start_counting(c, &[4]);
@@ -1807,7 +1838,7 @@ mod tests {
         let (exit, proxy, started) = h.exit().await;
         assert_eq!(
             exit.path,
-            ExitPath::DrainDeadline,
+            ExitPath::DrainDeadline(Counting::Connections),
             "connections were counted"
         );
         assert!(calls.load(std::sync::atomic::Ordering::SeqCst) > 50);
@@ -1815,10 +1846,56 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn exit_on_zero_requests_names_requests_in_its_progress_and_exit_paths() {
+        let mut c = config();
+        c.exit_on_zero = Some(Counting::Requests);
+        c.minimum_drain_duration = Duration::from_secs(1);
+        c.termination_drain_duration = Duration::from_secs(3);
+        let (h, _) = start_counting(c.clone(), &[2, 2, 1, 0]);
+        let mut status = h.handle.status();
+        h.signal(Intent::Terminate).await;
+        let progress = status
+            .wait_for(|s| s.drain.as_ref().is_some_and(|d| d.last_count.is_some()))
+            .await
+            .unwrap()
+            .drain
+            .clone()
+            .unwrap();
+        assert_eq!(progress.counting, Some(Counting::Requests));
+        assert_eq!(progress.last_count.map(|(n, _)| n), Some(2));
+        let (exit, _, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::ZeroActive(Counting::Requests));
+        assert_eq!(exit.path.name(), "zero_requests");
+
+        let (h, _) = start_counting(c, &[1]);
+        h.signal(Intent::Terminate).await;
+        let (exit, _, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainDeadline(Counting::Requests));
+        assert_eq!(exit.path.counting(), Some(Counting::Requests));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_exit_on_zero_the_drain_reports_no_count() {
+        let h = start(FakeProxy::default(), config());
+        let mut status = h.handle.status();
+        h.signal(Intent::Terminate).await;
+        let progress = status
+            .wait_for(|s| s.drain.is_some())
+            .await
+            .unwrap()
+            .drain
+            .clone()
+            .unwrap();
+        assert_eq!((progress.counting, progress.last_count), (None, None));
+        let (exit, _, _) = h.exit().await;
+        assert_eq!(exit.path.counting(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn the_deadline_never_claims_uncounted_connections() {
         // Counts fail (no admin): the deadline ends the wait, and says the time elapsed.
         let mut c = config();
-        c.exit_on_zero_active_connections = true;
+        c.exit_on_zero = Some(Counting::Connections);
         c.minimum_drain_duration = Duration::from_secs(1);
         c.termination_drain_duration = Duration::from_millis(1100);
         let h = start(FakeProxy::default(), c);

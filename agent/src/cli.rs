@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::agent::Counting;
 use crate::duration::{
     parse_duration, parse_positive_duration, parse_positive_whole_seconds, parse_whole_seconds,
 };
@@ -145,6 +146,17 @@ pub enum DrainStrategyArg {
     Gradual,
 }
 
+/// What exit-on-zero counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExitOnZeroArg {
+    /// Active downstream connections (what --exit-on-zero-active-connections counts): an idle
+    /// keep-alive connection holds the drain.
+    Connections,
+    /// Active downstream requests on HTTP listeners; a listener without HTTP (TCP proxy)
+    /// counts its connections. Idle keep-alive connections do not hold the drain.
+    Requests,
+}
+
 /// `envoy-agent run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
@@ -225,12 +237,12 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_STOP_GRACE", value_parser = parse_duration, default_value = "5s")]
     pub stop_grace: Duration,
 
-    /// On SIGTERM: how long Envoy drains before it is stopped. With
-    /// --exit-on-zero-active-connections, the hard deadline of the wait for zero.
+    /// On SIGTERM: how long Envoy drains before it is stopped. With exit-on-zero, the hard
+    /// deadline of the wait for zero when longer than --minimum-drain-duration.
     #[arg(long, env = "ENVOY_AGENT_TERMINATION_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
     pub termination_drain_duration: Duration,
 
-    /// With --exit-on-zero-active-connections: how long to drain before counting.
+    /// With exit-on-zero: how long to drain before counting.
     #[arg(long, env = "ENVOY_AGENT_MINIMUM_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
     pub minimum_drain_duration: Duration,
 
@@ -239,17 +251,24 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_EXIT_ON_ZERO_ACTIVE_CONNECTIONS")]
     pub exit_on_zero_active_connections: bool,
 
+    /// On SIGTERM, stop Envoy as soon as nothing of this is active (after the minimum drain
+    /// duration, at the latest at the termination drain duration): `connections` is
+    /// --exit-on-zero-active-connections; `requests` lets idle keep-alive connections go
+    /// uncounted.
+    #[arg(long, env = "ENVOY_AGENT_EXIT_ON_ZERO", value_enum)]
+    pub exit_on_zero: Option<ExitOnZeroArg>,
+
     /// On SIGTERM, report not-ready for this long before draining (endpoint removal
     /// propagates first).
     #[arg(long, env = "ENVOY_AGENT_DRAIN_DELAY", value_parser = parse_duration, default_value = "0s")]
     pub drain_delay: Duration,
 
-    /// How often active connections are counted while waiting for zero.
+    /// How often exit-on-zero counts while waiting for zero.
     #[arg(long, env = "ENVOY_AGENT_DRAIN_POLL_INTERVAL", value_parser = parse_positive_duration, default_value = "50ms")]
     pub drain_poll_interval: Duration,
 
-    /// Listener ports whose connections do not count as active (health, metrics listeners),
-    /// on any address.
+    /// Listener ports whose connections and requests do not count as active (health, metrics
+    /// listeners), on any address.
     #[arg(
         long,
         env = "ENVOY_AGENT_EXCLUDE_LISTENER_PORTS",
@@ -258,8 +277,8 @@ pub struct RunArgs {
     )]
     pub exclude_listener_ports: Vec<u16>,
 
-    /// Listener stat-name prefixes whose connections do not count as active, besides `admin`
-    /// and `envoy_internal_`.
+    /// Listener stat-name prefixes whose connections and requests do not count as active,
+    /// besides `admin` and `envoy_internal_`.
     #[arg(
         long,
         env = "ENVOY_AGENT_EXCLUDE_LISTENER_PREFIXES",
@@ -400,6 +419,17 @@ impl RunArgs {
         })
     }
 
+    /// What exit-on-zero counts, from --exit-on-zero and --exit-on-zero-active-connections
+    /// (the same as `--exit-on-zero connections`); none when off. Err when they disagree.
+    pub fn exit_on_zero(&self) -> Result<Option<Counting>, ExitOnZeroConflict> {
+        match (self.exit_on_zero, self.exit_on_zero_active_connections) {
+            (Some(ExitOnZeroArg::Requests), true) => Err(ExitOnZeroConflict),
+            (Some(ExitOnZeroArg::Requests), false) => Ok(Some(Counting::Requests)),
+            (Some(ExitOnZeroArg::Connections), _) | (None, true) => Ok(Some(Counting::Connections)),
+            (None, false) => Ok(None),
+        }
+    }
+
     /// `--parent-shutdown-time` or its default.
     pub fn parent_shutdown_time(&self) -> Duration {
         self.parent_shutdown_time
@@ -417,6 +447,14 @@ impl RunArgs {
             .unwrap_or(defaults::ADMIN_UNRESPONSIVE_DEADLINE)
     }
 }
+
+/// `--exit-on-zero requests` with `--exit-on-zero-active-connections`: two different counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "--exit-on-zero requests and --exit-on-zero-active-connections (or their environment \
+     variables) ask for different counts: keep one"
+)]
+pub struct ExitOnZeroConflict;
 
 /// The flag reference of every subcommand as Markdown, generated from the CLI definition
 /// itself so it cannot drift (`docs/flags.md` is this text; a test keeps it current).
@@ -607,5 +645,44 @@ mod tests {
         };
         assert_eq!(run.config_path, PathBuf::from("b.yaml"));
         assert_eq!(run.envoy_args, ["--service-cluster", "x"]);
+    }
+
+    fn run_args(args: &[&str]) -> RunArgs {
+        let cli =
+            Cli::try_parse_from(["envoy-agent", "run", "-c", "b.yaml"].iter().chain(args)).unwrap();
+        let Command::Run(run) = cli.command else {
+            panic!("run expected");
+        };
+        *run
+    }
+
+    #[test]
+    fn exit_on_zero_counts_connections_by_either_flag_and_requests_by_one() {
+        let counting = |args: &[&str]| run_args(args).exit_on_zero();
+        assert_eq!(counting(&[]), Ok(None));
+        let connections = Ok(Some(Counting::Connections));
+        assert_eq!(
+            counting(&["--exit-on-zero-active-connections"]),
+            connections
+        );
+        assert_eq!(counting(&["--exit-on-zero", "connections"]), connections);
+        assert_eq!(
+            counting(&[
+                "--exit-on-zero=connections",
+                "--exit-on-zero-active-connections"
+            ]),
+            connections
+        );
+        assert_eq!(
+            counting(&["--exit-on-zero=requests"]),
+            Ok(Some(Counting::Requests))
+        );
+        assert_eq!(
+            counting(&[
+                "--exit-on-zero=requests",
+                "--exit-on-zero-active-connections"
+            ]),
+            Err(ExitOnZeroConflict)
+        );
     }
 }

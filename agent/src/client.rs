@@ -178,12 +178,18 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
             if d.deadline.is_some() {
                 when(&d.deadline, now)
             } else {
-                "none (exit-on-zero counts until no connection is left)".to_owned()
+                "none (exit-on-zero counts until nothing is left)".to_owned()
             },
         );
         if let Some(n) = d.active_connections {
             line(
                 "  connections:",
+                format!("{n} active, counted {}", when(&d.count_time, now)),
+            );
+        }
+        if let Some(n) = d.active_requests {
+            line(
+                "  requests:",
                 format!("{n} active, counted {}", when(&d.count_time, now)),
             );
         }
@@ -302,10 +308,15 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
             span(&s.drain_time),
             span(&s.termination_drain_duration),
             span(&s.drain_delay),
-            if s.exit_on_zero_active_connections {
-                format!("yes (minimum {})", span(&s.minimum_drain_duration))
-            } else {
-                "no".to_owned()
+            match (s.exit_on_zero(), s.exit_on_zero_active_connections) {
+                (pb::ExitOnZero::Requests, _) => {
+                    format!("requests (minimum {})", span(&s.minimum_drain_duration))
+                }
+                // An older agent sets only the boolean.
+                (pb::ExitOnZero::Connections, _) | (_, true) => {
+                    format!("connections (minimum {})", span(&s.minimum_drain_duration))
+                }
+                _ => "no".to_owned(),
             },
             if status.family.is_some() {
                 format!(
@@ -602,7 +613,8 @@ mod tests {
                 reason: pb::DrainReason::Sigterm.into(),
                 start_time: at(995),
                 deadline: at(1025),
-                active_connections: Some(3),
+                active_connections: None,
+                active_requests: Some(3),
                 count_time: at(999),
             }),
             settings: Some(pb::Settings {
@@ -615,6 +627,11 @@ mod tests {
                     nanos: 250_000_000,
                 }),
                 config_path: "/etc/envoy/envoy.yaml".into(),
+                exit_on_zero: pb::ExitOnZero::Requests.into(),
+                minimum_drain_duration: Some(prost_types::Duration {
+                    seconds: 5,
+                    nanos: 0,
+                }),
                 ..Default::default()
             }),
             family: Some(pb::Family {
@@ -645,7 +662,11 @@ mod tests {
         has("newest LIVE epoch:  4");
         has("drain:              sigterm since 1970-01-01T00:16:35Z (5.0s ago)");
         has("deadline:         1970-01-01T00:17:05Z (in 25.0s)");
-        has("3 active, counted 1970-01-01T00:16:39Z (1.0s ago)");
+        has("  requests:         3 active, counted 1970-01-01T00:16:39Z (1.0s ago)");
+        assert!(
+            !text.contains("connections:"),
+            "requests are counted: {text}"
+        );
         has("      4      4242  live");
         has("identity pod-b-1a2b");
         has("predecessor:        pod-a-9f8e");
@@ -653,7 +674,9 @@ mod tests {
         has("epoch 4 live in 250ms (SIGHUP)");
         assert!(!text.contains("epoch 1 live"), "only the last 3: {text}");
         has("wedge:              stale_initializing: cleared");
-        has("drain time 45s, termination drain -, drain delay 250ms");
+        has(
+            "drain time 45s, termination drain -, drain delay 250ms, exit on zero requests (minimum 5s)",
+        );
     }
 
     #[test]
@@ -666,7 +689,9 @@ mod tests {
         assert!(json.get("exit_path").is_none(), "unspecified: {json}");
         assert!(json.get("exit_code").is_none(), "absent: {json}");
         assert_eq!(json["ready"], false, "defaults are shown: {json}");
-        assert_eq!(json["drain"]["active_connections"], 3, "a number: {json}");
+        assert_eq!(json["drain"]["active_requests"], 3, "a number: {json}");
+        assert!(json["drain"].get("active_connections").is_none(), "{json}");
+        assert_eq!(json["settings"]["exit_on_zero"], "requests");
         assert_eq!(json["drain"]["deadline"], "1970-01-01T00:17:05Z");
         assert_eq!(json["settings"]["drain_delay"], "0.250s");
         assert_eq!(json["family"]["handoffs"][4]["outcome"], "live");

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::agent::{
-    AgentConfig, AgentError, AgentHandle, AgentState, DrainPhase, DrainReason, ExitPath,
+    AgentConfig, AgentError, AgentHandle, AgentState, Counting, DrainPhase, DrainReason, ExitPath,
     Status as AgentStatus, Via,
 };
 use crate::crash::{CrashAction, CrashKind, Crashes};
@@ -118,7 +118,13 @@ pub fn settings(
         drain_all_listeners: args.drain_all_listeners,
         termination_drain_duration: duration(config.termination_drain_duration),
         minimum_drain_duration: duration(config.minimum_drain_duration),
-        exit_on_zero_active_connections: config.exit_on_zero_active_connections,
+        exit_on_zero_active_connections: config.exit_on_zero == Some(Counting::Connections),
+        exit_on_zero: match config.exit_on_zero {
+            None => pb::ExitOnZero::Unspecified,
+            Some(Counting::Connections) => pb::ExitOnZero::Connections,
+            Some(Counting::Requests) => pb::ExitOnZero::Requests,
+        }
+        .into(),
         drain_delay: duration(config.drain_delay),
         drain_poll_interval: duration(config.poll_interval),
         exclude_listener_ports: args
@@ -166,9 +172,10 @@ fn exit_path(path: ExitPath) -> pb::ExitPath {
         ExitPath::StartFailed { .. } => pb::ExitPath::StartFailed,
         ExitPath::Wedged { .. } => pb::ExitPath::Wedged,
         ExitPath::DrainTimeElapsed => pb::ExitPath::DrainTimeElapsed,
-        ExitPath::ZeroConnections => pb::ExitPath::ZeroConnections,
-        ExitPath::DrainDeadline => pb::ExitPath::DrainDeadline,
-        ExitPath::StatsUnavailable => pb::ExitPath::StatsUnavailable,
+        ExitPath::ZeroActive(Counting::Connections) => pb::ExitPath::ZeroConnections,
+        ExitPath::ZeroActive(Counting::Requests) => pb::ExitPath::ZeroRequests,
+        ExitPath::DrainDeadline(_) => pb::ExitPath::DrainDeadline,
+        ExitPath::StatsUnavailable(_) => pb::ExitPath::StatsUnavailable,
         ExitPath::QuitQuitQuit(_) => pb::ExitPath::Quitquitquit,
         ExitPath::SecondSignal => pb::ExitPath::SecondSignal,
         ExitPath::SignalAfterDrain => pb::ExitPath::SignalAfterDrain,
@@ -357,7 +364,14 @@ pub fn status_message(
             reason: drain_reason(d.reason).into(),
             start_time: timestamp(d.started),
             deadline: d.deadline.and_then(timestamp),
-            active_connections: d.last_count.map(|(n, _)| n),
+            active_connections: d
+                .last_count
+                .filter(|_| d.counting == Some(Counting::Connections))
+                .map(|(n, _)| n),
+            active_requests: d
+                .last_count
+                .filter(|_| d.counting == Some(Counting::Requests))
+                .map(|(n, _)| n),
             count_time: d.last_count.and_then(|(_, at)| timestamp(at)),
         }),
         settings: Some(settings),

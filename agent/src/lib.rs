@@ -65,7 +65,11 @@ pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
     AgentConfig {
         termination_drain_duration: args.termination_drain_duration,
         minimum_drain_duration: args.minimum_drain_duration,
-        exit_on_zero_active_connections: args.exit_on_zero_active_connections,
+        // A conflict is refused by setup::check_mode first; counting connections counts at
+        // least as much as requests would.
+        exit_on_zero: args
+            .exit_on_zero()
+            .unwrap_or(Some(agent::Counting::Connections)),
         drain_delay: args.drain_delay,
         exclusions,
         poll_interval: args.drain_poll_interval,
@@ -81,7 +85,7 @@ pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
 
 /// Says so at start when a flag combination does something an operator may not expect.
 fn warn_about(args: &cli::RunArgs) {
-    if args.exit_on_zero_active_connections
+    if !matches!(args.exit_on_zero(), Ok(None))
         && args.termination_drain_duration <= args.minimum_drain_duration
     {
         tracing::warn!(
@@ -90,7 +94,8 @@ fn warn_about(args: &cli::RunArgs) {
             minimum_drain_duration = ?args.minimum_drain_duration,
             "exit-on-zero: --termination-drain-duration is not longer than \
              --minimum-drain-duration, so it sets no deadline: after the minimum the agent counts \
-             active connections until there are none, as long as that takes (Istio's behaviour); \
+             active connections (or requests) until there are none, as long as that takes \
+             (Istio's behaviour); \
              set it longer than the minimum for a hard deadline"
         );
     }
@@ -263,6 +268,7 @@ async fn serve<P: Proxy>(
     tracing::info!(
         event = "exit",
         exit_path = exit.path.name(),
+        counting = exit.path.counting().map(agent::Counting::name),
         code = exit.code(),
         "envoy-agent exiting: {}",
         exit.path

@@ -49,6 +49,9 @@ pub enum SetupError {
     /// The gRPC server cannot start.
     #[error(transparent)]
     GrpcBind(#[from] crate::grpc::GrpcBindError),
+    /// Exit-on-zero was asked to count two different things.
+    #[error(transparent)]
+    ExitOnZero(#[from] crate::cli::ExitOnZeroConflict),
     /// Hot restart needs the per-node state directory.
     #[error(
         "--hot-restart needs --state-dir (the per-node directory shared by the agents of a node)"
@@ -79,6 +82,7 @@ pub fn check_mode(args: &RunArgs) -> Result<(), SetupError> {
     if args.hot_restart && args.state_dir.is_none() {
         return Err(SetupError::MissingStateDir);
     }
+    args.exit_on_zero()?;
     // The flags first, before any file is looked at; compared as Envoy gets them.
     let (drain, parent_shutdown) = (args.drain_time, args.parent_shutdown_time());
     if args.hot_restart && parent_shutdown.as_secs() <= drain.as_secs() {

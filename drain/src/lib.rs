@@ -5,7 +5,9 @@
 //! A drain is one admin call, [`drain_listeners`]: Envoy starts telling clients to go away
 //! (`Connection: close`, HTTP/2 GOAWAY) and, unless `skip_exit`, stops its listeners when its
 //! `--drain-time-s` ends. Envoy does not exit because of a drain: the supervisor decides when
-//! to stop it, either after a fixed time or once [`active_connections`] reaches zero.
+//! to stop it, either after a fixed time or once [`active`] reaches zero: Envoy's active
+//! downstream connections ([`Counting::Connections`], Istio's rule) or its active requests
+//! ([`Counting::Requests`], so that idle keep-alive connections do not hold a drain open).
 //!
 //! Counting is Istio's rule, fixed where it was wrong: sum the `listener.*downstream_cx_active`
 //! gauges, but not per-worker duplicates (`worker_N`), the admin listener, Envoy-internal
@@ -16,15 +18,69 @@
 //! a listener's stats after its *configured* address, so a listener configured with port 0
 //! is `listener.127.0.0.1_0` whatever port it bound (seen on 1.40).
 //!
+//! # Counting requests
+//!
+//! Active requests are an HTTP connection manager's gauge, `http.<stat_prefix>.downstream_rq_active`,
+//! per HCM stat prefix, not per listener, and a stat prefix is not a listener's name. The link
+//! is in Envoy's per-listener HCM stats: every (listener, HCM) pair has
+//! `listener.<listener>.http.<stat_prefix>.downstream_rq_completed` from the moment the
+//! listener is configured (in `/stats` without `usedonly`; seen on 1.40). With it, the count of
+//! the counted listeners is their connections, less the connections their HCMs hold, plus the
+//! requests those HCMs have in flight:
+//!
+//! - a listener with no HCM (TCP proxy) counts its connections: a proxied TCP stream has no
+//!   requests to count, and it may carry one (an idle one cannot be told from a busy one);
+//! - a listener mixing HTTP and TCP filter chains counts both its requests and its non-HTTP
+//!   connections;
+//! - an HCM stat prefix shared with an excluded listener (or whose gauges are missing, e.g.
+//!   rejected by a `stats_matcher`) is not trusted: its listeners' connections count, as in
+//!   connection mode. Missing stats never make a count smaller than the connections would.
+//!
+//! The connection part is a difference of gauges read one after another; it saturates at zero
+//! (a connection closing between the two reads).
+//!
 //! Nothing here holds state or spawns tasks: cancelling a call drops its connection.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use envoy_agent_proxy::admin::DrainListeners;
 use envoy_agent_proxy::{AdminClient, AdminError};
 
 /// The stats filter that selects the active-connection gauges.
 pub const ACTIVE_CONNECTIONS_FILTER: &str = "downstream_cx_active$";
+
+/// The stats filter that selects what [`sum_active_requests`] reads: the listeners' and HCMs'
+/// active connections, the HCMs' active requests and the per-listener HCM counters that tie
+/// an HCM to its listeners.
+pub const ACTIVE_REQUESTS_FILTER: &str =
+    r"downstream_(cx|rq)_active$|^listener\..*\.http\..*\.downstream_rq_completed$";
+
+/// What exit-on-zero counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counting {
+    /// Active downstream connections (Istio's `EXIT_ON_ZERO_ACTIVE_CONNECTIONS`): an idle
+    /// keep-alive connection counts.
+    Connections,
+    /// Active downstream requests; a listener without HTTP counts its connections (see the
+    /// module docs).
+    Requests,
+}
+
+impl Counting {
+    /// `connections` or `requests`, for logs and messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Counting::Connections => "connections",
+            Counting::Requests => "requests",
+        }
+    }
+}
+
+impl std::fmt::Display for Counting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Why a drain step failed.
 #[derive(Debug, thiserror::Error)]
@@ -122,16 +178,89 @@ pub fn sum_active_connections(stats: &str, exclusions: &Exclusions) -> u64 {
                 .strip_suffix(".downstream_cx_active")?;
             // Per-worker duplicates of a listener's gauge: `<listener>.worker_3` (a listener
             // whose own name starts with `worker_` counts).
-            let per_worker = listener.rsplit_once('.').is_some_and(|(_, last)| {
-                last.strip_prefix("worker_")
-                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-            });
-            if per_worker || exclusions.excludes(listener) {
+            if per_worker(listener) || exclusions.excludes(listener) {
                 return None;
             }
             value.trim().parse::<u64>().ok()
         })
         .fold(0u64, u64::saturating_add)
+}
+
+/// A `/stats` text line as (name, value); none for a line that is not `name: <u64>`.
+fn stat_line(line: &str) -> Option<(&str, u64)> {
+    let (name, value) = line.split_once(':')?;
+    Some((name.trim(), value.trim().parse().ok()?))
+}
+
+/// Whether a listener stat name is a per-worker line (`<listener>.worker_3`).
+fn per_worker(listener: &str) -> bool {
+    listener.rsplit_once('.').is_some_and(|(_, last)| {
+        last.strip_prefix("worker_")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
+/// Sums the counted listeners' active requests in an Envoy `/stats` text body (without
+/// `usedonly`, filtered by [`ACTIVE_REQUESTS_FILTER`]): see the module docs for the rule.
+/// Unknown lines are ignored; sums saturate.
+pub fn sum_active_requests(stats: &str, exclusions: &Exclusions) -> u64 {
+    // Listener -> active connections (aggregate lines only).
+    let mut listeners: BTreeMap<&str, u64> = BTreeMap::new();
+    // HCM stat prefix -> (active connections, active requests), each when seen.
+    let mut hcms: BTreeMap<&str, (Option<u64>, Option<u64>)> = BTreeMap::new();
+    // `<listener>.http.<prefix>`: split once the listeners are known (both may contain dots).
+    let mut links: Vec<&str> = Vec::new();
+    for (name, value) in stats.lines().filter_map(stat_line) {
+        if let Some(rest) = name.strip_prefix("listener.") {
+            if let Some(link) = rest.strip_suffix(".downstream_rq_completed") {
+                links.push(link);
+            } else if let Some(listener) = rest.strip_suffix(".downstream_cx_active") {
+                if !per_worker(listener) {
+                    listeners.insert(listener, value);
+                }
+            }
+        } else if let Some(rest) = name.strip_prefix("http.") {
+            if let Some(prefix) = rest.strip_suffix(".downstream_cx_active") {
+                hcms.entry(prefix).or_default().0 = Some(value);
+            } else if let Some(prefix) = rest.strip_suffix(".downstream_rq_active") {
+                hcms.entry(prefix).or_default().1 = Some(value);
+            }
+        }
+    }
+    // HCM prefix -> the listeners it serves.
+    let mut served: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for link in links {
+        let splits = || {
+            link.match_indices(".http.")
+                .map(|(at, sep)| (&link[..at], &link[at + sep.len()..]))
+                .filter(|(_, prefix)| hcms.contains_key(prefix))
+        };
+        // A listener whose gauge is missing still takes its HCM out of the trusted ones.
+        let split = splits()
+            .find(|(listener, _)| listeners.contains_key(listener))
+            .or_else(|| splits().next());
+        if let Some((listener, prefix)) = split {
+            served.entry(prefix).or_default().insert(listener);
+        }
+    }
+    let counted =
+        |listener: &str| listeners.contains_key(listener) && !exclusions.excludes(listener);
+    let connections = listeners
+        .iter()
+        .filter(|(listener, _)| counted(listener))
+        .map(|(_, n)| *n)
+        .fold(0u64, u64::saturating_add);
+    let (held, requests) = served
+        .iter()
+        .filter(|(_, on)| on.iter().all(|listener| counted(listener)))
+        .filter_map(|(prefix, _)| match hcms.get(prefix) {
+            Some((Some(cx), Some(rq))) => Some((*cx, *rq)),
+            _ => None,
+        })
+        .fold((0u64, 0u64), |(cx, rq), (c, r)| {
+            (cx.saturating_add(c), rq.saturating_add(r))
+        });
+    connections.saturating_sub(held).saturating_add(requests)
 }
 
 /// Envoy's active downstream connections, exclusions applied. One admin call, bounded by the
@@ -142,6 +271,29 @@ pub async fn active_connections(
 ) -> Result<u64, DrainError> {
     let stats = admin.stats(ACTIVE_CONNECTIONS_FILTER, true).await?;
     Ok(sum_active_connections(&stats, exclusions))
+}
+
+/// Envoy's active downstream requests (see the module docs), exclusions applied. One admin
+/// call, bounded by the client's timeout. Not `usedonly`: an HCM's link to its listener is a
+/// counter that reads zero until the listener's first request completes.
+pub async fn active_requests(
+    admin: &AdminClient,
+    exclusions: &Exclusions,
+) -> Result<u64, DrainError> {
+    let stats = admin.stats(ACTIVE_REQUESTS_FILTER, false).await?;
+    Ok(sum_active_requests(&stats, exclusions))
+}
+
+/// What `counting` counts: [`active_connections`] or [`active_requests`].
+pub async fn active(
+    admin: &AdminClient,
+    counting: Counting,
+    exclusions: &Exclusions,
+) -> Result<u64, DrainError> {
+    match counting {
+        Counting::Connections => active_connections(admin, exclusions).await,
+        Counting::Requests => active_requests(admin, exclusions).await,
+    }
 }
 
 #[cfg(test)]
@@ -237,5 +389,170 @@ listener.envoy_internal_x.downstream_cx_active: 1
     #[test]
     fn empty_body_is_zero() {
         assert_eq!(sum_active_connections("", &Exclusions::default()), 0);
+        assert_eq!(sum_active_requests("", &Exclusions::default()), 0);
+    }
+
+    /// Envoy 1.40's answer to [`ACTIVE_REQUESTS_FILTER`] (two workers): an HTTP listener
+    /// (`hello`) holding one connection with `{hello_rq}` requests in flight, a TCP proxy
+    /// listener with `{tcp}` connections, a probe listener (HCM `agent`) on port 19921 with
+    /// `{probe}` connections, and the admin API answering this very call.
+    fn requests_stats(hello_rq: u64, tcp: u64, probe: u64) -> String {
+        format!(
+            "\
+http.admin.downstream_cx_active: 1
+http.admin.downstream_rq_active: 1
+http.agent.downstream_cx_active: {probe}
+http.agent.downstream_rq_active: 0
+http.hello.downstream_cx_active: 1
+http.hello.downstream_rq_active: {hello_rq}
+listener.127.0.0.1_19901.downstream_cx_active: 1
+listener.127.0.0.1_19901.http.hello.downstream_rq_completed: 4
+listener.127.0.0.1_19901.worker_0.downstream_cx_active: 0
+listener.127.0.0.1_19901.worker_1.downstream_cx_active: 1
+listener.127.0.0.1_19902.downstream_cx_active: {tcp}
+listener.127.0.0.1_19902.worker_0.downstream_cx_active: {tcp}
+listener.127.0.0.1_19902.worker_1.downstream_cx_active: 0
+listener.127.0.0.1_19921.downstream_cx_active: {probe}
+listener.127.0.0.1_19921.http.agent.downstream_rq_completed: 0
+listener.127.0.0.1_19921.worker_0.downstream_cx_active: {probe}
+listener.127.0.0.1_19921.worker_1.downstream_cx_active: 0
+listener.admin.downstream_cx_active: 1
+listener.admin.http.admin.downstream_rq_completed: 9
+listener.admin.main_thread.downstream_cx_active: 1
+"
+        )
+    }
+
+    #[test]
+    fn an_idle_keep_alive_connection_is_no_request() {
+        let none = Exclusions::default();
+        assert_eq!(sum_active_requests(&requests_stats(0, 0, 0), &none), 0);
+        assert_eq!(
+            sum_active_connections(&requests_stats(0, 0, 0), &none),
+            1,
+            "what connection counting sees"
+        );
+    }
+
+    #[test]
+    fn a_request_in_flight_counts_and_the_admin_call_does_not() {
+        let none = Exclusions::default();
+        assert_eq!(sum_active_requests(&requests_stats(1, 0, 0), &none), 1);
+        assert_eq!(sum_active_requests(&requests_stats(3, 0, 0), &none), 3);
+    }
+
+    #[test]
+    fn a_tcp_proxy_listener_counts_its_connections() {
+        let none = Exclusions::default();
+        assert_eq!(sum_active_requests(&requests_stats(0, 2, 0), &none), 2);
+        assert_eq!(sum_active_requests(&requests_stats(1, 2, 0), &none), 3);
+    }
+
+    #[test]
+    fn an_excluded_listener_counts_neither_requests_nor_connections() {
+        let stats = requests_stats(0, 0, 4);
+        assert_eq!(sum_active_requests(&stats, &Exclusions::default()), 0);
+        let probe = Exclusions::with_ports([19921]);
+        assert_eq!(sum_active_requests(&stats, &probe), 0);
+        // A request in flight on the probe listener.
+        let stats = stats.replace(
+            "http.agent.downstream_rq_active: 0",
+            "http.agent.downstream_rq_active: 1",
+        );
+        assert_eq!(sum_active_requests(&stats, &Exclusions::default()), 1);
+        assert_eq!(sum_active_requests(&stats, &probe), 0);
+    }
+
+    #[test]
+    fn a_listener_mixing_http_and_tcp_counts_requests_and_tcp_connections() {
+        // Istio's inbound listener: one HCM per HTTP port, TCP proxy chains beside them.
+        let stats = "\
+http.inbound_0.0.0.0_8080.downstream_cx_active: 3
+http.inbound_0.0.0.0_8080.downstream_rq_active: 1
+http.inbound_0.0.0.0_9090.downstream_cx_active: 2
+http.inbound_0.0.0.0_9090.downstream_rq_active: 0
+listener.0.0.0.0_15006.downstream_cx_active: 7
+listener.0.0.0.0_15006.worker_0.downstream_cx_active: 7
+listener.0.0.0.0_15006.http.inbound_0.0.0.0_8080.downstream_rq_completed: 10
+listener.0.0.0.0_15006.http.inbound_0.0.0.0_9090.downstream_rq_completed: 0
+";
+        // 7 connections, 5 of them HTTP (1 request in flight), 2 TCP.
+        assert_eq!(sum_active_requests(stats, &Exclusions::default()), 1 + 2);
+    }
+
+    #[test]
+    fn an_hcm_shared_with_an_excluded_listener_is_not_trusted() {
+        // `shared` serves both listeners; its connections cannot be told apart, so the
+        // counted listener's connections count as they are.
+        let stats = "\
+http.shared.downstream_cx_active: 3
+http.shared.downstream_rq_active: 0
+listener.0.0.0.0_8080.downstream_cx_active: 1
+listener.0.0.0.0_8080.http.shared.downstream_rq_completed: 1
+listener.0.0.0.0_15021.downstream_cx_active: 2
+listener.0.0.0.0_15021.http.shared.downstream_rq_completed: 1
+";
+        assert_eq!(
+            sum_active_requests(stats, &Exclusions::with_ports([15021])),
+            1
+        );
+        assert_eq!(sum_active_requests(stats, &Exclusions::default()), 0);
+    }
+
+    #[test]
+    fn missing_hcm_stats_fall_back_to_connections() {
+        // A stats_matcher that rejects the request gauge or the per-listener counters: the
+        // listener counts its connections, never fewer.
+        let full = requests_stats(0, 0, 0);
+        let no_rq = full.replace("http.hello.downstream_rq_active: 0\n", "");
+        assert_eq!(sum_active_requests(&no_rq, &Exclusions::default()), 1);
+        let no_link = full.replace(
+            "listener.127.0.0.1_19901.http.hello.downstream_rq_completed: 4\n",
+            "",
+        );
+        assert_eq!(sum_active_requests(&no_link, &Exclusions::default()), 1);
+        let no_listener = full
+            .replace("listener.admin.downstream_cx_active: 1\n", "")
+            .replace(
+                "listener.admin.http.admin.downstream_rq_completed: 9",
+                "listener.admin.http.hello.downstream_rq_completed: 9",
+            );
+        assert_eq!(
+            sum_active_requests(&no_listener, &Exclusions::default()),
+            1,
+            "an HCM also on a listener without a gauge is not trusted"
+        );
+    }
+
+    #[test]
+    fn dotted_listener_and_hcm_names_are_split_where_both_exist() {
+        let stats = "\
+http.b.http.c.downstream_cx_active: 1
+http.b.http.c.downstream_rq_active: 1
+listener.a.http.b.downstream_cx_active: 1
+listener.a.http.b.http.b.http.c.downstream_rq_completed: 0
+";
+        // Listener `a.http.b`, HCM `b.http.c`: one connection, one request.
+        assert_eq!(sum_active_requests(stats, &Exclusions::default()), 1);
+    }
+
+    #[test]
+    fn the_connection_part_saturates_at_zero_and_sums_do_not_wrap() {
+        // An HCM gauge read just after a connection closed on the listener's.
+        let stats = "\
+http.h.downstream_cx_active: 2
+http.h.downstream_rq_active: 0
+listener.l.downstream_cx_active: 1
+listener.l.http.h.downstream_rq_completed: 0
+";
+        assert_eq!(sum_active_requests(stats, &Exclusions::default()), 0);
+        let huge = "\
+http.h.downstream_cx_active: 0
+http.h.downstream_rq_active: 18446744073709551615
+listener.l.downstream_cx_active: 1
+listener.l.http.h.downstream_rq_completed: 0
+listener.t.downstream_cx_active: 1
+";
+        assert_eq!(sum_active_requests(huge, &Exclusions::default()), u64::MAX);
     }
 }

@@ -154,6 +154,7 @@ async fn get_status_reports_typed_fields(node_proxy: bool, transport: Transport)
     assert_eq!(span(&s.termination_drain_duration), Duration::from_secs(9));
     assert_eq!(span(&s.minimum_drain_duration), Duration::from_secs(3));
     assert!(s.exit_on_zero_active_connections);
+    assert_eq!(s.exit_on_zero(), pb::ExitOnZero::Connections);
     assert_eq!(span(&s.drain_delay), Duration::from_millis(250));
     assert_eq!(span(&s.drain_poll_interval), Duration::from_millis(75));
     assert_eq!(s.exclude_listener_ports, [15021, 7777]);

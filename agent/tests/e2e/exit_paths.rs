@@ -60,8 +60,43 @@ both_modes!(
     quitquitquit_exits_at_once_without_draining,
     exit_on_zero_waits_for_the_last_connection_then_exits,
     exit_on_zero_is_bounded_by_the_termination_drain_duration,
+    exit_on_zero_requests_does_not_wait_for_an_idle_keep_alive_connection,
+    exit_on_zero_requests_waits_for_a_slow_request_then_exits,
     an_unresponsive_envoy_admin_does_not_hold_the_exit,
 );
+
+/// Exit-on-zero counting requests, with a deadline far beyond the expected exit but within
+/// the test's patience: held until the deadline, the agent would exit by `drain_deadline`.
+const REQUESTS_WITH_A_DEADLINE: &[&str] = &[
+    "--exit-on-zero",
+    "requests",
+    "--minimum-drain-duration",
+    "200ms",
+    "--termination-drain-duration",
+    "20s",
+];
+
+/// Envoy's `hello` HCM gauges: (active connections, active requests).
+async fn hello_gauges(agent: &envoy_agent_tests::AgentProcess) -> Option<(u64, u64)> {
+    let stats = agent
+        .admin
+        .stats("^http\\.hello\\.downstream_(cx|rq)_active$", false)
+        .await
+        .ok()?;
+    let gauge = |name: &str| {
+        stats.lines().find_map(|l| {
+            l.trim()
+                .strip_prefix(name)?
+                .strip_prefix(": ")?
+                .parse()
+                .ok()
+        })
+    };
+    Some((
+        gauge("http.hello.downstream_cx_active")?,
+        gauge("http.hello.downstream_rq_active")?,
+    ))
+}
 
 async fn sigterm_drains_gracefully_lets_a_slow_request_complete_then_stops(mode: Mode) {
     let mut agent = agent_in(mode)
@@ -222,9 +257,10 @@ async fn exit_on_zero_waits_for_the_last_connection_then_exits(mode: Mode) {
     drop(client);
     assert_eq!(agent.exit().await.code(), Some(0));
     assert!(!process_alive(envoy));
-    agent
+    let exit = agent
         .wait_event("exit", "exit_path", "zero_connections")
         .await;
+    assert_eq!(exit["counting"], "connections", "{exit}");
 }
 
 async fn exit_on_zero_is_bounded_by_the_termination_drain_duration(mode: Mode) {
@@ -261,6 +297,75 @@ async fn exit_on_zero_is_bounded_by_the_termination_drain_duration(mode: Mode) {
         client.closed_by_peer(PATIENCE).await,
         "envoy is gone, so is the connection"
     );
+}
+
+async fn exit_on_zero_requests_does_not_wait_for_an_idle_keep_alive_connection(mode: Mode) {
+    let mut agent = agent_in(mode).args(REQUESTS_WITH_A_DEADLINE).start().await;
+    let envoy = agent.envoy_pid();
+    // A pooled client: one connection, one request answered, then idle and kept open.
+    let mut client = KeepAlive::connect(agent.listener("hello").await)
+        .await
+        .unwrap();
+    assert!(!client.get("/").await.unwrap().connection_close());
+    eventually("an idle keep-alive connection", PATIENCE, || async {
+        (hello_gauges(&agent).await? == (1, 0)).then_some(())
+    })
+    .await;
+
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    assert!(!process_alive(envoy));
+    let exit = agent.wait_event("exit", "exit_path", "zero_requests").await;
+    assert_eq!(exit["counting"], "requests", "{exit}");
+    assert!(
+        agent.events("active_connections").is_empty(),
+        "connections were never counted"
+    );
+    // The connection was open all along: Envoy stopping is what closes it.
+    assert!(client.closed_by_peer(PATIENCE).await);
+}
+
+async fn exit_on_zero_requests_waits_for_a_slow_request_then_exits(mode: Mode) {
+    let mut agent = agent_in(mode).args(REQUESTS_WITH_A_DEADLINE).start().await;
+    let envoy = agent.envoy_pid();
+    let listener = agent.listener("hello").await;
+    // In flight when the signal comes; answered five seconds later, inside the drain.
+    let slow = slow_request(listener, Duration::from_secs(5));
+    eventually("the slow request in flight", PATIENCE, || async {
+        (hello_gauges(&agent).await?.1 == 1).then_some(())
+    })
+    .await;
+
+    agent.signal(Signal::SIGTERM);
+    // Past the minimum drain, the request in flight holds the agent.
+    let counted = agent
+        .wait_event("active_requests", "active_requests", "1")
+        .await;
+    assert_eq!(counted["active_requests"], 1);
+    assert!(agent.running(), "the request in flight keeps envoy running");
+    // The status says what it counts, and the count.
+    let addr: envoy_agent::grpc::GrpcAddress = agent.grpc.parse().unwrap();
+    let mut grpc = envoy_agent::client::connect(&addr, PATIENCE).await.unwrap();
+    let status = crate::grpc::get_status(&mut grpc).await;
+    let settings = status.settings.as_ref().expect("settings");
+    assert_eq!(
+        settings.exit_on_zero(),
+        envoy_agent_proto::pb::ExitOnZero::Requests
+    );
+    assert!(!settings.exit_on_zero_active_connections);
+    let drain = status.drain.as_ref().expect("draining");
+    assert_eq!(
+        (drain.active_requests, drain.active_connections),
+        (Some(1), None),
+        "{drain:?}"
+    );
+
+    let slow = slow.await.unwrap().unwrap();
+    assert_eq!(slow.status, 200, "the in-flight request completed");
+    assert_eq!(agent.exit().await.code(), Some(0));
+    assert!(!process_alive(envoy));
+    let exit = agent.wait_event("exit", "exit_path", "zero_requests").await;
+    assert_eq!(exit["counting"], "requests", "{exit}");
 }
 
 async fn an_unresponsive_envoy_admin_does_not_hold_the_exit(mode: Mode) {
