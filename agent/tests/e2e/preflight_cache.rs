@@ -143,8 +143,8 @@ async fn an_invalid_config_is_rejected_again_without_an_exec_and_the_serving_epo
         "route: { cluster: no_such_cluster }",
     );
     assert!(bad.contains("no_such_cluster"));
-    std::fs::write(agent.dir.join("bootstrap.yaml"), bad).unwrap();
     let before = agent.events("validate").len();
+    std::fs::write(agent.dir.join("bootstrap.yaml"), bad).unwrap();
     for attempt in 1..=2 {
         agent.signal(Signal::SIGHUP);
         eventually("the restart to be rejected", PATIENCE, || async {
@@ -156,7 +156,9 @@ async fn an_invalid_config_is_rejected_again_without_an_exec_and_the_serving_epo
         assert_eq!(agent.envoys().len(), 1, "nothing was started");
     }
     let rejected = agent.events_with("handoff", "outcome", "rejected");
-    assert_eq!(rejected[0]["preflight_cache"], "miss", "{}", rejected[0]);
+    // The first restart ran Envoy, or found the verdict of a validation ahead of it (the
+    // agent warms its cache in the background after the first LIVE); the second never does.
+    assert_ne!(rejected[0]["preflight_cache"], "none", "{}", rejected[0]);
     assert_eq!(rejected[1]["preflight_cache"], "hit", "{}", rejected[1]);
     for r in &rejected {
         let reason = r["message"].as_str().unwrap_or("");
