@@ -111,7 +111,18 @@ pub async fn run(
     let grpc = grpc.unwrap_or_else(client::default_address);
     setup::check_mode(&args)?;
     warn_about(&args);
-    let runtime_dir = std::env::temp_dir().join(format!("envoy-agent-{}", std::process::id()));
+    // Unique to this run, not only to this pid: every agent that is PID 1 of its container
+    // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one
+    // removing its directory on exit must not take the other's. (The `.` keeps it apart from
+    // the gRPC socket's `envoy-agent-<uid>` directory too.)
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let runtime_dir = std::env::temp_dir().join(format!(
+        "envoy-agent-{}.{started:x}",
+        std::process::id()
+    ));
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let (admin, extra_args) = setup::resolve_admin(
         &args.config_path,
