@@ -119,10 +119,8 @@ pub async fn run(
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_nanos();
-    let runtime_dir = std::env::temp_dir().join(format!(
-        "envoy-agent-{}.{started:x}",
-        std::process::id()
-    ));
+    let runtime_dir =
+        std::env::temp_dir().join(format!("envoy-agent-{}.{started:x}", std::process::id()));
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let (admin, extra_args) = setup::resolve_admin(
         &args.config_path,
