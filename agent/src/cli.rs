@@ -329,6 +329,23 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_BASE_ID", requires = "hot_restart")]
     pub base_id: Option<u32>,
 
+    /// With --hot-restart: the base id of the second Envoy family that a cold handover starts
+    /// beside the serving one when hot restart cannot work (a binary with another
+    /// --hot-restart-version, shared memory a new epoch cannot attach to). Families alternate
+    /// between --base-id and this one: reserve both for this agent. [default: --base-id + 1]
+    #[arg(long, env = "ENVOY_AGENT_COLD_BASE_ID", requires = "hot_restart")]
+    pub cold_base_id: Option<u32>,
+
+    /// With --hot-restart: refuse a restart that hot restart cannot do (the serving Envoy keeps
+    /// serving) instead of a cold handover.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_NO_COLD_HANDOVER",
+        requires = "hot_restart",
+        conflicts_with = "cold_base_id"
+    )]
+    pub no_cold_handover: bool,
+
     /// With --hot-restart: when a new epoch terminates its draining parent
     /// (--parent-shutdown-time-s: whole seconds). Must exceed --drain-time. [default: 60s]
     #[arg(long, env = "ENVOY_AGENT_PARENT_SHUTDOWN_TIME", value_parser = parse_positive_whole_seconds, requires = "hot_restart")]

@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_proto::pb;
 use envoy_agent_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
-use envoy_agent_proxy::state::{EpochState, FamilyState, HandoffStage, Outcome};
+use envoy_agent_proxy::state::{EpochState, FamilyState, HandoffKind, HandoffStage, Outcome};
 use envoy_agent_proxy::{DrainOptions, ProxyError, RestartError, WedgeReason};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -232,6 +232,40 @@ fn handoff_result(h: &envoy_agent_proxy::state::HandoffResult) -> pb::HandoffRes
         pre_flight: duration(h.preflight),
         end_time: timestamp(h.at),
         message: h.message.clone(),
+        kind: handoff_kind(&h.kind).into(),
+        cold: cold_handover(&h.kind),
+    }
+}
+
+fn handoff_kind(kind: &HandoffKind) -> pb::HandoffKind {
+    match kind {
+        HandoffKind::Hot => pb::HandoffKind::Hot,
+        HandoffKind::Cold { .. } => pb::HandoffKind::Cold,
+    }
+}
+
+fn cold_handover(kind: &HandoffKind) -> Option<pb::ColdHandover> {
+    match kind {
+        HandoffKind::Hot => None,
+        HandoffKind::Cold {
+            why,
+            from_base_id,
+            to_base_id,
+        } => Some(pb::ColdHandover {
+            why: why.clone(),
+            from_base_id: *from_base_id,
+            to_base_id: *to_base_id,
+        }),
+    }
+}
+
+fn epoch_message(e: &envoy_agent_proxy::EpochInfo) -> pb::Epoch {
+    pb::Epoch {
+        epoch: e.epoch,
+        pid: e.pid,
+        state: epoch_state(e.state).into(),
+        start_time: timestamp(e.started),
+        state_since: timestamp(e.since),
     }
 }
 
@@ -246,6 +280,8 @@ fn family_message(f: &FamilyState) -> pb::Family {
             start_time: timestamp(h.since),
             stage: stage(h.stage).into(),
             waiting_for: h.waiting_for.clone(),
+            kind: handoff_kind(&h.kind).into(),
+            cold: cold_handover(&h.kind),
         }),
         last_handoff: f.last_handoff.as_ref().map(handoff_result),
         handoffs: f.handoffs.iter().map(handoff_result).collect(),
@@ -276,6 +312,7 @@ fn family_message(f: &FamilyState) -> pb::Family {
         successor_starting: f.successor_starting.clone(),
         handed_over_to: f.handed_over_to.clone(),
         drained: f.drained,
+        retiring: f.retiring.iter().map(epoch_message).collect(),
     }
 }
 
@@ -348,17 +385,7 @@ pub fn status_message(
             .into(),
         exit_code: exiting_why.map(|p| u32::from(p.code())),
         successor: successor.filter(|s| !s.is_empty()),
-        epochs: proxy
-            .epochs
-            .iter()
-            .map(|e| pb::Epoch {
-                epoch: e.epoch,
-                pid: e.pid,
-                state: epoch_state(e.state).into(),
-                start_time: timestamp(e.started),
-                state_since: timestamp(e.since),
-            })
-            .collect(),
+        epochs: proxy.epochs.iter().map(epoch_message).collect(),
         newest_live_epoch: proxy.newest_live,
         drain: status.drain.as_ref().map(|d| pb::Drain {
             reason: drain_reason(d.reason).into(),

@@ -125,6 +125,11 @@ pub fn family_config(
     config.ready_marker = args.ready_marker.clone();
     config.handoff_deadline = args.handoff_deadline();
     config.admin_unresponsive_deadline = args.admin_unresponsive_deadline();
+    config.cold_base_id = match (args.no_cold_handover, args.cold_base_id, args.base_id) {
+        (true, _, _) => None,
+        (false, Some(cold), _) => Some(cold),
+        (false, None, base_id) => base_id.and_then(|b| b.checked_add(1)),
+    };
     Ok(config)
 }
 
@@ -298,6 +303,7 @@ pub fn proxy_config(
                 Some(_) if config.agent_is_root => None,
                 _ => Some(runtime_dir.to_path_buf()),
             },
+            ephemeral_admin: None,
         }),
         _ => None,
     };

@@ -24,6 +24,12 @@ pub enum ConfigError {
         /// Parent shutdown time.
         parent_shutdown: Duration,
     },
+    /// The cold handover's base id must name another family.
+    #[error(
+        "--cold-base-id {0} equals --base-id: a cold handover starts a second family beside \
+         the serving one, under another base id"
+    )]
+    ColdBaseIdSame(u32),
     /// The admin port must be fixed.
     #[error(
         "hot restart needs a fixed admin port (every epoch binds the same one); \
@@ -57,6 +63,10 @@ pub struct Config {
     /// How long after its parent-shutdown time a draining parent may still run before it is
     /// killed as overdue.
     pub parent_overdue_grace: Duration,
+    /// The base id a cold handover's new family takes when the family runs under the
+    /// configured one (and the configured one when it runs under this): families alternate
+    /// between the two. `None`: no cold handover; a restart hot restart cannot do is refused.
+    pub cold_base_id: Option<u32>,
 }
 
 impl Config {
@@ -73,6 +83,7 @@ impl Config {
             handoff_deadline: Duration::from_secs(60),
             admin_unresponsive_deadline: Duration::from_secs(30),
             parent_overdue_grace: Duration::from_secs(5),
+            cold_base_id: None,
         }
     }
 
@@ -89,6 +100,9 @@ impl Config {
                 drain: self.proxy.drain_duration,
                 parent_shutdown: hot.parent_shutdown_time,
             });
+        }
+        if self.cold_base_id == Some(hot.base_id) {
+            return Err(ConfigError::ColdBaseIdSame(hot.base_id));
         }
         match &self.proxy.admin {
             AdminAddress::Fixed(addr) if addr.port() != 0 => Ok((*addr, hot.base_id)),

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::family::{EnvoyFamily, SupervisorHandle};
+use crate::host::Refusal;
 use crate::metrics::SupervisorMetrics;
 use crate::node::{FORMAT, Heartbeat, NodeState};
 use crate::supervisor::LIVE_POLL_UNBOUND;
@@ -33,11 +34,13 @@ fn config() -> Config {
         base_id: 7,
         parent_shutdown_time: Duration::from_secs(2),
         admin_address_dir: None,
+        ephemeral_admin: None,
     });
     let mut c = Config::new(proxy);
     c.identity = "pod-a-0000aaaa".to_owned();
     c.handoff_deadline = Duration::from_secs(10);
     c.admin_unresponsive_deadline = Duration::from_secs(5);
+    c.cold_base_id = Some(8);
     c
 }
 
@@ -580,9 +583,9 @@ async fn sigusr1_reaches_running_epochs_never_a_starting_one() {
 #[tokio::test(start_paused = true)]
 async fn a_rejected_first_epoch_never_starts() {
     let host = FakeHost::default();
-    host.world()
-        .preflights
-        .push_back(Err("envoy rejects bootstrap.yaml: bad".to_owned()));
+    host.world().preflights.push_back(Err(Refusal::Rejected(
+        "envoy rejects bootstrap.yaml: bad".to_owned(),
+    )));
     let f = start(host, config());
     let (ended, host) = f.ended().await;
     assert!(matches!(ended, Ended::StartFailed { .. }), "{ended:?}");
@@ -923,4 +926,195 @@ async fn a_family_that_ended_on_a_crash_runs_again_as_a_fresh_family_at_epoch_ze
     assert_eq!(again.restart("SIGHUP").await.unwrap(), Ok(1));
     let (ended, _) = again.stop().await;
     assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
+}
+
+fn incompatible() -> Refusal {
+    Refusal::Incompatible {
+        version: "12.104".to_owned(),
+        message: "/fake/envoy has hot-restart version 12.104, the running envoy 11.104".to_owned(),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_incompatible_binary_is_handed_over_cold_and_the_old_family_retires() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().preflights.push_back(Err(incompatible()));
+    let writes_before = f.host.world().marker_writes.len();
+    let answer = f.restart("SIGHUP").await.unwrap();
+    assert_eq!(answer, Ok(0), "epoch 0 of the new family");
+    {
+        let w = f.host.world();
+        assert_eq!(w.cold_spawns, [8], "the other base id");
+        assert_eq!(w.switches, [8]);
+        assert_eq!(w.drains.len(), 1, "the old family drains");
+        let drain = &w.drains[0];
+        assert!(
+            drain.graceful && !drain.inbound_only && !drain.skip_exit,
+            "{drain:?}"
+        );
+        assert!(w.alive_in(7, 0), "the old family drains before it stops");
+    }
+    let s = f.handle.state().borrow().clone();
+    let family = s.family.clone().unwrap();
+    assert_eq!(family.base_id, 8);
+    assert_eq!(family.hot_restart_version, "12.104");
+    assert_eq!(family.retiring.len(), 1, "{family:?}");
+    assert_eq!(family.retiring[0].state, EpochState::Draining);
+    let last = family.last_handoff.unwrap();
+    assert_eq!(last.outcome, Outcome::Live);
+    assert!(
+        matches!(&last.kind, envoy_agent_proxy::HandoffKind::Cold { from_base_id: 7, to_base_id: 8, why } if why.contains("12.104")),
+        "{:?}",
+        last.kind
+    );
+    assert_eq!(s.phase, ProxyPhase::Serving);
+    // The drain time (1 s) and a margin later, the old family is terminated; then a hot
+    // restart of the new family binds the configured admin address again.
+    let s = f.serving_at(1).await;
+    {
+        let w = f.host.world();
+        assert!(!w.alive_in(7, 0), "the old family is gone");
+        assert_eq!(
+            w.family_signals
+                .iter()
+                .filter(|(family, ..)| *family == 7)
+                .map(|(_, epoch, signal)| (*epoch, *signal))
+                .collect::<Vec<_>>(),
+            [(0, Signal::SIGTERM)]
+        );
+        assert_eq!(w.spawns, [0, 1], "epoch 1 of the new family");
+        assert!(
+            !w.marker_writes[writes_before..].contains(&false),
+            "ready throughout: {:?}",
+            w.marker_writes
+        );
+    }
+    let family = s.family.unwrap();
+    assert!(family.retiring.is_empty());
+    assert_eq!(
+        family.last_handoff.unwrap().kind,
+        envoy_agent_proxy::HandoffKind::Hot
+    );
+    let (ended, host) = f.stop().await;
+    assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
+    assert!(!host.world().alive_in(8, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_family_that_fails_leaves_the_old_one_serving_untouched() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    {
+        let mut w = f.host.world();
+        w.preflights.push_back(Err(incompatible()));
+        w.live_after = None;
+    }
+    let restart = f.restart("SIGHUP");
+    tokio::time::timeout(BOUND, async {
+        while f.host.world().cold_spawns.is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    f.host.world().exit_in(8, 0, code(1));
+    let answer = restart.await.unwrap();
+    assert!(
+        matches!(&answer, Err(RestartError::Failed(m)) if m.contains("new family")),
+        "{answer:?}"
+    );
+    let s = f.serving_at(0).await;
+    let family = s.family.unwrap();
+    assert_eq!(family.base_id, 7, "still the old family");
+    assert_eq!(family.last_handoff.unwrap().kind.as_str(), "cold");
+    let w = f.host.world();
+    assert!(w.alive_in(7, 0));
+    assert!(w.drains.is_empty() && w.switches.is_empty());
+    assert!(w.signals_to(0).is_empty(), "never signalled");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_family_not_live_by_the_deadline_is_killed_and_the_old_one_serves_on() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    {
+        let mut w = f.host.world();
+        w.preflights.push_back(Err(incompatible()));
+        w.live_after = None;
+    }
+    let answer = f.restart("SIGHUP").await.unwrap();
+    assert!(matches!(answer, Err(RestartError::Failed(_))), "{answer:?}");
+    let w = f.host.world();
+    assert!(w.family_signals.contains(&(8, 0, Signal::SIGKILL)));
+    assert!(w.alive_in(7, 0) && !w.alive_in(8, 0));
+    drop(w);
+    let s = f.handle.state().borrow().clone();
+    assert_eq!(
+        s.family.unwrap().last_handoff.unwrap().outcome,
+        Outcome::TimedOut
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn unusable_shared_memory_is_handed_over_cold_with_the_same_version() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().shm = Err("its header says 3735928559.104".to_owned());
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(0));
+    let s = f.handle.state().borrow().clone();
+    let family = s.family.unwrap();
+    assert_eq!(family.base_id, 8);
+    assert_eq!(family.hot_restart_version, "11.104", "the same binary");
+    assert!(
+        matches!(&family.last_handoff.unwrap().kind, envoy_agent_proxy::HandoffKind::Cold { why, .. } if why.contains("shared memory")),
+    );
+    assert_eq!(
+        f.host.world().spawns,
+        [0],
+        "no hot restart into the broken segment"
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_cold_handovers_an_incompatible_binary_is_refused() {
+    let mut c = config();
+    c.cold_base_id = None;
+    let f = start(FakeHost::default(), c);
+    f.serving_at(0).await;
+    f.host.world().preflights.push_back(Err(incompatible()));
+    let answer = f.restart("SIGHUP").await.unwrap();
+    assert!(
+        matches!(&answer, Err(RestartError::Rejected(m)) if m.contains("12.104") && m.contains("--no-cold-handover")),
+        "{answer:?}"
+    );
+    assert!(f.host.world().cold_spawns.is_empty());
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn stopping_during_a_cold_handover_stops_both_families() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    {
+        let mut w = f.host.world();
+        w.preflights.push_back(Err(incompatible()));
+        w.live_after = None;
+    }
+    let _restart = f.restart("SIGHUP");
+    tokio::time::timeout(BOUND, async {
+        while f.host.world().cold_spawns.is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    let (ended, host) = f.stop().await;
+    assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
+    let w = host.world();
+    assert!(
+        !w.alive_in(7, 0) && !w.alive_in(8, 0),
+        "nothing left running"
+    );
 }

@@ -7,6 +7,19 @@
 //!    └──────────────────────────────────────────────── parent exited (or overdue, killed) ◀┘
 //! ```
 //!
+//! When hot restart cannot work (the binary has another hot-restart version, or the family's
+//! shared memory cannot take a next epoch), pre-flight leads to a cold handover instead:
+//!
+//! ```text
+//!   PreFlight ── incompatible ──▶ Cold ── new family LIVE ──▶ Retiring ── old family gone ──▶ Idle
+//!                                  └── exited / deadline ──▶ Idle (the old family serves on)
+//! ```
+//!
+//! `Cold` runs epoch 0 of a new family (the other base id) beside the serving one, its
+//! listeners bound beside the old ones (`SO_REUSEPORT`); `Retiring` drains the old family and
+//! then stops it. A hot restart of the new family follows, to bind the configured admin port
+//! again.
+//!
 //! Triggers that arrive meanwhile wait in the queue and are coalesced into the one restart
 //! that starts when the state is `Idle` again, so no third generation can ever exist. The
 //! first epoch of a supervisor goes through the same states (with no parent of its own, or a
@@ -71,6 +84,22 @@ pub(crate) struct Attempt {
     /// The supervisor's first epoch (a start, or a cross-pod takeover), not a hot restart of
     /// its own.
     pub(crate) first: bool,
+    /// Hot restart, or (decided at pre-flight) cold handover.
+    pub(crate) kind: envoy_agent_proxy::HandoffKind,
+}
+
+/// A cold handover's new Envoy: epoch 0 of another family, not in the family's books until it
+/// is LIVE (its epoch number says nothing beside the old family's).
+#[derive(Debug)]
+pub(crate) struct ColdChild {
+    pub(crate) pid: u32,
+    pub(crate) base_id: u32,
+    pub(crate) signals: tokio::sync::mpsc::UnboundedSender<envoy_agent_proxy::Signal>,
+    pub(crate) started_at: Instant,
+    /// The binary's hot-restart version when it differs from the running one.
+    pub(crate) version: Option<String>,
+    /// Killed at the deadline.
+    pub(crate) killed: bool,
 }
 
 impl Attempt {
@@ -97,6 +126,18 @@ pub(crate) enum Handoff {
         parent: Parent,
         /// When the child terminates it (parent-shutdown time after LIVE).
         until: Instant,
+    },
+    /// A cold handover's new family starts beside the serving one.
+    Cold {
+        attempt: Attempt,
+        deadline: Instant,
+        child: ColdChild,
+    },
+    /// After a cold handover: the old family (the supervisor's `retiring` books) drains until
+    /// `until`, then is stopped; what is left at `kill_at` is killed.
+    Retiring {
+        until: Instant,
+        kill_at: Option<Instant>,
     },
 }
 
@@ -162,6 +203,7 @@ impl Queue {
             waiters: std::mem::take(&mut self.waiters),
             retries: std::mem::take(&mut self.retries),
             first: false,
+            kind: envoy_agent_proxy::HandoffKind::Hot,
         };
         self.waiting_for = None;
         attempt

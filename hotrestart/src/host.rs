@@ -59,6 +59,30 @@ pub enum Repair {
     Failed(String),
 }
 
+/// Why a pre-flight refuses a hot restart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// Envoy rejects the config, or it cannot be checked: nothing may start from it.
+    Rejected(String),
+    /// The config is good, but the binary cannot hot-restart from the running Envoy: it has
+    /// another `--hot-restart-version` (`version`). Only a cold handover can switch to it.
+    Incompatible {
+        /// The binary's hot-restart version.
+        version: String,
+        /// In words, naming the binary and both versions.
+        message: String,
+    },
+}
+
+impl Refusal {
+    /// The reason, in words.
+    pub fn message(&self) -> &str {
+        match self {
+            Refusal::Rejected(m) | Refusal::Incompatible { message: m, .. } => m,
+        }
+    }
+}
+
 /// What a pre-flight did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Checked {
@@ -95,12 +119,29 @@ pub trait Host: Send + Sync + 'static {
     fn hot_restart_version(&self) -> Task<Result<String, String>>;
     /// Pre-flight for a new epoch: the binary's hot-restart version must be `running` (when one
     /// runs), and when `validate`, Envoy must accept the config. `Err` holds the reason, in
-    /// Envoy's words. Pairs already judged are answered without an exec.
+    /// Envoy's words; a config that is good for a binary of another hot-restart version is
+    /// [`Refusal::Incompatible`]. Pairs already judged are answered without an exec.
     fn preflight(
         &self,
         running: Option<String>,
         validate: bool,
-    ) -> Task<(Checked, Result<(), String>)>;
+    ) -> Task<(Checked, Result<(), Refusal>)>;
+    /// Whether the family's shared memory can take another epoch of `hot_restart_version`
+    /// (present, with a header of that version); `Err` says why not.
+    fn shm_usable(&self, hot_restart_version: &str) -> Result<(), String>;
+    /// Where a cold handover's new family could learn its admin address; `None`: no cold
+    /// handover is possible (Envoy runs as another user and cannot write the agent's files).
+    fn cold_possible(&self) -> bool;
+    /// Starts epoch 0 of a new family under `base_id` beside the serving one (a cold
+    /// handover): the same binary and config, its admin on an ephemeral port.
+    fn spawn_cold(&self, base_id: u32) -> impl Future<Output = Result<Spawned, ProxyError>> + Send;
+    /// [`Host::live_check`] of the cold family under `base_id` (not LIVE while its admin
+    /// address is not known yet).
+    fn cold_live_check(&self, base_id: u32) -> Task<Result<Option<AdminState>, AdminError>>;
+    /// The cold family under `base_id` is the family from now on: it names the shared memory
+    /// and sockets of the next epochs, and its admin is reached at its ephemeral address until
+    /// the next hot restart binds the configured one again.
+    fn switch_family(&self, base_id: u32);
     /// Validates ahead of a restart (a config still settling, given as `content`, or a new
     /// binary on disk), so that the restart finds the verdict ready. Errors are only logged.
     fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()>;
@@ -133,12 +174,20 @@ pub trait Host: Send + Sync + 'static {
     fn now_unix_ms(&self) -> u64;
 }
 
+/// Which family the host serves and where its admin answers (a cold handover switches both).
+#[derive(Debug, Clone)]
+struct Target {
+    base_id: u32,
+    admin: AdminClient,
+}
+
 /// The real world.
 #[derive(Debug, Clone)]
 pub struct RealHost {
     proxy: ProxyConfig,
+    /// The configured admin address's client.
     admin: AdminClient,
-    base_id: u32,
+    target: Arc<Mutex<Target>>,
     state_dir: Option<PathBuf>,
     marker: Option<PathBuf>,
     cache: PreflightCache,
@@ -164,15 +213,46 @@ impl RealHost {
         // validated ahead of the restart.
         let binary_seen = FileId::of(&proxy.binary_path).ok();
         RealHost {
+            target: Arc::new(Mutex::new(Target {
+                base_id,
+                admin: admin.clone(),
+            })),
             proxy,
             admin,
-            base_id,
             state_dir,
             marker,
             cache,
             binary_seen: Arc::new(Mutex::new(binary_seen)),
             admin_files: Arc::default(),
         }
+    }
+
+    fn target(&self) -> Target {
+        self.target
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn base_id(&self) -> u32 {
+        self.target().base_id
+    }
+
+    /// The file where the cold family under `base_id` writes its admin address.
+    fn cold_admin_file(&self, base_id: u32) -> Option<PathBuf> {
+        let dir = self
+            .proxy
+            .hot_restart
+            .as_ref()?
+            .admin_address_dir
+            .as_ref()?;
+        Some(dir.join(format!("cold-admin-address.{base_id}")))
+    }
+
+    /// The cold family's admin, once it wrote its address.
+    fn cold_admin(&self, base_id: u32) -> Option<AdminClient> {
+        let addr = envoy_agent_proxy::read_admin_file(&self.cold_admin_file(base_id)?)?;
+        Some(self.admin.at(addr))
     }
 
     fn admin_files(&self) -> Option<&AdminFiles> {
@@ -215,24 +295,28 @@ async fn check(
     running: Option<String>,
     validate: bool,
     warm: bool,
-) -> (Checked, Result<(), String>) {
+) -> (Checked, Result<(), Refusal>) {
     let key = match PairKey::of(proxy, content) {
         Ok(key) => key,
-        Err(e) => return (Checked::default(), Err(e.to_string())),
+        Err(e) => return (Checked::default(), Err(Refusal::Rejected(e.to_string()))),
     };
     let versions = async {
         if running.is_none() && !warm {
             return (None, Ok(()));
         }
         let (version, lookup) = version_of(cache, &proxy.binary_path, key.binary).await;
-        let result = version.and_then(|version| match &running {
-            Some(running) if version != *running => Err(format!(
-                "{} has hot-restart version {version}, the running envoy {running}: \
-                 they cannot hot-restart (a cold handover is needed)",
-                proxy.binary_path.display()
-            )),
-            _ => Ok(()),
-        });
+        let result = match (version, &running) {
+            (Err(e), _) => Err(Refusal::Rejected(e)),
+            (Ok(version), Some(running)) if version != *running => Err(Refusal::Incompatible {
+                message: format!(
+                    "{} has hot-restart version {version}, the running envoy {running}: \
+                     they cannot hot-restart",
+                    proxy.binary_path.display()
+                ),
+                version,
+            }),
+            (Ok(_), _) => Ok(()),
+        };
         (Some(lookup), result)
     };
     let validation = async {
@@ -272,7 +356,26 @@ async fn check(
         key: Some(key),
         lookup,
     };
-    (checked, version.and(validated))
+    // A rejected config is the answer whatever the versions: it would not start either way.
+    let result = match (version, validated) {
+        (_, Err(rejected)) => Err(Refusal::Rejected(rejected)),
+        (version, Ok(())) => version,
+    };
+    (checked, result)
+}
+
+/// Whether `admin` answers LIVE, and who.
+async fn live(admin: &AdminClient) -> Result<Option<AdminState>, AdminError> {
+    // `/ready` costs Envoy next to nothing, even with a huge config; only a LIVE answer needs
+    // to say who (it may still be the parent's admin, or another pod's), and then LIVE is
+    // asked again of whoever the epoch came from.
+    match admin.ready().await? {
+        Readiness::NotReady(_) => Ok(None),
+        Readiness::Ready => {
+            let state = admin.admin_state().await?;
+            Ok((state.state == ServerState::Live).then_some(state))
+        }
+    }
 }
 
 /// Bound on a drain call.
@@ -280,8 +383,19 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Host for RealHost {
     async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
+        // A hot-restart epoch takes the configured admin address over from its parent, also
+        // from a cold family's first epoch on an ephemeral port.
+        let proxy = {
+            let mut target = self.target.lock().unwrap_or_else(|p| p.into_inner());
+            target.admin = self.admin.clone();
+            let mut proxy = self.proxy.clone();
+            if let Some(hot) = &mut proxy.hot_restart {
+                hot.base_id = target.base_id;
+            }
+            proxy
+        };
         let admin_bound = self.admin_files().map(|files| files.expect(epoch));
-        let process = match EnvoyProcess::spawn(&self.proxy, epoch).await {
+        let process = match EnvoyProcess::spawn(&proxy, epoch).await {
             Ok(process) => process,
             Err(e) => {
                 if let Some(files) = self.admin_files() {
@@ -304,13 +418,71 @@ impl Host for RealHost {
         })
     }
 
+    async fn spawn_cold(&self, base_id: u32) -> Result<Spawned, ProxyError> {
+        let path = self
+            .cold_admin_file(base_id)
+            .ok_or_else(|| ProxyError::Unsupported("envoy runs as another user and cannot write its admin address where the agent reads it".to_owned()))?;
+        if envoy_agent_proxy::args::sets(&self.proxy.extra_args, &["--config-yaml"]) {
+            return Err(ProxyError::Unsupported("your own --config-yaml of your own: envoy takes one overlay, and the new family's needs one for its admin address".to_owned()));
+        }
+        // A previous cold family's address must not pass for this one's (its LIVE check
+        // also wants an Envoy younger than this spawn).
+        let _ = std::fs::remove_file(&path);
+        let mut proxy = self.proxy.clone();
+        if let Some(hot) = &mut proxy.hot_restart {
+            hot.base_id = base_id;
+            hot.ephemeral_admin = Some(path);
+        }
+        let process = EnvoyProcess::spawn(&proxy, 0).await?;
+        let pid = process.pid();
+        let (signals, receiver) = mpsc::unbounded_channel();
+        let (report, exit) = oneshot::channel();
+        tokio::spawn(async move {
+            let _ = report.send(process.supervise(receiver).await);
+        });
+        Ok(Spawned {
+            pid,
+            signals,
+            exit,
+            admin_bound: None,
+        })
+    }
+
+    fn cold_live_check(&self, base_id: u32) -> Task<Result<Option<AdminState>, AdminError>> {
+        let admin = self.cold_admin(base_id);
+        Box::pin(async move {
+            match admin {
+                Some(admin) => live(&admin).await,
+                None => Ok(None),
+            }
+        })
+    }
+
+    fn switch_family(&self, base_id: u32) {
+        let admin = self.cold_admin(base_id);
+        let mut target = self.target.lock().unwrap_or_else(|p| p.into_inner());
+        target.base_id = base_id;
+        if let Some(admin) = admin {
+            target.admin = admin;
+        }
+    }
+
+    fn cold_possible(&self) -> bool {
+        self.cold_admin_file(0).is_some()
+    }
+
+    fn shm_usable(&self, hot_restart_version: &str) -> Result<(), String> {
+        crate::shm::usable(&crate::shm::path(self.base_id()), hot_restart_version)
+            .map_err(|e| e.to_string())
+    }
+
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
-        let admin = self.admin.clone();
+        let admin = self.target().admin;
         Box::pin(async move { admin.server_info().await })
     }
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {
-        let admin = self.admin.clone().with_timeout(DRAIN_TIMEOUT);
+        let admin = self.target().admin.with_timeout(DRAIN_TIMEOUT);
         Box::pin(async move {
             tracing::info!(admin = %admin.addr(), endpoint = %options.endpoint(), "draining envoy listeners");
             admin.drain_listeners(options).await
@@ -318,24 +490,13 @@ impl Host for RealHost {
     }
 
     fn admin_state(&self) -> Task<Result<AdminState, AdminError>> {
-        let admin = self.admin.clone();
+        let admin = self.target().admin;
         Box::pin(async move { admin.admin_state().await })
     }
 
     fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {
-        let admin = self.admin.clone();
-        Box::pin(async move {
-            // `/ready` costs Envoy next to nothing, even with a huge config; only a LIVE answer
-            // needs to say who (it may still be the parent's admin, or another pod's), and
-            // then LIVE is asked again of whoever the epoch came from.
-            match admin.ready().await? {
-                Readiness::NotReady(_) => Ok(None),
-                Readiness::Ready => {
-                    let state = admin.admin_state().await?;
-                    Ok((state.state == ServerState::Live).then_some(state))
-                }
-            }
-        })
+        let admin = self.target().admin;
+        Box::pin(async move { live(&admin).await })
     }
 
     fn hot_restart_version(&self) -> Task<Result<String, String>> {
@@ -352,7 +513,7 @@ impl Host for RealHost {
         &self,
         running: Option<String>,
         validate: bool,
-    ) -> Task<(Checked, Result<(), String>)> {
+    ) -> Task<(Checked, Result<(), Refusal>)> {
         let proxy = self.proxy.clone();
         let cache = self.cache.clone();
         Box::pin(async move { check(&proxy, &cache, None, running, validate, false).await })
@@ -371,9 +532,9 @@ impl Host for RealHost {
                     took = ?started.elapsed(),
                     "validated ahead of the restart"
                 ),
-                (_, Err(message)) => tracing::warn!(
+                (_, Err(refusal)) => tracing::warn!(
                     event = "prevalidated",
-                    %message,
+                    message = refusal.message(),
                     "validated ahead of the restart: the restart would be refused"
                 ),
             }
@@ -398,7 +559,7 @@ impl Host for RealHost {
     }
 
     fn repair_initializing(&self, hot_restart_version: &str) -> Repair {
-        let path = crate::shm::path(self.base_id);
+        let path = crate::shm::path(self.base_id());
         if !path.exists() {
             return Repair::Clean;
         }
@@ -410,7 +571,7 @@ impl Host for RealHost {
     }
 
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {
-        crate::absorber::Absorber::bind(self.base_id, parent_epoch).map(|a| Box::new(a) as Guard)
+        crate::absorber::Absorber::bind(self.base_id(), parent_epoch).map(|a| Box::new(a) as Guard)
     }
 
     fn set_marker(&self, present: bool) -> std::io::Result<()> {

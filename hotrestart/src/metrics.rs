@@ -56,6 +56,8 @@ pub const HANDOFF_DURATION_BUCKETS: [f64; 12] = [
 
 /// The handoff histogram's outcome attribute.
 pub const HANDOFF_OUTCOME: &str = "envoy_agent.handoff.outcome";
+/// The handoff's kind: `hot` (hot restart) or `cold` (cold handover).
+pub const HANDOFF_KIND: &str = "envoy_agent.handoff.kind";
 /// The wedge counter's reason attribute: a kind of failure.
 pub const WEDGE_REASON: &str = "error.type";
 /// The Envoy exit counter's kind attribute (not all kinds are failures).
@@ -125,11 +127,14 @@ impl SupervisorMetrics {
     }
 
     /// A hot restart ended with `outcome` after `duration`.
-    pub fn handoff(&self, duration: Duration, outcome: &'static str) {
+    pub fn handoff(&self, duration: Duration, outcome: &'static str, kind: &'static str) {
         if let Some(i) = &self.inner {
             i.handoff.record(
                 duration.as_secs_f64(),
-                &[KeyValue::new(HANDOFF_OUTCOME, outcome)],
+                &[
+                    KeyValue::new(HANDOFF_OUTCOME, outcome),
+                    KeyValue::new(HANDOFF_KIND, kind),
+                ],
             );
         }
     }

@@ -1,4 +1,5 @@
-//! Envoy's hot-restart shared memory, as far as a supervisor needs it: the INITIALIZING flag.
+//! Envoy's hot-restart shared memory, as far as a supervisor needs it: whether a next epoch
+//! can attach, and the INITIALIZING flag.
 //!
 //! `/dev/shm/envoy_shared_memory_<base_id*10>` holds Envoy's `SharedMemory` struct:
 //!
@@ -133,6 +134,34 @@ fn open_checked(
     Ok((file, layout))
 }
 
+/// Whether a next epoch of `hot_restart_version` can attach to `segment`: it exists, and its
+/// header names that version and the file's own size. Envoy's child aborts on anything else
+/// ("Hot restart version mismatch"); the family can then only go on as a new family (a cold
+/// handover). Unlike the repair, any format revision is accepted here: this only reads.
+pub fn usable(segment: &Path, hot_restart_version: &str) -> Result<(), ShmError> {
+    let file = std::fs::File::open(segment).map_err(io(segment))?;
+    let len = file.metadata().map_err(io(segment))?.len();
+    let mut header = [0u8; 16];
+    file.read_exact_at(&mut header, 0).map_err(io(segment))?;
+    let word = |range: std::ops::Range<usize>| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&header[range]);
+        u64::from_ne_bytes(w)
+    };
+    let (size, version) = (word(0..8), word(8..16));
+    let found = format!("{version}.{size}");
+    if size != len || found != hot_restart_version {
+        return Err(ShmError::Unrecognized {
+            path: segment.to_owned(),
+            why: format!(
+                "its header says {found} for a file of {len} bytes, the running envoy \
+                 {hot_restart_version}: a next epoch could not attach"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Whether the INITIALIZING flag of `segment` is set.
 pub fn initializing_at(segment: &Path, hot_restart_version: &str) -> Result<bool, ShmError> {
     let (file, layout) = open_checked(segment, hot_restart_version, false)?;
@@ -238,6 +267,24 @@ mod tests {
                 "already clear"
             );
         }
+    }
+
+    #[test]
+    fn a_segment_is_usable_only_with_the_running_version_and_its_own_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("segment");
+        assert!(usable(&path, "11.104").is_err(), "missing");
+        let bytes = segment(40, 0);
+        std::fs::write(&path, &bytes).unwrap();
+        usable(&path, "11.104").unwrap();
+        assert!(usable(&path, "11.120").is_err(), "another running version");
+        let mut corrupt = bytes.clone();
+        corrupt[8..16].copy_from_slice(&0xdead_beefu64.to_ne_bytes());
+        std::fs::write(&path, &corrupt).unwrap();
+        let err = usable(&path, "11.104").unwrap_err().to_string();
+        assert!(err.contains("3735928559.104"), "{err}");
+        std::fs::write(&path, &bytes[..64]).unwrap();
+        assert!(usable(&path, "11.104").is_err(), "truncated");
     }
 
     #[test]

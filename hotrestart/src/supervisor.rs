@@ -12,9 +12,9 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::admin::{AdminState, DrainListeners};
 use envoy_agent_proxy::{
-    AdminError, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffResult, HandoffStage,
-    Outcome, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo, ServerState, Signal,
-    Wedge, WedgeReason,
+    AdminError, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffKind, HandoffResult,
+    HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
+    ServerState, Signal, Wedge, WedgeReason,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -24,10 +24,11 @@ use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
 use crate::handoff::{Attempt, Handoff, Parent, Queue, Waiter};
-use crate::host::{Checked, Guard, Host, Repair};
+use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};
 
+mod cold;
 mod commands;
 mod exits;
 mod handoffs;
@@ -128,10 +129,15 @@ enum Event {
     Version(Result<String, String>),
     /// Epoch `epoch`'s admin listener is bound.
     AdminBound(u32),
+    /// Is a cold handover's new family (its Envoy `pid`) LIVE?
+    ColdLiveChecked {
+        pid: u32,
+        result: Result<Option<AdminState>, AdminError>,
+    },
     PreFlight {
         epoch: u32,
         checked: Checked,
-        result: Result<(), String>,
+        result: Result<(), Refusal>,
     },
     Drained {
         result: Result<(), String>,
@@ -215,6 +221,9 @@ pub(crate) struct Supervisor<H: Host> {
 
     life: Life,
     epochs: Epochs,
+    /// After a cold handover: the old family's processes, until they are gone (and, when
+    /// stopping during one, the new family's Envoy that never became ours).
+    retiring: Epochs,
     handoff: Handoff,
     queue: Queue,
     /// The running Envoy's hot-restart version; empty until known (the first epoch starts
@@ -293,6 +302,7 @@ impl<H: Host> Supervisor<H> {
             state,
             metrics,
             epochs: Epochs::default(),
+            retiring: Epochs::default(),
             handoff: Handoff::Idle,
             queue: Queue::default(),
             version: String::new(),
@@ -439,7 +449,13 @@ impl<H: Host> Supervisor<H> {
     /// Whether the supervisor is done: stopping with nothing left running.
     fn finished(&mut self) -> Option<Ended> {
         match &self.life {
-            Life::Stopping { outcome, .. } if self.epochs.is_empty() => Some(outcome.clone()),
+            Life::Stopping { outcome, .. }
+                if self.epochs.is_empty()
+                    && self.retiring.is_empty()
+                    && !matches!(self.handoff, Handoff::Cold { .. }) =>
+            {
+                Some(outcome.clone())
+            }
             _ => None,
         }
     }
@@ -464,6 +480,10 @@ impl<H: Host> Supervisor<H> {
             }
             Event::Version(result) => self.on_version(result),
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
+            Event::ColdLiveChecked { pid, result } => {
+                self.live.in_flight = false;
+                self.on_cold_live_check(pid, result);
+            }
             Event::PreFlight {
                 epoch,
                 checked,
@@ -558,6 +578,7 @@ impl<H: Host> Supervisor<H> {
             }
             _ => {}
         }
+        consider(self.cold_wake());
         if self.handoff.is_idle() && !self.queue.is_empty() && self.can_restart() {
             consider(Some(self.queue_retry_at()));
         }
@@ -622,6 +643,9 @@ impl<H: Host> Supervisor<H> {
         if self.live.due(now) {
             if let Some(epoch) = self.handoff.starting_epoch() {
                 self.live_check(epoch);
+            } else if let Handoff::Cold { child, .. } = &self.handoff {
+                let (base_id, pid) = (child.base_id, child.pid);
+                self.cold_live_check(base_id, pid);
             } else {
                 self.live = Probing::default();
             }
@@ -653,6 +677,7 @@ impl<H: Host> Supervisor<H> {
             self.ask_version();
         }
         self.handoff_timers(now);
+        self.cold_timers(now);
         if self.handoff.is_idle() && !self.queue.is_empty() && self.can_restart() {
             self.try_start_queued(now);
         }
@@ -671,6 +696,7 @@ impl<H: Host> Supervisor<H> {
             self.phase_since = (phase, SystemTime::now());
         }
         self.family.handoff = self.handoff_info();
+        self.family.retiring = self.retiring.infos();
         let state = ProxyState {
             phase,
             since: self.phase_since.1,
@@ -702,8 +728,17 @@ impl<H: Host> Supervisor<H> {
                         HandoffStage::Starting
                     },
                     waiting_for: None,
+                    kind: a.kind.clone(),
                 })
             }
+            Handoff::Cold { attempt: a, .. } => Some(envoy_agent_proxy::Handoff {
+                epoch: a.epoch,
+                reason: a.reason.clone(),
+                since: since(a.triggered),
+                stage: HandoffStage::Starting,
+                waiting_for: None,
+                kind: a.kind.clone(),
+            }),
             _ if !self.queue.is_empty() => Some(envoy_agent_proxy::Handoff {
                 epoch: self.newest_live.map_or(0, |n| n + 1),
                 reason: self.queue.reasons.join(", "),
@@ -717,8 +752,12 @@ impl<H: Host> Supervisor<H> {
                         Handoff::ParentDraining { parent, .. } => {
                             Some(format!("epoch {} still drains", parent.epoch()))
                         }
+                        Handoff::Retiring { .. } => {
+                            Some("the old family drains after a cold handover".to_owned())
+                        }
                         _ => None,
                     }),
+                kind: HandoffKind::Hot,
             }),
             _ => None,
         }

@@ -16,7 +16,7 @@ use envoy_agent_proxy::{AdminError, Exit, ProxyError, ServerInfo, ServerState, S
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::host::{Checked, Guard, Host, Repair, Spawned, Task};
+use crate::host::{Checked, Guard, Host, Refusal, Repair, Spawned, Task};
 use crate::node::{Heartbeat, Rejected};
 
 /// What answers on the family's admin port.
@@ -38,6 +38,8 @@ pub(crate) enum Admin {
 
 #[derive(Debug)]
 struct Process {
+    /// The base id it runs under.
+    family: u64,
     epoch: u32,
     alive: bool,
     control: mpsc::UnboundedSender<ExitStatus>,
@@ -57,7 +59,17 @@ pub(crate) struct World {
     /// supervisor is told); `None`: no such sign.
     pub(crate) admin_bound_before_live: Option<Duration>,
     /// Answers of the next pre-flights (default: pass).
-    pub(crate) preflights: VecDeque<Result<(), String>>,
+    pub(crate) preflights: VecDeque<Result<(), Refusal>>,
+    /// What the family's shared memory check answers.
+    pub(crate) shm: Result<(), String>,
+    /// Whether a cold handover could learn the new family's admin address.
+    pub(crate) cold_possible: bool,
+    /// The admin of a cold handover's new family (its own ephemeral port).
+    pub(crate) cold_admin: Admin,
+    /// Cold families spawned: their base ids.
+    pub(crate) cold_spawns: Vec<u32>,
+    /// Families switched to.
+    pub(crate) switches: Vec<u32>,
     /// Each pre-flight's running version and whether it asked for validation, in order.
     pub(crate) preflight_calls: Vec<(Option<String>, bool)>,
     /// The hot-restart version a LIVE fake Envoy names on its admin.
@@ -78,6 +90,8 @@ pub(crate) struct World {
     pub(crate) spawns: Vec<u32>,
     /// Every signal the supervisor sent: (epoch, signal).
     pub(crate) signals: Vec<(u32, Signal)>,
+    /// ... with the base id of the family it went to: (base id, epoch, signal).
+    pub(crate) family_signals: Vec<(u64, u32, Signal)>,
     pub(crate) marker: bool,
     pub(crate) marker_writes: Vec<bool>,
     pub(crate) node: bool,
@@ -109,6 +123,11 @@ impl Default for World {
             live_after: Some(Duration::from_millis(50)),
             admin_bound_before_live: None,
             preflights: VecDeque::new(),
+            shm: Ok(()),
+            cold_possible: true,
+            cold_admin: Admin::Refused,
+            cold_spawns: Vec::new(),
+            switches: Vec::new(),
             preflight_calls: Vec::new(),
             admin_version: "11.104".to_owned(),
             server_info_delay: Duration::ZERO,
@@ -120,6 +139,7 @@ impl Default for World {
             admin_calls: (0, 0, 0),
             spawns: Vec::new(),
             signals: Vec::new(),
+            family_signals: Vec::new(),
             marker: true,
             marker_writes: Vec::new(),
             node: false,
@@ -159,17 +179,29 @@ impl World {
         }
     }
 
-    /// Whether our process at `epoch` lives.
+    /// Whether our process at `epoch` lives (of the family the host serves now).
     pub(crate) fn alive(&self, epoch: u32) -> bool {
-        self.processes.values().any(|p| p.epoch == epoch && p.alive)
+        self.alive_in(self.base_id, epoch)
+    }
+
+    /// Whether the process at `epoch` of the family under `base_id` lives.
+    pub(crate) fn alive_in(&self, base_id: u64, epoch: u32) -> bool {
+        self.processes
+            .values()
+            .any(|p| p.family == base_id && p.epoch == epoch && p.alive)
     }
 
     /// Makes our process at `epoch` exit with `status` (a crash, a kill from outside).
     pub(crate) fn exit(&mut self, epoch: u32, status: ExitStatus) {
+        self.exit_in(self.base_id, epoch, status);
+    }
+
+    /// Makes the process at `epoch` of the family under `base_id` exit with `status`.
+    pub(crate) fn exit_in(&mut self, base_id: u64, epoch: u32, status: ExitStatus) {
         if let Some(p) = self
             .processes
             .values()
-            .find(|p| p.epoch == epoch && p.alive)
+            .find(|p| p.family == base_id && p.epoch == epoch && p.alive)
         {
             let _ = p.control.send(status);
         }
@@ -189,9 +221,13 @@ impl World {
             return;
         };
         p.alive = false;
-        let epoch = p.epoch;
-        if self.admin_epoch() == Some(epoch) {
+        let (epoch, family) = (p.epoch, p.family);
+        let holds = |admin: &Admin| matches!(admin, Admin::Answers { epoch: e, base_id, .. } if *e == epoch && *base_id == family);
+        if holds(&self.admin) {
             self.admin = Admin::Refused;
+        }
+        if holds(&self.cold_admin) {
+            self.cold_admin = Admin::Refused;
         }
     }
 }
@@ -273,8 +309,10 @@ impl Drop for StandInGuard {
     }
 }
 
-impl Host for FakeHost {
-    async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
+impl FakeHost {
+    /// A fake Envoy at `epoch`, of the family the host serves or (`cold`) of a new family
+    /// under that base id.
+    fn start(&self, epoch: u32, cold: Option<u32>) -> Spawned {
         let (signals, mut signal_rx) = mpsc::unbounded_channel::<Signal>();
         let (control, mut control_rx) = mpsc::unbounded_channel::<ExitStatus>();
         let (report, exit) = oneshot::channel();
@@ -282,10 +320,15 @@ impl Host for FakeHost {
             let mut w = self.world();
             let pid = w.next_pid;
             w.next_pid += 1;
-            w.spawns.push(epoch);
+            match cold {
+                Some(base_id) => w.cold_spawns.push(base_id),
+                None => w.spawns.push(epoch),
+            }
+            let family = cold.map_or(w.base_id, u64::from);
             w.processes.insert(
                 pid,
                 Process {
+                    family,
                     epoch,
                     alive: true,
                     control,
@@ -293,10 +336,12 @@ impl Host for FakeHost {
             );
             pid
         };
+        let family = cold.map_or(self.world().base_id, u64::from);
         let world = self.world.clone();
         let started = Instant::now();
         let live_after = self.world().live_after;
         let admin_bound = match (live_after, self.world().admin_bound_before_live) {
+            _ if cold.is_some() => None,
             (Some(live), Some(lead)) if lead > live => {
                 // A sign that never comes.
                 let (_, rx) = oneshot::channel();
@@ -320,12 +365,13 @@ impl Host for FakeHost {
                     Some(signal) = signal_rx.recv() => {
                         let mut w = world.lock().unwrap_or_else(|p| p.into_inner());
                         w.signals.push((epoch, signal));
+                        w.family_signals.push((family, epoch, signal));
                         match signal {
                             Signal::SIGKILL => break killed(9),
                             Signal::SIGTERM | Signal::SIGINT => {
                                 // Envoy's handler also terminates a living parent.
                                 if epoch > 0 {
-                                    w.exit(epoch - 1, code(0));
+                                    w.exit_in(family, epoch - 1, code(0));
                                 }
                                 break code(0);
                             }
@@ -335,6 +381,17 @@ impl Host for FakeHost {
                     () = sleep_until(live_at) => {
                         live_at = None;
                         let mut w = world.lock().unwrap_or_else(|p| p.into_inner());
+                        if cold.is_some() {
+                            // Its own admin port: nothing stands in its way.
+                            w.cold_admin = Admin::Answers {
+                                epoch,
+                                state: ServerState::Live,
+                                base_id: family,
+                                version: w.admin_version.clone(),
+                                uptime: Duration::ZERO,
+                            };
+                            continue;
+                        }
                         // LIVE once its parent's admin listener is ours (or none runs).
                         let free = match w.admin_epoch() {
                             None => matches!(w.admin, Admin::Refused),
@@ -356,12 +413,53 @@ impl Host for FakeHost {
                 stderr_tail: format!("fake envoy {epoch} ended\n"),
             }));
         });
-        Ok(Spawned {
+        Spawned {
             pid,
             signals,
             exit,
             admin_bound,
+        }
+    }
+}
+
+impl Host for FakeHost {
+    async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
+        Ok(self.start(epoch, None))
+    }
+
+    async fn spawn_cold(&self, base_id: u32) -> Result<Spawned, ProxyError> {
+        Ok(self.start(0, Some(base_id)))
+    }
+
+    fn cold_live_check(&self, _base_id: u32) -> Task<Result<Option<AdminState>, AdminError>> {
+        let admin = self.world().cold_admin.clone();
+        Box::pin(async move {
+            answer(admin, "/ready")
+                .await
+                .map(|(epoch, state, _, _, uptime)| {
+                    (state == ServerState::Live).then_some(AdminState {
+                        epoch,
+                        state,
+                        uptime: Some(uptime),
+                    })
+                })
         })
+    }
+
+    fn switch_family(&self, base_id: u32) {
+        let mut w = self.world();
+        w.switches.push(base_id);
+        w.base_id = u64::from(base_id);
+        w.admin = w.cold_admin.clone();
+        w.cold_admin = Admin::Refused;
+    }
+
+    fn cold_possible(&self) -> bool {
+        self.world().cold_possible
+    }
+
+    fn shm_usable(&self, _hot_restart_version: &str) -> Result<(), String> {
+        self.world().shm.clone()
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
@@ -442,7 +540,7 @@ impl Host for FakeHost {
         &self,
         running: Option<String>,
         validate: bool,
-    ) -> Task<(Checked, Result<(), String>)> {
+    ) -> Task<(Checked, Result<(), Refusal>)> {
         // Only a check that would exec the binary takes time.
         let execs = validate || running.is_some();
         let answer = {

@@ -293,6 +293,14 @@ impl AdminClient {
         }
     }
 
+    /// A client with the same bound for another address.
+    pub fn at(&self, addr: SocketAddr) -> Self {
+        AdminClient {
+            addr,
+            timeout: self.timeout,
+        }
+    }
+
     /// The same client with another bound on each call.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;

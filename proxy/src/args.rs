@@ -187,12 +187,29 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
     if config.enable_core_dump && !theirs(&["--enable-core-dump"]) {
         args.push("--enable-core-dump".to_owned());
     }
+    // Envoy takes one overlay: everything the agent overlays goes into it.
+    let mut overlay = serde_json::Map::new();
     if let Some(path) = &config.outlier_log_path {
-        let overlay = serde_json::json!({
-            "cluster_manager": { "outlier_detection": { "event_log_path": path } }
-        });
+        overlay.insert(
+            "cluster_manager".to_owned(),
+            serde_json::json!({ "outlier_detection": { "event_log_path": path } }),
+        );
+    }
+    let ephemeral_admin = config
+        .hot_restart
+        .as_ref()
+        .and_then(|h| h.ephemeral_admin.as_ref());
+    if let (Some(_), AdminAddress::Fixed(addr)) = (ephemeral_admin, &config.admin) {
+        overlay.insert(
+            "admin".to_owned(),
+            serde_json::json!({ "address": { "socket_address": {
+                "address": addr.ip().to_string(), "port_value": 0
+            } } }),
+        );
+    }
+    if !overlay.is_empty() {
         args.push("--config-yaml".to_owned());
-        args.push(overlay.to_string());
+        args.push(serde_json::Value::Object(overlay).to_string());
     }
     if config.concurrency > 0 && !theirs(&["--concurrency"]) {
         args.push("--concurrency".to_owned());
@@ -204,7 +221,10 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
             args.push(path.display().to_string());
         }
         (AdminAddress::Fixed(_), Some(hot)) => {
-            if let Some(dir) = &hot.admin_address_dir {
+            if let Some(path) = &hot.ephemeral_admin {
+                args.push("--admin-address-path".to_owned());
+                args.push(path.display().to_string());
+            } else if let Some(dir) = &hot.admin_address_dir {
                 args.push("--admin-address-path".to_owned());
                 args.push(admin_address_file(dir, epoch).display().to_string());
             }
@@ -360,6 +380,7 @@ mod tests {
             base_id: 42,
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: None,
+            ephemeral_admin: None,
         });
         let a = envoy_args(&c, 3).args;
         assert!(!a.contains(&"--disable-hot-restart".to_owned()));
@@ -376,6 +397,7 @@ mod tests {
             base_id: 42,
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: Some(PathBuf::from("/run/agent")),
+            ephemeral_admin: None,
         });
         assert_eq!(
             value(&envoy_args(&c, 3).args, "--admin-address-path"),
@@ -548,6 +570,7 @@ mod tests {
             base_id: 1,
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: None,
+            ephemeral_admin: None,
         });
         let refused = refused_extra_arg(&c).unwrap();
         assert_eq!(refused.flag, "--drain-time-s");

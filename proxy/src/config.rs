@@ -40,6 +40,11 @@ pub struct HotRestart {
     /// after its parent gave it up, a few milliseconds before LIVE, so the file's arrival tells
     /// the supervisor when to look closely. `None`: no such hint (the supervisor polls on).
     pub admin_address_dir: Option<PathBuf>,
+    /// A cold handover's new family, started while the old one still holds the configured
+    /// admin port: its admin listens on an ephemeral port of the configured address (an
+    /// overlay) and Envoy writes the address it bound to this file. `None`: the configured
+    /// address (every hot-restart epoch, which takes the admin port over from its parent).
+    pub ephemeral_admin: Option<PathBuf>,
 }
 
 /// A uid/gid Envoy runs as when the agent itself runs as root (Istio runs Envoy as 1337).

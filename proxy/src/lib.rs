@@ -61,8 +61,8 @@ pub use envoy::Envoy;
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
 pub use state::{
-    EpochExit, EpochInfo, EpochState, FamilyState, HISTORY_KEPT, Handoff, HandoffResult,
-    HandoffStage, Outcome, ProxyPhase, ProxyState, Wedge, WedgeReason,
+    EpochExit, EpochInfo, EpochState, FamilyState, HISTORY_KEPT, Handoff, HandoffKind,
+    HandoffResult, HandoffStage, Outcome, ProxyPhase, ProxyState, Wedge, WedgeReason,
 };
 
 /// Exit code of a proxy that gave up because it was wedged (`EX_TEMPFAIL`: restart me).
@@ -290,6 +290,9 @@ pub enum ProxyError {
     /// The proxy is stopping or gone.
     #[error("the proxy is stopping")]
     Stopping,
+    /// What was asked cannot work with this setup (a cold handover: why not).
+    #[error("no cold handover possible: {0}")]
+    Unsupported(String),
     /// A drain was not accepted.
     #[error("drain failed: {message}")]
     DrainFailed {

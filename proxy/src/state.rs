@@ -148,6 +148,36 @@ impl fmt::Display for Outcome {
     }
 }
 
+/// How a new Envoy took over from the serving one.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum HandoffKind {
+    /// Envoy's hot restart: the next epoch of the same family (same base id) takes the
+    /// listen sockets from its parent.
+    #[default]
+    Hot,
+    /// A cold handover: a new family (another base id) started beside the serving one, its
+    /// listeners bound beside the old ones through `SO_REUSEPORT`; once it was LIVE the old
+    /// family drained and stopped. Used when hot restart cannot work.
+    Cold {
+        /// Why hot restart could not (another hot-restart version, an unusable segment).
+        why: String,
+        /// The base id the old family ran under.
+        from_base_id: u32,
+        /// The new family's.
+        to_base_id: u32,
+    },
+}
+
+impl HandoffKind {
+    /// `hot` or `cold`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            HandoffKind::Hot => "hot",
+            HandoffKind::Cold { .. } => "cold",
+        }
+    }
+}
+
 /// Where a handoff under way is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HandoffStage {
@@ -183,6 +213,8 @@ pub struct Handoff {
     pub stage: HandoffStage,
     /// Why it waits, while queued.
     pub waiting_for: Option<String>,
+    /// Hot restart or cold handover.
+    pub kind: HandoffKind,
 }
 
 /// The result of a hot restart.
@@ -204,6 +236,8 @@ pub struct HandoffResult {
     pub at: SystemTime,
     /// Why, when it did not go LIVE (Envoy's own words where there are some).
     pub message: String,
+    /// Hot restart or cold handover (and why).
+    pub kind: HandoffKind,
 }
 
 /// Why the supervisor judged the family stuck, or repaired it.
@@ -273,6 +307,9 @@ pub struct FamilyState {
     pub handed_over_to: Option<String>,
     /// The family was told to drain: no further hot restart starts.
     pub drained: bool,
+    /// After a cold handover: the old family's Envoy processes, draining until they are
+    /// stopped (another base id than `base_id`).
+    pub retiring: Vec<EpochInfo>,
     /// The last hot restarts (and first starts), oldest first, at most [`HISTORY_KEPT`].
     pub handoffs: Vec<HandoffResult>,
     /// How the family's Envoy processes ended, oldest first, at most [`HISTORY_KEPT`].

@@ -66,8 +66,11 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining { parent, .. } => {
                 Some(format!("epoch {} still drains", parent.epoch()))
             }
-            Handoff::PreFlight(_) | Handoff::Starting { .. } => {
+            Handoff::PreFlight(_) | Handoff::Starting { .. } | Handoff::Cold { .. } => {
                 Some("a handoff is under way".to_owned())
+            }
+            Handoff::Retiring { .. } => {
+                Some("the old family drains after a cold handover".to_owned())
             }
         };
         if let Some(why) = &waiting_for {
@@ -121,13 +124,13 @@ impl<H: Host> Supervisor<H> {
                 }
                 self.send_drain(options, vec![reply]);
             }
-            Handoff::Starting { .. } => {
-                // The new epoch may hold the admin listener: drain whichever serves once the
-                // handoff has settled.
+            Handoff::Starting { .. } | Handoff::Cold { .. } => {
+                // The new epoch may hold the admin listener (or become the family): drain
+                // whichever serves once the handoff has settled.
                 tracing::info!("a handoff is under way: the drain follows once it settles");
                 self.pending_drains.push((options, reply));
             }
-            Handoff::Idle | Handoff::ParentDraining { .. } => {
+            Handoff::Idle | Handoff::ParentDraining { .. } | Handoff::Retiring { .. } => {
                 self.send_drain(options, vec![reply]);
             }
         }

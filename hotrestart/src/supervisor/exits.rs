@@ -5,6 +5,14 @@ use super::*;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_exit(&mut self, epoch: u32, pid: u32, result: Result<Exit, ProxyError>) {
+        if matches!(&self.handoff, Handoff::Cold { child, .. } if child.pid == pid) {
+            self.on_cold_exit(result);
+            return;
+        }
+        if let Some(child) = self.retiring.remove(epoch, pid) {
+            self.on_retired_exit(child, result);
+            return;
+        }
         let Some(child) = self.epochs.remove(epoch, pid) else {
             return;
         };
@@ -104,7 +112,7 @@ impl<H: Host> Supervisor<H> {
     }
 
     /// Keeps how `child` ended in the published history.
-    fn record_exit(
+    pub(super) fn record_exit(
         &mut self,
         child: &crate::epochs::Child,
         result: &Result<Exit, ProxyError>,
@@ -221,6 +229,7 @@ impl<H: Host> Supervisor<H> {
             let left: Vec<u32> = self.epochs.iter().map(|c| c.pid).collect();
             tracing::error!(pids = ?left, "epochs did not stop in time; giving up on them");
             self.epochs = Epochs::default();
+            self.retiring = Epochs::default();
         } else if now >= kill_at {
             if let Life::Stopping { kill_at, .. } = &mut self.life {
                 *kill_at = give_up;
@@ -229,6 +238,11 @@ impl<H: Host> Supervisor<H> {
             for epoch in left {
                 tracing::warn!(epoch, grace = ?self.config.proxy.stop_grace, "envoy ignored SIGTERM; sending SIGKILL");
                 self.epochs
+                    .signal(epoch, Signal::SIGKILL, Some(Stop::Shutdown));
+            }
+            let left: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
+            for epoch in left {
+                self.retiring
                     .signal(epoch, Signal::SIGKILL, Some(Stop::Shutdown));
             }
         }
@@ -251,7 +265,22 @@ impl<H: Host> Supervisor<H> {
                     "the family is stopping".to_owned(),
                 );
             }
+            Handoff::Cold { attempt, child, .. } => {
+                self.finish(
+                    attempt,
+                    Outcome::Failed,
+                    "the family is stopping".to_owned(),
+                );
+                // Epoch 0 of its own family, no parent: SIGTERM stops it alone.
+                self.retiring.add(0, child.pid, child.signals);
+            }
             _ => {}
+        }
+        let retiring: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
+        for epoch in retiring {
+            tracing::info!(epoch, "stopping the old family's epoch");
+            self.retiring
+                .signal(epoch, Signal::SIGTERM, Some(Stop::Shutdown));
         }
         for (_, reply) in self.pending_drains.drain(..) {
             let _ = reply.send(Ok(()));

@@ -52,7 +52,7 @@ impl<H: Host> Supervisor<H> {
         &mut self,
         epoch: u32,
         checked: Checked,
-        result: Result<(), String>,
+        result: Result<(), Refusal>,
     ) {
         let Handoff::PreFlight(attempt) = &self.handoff else {
             return; // cancelled meanwhile
@@ -66,6 +66,24 @@ impl<H: Host> Supervisor<H> {
         };
         attempt.preflight = attempt.began.elapsed();
         attempt.checked = checked;
+        // Hot restart cannot work beside our own serving epoch: a cold handover can.
+        let beside_ours = matches!(attempt.parent, Some(Parent::Ours(_)));
+        let result = match result {
+            Err(Refusal::Incompatible { version, message }) if beside_ours => {
+                self.start_cold(attempt, message, Some(version)).await;
+                return;
+            }
+            Err(refusal) => Err(refusal.message().to_owned()),
+            Ok(()) if beside_ours => match self.host.shm_usable(&self.version) {
+                Ok(()) => Ok(()),
+                Err(why) => {
+                    let why = format!("the family's shared memory is unusable: {why}");
+                    self.start_cold(attempt, why, None).await;
+                    return;
+                }
+            },
+            Ok(()) => Ok(()),
+        };
         if let Err(message) = result {
             self.lock = None;
             if self.newest_live.is_none() {
@@ -398,7 +416,8 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn finish(&mut self, attempt: Attempt, outcome: Outcome, message: String) {
         let duration = attempt.triggered.elapsed();
         if !attempt.first {
-            self.metrics.handoff(duration, outcome.as_str());
+            self.metrics
+                .handoff(duration, outcome.as_str(), attempt.kind.as_str());
         }
         if outcome == Outcome::Rejected {
             self.metrics.config_rejected();
@@ -409,6 +428,7 @@ impl<H: Host> Supervisor<H> {
             Outcome::Live => tracing::info!(
                 event = "handoff",
                 outcome = outcome.as_str(),
+                kind = attempt.kind.as_str(),
                 first = attempt.first,
                 epoch = attempt.epoch,
                 reason = %attempt.reason,
@@ -419,11 +439,16 @@ impl<H: Host> Supervisor<H> {
                 start_to_live_ms = spawn_to_live.map(ms),
                 live_seen_within_ms = attempt.live_seen_within.map(ms),
                 "{}",
-                if attempt.first { "first epoch LIVE" } else { "hot restart done: epoch LIVE" }
+                match (&attempt.kind, attempt.first) {
+                    (HandoffKind::Cold { .. }, _) => "cold handover done: the new family is LIVE",
+                    (HandoffKind::Hot, true) => "first epoch LIVE",
+                    (HandoffKind::Hot, false) => "hot restart done: epoch LIVE",
+                }
             ),
             _ => tracing::error!(
                 event = "handoff",
                 outcome = outcome.as_str(),
+                kind = attempt.kind.as_str(),
                 first = attempt.first,
                 epoch = attempt.epoch,
                 reason = %attempt.reason,
@@ -448,6 +473,7 @@ impl<H: Host> Supervisor<H> {
             preflight: attempt.preflight,
             at: SystemTime::now(),
             message,
+            kind: attempt.kind,
         };
         push_bounded(&mut self.family.handoffs, result.clone());
         self.family.last_handoff = Some(result);

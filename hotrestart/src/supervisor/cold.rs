@@ -1,0 +1,379 @@
+//! The cold handover: where hot restart cannot work (another hot-restart version, a shared
+//! memory segment a next epoch cannot attach to), a new family starts beside the serving one
+//! and takes over once LIVE.
+//!
+//! - **Start**: epoch 0 under the other base id (families alternate between `--base-id` and
+//!   `--cold-base-id`), admin on an ephemeral port (the old family holds the configured one),
+//!   listeners bound beside the old family's through `SO_REUSEPORT` (Envoy's default on
+//!   Linux). The serving family is not touched: a new family that fails or misses the handoff
+//!   deadline is stopped and the old one serves on, as after a failed hot restart.
+//! - **Switch** (the new family is LIVE): the old family is told to drain gracefully (every
+//!   listener: the new family serves them all), its processes move to the `retiring` books,
+//!   the new Envoy becomes epoch 0 of the family, and the host reaches its admin from now on.
+//!   The readiness marker stays: something of ours was LIVE throughout.
+//! - **Retire**: after the drain time the old family is terminated (SIGTERM, SIGKILL after
+//!   the stop grace). Connections still queued on its listen sockets when they close are reset
+//!   by the kernel unless `net.ipv4.tcp_migrate_req` is 1 (Linux 5.14+: they move to the new
+//!   family's sockets of the same `SO_REUSEPORT` group); the handover event says which.
+//! - **Settle**: a hot restart of the new family follows, so that its admin listens on the
+//!   configured address again.
+
+use envoy_agent_proxy::HandoffKind;
+
+use super::*;
+use crate::handoff::ColdChild;
+
+/// Where the kernel says whether a closing listener's queued connections migrate.
+const TCP_MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
+
+impl<H: Host> Supervisor<H> {
+    /// The base id a cold handover would start the new family under, when cold handovers are
+    /// on and possible here.
+    pub(super) fn cold_base_id(&self) -> Option<u32> {
+        let cold = self.config.cold_base_id?;
+        if !self.host.cold_possible() {
+            return None;
+        }
+        let configured = self.config.proxy.hot_restart.as_ref()?.base_id;
+        Some(if self.base_id == cold {
+            configured
+        } else {
+            cold
+        })
+    }
+
+    /// Hot restart cannot work (`why`): starts the new family for a cold handover, or refuses
+    /// the restart when cold handovers are off.
+    pub(super) async fn start_cold(
+        &mut self,
+        mut attempt: Attempt,
+        why: String,
+        version: Option<String>,
+    ) {
+        let Some(base_id) = self.cold_base_id() else {
+            self.lock = None;
+            let message = format!(
+                "{why}; a cold handover would be needed and is off ({})",
+                if self.config.cold_base_id.is_none() {
+                    "--no-cold-handover"
+                } else {
+                    "envoy runs as another user and cannot tell the agent its admin address"
+                }
+            );
+            self.finish(attempt, Outcome::Rejected, message);
+            return;
+        };
+        attempt.epoch = 0;
+        attempt.kind = HandoffKind::Cold {
+            why: why.clone(),
+            from_base_id: self.base_id,
+            to_base_id: base_id,
+        };
+        tracing::warn!(
+            event = "cold_handover",
+            stage = "starting",
+            from_base_id = self.base_id,
+            to_base_id = base_id,
+            %why,
+            "hot restart cannot work: starting a new envoy family beside the serving one"
+        );
+        match self.host.spawn_cold(base_id).await {
+            Ok(spawned) => {
+                let pid = spawned.pid;
+                let events = self.events_tx.clone();
+                let exit = spawned.exit;
+                tokio::spawn(async move {
+                    let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
+                    // Epoch 0 of the new family, once it is ours; until then its pid tells it
+                    // from the old family's epoch 0.
+                    let _ = events.send(Event::Exited {
+                        epoch: 0,
+                        pid,
+                        result,
+                    });
+                });
+                tracing::info!(
+                    event = "epoch_starting",
+                    epoch = 0,
+                    pid,
+                    base_id,
+                    "new family's epoch 0 starting (cold handover)"
+                );
+                let now = Instant::now();
+                attempt.spawned = Some(now);
+                self.handoff = Handoff::Cold {
+                    attempt,
+                    deadline: now + self.config.handoff_deadline,
+                    child: ColdChild {
+                        pid,
+                        base_id,
+                        signals: spawned.signals,
+                        started_at: now,
+                        version,
+                        killed: false,
+                    },
+                };
+                self.live_missed = None;
+                self.live_hint = LiveHint::Blind;
+                self.live = Probing {
+                    next: Some(now + self.live_poll_gap(Duration::ZERO)),
+                    in_flight: false,
+                };
+                self.write_heartbeat();
+            }
+            Err(e) => {
+                self.lock = None;
+                self.finish(attempt, Outcome::Failed, e.to_string());
+            }
+        }
+    }
+
+    pub(super) fn cold_live_check(&mut self, base_id: u32, pid: u32) {
+        self.live.in_flight = true;
+        let call = self.host.cold_live_check(base_id);
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = call.await;
+            let _ = events.send(Event::ColdLiveChecked { pid, result });
+        });
+    }
+
+    pub(super) fn on_cold_live_check(
+        &mut self,
+        pid: u32,
+        result: Result<Option<AdminState>, AdminError>,
+    ) {
+        let Handoff::Cold { child, attempt, .. } = &self.handoff else {
+            return;
+        };
+        if child.pid != pid || child.killed {
+            return;
+        }
+        let spawned = attempt.spawned;
+        let live = match &result {
+            // Epoch 0 of a process no older than the one we started (a stale address file
+            // could name another).
+            Ok(Some(state)) => {
+                state.epoch == 0
+                    && state
+                        .uptime
+                        .is_none_or(|up| up <= child.started_at.elapsed() + Duration::from_secs(2))
+            }
+            _ => false,
+        };
+        if live {
+            self.go_cold_live();
+        } else {
+            self.live_missed = Some(Instant::now());
+            let since = spawned.map_or(Duration::ZERO, |s| s.elapsed());
+            self.live.next = Some(Instant::now() + self.live_poll_gap(since));
+        }
+    }
+
+    /// The new family is LIVE: it becomes the family, the old one drains and retires.
+    fn go_cold_live(&mut self) {
+        let Handoff::Cold {
+            mut attempt, child, ..
+        } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            return;
+        };
+        self.live = Probing::default();
+        attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
+        // Told while the host still reaches the old family's admin.
+        let drain = self.host.drain(DrainListeners {
+            inbound_only: false,
+            graceful: true,
+            skip_exit: false,
+        });
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = drain.await.map_err(|e| e.to_string());
+            let _ = events.send(Event::Drained {
+                result,
+                replies: Vec::new(),
+            });
+        });
+        self.host.switch_family(child.base_id);
+        self.host.passed_live(&attempt.checked);
+        let from_base_id = self.base_id;
+        self.retiring = std::mem::take(&mut self.epochs);
+        let retiring: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
+        for epoch in retiring {
+            self.retiring.set_state(epoch, EpochState::Draining);
+        }
+        self.epochs.add(0, child.pid, child.signals);
+        self.epochs.set_state(0, EpochState::Live);
+        self.base_id = child.base_id;
+        self.family.base_id = child.base_id;
+        if let Some(version) = child.version {
+            self.version = version;
+            self.family.hot_restart_version = self.version.clone();
+        }
+        self.newest_live = Some(0);
+        self.pending_serving_exit = None;
+        self.lock = None;
+        self.metrics.epoch(0);
+        if !self.family.drained {
+            self.set_marker(true);
+        }
+        let now = Instant::now();
+        self.admin_ok = now;
+        self.watchdog = Probing {
+            next: Some(now + WATCHDOG_POLL),
+            in_flight: false,
+        };
+        // The old family's listeners close when its drain time ends; a little later it goes.
+        self.handoff = Handoff::Retiring {
+            until: now + self.config.proxy.drain_duration + RETIRE_MARGIN,
+            kill_at: None,
+        };
+        let migrate = std::fs::read_to_string(TCP_MIGRATE_REQ)
+            .map(|v| v.trim() == "1")
+            .unwrap_or(false);
+        tracing::info!(
+            event = "cold_handover",
+            stage = "live",
+            from_base_id,
+            to_base_id = self.base_id,
+            tcp_migrate_req = migrate,
+            "the new family is LIVE: the old one drains for {:?}, then stops",
+            self.config.proxy.drain_duration
+        );
+        if !migrate {
+            tracing::warn!(
+                event = "cold_handover",
+                stage = "tcp_migrate_req",
+                "net.ipv4.tcp_migrate_req is not 1: connections still queued on the old family's \
+                 listen sockets when they close will be reset (set it to 1 to move them to the new family's)"
+            );
+        }
+        self.publish();
+        self.finish(attempt, Outcome::Live, String::new());
+        self.write_heartbeat();
+        self.flush_pending_drains();
+    }
+
+    /// The new family's Envoy exited before it was LIVE: the old family serves on.
+    pub(super) fn on_cold_exit(&mut self, result: Result<Exit, ProxyError>) {
+        let Handoff::Cold { attempt, child, .. } =
+            std::mem::replace(&mut self.handoff, Handoff::Idle)
+        else {
+            return;
+        };
+        self.live = Probing::default();
+        self.lock = None;
+        let (outcome, message) = if child.killed {
+            (
+                Outcome::TimedOut,
+                format!(
+                    "the new family was not LIVE within the handoff deadline ({:?})",
+                    self.config.handoff_deadline
+                ),
+            )
+        } else {
+            let message = match &result {
+                Ok(exit) => format!(
+                    "the new family's envoy exited with code {}: {}",
+                    exit.code(),
+                    last_line(&exit.stderr_tail)
+                ),
+                Err(e) => e.to_string(),
+            };
+            (Outcome::Failed, message)
+        };
+        self.finish(attempt, outcome, message);
+        self.flush_pending_drains();
+        self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+    }
+
+    /// One of the old family's processes (or, when stopping, the new one that never became
+    /// ours) exited.
+    pub(super) fn on_retired_exit(
+        &mut self,
+        child: crate::epochs::Child,
+        result: Result<Exit, ProxyError>,
+    ) {
+        let kind = exit_kind(&result, false);
+        self.metrics.exit(kind);
+        self.record_exit(&child, &result, kind);
+        tracing::info!(
+            event = "epoch_exited",
+            epoch = child.epoch,
+            pid = child.pid,
+            retired = true,
+            "an envoy of the old family exited"
+        );
+        if self.retiring.is_empty() && matches!(self.handoff, Handoff::Retiring { .. }) {
+            self.handoff = Handoff::Idle;
+            tracing::info!(
+                event = "cold_handover",
+                stage = "retired",
+                base_id = self.base_id,
+                "the old family is gone; a hot restart binds the configured admin address again"
+            );
+            if !self.family.drained {
+                self.queue.push(
+                    "after a cold handover: the configured admin address".to_owned(),
+                    None,
+                    Instant::now(),
+                );
+            }
+            self.write_heartbeat();
+        }
+    }
+
+    /// The cold handover's timers: the new family's deadline, the old family's retirement.
+    pub(super) fn cold_timers(&mut self, now: Instant) {
+        let grace = self.config.proxy.stop_grace;
+        let deadline = self.config.handoff_deadline;
+        let signal = match &mut self.handoff {
+            Handoff::Cold {
+                deadline: at,
+                child,
+                ..
+            } if now >= *at && !child.killed => {
+                child.killed = true;
+                let _ = child.signals.send(Signal::SIGKILL);
+                let message = format!(
+                    "the new family (base id {}) was not LIVE within the handoff deadline \
+                     ({deadline:?}); killed it, the serving family keeps serving",
+                    child.base_id
+                );
+                self.record_wedge(WedgeReason::HandoffDeadline, message);
+                return;
+            }
+            Handoff::Retiring { until, kill_at } => match kill_at {
+                None if now >= *until => {
+                    *kill_at = Some(now + grace);
+                    Signal::SIGTERM
+                }
+                Some(at) if now >= *at => {
+                    *kill_at = Some(now + STOP_BACKSTOP);
+                    Signal::SIGKILL
+                }
+                _ => return,
+            },
+            _ => return,
+        };
+        let epochs: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
+        for epoch in epochs {
+            tracing::info!(epoch, %signal, "stopping the old family's epoch");
+            self.retiring.signal(epoch, signal, Some(Stop::Shutdown));
+        }
+    }
+
+    /// When the cold handover's timers are due next.
+    pub(super) fn cold_wake(&self) -> Option<Instant> {
+        match &self.handoff {
+            Handoff::Cold {
+                deadline, child, ..
+            } if !child.killed => Some(*deadline),
+            Handoff::Retiring { until, kill_at } => Some(kill_at.unwrap_or(*until)),
+            _ => None,
+        }
+    }
+}
+
+/// After the drain time: Envoy stops the drained listeners itself at its end.
+const RETIRE_MARGIN: Duration = Duration::from_secs(1);
