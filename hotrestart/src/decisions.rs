@@ -939,7 +939,12 @@ fn incompatible() -> Refusal {
 async fn an_incompatible_binary_is_handed_over_cold_and_the_old_family_retires() {
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;
-    f.host.world().preflights.push_back(Err(incompatible()));
+    {
+        let mut w = f.host.world();
+        w.preflights.push_back(Err(incompatible()));
+        // What the new family's Envoy says of itself.
+        w.admin_version = "12.104".to_owned();
+    }
     let writes_before = f.host.world().marker_writes.len();
     let answer = f.restart("SIGHUP").await.unwrap();
     assert_eq!(answer, Ok(0), "epoch 0 of the new family");
@@ -955,10 +960,15 @@ async fn an_incompatible_binary_is_handed_over_cold_and_the_old_family_retires()
         );
         assert!(w.alive_in(7, 0), "the old family drains before it stops");
     }
-    let s = f.handle.state().borrow().clone();
+    let s = f
+        .until("the new family's version learnt", |s| {
+            s.family
+                .as_ref()
+                .is_some_and(|f| f.hot_restart_version == "12.104")
+        })
+        .await;
     let family = s.family.clone().unwrap();
     assert_eq!(family.base_id, 8);
-    assert_eq!(family.hot_restart_version, "12.104");
     assert_eq!(family.retiring.len(), 1, "{family:?}");
     assert_eq!(family.retiring[0].state, EpochState::Draining);
     let last = family.last_handoff.unwrap();
@@ -1117,4 +1127,39 @@ async fn stopping_during_a_cold_handover_stops_both_families() {
         !w.alive_in(7, 0) && !w.alive_in(8, 0),
         "nothing left running"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_restart_after_a_cold_handover_never_hands_over_cold_again() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    {
+        let mut w = f.host.world();
+        w.preflights.push_back(Err(incompatible()));
+        // The settling restart finds the binary incompatible again (a binary that lies).
+        w.preflights.push_back(Err(incompatible()));
+    }
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(0));
+    let s = f
+        .until("the settling restart refused", |s| {
+            s.family.as_ref().is_some_and(|f| {
+                f.retiring.is_empty()
+                    && f.last_handoff
+                        .as_ref()
+                        .is_some_and(|h| h.outcome == Outcome::Rejected)
+            })
+        })
+        .await;
+    let message = s.family.unwrap().last_handoff.unwrap().message;
+    assert!(
+        message.contains("does not hand over cold again"),
+        "{message}"
+    );
+    assert_eq!(
+        f.host.world().cold_spawns,
+        [8],
+        "one cold handover, not a loop"
+    );
+    f.serving_at(0).await;
+    f.stop().await;
 }

@@ -87,6 +87,7 @@ impl SupervisorHandle {
 pub struct EnvoyFamily<H: Host = RealHost> {
     config: Config,
     admin: SocketAddr,
+    host: Arc<H>,
     handle: SupervisorHandle,
     supervisor: Mutex<Option<Supervisor<H>>>,
     /// One config update at a time.
@@ -137,10 +138,18 @@ impl<H: Host> EnvoyFamily<H> {
             commands: commands_tx,
             state: state.subscribe(),
         };
-        let supervisor = Supervisor::new(config.clone(), base_id, host, commands, state, metrics);
+        let supervisor = Supervisor::new(
+            config.clone(),
+            base_id,
+            host.clone(),
+            commands,
+            state,
+            metrics,
+        );
         Ok(EnvoyFamily {
             config,
             admin,
+            host,
             handle,
             supervisor: Mutex::new(Some(supervisor)),
             updates: tokio::sync::Mutex::new(()),
@@ -225,7 +234,8 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
     }
 
     fn admin_address(&self) -> Option<SocketAddr> {
-        Some(self.admin)
+        // After a cold handover, until the next hot restart: the new family's ephemeral one.
+        self.host.admin_address().or(Some(self.admin))
     }
 
     fn cleanup(&self) {

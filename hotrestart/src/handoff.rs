@@ -86,6 +86,9 @@ pub(crate) struct Attempt {
     pub(crate) first: bool,
     /// Hot restart, or (decided at pre-flight) cold handover.
     pub(crate) kind: envoy_agent_proxy::HandoffKind,
+    /// It settles a cold handover (binds the configured admin address again): it must not
+    /// become another cold handover, or two inconsistent binaries would alternate forever.
+    pub(crate) settles: bool,
 }
 
 /// A cold handover's new Envoy: epoch 0 of another family, not in the family's books until it
@@ -173,6 +176,8 @@ pub(crate) struct Queue {
     pub(crate) retries: u32,
     /// Why the queue waits, as last logged (logged once per change).
     pub(crate) waiting_for: Option<String>,
+    /// One of the triggers settles a cold handover.
+    pub(crate) settles: bool,
 }
 
 impl Queue {
@@ -204,6 +209,7 @@ impl Queue {
             retries: std::mem::take(&mut self.retries),
             first: false,
             kind: envoy_agent_proxy::HandoffKind::Hot,
+            settles: std::mem::take(&mut self.settles),
         };
         self.waiting_for = None;
         attempt
@@ -218,6 +224,7 @@ impl Queue {
         self.since = None;
         self.retries = 0;
         self.waiting_for = None;
+        self.settles = false;
     }
 }
 

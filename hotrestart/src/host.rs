@@ -138,10 +138,14 @@ pub trait Host: Send + Sync + 'static {
     /// [`Host::live_check`] of the cold family under `base_id` (not LIVE while its admin
     /// address is not known yet).
     fn cold_live_check(&self, base_id: u32) -> Task<Result<Option<AdminState>, AdminError>>;
-    /// The cold family under `base_id` is the family from now on: it names the shared memory
-    /// and sockets of the next epochs, and its admin is reached at its ephemeral address until
-    /// the next hot restart binds the configured one again.
-    fn switch_family(&self, base_id: u32);
+    /// The family under `base_id` is the family from now on: it names the shared memory and
+    /// sockets of the next epochs. `cold`: a cold handover's new family, whose admin is reached
+    /// at its ephemeral address; else the configured address (a hot-restart epoch took it
+    /// over).
+    fn switch_family(&self, base_id: u32, cold: bool);
+    /// Where the family's admin answers now (the configured address, but for a cold family's
+    /// first epoch).
+    fn admin_address(&self) -> Option<std::net::SocketAddr>;
     /// Validates ahead of a restart (a config still settling, given as `content`, or a new
     /// binary on disk), so that the restart finds the verdict ready. Errors are only logged.
     fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()>;
@@ -383,17 +387,10 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Host for RealHost {
     async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
-        // A hot-restart epoch takes the configured admin address over from its parent, also
-        // from a cold family's first epoch on an ephemeral port.
-        let proxy = {
-            let mut target = self.target.lock().unwrap_or_else(|p| p.into_inner());
-            target.admin = self.admin.clone();
-            let mut proxy = self.proxy.clone();
-            if let Some(hot) = &mut proxy.hot_restart {
-                hot.base_id = target.base_id;
-            }
-            proxy
-        };
+        let mut proxy = self.proxy.clone();
+        if let Some(hot) = &mut proxy.hot_restart {
+            hot.base_id = self.base_id();
+        }
         let admin_bound = self.admin_files().map(|files| files.expect(epoch));
         let process = match EnvoyProcess::spawn(&proxy, epoch).await {
             Ok(process) => process,
@@ -458,17 +455,22 @@ impl Host for RealHost {
         })
     }
 
-    fn switch_family(&self, base_id: u32) {
-        let admin = self.cold_admin(base_id);
+    fn switch_family(&self, base_id: u32, cold: bool) {
+        let admin = match cold {
+            true => self.cold_admin(base_id),
+            false => None,
+        };
         let mut target = self.target.lock().unwrap_or_else(|p| p.into_inner());
         target.base_id = base_id;
-        if let Some(admin) = admin {
-            target.admin = admin;
-        }
+        target.admin = admin.unwrap_or_else(|| self.admin.clone());
     }
 
     fn cold_possible(&self) -> bool {
         self.cold_admin_file(0).is_some()
+    }
+
+    fn admin_address(&self) -> Option<std::net::SocketAddr> {
+        Some(self.target().admin.addr())
     }
 
     fn shm_usable(&self, hot_restart_version: &str) -> Result<(), String> {
@@ -495,7 +497,9 @@ impl Host for RealHost {
     }
 
     fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {
-        let admin = self.target().admin;
+        // A hot-restart epoch binds the configured address, also after a cold family's first
+        // epoch answered on an ephemeral one.
+        let admin = self.admin.clone();
         Box::pin(async move { live(&admin).await })
     }
 

@@ -446,7 +446,10 @@ impl Host for FakeHost {
         })
     }
 
-    fn switch_family(&self, base_id: u32) {
+    fn switch_family(&self, base_id: u32, cold: bool) {
+        if !cold {
+            return;
+        }
         let mut w = self.world();
         w.switches.push(base_id);
         w.base_id = u64::from(base_id);
@@ -456,6 +459,10 @@ impl Host for FakeHost {
 
     fn cold_possible(&self) -> bool {
         self.world().cold_possible
+    }
+
+    fn admin_address(&self) -> Option<std::net::SocketAddr> {
+        Some(([127, 0, 0, 1], 9901).into())
     }
 
     fn shm_usable(&self, _hot_restart_version: &str) -> Result<(), String> {

@@ -306,10 +306,13 @@ impl Drop for AgentProcess {
         // The agent is killed on drop (kill_on_drop) and Envoy follows it; Envoy's shared
         // memory would stay in /dev/shm.
         if let Some(p) = self.ports {
-            let _ = std::fs::remove_file(format!(
-                "/dev/shm/envoy_shared_memory_{}",
-                u64::from(p.base_id) * 10
-            ));
+            // ... and its cold handover's second family's, under the next base id.
+            for base_id in [p.base_id, p.base_id + 1] {
+                let _ = std::fs::remove_file(format!(
+                    "/dev/shm/envoy_shared_memory_{}",
+                    u64::from(base_id) * 10
+                ));
+            }
         }
     }
 }

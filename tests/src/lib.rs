@@ -285,7 +285,8 @@ pub fn free_port() -> u16 {
 pub fn unique_base_id() -> u32 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    (std::process::id() % 40_000) * 100 + NEXT.fetch_add(1, Ordering::Relaxed) % 100 + 1
+    // Pairs: the agent's cold handover starts its second family under `--base-id` + 1.
+    (std::process::id() % 20_000) * 200 + NEXT.fetch_add(2, Ordering::Relaxed) % 200 + 2
 }
 
 /// Polls `check` every 20 ms until it returns `Some`, for at most `within`; panics naming

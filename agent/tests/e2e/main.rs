@@ -6,6 +6,7 @@
 
 mod api;
 mod clients;
+mod cold_handover;
 mod crash_recovery;
 mod cross_pod;
 mod day_one;

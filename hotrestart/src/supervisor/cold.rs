@@ -50,16 +50,18 @@ impl<H: Host> Supervisor<H> {
         why: String,
         version: Option<String>,
     ) {
-        let Some(base_id) = self.cold_base_id() else {
+        let base_id = self.cold_base_id().filter(|_| !attempt.settles);
+        let Some(base_id) = base_id else {
             self.lock = None;
-            let message = format!(
-                "{why}; a cold handover would be needed and is off ({})",
-                if self.config.cold_base_id.is_none() {
-                    "--no-cold-handover"
-                } else {
-                    "envoy runs as another user and cannot tell the agent its admin address"
-                }
-            );
+            let off = if attempt.settles {
+                "the restart after a cold handover does not hand over cold again; the admin \
+                 stays on its ephemeral port until a restart works"
+            } else if self.config.cold_base_id.is_none() {
+                "--no-cold-handover"
+            } else {
+                "envoy runs as another user and cannot tell the agent its admin address"
+            };
+            let message = format!("{why}; a cold handover would be needed and is off ({off})");
             self.finish(attempt, Outcome::Rejected, message);
             return;
         };
@@ -194,7 +196,7 @@ impl<H: Host> Supervisor<H> {
                 replies: Vec::new(),
             });
         });
-        self.host.switch_family(child.base_id);
+        self.host.switch_family(child.base_id, true);
         self.host.passed_live(&attempt.checked);
         let from_base_id = self.base_id;
         self.retiring = std::mem::take(&mut self.epochs);
@@ -206,9 +208,10 @@ impl<H: Host> Supervisor<H> {
         self.epochs.set_state(0, EpochState::Live);
         self.base_id = child.base_id;
         self.family.base_id = child.base_id;
-        if let Some(version) = child.version {
-            self.version = version;
-            self.family.hot_restart_version = self.version.clone();
+        if child.version.is_some() {
+            // What the running Envoy itself says is the truth the next epoch must match.
+            self.version.clear();
+            self.ask_version();
         }
         self.newest_live = Some(0);
         self.pending_serving_exit = None;
@@ -318,6 +321,7 @@ impl<H: Host> Supervisor<H> {
                     None,
                     Instant::now(),
                 );
+                self.queue.settles = true;
             }
             self.write_heartbeat();
         }

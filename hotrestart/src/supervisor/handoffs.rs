@@ -207,6 +207,8 @@ impl<H: Host> Supervisor<H> {
         }
         attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
         self.host.passed_live(&attempt.checked);
+        // Its admin is on the configured address (after a cold family's ephemeral one).
+        self.host.switch_family(self.base_id, false);
         self.admin_ok = Instant::now();
         self.epochs.set_state(epoch, EpochState::Live);
         let now = Instant::now();
