@@ -136,6 +136,7 @@ fn heartbeat(identity: &str, state: NodeState, epoch: u32, host: &FakeHost) -> H
         updated_unix_ms: crate::host::Host::now_unix_ms(host),
         parent_draining_until_unix_ms: 0,
         restart_in_flight: false,
+        cold_takeover_of: None,
     }
 }
 

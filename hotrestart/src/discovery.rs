@@ -23,6 +23,8 @@ pub(crate) enum Discovery {
     TakeOver {
         /// The predecessor's epoch.
         epoch: u32,
+        /// The base id its family runs under (ours, or our cold handovers' other one).
+        base_id: u32,
         /// Who runs it (its heartbeat's identity), if anyone says so.
         identity: Option<String>,
     },
@@ -30,6 +32,8 @@ pub(crate) enum Discovery {
     Incompatible {
         /// Its version.
         theirs: String,
+        /// The base id its family runs under.
+        base_id: u32,
         /// Who runs it.
         identity: Option<String>,
     },
@@ -43,12 +47,13 @@ pub(crate) fn refused(error: &AdminError) -> bool {
         if source.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
-/// Decides, from the other supervisors' fresh heartbeats of our base id, the admin port's
-/// answer and our own hot-restart version, at `now_ms`.
+/// Decides, from the other supervisors' fresh heartbeats of our base ids, the admin port's
+/// answer and our own hot-restart version, at `now_ms`. A family runs under either of
+/// `base_ids` (`--base-id`, and `--cold-base-id` after a cold handover).
 pub(crate) fn decide(
     others: &[Heartbeat],
     admin: &Result<ServerInfo, AdminError>,
-    base_id: u32,
+    base_ids: &[u32],
     version: &str,
     now_ms: u64,
 ) -> Discovery {
@@ -68,22 +73,30 @@ pub(crate) fn decide(
             )),
         },
         Err(e) => Discovery::Wait(format!("the admin port does not answer: {e}")),
-        Ok(info) if info.base_id != u64::from(base_id) => Discovery::Wait(format!(
-            "the admin port answers for another Envoy family (base id {}, ours {base_id})",
-            info.base_id
-        )),
+        Ok(info) if !base_ids.iter().any(|b| u64::from(*b) == info.base_id) => {
+            Discovery::Wait(format!(
+                "the admin port answers for another Envoy family (base id {}, ours {base_ids:?})",
+                info.base_id
+            ))
+        }
         Ok(info) if info.state != ServerState::Live => {
             Discovery::Wait(format!("the node's Envoy is {:?}, not LIVE", info.state))
         }
         Ok(info) => {
+            // Checked above: one of ours.
+            let base_id = u32::try_from(info.base_id).unwrap_or_default();
             // The supervisor of the answering epoch, else the newest claimant.
+            let others: Vec<&Heartbeat> = others.iter().filter(|h| h.base_id == base_id).collect();
+            let others = others.as_slice();
             let owner = others
                 .iter()
+                .copied()
                 .filter(claims_to_serve)
                 .find(|h| h.newest_epoch == info.restart_epoch)
                 .or_else(|| {
                     others
                         .iter()
+                        .copied()
                         .filter(claims_to_serve)
                         .max_by_key(|h| h.newest_epoch)
                 });
@@ -91,6 +104,7 @@ pub(crate) fn decide(
             if info.hot_restart_version != version {
                 return Discovery::Incompatible {
                     theirs: info.hot_restart_version.clone(),
+                    base_id,
                     identity,
                 };
             }
@@ -108,6 +122,7 @@ pub(crate) fn decide(
                 )),
                 _ => Discovery::TakeOver {
                     epoch: info.restart_epoch,
+                    base_id,
                     identity,
                 },
             }
@@ -137,6 +152,7 @@ mod tests {
             updated_unix_ms: NOW,
             parent_draining_until_unix_ms: 0,
             restart_in_flight: false,
+            cold_takeover_of: None,
         }
     }
 
@@ -160,7 +176,7 @@ mod tests {
     }
 
     fn decide_now(others: &[Heartbeat], admin: &Result<ServerInfo, AdminError>) -> Discovery {
-        decide(others, admin, 7, "11.104", NOW)
+        decide(others, admin, &[7], "11.104", NOW)
     }
 
     #[test]
@@ -199,6 +215,7 @@ mod tests {
             decide_now(&[a], &live(3)),
             Discovery::TakeOver {
                 epoch: 3,
+                base_id: 7,
                 identity: Some("a".to_owned())
             }
         );
@@ -207,6 +224,7 @@ mod tests {
             decide_now(&[], &live(5)),
             Discovery::TakeOver {
                 epoch: 5,
+                base_id: 7,
                 identity: None
             }
         );
@@ -240,8 +258,33 @@ mod tests {
             decide_now(&[hb("a", NodeState::Serving, 2)], &info),
             Discovery::Incompatible {
                 theirs: "12.104".to_owned(),
+                base_id: 7,
                 identity: Some("a".to_owned())
             }
         );
+    }
+
+    #[test]
+    fn a_family_under_our_other_base_id_is_ours_to_take_over() {
+        let mut info = live(4);
+        if let Ok(i) = &mut info {
+            i.base_id = 8;
+        }
+        let mut a = hb("a", NodeState::Serving, 4);
+        a.base_id = 8;
+        // A heartbeat of the other base id does not speak for the family that answers.
+        let stale = hb("z", NodeState::Serving, 9);
+        assert_eq!(
+            decide(&[stale, a], &info, &[7, 8], "11.104", NOW),
+            Discovery::TakeOver {
+                epoch: 4,
+                base_id: 8,
+                identity: Some("a".to_owned())
+            }
+        );
+        assert!(matches!(
+            decide(&[], &info, &[7], "11.104", NOW),
+            Discovery::Wait(_)
+        ));
     }
 }

@@ -86,6 +86,9 @@ pub(crate) struct Attempt {
     pub(crate) first: bool,
     /// Hot restart, or (decided at pre-flight) cold handover.
     pub(crate) kind: envoy_agent_proxy::HandoffKind,
+    /// A cold handover across pods, planned at discovery: the predecessor's family (its base
+    /// id) and who runs it.
+    pub(crate) cold_from: Option<(u32, String)>,
     /// It settles a cold handover (binds the configured admin address again): it must not
     /// become another cold handover, or two inconsistent binaries would alternate forever.
     pub(crate) settles: bool,
@@ -99,8 +102,6 @@ pub(crate) struct ColdChild {
     pub(crate) base_id: u32,
     pub(crate) signals: tokio::sync::mpsc::UnboundedSender<envoy_agent_proxy::Signal>,
     pub(crate) started_at: Instant,
-    /// The binary's hot-restart version when it differs from the running one.
-    pub(crate) version: Option<String>,
     /// Killed at the deadline.
     pub(crate) killed: bool,
 }
@@ -137,10 +138,13 @@ pub(crate) enum Handoff {
         child: ColdChild,
     },
     /// After a cold handover: the old family (the supervisor's `retiring` books) drains until
-    /// `until`, then is stopped; what is left at `kill_at` is killed.
+    /// `until`, then is stopped; what is left at `kill_at` is killed. Across pods (`foreign`:
+    /// the predecessor) the predecessor's agent drains and stops its own family, and from
+    /// `until` on the configured admin port is checked every `kill_at` until it is free.
     Retiring {
         until: Instant,
         kill_at: Option<Instant>,
+        foreign: Option<String>,
     },
 }
 
@@ -210,6 +214,7 @@ impl Queue {
             first: false,
             kind: envoy_agent_proxy::HandoffKind::Hot,
             settles: std::mem::take(&mut self.settles),
+            cold_from: None,
         };
         self.waiting_for = None;
         attempt

@@ -96,6 +96,11 @@ pub struct Heartbeat {
     /// Whether it is hot-restarting on its own right now (pre-flight to LIVE).
     #[serde(default)]
     pub restart_in_flight: bool,
+    /// A cold handover across pods: the identity of the predecessor whose Envoy family this
+    /// supervisor's new family (LIVE now) takes over from. That predecessor drains its Envoy
+    /// and stops it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cold_takeover_of: Option<String>,
 }
 
 impl Heartbeat {
@@ -332,6 +337,7 @@ mod tests {
             updated_unix_ms: unix_ms(),
             parent_draining_until_unix_ms: 0,
             restart_in_flight: false,
+            cold_takeover_of: None,
         }
     }
 

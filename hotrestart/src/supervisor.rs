@@ -129,6 +129,9 @@ enum Event {
     Version(Result<String, String>),
     /// Epoch `epoch`'s admin listener is bound.
     AdminBound(u32),
+    /// After a cold handover across pods: does the predecessor's Envoy still hold the
+    /// configured admin port?
+    ForeignAdmin(Result<Option<AdminState>, AdminError>),
     /// Is a cold handover's new family (its Envoy `pid`) LIVE?
     ColdLiveChecked {
         pid: u32,
@@ -265,6 +268,9 @@ pub(crate) struct Supervisor<H: Host> {
     lock_retry_at: Instant,
     /// The serving epoch that exited while its successor started: the outcome if that fails.
     pending_serving_exit: Option<Exit>,
+    /// The predecessor our family took over from by a cold handover, until its Envoy is gone
+    /// (our heartbeat tells it to retire).
+    cold_takeover_of: Option<String>,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -328,6 +334,7 @@ impl<H: Host> Supervisor<H> {
             marker: false,
             lock_retry_at: now,
             pending_serving_exit: None,
+            cold_takeover_of: None,
         }
     }
 
@@ -480,6 +487,7 @@ impl<H: Host> Supervisor<H> {
             }
             Event::Version(result) => self.on_version(result),
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
+            Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, result } => {
                 self.live.in_flight = false;
                 self.on_cold_live_check(pid, result);

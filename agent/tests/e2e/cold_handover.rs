@@ -11,10 +11,13 @@
 use std::path::{Path, PathBuf};
 
 use envoy_agent_proxy::ServerState;
-use envoy_agent_tests::{Load, PATIENCE, envoy_path, eventually, live_at, process_alive};
+use envoy_agent_tests::{
+    Load, PATIENCE, envoy_children_of, envoy_path, eventually, live_at, process_alive,
+};
 use nix::sys::signal::Signal;
 
 use crate::agent;
+use crate::cross_pod::Node;
 
 /// Connections queued on the old family's listen sockets when they close move to the new
 /// family's (Linux 5.14+): without it the kernel resets them, which the load would count.
@@ -207,4 +210,101 @@ async fn with_no_cold_handover_another_version_is_refused_and_envoy_serves_on() 
     live_at(&agent.admin, 0).await;
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+/// A successor pod whose Envoy has another hot-restart version (a surge upgrade to an
+/// incompatible release): its new family starts beside the predecessor's under the other base
+/// id; once it is LIVE its heartbeat tells the predecessor, which drains its family, stops it
+/// and exits as handed over; the successor then binds the configured admin port.
+#[tokio::test]
+async fn a_successor_pod_of_another_hot_restart_version_takes_over_cold_losing_no_request() {
+    tcp_migrate_req();
+    let node = Node::new();
+    let mut a = node.pod("pod-a").start().await;
+    live_at(&node.admin(), 0).await;
+    let a_envoy = envoy_children_of(a.agent_pid())[0];
+    let load = Load::start(node.listener(), "/", 4, 4);
+    eventually("the load to be served", PATIENCE, || async {
+        (load.ok() > 50).then_some(())
+    })
+    .await;
+
+    // The successor's image: a binary of another hot-restart version at its Envoy path.
+    let path = node.dir.join("envoy-of-pod-b");
+    repoint(&path, &other_version_wrapper(&node.dir.join("")));
+    // start() returns once its readiness marker exists: its new family is LIVE.
+    let mut b = node.pod("pod-b").envoy_path(path.clone()).start().await;
+    let starting = b.wait_event("cold_handover", "stage", "starting").await;
+    assert_eq!(starting["from_base_id"], node.ports.base_id, "{starting}");
+    assert_eq!(starting["to_base_id"], node.ports.base_id + 1, "{starting}");
+    assert!(
+        starting["predecessor"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("pod-a-")),
+        "{starting}"
+    );
+    // As in one pod: what the new family runs is the real Envoy, which says so of itself.
+    repoint(&path, &envoy_path());
+    b.wait_event("cold_handover", "stage", "live").await;
+
+    // The predecessor sees the takeover in b's heartbeat, drains and stops its Envoy; the
+    // kubelet deletes the old pod, which exits as handed over once its Envoy is gone.
+    let handed = a.wait_event("cold_handover", "stage", "handed_over").await;
+    assert!(
+        handed["successor"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("pod-b-")),
+        "{handed}"
+    );
+    a.signal_agent(Signal::SIGTERM);
+    assert_eq!(a.exit().await.code(), Some(0));
+    let exit = a.events("exit");
+    assert!(
+        exit.iter().any(|e| e["exit_path"] == "handed_over"),
+        "{exit:?}"
+    );
+    assert!(!process_alive(a_envoy), "pod-a's envoy is gone");
+
+    // Then the successor binds the configured admin port by a hot restart of its family.
+    b.wait_event("cold_handover", "stage", "retired").await;
+    live_at(&node.admin(), 1).await;
+    let info = node.admin().server_info().await.unwrap();
+    assert_eq!(
+        info.base_id,
+        u64::from(node.ports.base_id) + 1,
+        "the new family"
+    );
+    eventually(
+        "one envoy in pod-b: epoch 1 (epoch 0 drained)",
+        PATIENCE,
+        || async { (envoy_children_of(b.agent_pid()).len() == 1).then_some(()) },
+    )
+    .await;
+
+    let served = load.ok();
+    eventually("the successor to serve the load", PATIENCE, || async {
+        (load.ok() > served + 50).then_some(())
+    })
+    .await;
+    let report = load.stop().await;
+    eprintln!(
+        "cold handover across pods: {} requests ok, {} failed",
+        report.ok, report.failed
+    );
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+
+    // A third pod of the same configuration takes over from the family under the other base
+    // id by hot restart: it is still ours.
+    let mut c = node.pod("pod-c").start().await;
+    live_at(&node.admin(), 2).await;
+    let handoff = &c.events_with("handoff", "epoch", "2")[0];
+    assert_eq!(
+        (&handoff["outcome"], &handoff["kind"]),
+        (&"live".into(), &"hot".into()),
+        "{handoff}"
+    );
+    b.signal_agent(Signal::SIGTERM);
+    assert_eq!(b.exit().await.code(), Some(0));
+    c.signal_agent(Signal::SIGTERM);
+    assert_eq!(c.exit().await.code(), Some(0));
 }

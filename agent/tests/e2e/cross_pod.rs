@@ -32,10 +32,13 @@ pub(crate) struct Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(format!(
-            "/dev/shm/envoy_shared_memory_{}",
-            u64::from(self.ports.base_id) * 10
-        ));
+        // ... and the one of a cold handover's family, under the next base id.
+        for base_id in [self.ports.base_id, self.ports.base_id + 1] {
+            let _ = std::fs::remove_file(format!(
+                "/dev/shm/envoy_shared_memory_{}",
+                u64::from(base_id) * 10
+            ));
+        }
     }
 }
 

@@ -27,19 +27,37 @@ use crate::handoff::ColdChild;
 const TCP_MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
 
 impl<H: Host> Supervisor<H> {
-    /// The base id a cold handover would start the new family under, when cold handovers are
-    /// on and possible here.
-    pub(super) fn cold_base_id(&self) -> Option<u32> {
+    /// The base ids a family of ours runs under: `--base-id`, and `--cold-base-id` once a
+    /// cold handover started one there.
+    pub(super) fn base_ids(&self) -> Vec<u32> {
+        let configured = self.config.proxy.hot_restart.as_ref().map(|h| h.base_id);
+        configured
+            .into_iter()
+            .chain(self.config.cold_base_id)
+            .chain(std::iter::once(self.base_id))
+            .fold(Vec::new(), |mut ids, id| {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+                ids
+            })
+    }
+
+    /// Whether a family under `base_id` is one of ours (this agent's, or a predecessor's of
+    /// the same configuration).
+    pub(super) fn ours(&self, base_id: u32) -> bool {
+        self.base_ids().contains(&base_id)
+    }
+
+    /// The base id a cold handover from a family under `from` starts the new family under,
+    /// when cold handovers are on and possible here.
+    pub(super) fn other_base_id(&self, from: u32) -> Option<u32> {
         let cold = self.config.cold_base_id?;
         if !self.host.cold_possible() {
             return None;
         }
         let configured = self.config.proxy.hot_restart.as_ref()?.base_id;
-        Some(if self.base_id == cold {
-            configured
-        } else {
-            cold
-        })
+        Some(if from == cold { configured } else { cold })
     }
 
     /// Hot restart cannot work (`why`): starts the new family for a cold handover, or refuses
@@ -48,9 +66,11 @@ impl<H: Host> Supervisor<H> {
         &mut self,
         mut attempt: Attempt,
         why: String,
-        version: Option<String>,
+        from_base_id: u32,
     ) {
-        let base_id = self.cold_base_id().filter(|_| !attempt.settles);
+        let base_id = self
+            .other_base_id(from_base_id)
+            .filter(|_| !attempt.settles);
         let Some(base_id) = base_id else {
             self.lock = None;
             let off = if attempt.settles {
@@ -68,14 +88,15 @@ impl<H: Host> Supervisor<H> {
         attempt.epoch = 0;
         attempt.kind = HandoffKind::Cold {
             why: why.clone(),
-            from_base_id: self.base_id,
+            from_base_id,
             to_base_id: base_id,
         };
         tracing::warn!(
             event = "cold_handover",
             stage = "starting",
-            from_base_id = self.base_id,
+            from_base_id,
             to_base_id = base_id,
+            predecessor = attempt.cold_from.as_ref().map(|(_, who)| who.as_str()),
             %why,
             "hot restart cannot work: starting a new envoy family beside the serving one"
         );
@@ -111,7 +132,6 @@ impl<H: Host> Supervisor<H> {
                         base_id,
                         signals: spawned.signals,
                         started_at: now,
-                        version,
                         killed: false,
                     },
                 };
@@ -182,23 +202,17 @@ impl<H: Host> Supervisor<H> {
         };
         self.live = Probing::default();
         attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
-        // Told while the host still reaches the old family's admin.
-        let drain = self.host.drain(DrainListeners {
-            inbound_only: false,
-            graceful: true,
-            skip_exit: false,
-        });
-        let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let result = drain.await.map_err(|e| e.to_string());
-            let _ = events.send(Event::Drained {
-                result,
-                replies: Vec::new(),
-            });
-        });
+        let foreign = attempt.cold_from.as_ref().map(|(_, who)| who.clone());
+        if foreign.is_none() {
+            // Told while the host still reaches the old family's admin.
+            self.drain_for_retirement();
+        }
         self.host.switch_family(child.base_id, true);
         self.host.passed_live(&attempt.checked);
-        let from_base_id = self.base_id;
+        let from_base_id = match &attempt.kind {
+            HandoffKind::Cold { from_base_id, .. } => *from_base_id,
+            HandoffKind::Hot => self.base_id,
+        };
         self.retiring = std::mem::take(&mut self.epochs);
         let retiring: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
         for epoch in retiring {
@@ -208,13 +222,12 @@ impl<H: Host> Supervisor<H> {
         self.epochs.set_state(0, EpochState::Live);
         self.base_id = child.base_id;
         self.family.base_id = child.base_id;
-        if child.version.is_some() {
-            // What the running Envoy itself says is the truth the next epoch must match.
-            self.version.clear();
-            self.ask_version();
-        }
         self.newest_live = Some(0);
         self.pending_serving_exit = None;
+        // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
+        // the next epoch must match: its binary may be another by now.
+        self.version.clear();
+        self.ask_version();
         self.lock = None;
         self.metrics.epoch(0);
         if !self.family.drained {
@@ -227,10 +240,14 @@ impl<H: Host> Supervisor<H> {
             in_flight: false,
         };
         // The old family's listeners close when its drain time ends; a little later it goes.
+        // Across pods its agent does that: from then on, look whether it is gone.
+        let until = now + self.config.proxy.drain_duration + RETIRE_MARGIN;
         self.handoff = Handoff::Retiring {
-            until: now + self.config.proxy.drain_duration + RETIRE_MARGIN,
+            until,
             kill_at: None,
+            foreign: foreign.clone(),
         };
+        self.cold_takeover_of = foreign;
         let migrate = std::fs::read_to_string(TCP_MIGRATE_REQ)
             .map(|v| v.trim() == "1")
             .unwrap_or(false);
@@ -285,7 +302,16 @@ impl<H: Host> Supervisor<H> {
             };
             (Outcome::Failed, message)
         };
-        self.finish(attempt, outcome, message);
+        let first = attempt.first;
+        self.finish(attempt, outcome, message.clone());
+        if first {
+            // A successor pod's start: nothing of ours serves (the predecessor does, untouched).
+            self.begin_stop(
+                Ended::StartFailed { code: 1, message },
+                "the cold handover's new family failed",
+            );
+            return;
+        }
         self.flush_pending_drains();
         self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
     }
@@ -307,7 +333,8 @@ impl<H: Host> Supervisor<H> {
             retired = true,
             "an envoy of the old family exited"
         );
-        if self.retiring.is_empty() && matches!(self.handoff, Handoff::Retiring { .. }) {
+        let ours_retire = matches!(self.handoff, Handoff::Retiring { foreign: None, .. });
+        if self.retiring.is_empty() && ours_retire {
             self.handoff = Handoff::Idle;
             tracing::info!(
                 event = "cold_handover",
@@ -327,10 +354,107 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
+    /// Tells our family's Envoy to drain every listener gracefully (a new family serves them
+    /// all), before it is stopped.
+    fn drain_for_retirement(&mut self) {
+        let drain = self.host.drain(DrainListeners {
+            inbound_only: false,
+            graceful: true,
+            skip_exit: false,
+        });
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = drain.await.map_err(|e| e.to_string());
+            let _ = events.send(Event::Drained {
+                result,
+                replies: Vec::new(),
+            });
+        });
+    }
+
+    /// A successor pod's new family is LIVE beside ours and says it took over from us (a cold
+    /// handover across pods): ours drains, then stops; the agent exits as handed over.
+    pub(super) fn hand_over_cold(&mut self, successor: String) {
+        if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
+            return;
+        }
+        tracing::info!(
+            event = "cold_handover",
+            stage = "handed_over",
+            %successor,
+            "a successor's new family took over: draining ours for {:?}, then stopping it",
+            self.config.proxy.drain_duration
+        );
+        self.drain_for_retirement();
+        self.hand_over(successor);
+        // Whatever handoff of ours was under way is moot: the whole family retires.
+        self.handoff = Handoff::Retiring {
+            until: Instant::now() + self.config.proxy.drain_duration + RETIRE_MARGIN,
+            kill_at: None,
+            foreign: None,
+        };
+    }
+
+    /// The configured admin port after a cold handover across pods: free once the
+    /// predecessor's Envoy is gone; then our family binds it by a hot restart.
+    pub(super) fn on_foreign_admin(&mut self, result: Result<Option<AdminState>, AdminError>) {
+        let Handoff::Retiring {
+            foreign: Some(predecessor),
+            kill_at,
+            ..
+        } = &mut self.handoff
+        else {
+            return;
+        };
+        let gone = matches!(&result, Err(e) if discovery::refused(e));
+        if !gone {
+            *kill_at = Some(Instant::now() + FOREIGN_PARENT_CHECK);
+            tracing::debug!(%predecessor, "the predecessor's envoy still holds the admin port");
+            return;
+        }
+        tracing::info!(
+            event = "cold_handover",
+            stage = "retired",
+            base_id = self.base_id,
+            %predecessor,
+            "the predecessor's envoy is gone; a hot restart binds the configured admin address again"
+        );
+        self.handoff = Handoff::Idle;
+        self.cold_takeover_of = None;
+        if !self.family.drained {
+            self.queue.push(
+                "after a cold handover: the configured admin address".to_owned(),
+                None,
+                Instant::now(),
+            );
+            self.queue.settles = true;
+        }
+        self.write_heartbeat();
+    }
+
     /// The cold handover's timers: the new family's deadline, the old family's retirement.
     pub(super) fn cold_timers(&mut self, now: Instant) {
         let grace = self.config.proxy.stop_grace;
         let deadline = self.config.handoff_deadline;
+        if let Handoff::Retiring {
+            until,
+            kill_at,
+            foreign: Some(_),
+        } = &mut self.handoff
+        {
+            let due = kill_at.unwrap_or(*until);
+            if now >= due {
+                // Asked beside the loop; the answer sets the next look.
+                *kill_at = Some(now + STOP_BACKSTOP);
+                // `live_check` asks the configured address.
+                let call = self.host.live_check();
+                let events = self.events_tx.clone();
+                tokio::spawn(async move {
+                    let _ = events.send(Event::ForeignAdmin(call.await));
+                });
+            }
+            return;
+        }
         let signal = match &mut self.handoff {
             Handoff::Cold {
                 deadline: at,
@@ -347,7 +471,7 @@ impl<H: Host> Supervisor<H> {
                 self.record_wedge(WedgeReason::HandoffDeadline, message);
                 return;
             }
-            Handoff::Retiring { until, kill_at } => match kill_at {
+            Handoff::Retiring { until, kill_at, .. } => match kill_at {
                 None if now >= *until => {
                     *kill_at = Some(now + grace);
                     Signal::SIGTERM
@@ -365,6 +489,14 @@ impl<H: Host> Supervisor<H> {
             tracing::info!(epoch, %signal, "stopping the old family's epoch");
             self.retiring.signal(epoch, signal, Some(Stop::Shutdown));
         }
+        if matches!(self.life, Life::HandedOver { .. }) {
+            // Our whole family retires (handed over cold to a successor pod).
+            let epochs: Vec<u32> = self.epochs.iter().map(|c| c.epoch).collect();
+            for epoch in epochs {
+                tracing::info!(epoch, %signal, "stopping our epoch after a cold handover");
+                self.epochs.signal(epoch, signal, Some(Stop::Shutdown));
+            }
+        }
     }
 
     /// When the cold handover's timers are due next.
@@ -373,7 +505,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::Cold {
                 deadline, child, ..
             } if !child.killed => Some(*deadline),
-            Handoff::Retiring { until, kill_at } => Some(kill_at.unwrap_or(*until)),
+            Handoff::Retiring { until, kill_at, .. } => Some(kill_at.unwrap_or(*until)),
             _ => None,
         }
     }

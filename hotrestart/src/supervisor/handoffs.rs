@@ -4,6 +4,18 @@
 use super::*;
 
 impl<H: Host> Supervisor<H> {
+    /// Our first epoch starts a new family beside the predecessor's (`from`, run by
+    /// `identity`), which hot restart cannot take over (`why`): a cold handover across pods.
+    pub(super) fn begin_first_cold(&mut self, from: u32, identity: String, why: String) {
+        let now = Instant::now();
+        let mut queue = Queue::default();
+        queue.push(why, None, now);
+        let mut attempt = queue.take(0, None, now);
+        attempt.first = true;
+        attempt.cold_from = Some((from, identity));
+        self.start_preflight(attempt);
+    }
+
     pub(super) fn begin_first(&mut self, epoch: u32, parent: Option<Parent>, reason: String) {
         let now = Instant::now();
         let mut queue = Queue::default();
@@ -32,7 +44,8 @@ impl<H: Host> Supervisor<H> {
         // A first epoch with nothing to take over from risks nothing that Envoy's own start
         // would not say as well (and as fast): only an epoch beside a serving one is
         // validated first.
-        let validate = attempt.parent.is_some() || self.newest_live.is_some();
+        let validate =
+            attempt.parent.is_some() || self.newest_live.is_some() || attempt.cold_from.is_some();
         let check = self.host.preflight(running, validate);
         let events = self.events_tx.clone();
         let epoch = attempt.epoch;
@@ -68,9 +81,15 @@ impl<H: Host> Supervisor<H> {
         attempt.checked = checked;
         // Hot restart cannot work beside our own serving epoch: a cold handover can.
         let beside_ours = matches!(attempt.parent, Some(Parent::Ours(_)));
+        if let (Some((from, _)), Ok(())) = (&attempt.cold_from, &result) {
+            let (from, why) = (*from, attempt.reason.clone());
+            self.start_cold(attempt, why, from).await;
+            return;
+        }
         let result = match result {
-            Err(Refusal::Incompatible { version, message }) if beside_ours => {
-                self.start_cold(attempt, message, Some(version)).await;
+            Err(Refusal::Incompatible { message, .. }) if beside_ours => {
+                let from = self.base_id;
+                self.start_cold(attempt, message, from).await;
                 return;
             }
             Err(refusal) => Err(refusal.message().to_owned()),
@@ -78,7 +97,8 @@ impl<H: Host> Supervisor<H> {
                 Ok(()) => Ok(()),
                 Err(why) => {
                     let why = format!("the family's shared memory is unusable: {why}");
-                    self.start_cold(attempt, why, None).await;
+                    let from = self.base_id;
+                    self.start_cold(attempt, why, from).await;
                     return;
                 }
             },

@@ -21,7 +21,7 @@ impl<H: Host> Supervisor<H> {
         let mut future = Vec::new();
         let others: Vec<Heartbeat> = heartbeats
             .into_iter()
-            .filter(|h| h.identity != self.config.identity && h.base_id == self.base_id)
+            .filter(|h| h.identity != self.config.identity && self.ours(h.base_id))
             .filter(|h| {
                 if h.updated_unix_ms > now_ms + skew {
                     future.push(h.identity.clone());
@@ -67,6 +67,16 @@ impl<H: Host> Supervisor<H> {
                     }
                 }
                 self.family.successor_starting = successor;
+            }
+            let cold = others
+                .iter()
+                .find(|h| {
+                    h.state == NodeState::Serving
+                        && h.cold_takeover_of.as_deref() == Some(self.config.identity.as_str())
+                })
+                .map(|h| h.identity.clone());
+            if let Some(successor) = cold {
+                self.hand_over_cold(successor);
             }
         }
         others
@@ -115,6 +125,7 @@ impl<H: Host> Supervisor<H> {
             updated_unix_ms: now_ms,
             parent_draining_until_unix_ms: parent_until,
             restart_in_flight: self.newest_live.is_some() && self.handoff.attempt().is_some(),
+            cold_takeover_of: self.cold_takeover_of.clone(),
         };
         if let Some((last, at)) = &mut self.heartbeat_written {
             let same = Heartbeat {

@@ -16,7 +16,7 @@ impl<H: Host> Supervisor<H> {
         }
         let now_ms = self.host.now_unix_ms();
         let others = self.read_node();
-        let decision = discovery::decide(&others, &result, self.base_id, &self.version, now_ms);
+        let decision = discovery::decide(&others, &result, &self.base_ids(), &self.version, now_ms);
         let (waiting, reported_incompatible) = match &mut self.life {
             Life::Discovering {
                 waiting,
@@ -47,9 +47,19 @@ impl<H: Host> Supervisor<H> {
                 tracing::info!("no live predecessor on this node: starting at epoch 0");
                 self.begin_first(0, None, "start".to_owned());
             }
-            Discovery::TakeOver { epoch, identity } => {
+            Discovery::TakeOver {
+                epoch,
+                base_id,
+                identity,
+            } => {
                 let who = identity
                     .unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
+                if base_id != self.base_id {
+                    // The family went on under our other base id (a cold handover).
+                    self.base_id = base_id;
+                    self.family.base_id = base_id;
+                    self.host.switch_family(base_id, false);
+                }
                 tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
                 self.family.predecessor = Some(who.clone());
                 self.begin_first(
@@ -61,7 +71,23 @@ impl<H: Host> Supervisor<H> {
                     format!("take over from {who}"),
                 );
             }
-            Discovery::Incompatible { theirs, identity } => {
+            Discovery::Incompatible {
+                theirs,
+                base_id,
+                identity,
+            } if self.other_base_id(base_id).is_some() => {
+                let who = identity
+                    .unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
+                let why = format!(
+                    "the node's envoy ({who}) has hot-restart version {theirs}, ours {}",
+                    self.version
+                );
+                self.family.predecessor = Some(who.clone());
+                self.begin_first_cold(base_id, who, why);
+            }
+            Discovery::Incompatible {
+                theirs, identity, ..
+            } => {
                 let mut reported = reported_incompatible;
                 if reported.is_none_or(|t| t.elapsed() >= INCOMPATIBLE_REPORT) {
                     reported = Some(Instant::now());
