@@ -262,10 +262,19 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
         };
         out.push_str(&earlier(f.handoffs.len()).unwrap_or_default());
         for h in f.handoffs.iter().rev().take(SHOWN).rev() {
+            let (label, cold) = match &h.cold {
+                Some(c) => (
+                    "cold handover:",
+                    format!(
+                        "base id {} -> {} ({}): ",
+                        c.from_base_id, c.to_base_id, c.why
+                    ),
+                ),
+                None => ("hot restart:", String::new()),
+            };
             let _ = writeln!(
                 out,
-                "{:<20}epoch {} {} in {} ({}){}",
-                "hot restart:",
+                "{label:<20}{cold}epoch {} {} in {} ({}){}",
                 h.epoch,
                 short(pb::HandoffOutcome::try_from(h.outcome)),
                 span(&h.duration),
@@ -275,6 +284,16 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
                 } else {
                     format!(": {}", h.message)
                 }
+            );
+        }
+        for e in &f.retiring {
+            let _ = writeln!(
+                out,
+                "{:<20}epoch {} (pid {}) of the old family, {}",
+                "retiring:",
+                e.epoch,
+                e.pid,
+                short(pb::EpochState::try_from(e.state)),
             );
         }
         out.push_str(&earlier(f.exits.len()).unwrap_or_default());

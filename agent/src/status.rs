@@ -22,6 +22,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use envoy_agent_proxy::HandoffKind;
 use envoy_agent_proxy::admin::Readiness;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -210,7 +211,27 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
         );
     };
     match admin.with_timeout(ENVOY_CALL_TIMEOUT).ready().await {
-        Ok(Readiness::Ready) => text(StatusCode::OK, "ready"),
+        Ok(Readiness::Ready) => {
+            // Ready all through a cold handover; say so while the old family drains.
+            let retiring = agent
+                .status()
+                .borrow()
+                .proxy
+                .family
+                .as_ref()
+                .and_then(|f| match &f.last_handoff.as_ref()?.kind {
+                    HandoffKind::Cold { from_base_id, why, .. } if !f.retiring.is_empty() => {
+                        Some(format!(
+                            "ready (cold handover: the old family, base id {from_base_id}, drains; {why})"
+                        ))
+                    }
+                    _ => None,
+                });
+            text(
+                StatusCode::OK,
+                retiring.unwrap_or_else(|| "ready".to_owned()),
+            )
+        }
         Ok(Readiness::NotReady(state)) => text(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: envoy reports {state}"),

@@ -1164,3 +1164,87 @@ async fn the_restart_after_a_cold_handover_never_hands_over_cold_again() {
     f.serving_at(0).await;
     f.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_successor_that_cannot_hot_restart_from_the_node_family_takes_over_cold() {
+    let host = FakeHost::default();
+    {
+        let mut w = host.world();
+        w.node = true;
+        // pod-a's Envoy, of another hot-restart version, answers on the admin port.
+        w.admin_version = "12.104".to_owned();
+        w.live(3);
+        w.admin_version = "11.104".to_owned();
+    }
+    let mut a = heartbeat("pod-a-1111", NodeState::Serving, 3, &host);
+    a.hot_restart_version = "12.104".to_owned();
+    host.world().others = vec![a];
+    let f = start(host, config());
+    let s = f.serving_at(0).await;
+    {
+        let w = f.host.world();
+        assert_eq!(
+            w.cold_spawns,
+            [8],
+            "beside pod-a's family, under the other base id"
+        );
+        assert!(
+            w.spawns.is_empty(),
+            "no hot restart from an incompatible envoy"
+        );
+        assert!(w.drains.is_empty(), "pod-a drains its own family");
+        let ours = w.ours.clone().unwrap();
+        assert_eq!(ours.base_id, 8);
+        assert_eq!(ours.state, NodeState::Serving);
+        assert_eq!(
+            ours.cold_takeover_of.as_deref(),
+            Some("pod-a-1111"),
+            "{ours:?}"
+        );
+    }
+    let family = s.family.unwrap();
+    assert_eq!(family.predecessor.as_deref(), Some("pod-a-1111"));
+    assert_eq!(family.last_handoff.unwrap().kind.as_str(), "cold");
+    // pod-a's Envoy still holds the configured admin port: nothing else happens.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(f.host.world().spawns.is_empty());
+    // It is gone: our family takes the configured admin port by a hot restart.
+    f.host.world().admin = Admin::Refused;
+    f.serving_at(1).await;
+    {
+        let w = f.host.world();
+        assert_eq!(w.spawns, [1]);
+        assert_eq!(w.ours.clone().unwrap().cold_takeover_of, None);
+    }
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_predecessor_told_of_a_cold_takeover_drains_and_stops_its_family() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let mut b = heartbeat("pod-b-2222", NodeState::Serving, 0, &f.host);
+    b.base_id = 8;
+    b.cold_takeover_of = Some("pod-a-0000aaaa".to_owned());
+    f.host.world().others = vec![b];
+    let s = f
+        .until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    assert_eq!(
+        s.family.unwrap().handed_over_to.as_deref(),
+        Some("pod-b-2222")
+    );
+    {
+        let w = f.host.world();
+        assert!(!w.marker, "not ready once handed over");
+        assert_eq!(w.drains.len(), 1, "our family drains every listener");
+        assert!(!w.drains[0].inbound_only && w.drains[0].graceful);
+        assert!(w.alive(0), "drains before it stops");
+    }
+    // After the drain time (1 s) and a margin: SIGTERM, and the family is gone.
+    f.until("our envoy gone", |s| s.epochs.is_empty()).await;
+    assert_eq!(f.host.world().signals_to(0), [Signal::SIGTERM]);
+    f.stop().await;
+}

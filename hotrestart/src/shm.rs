@@ -56,6 +56,14 @@ pub enum ShmError {
         /// Why.
         source: std::io::Error,
     },
+    /// A next epoch could not attach to the segment (what [`usable`] finds).
+    #[error("{path}: a next epoch could not attach to it ({why})")]
+    Unusable {
+        /// The segment.
+        path: PathBuf,
+        /// What did not match.
+        why: String,
+    },
     /// The header does not describe a layout this module knows; nothing was written.
     #[error("{path}: not a segment this supervisor can repair ({why}); left untouched")]
     Unrecognized {
@@ -151,11 +159,11 @@ pub fn usable(segment: &Path, hot_restart_version: &str) -> Result<(), ShmError>
     let (size, version) = (word(0..8), word(8..16));
     let found = format!("{version}.{size}");
     if size != len || found != hot_restart_version {
-        return Err(ShmError::Unrecognized {
+        return Err(ShmError::Unusable {
             path: segment.to_owned(),
             why: format!(
                 "its header says {found} for a file of {len} bytes, the running envoy \
-                 {hot_restart_version}: a next epoch could not attach"
+                 {hot_restart_version}"
             ),
         });
     }

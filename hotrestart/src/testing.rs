@@ -66,6 +66,9 @@ pub(crate) struct World {
     pub(crate) cold_possible: bool,
     /// The admin of a cold handover's new family (its own ephemeral port).
     pub(crate) cold_admin: Admin,
+    /// Whether the host reaches the family's admin at the cold family's port (after a cold
+    /// handover, until a hot restart takes the configured one).
+    pub(crate) target_cold: bool,
     /// Cold families spawned: their base ids.
     pub(crate) cold_spawns: Vec<u32>,
     /// Families switched to.
@@ -126,6 +129,7 @@ impl Default for World {
             shm: Ok(()),
             cold_possible: true,
             cold_admin: Admin::Refused,
+            target_cold: false,
             cold_spawns: Vec::new(),
             switches: Vec::new(),
             preflight_calls: Vec::new(),
@@ -170,6 +174,15 @@ impl World {
             version: self.admin_version.clone(),
             uptime: Duration::ZERO,
         };
+    }
+
+    /// The admin the host reaches the family at.
+    fn target(&self) -> &Admin {
+        if self.target_cold {
+            &self.cold_admin
+        } else {
+            &self.admin
+        }
     }
 
     fn admin_epoch(&self) -> Option<u32> {
@@ -447,14 +460,12 @@ impl Host for FakeHost {
     }
 
     fn switch_family(&self, base_id: u32, cold: bool) {
-        if !cold {
-            return;
-        }
         let mut w = self.world();
-        w.switches.push(base_id);
+        if cold {
+            w.switches.push(base_id);
+        }
         w.base_id = u64::from(base_id);
-        w.admin = w.cold_admin.clone();
-        w.cold_admin = Admin::Refused;
+        w.target_cold = cold;
     }
 
     fn cold_possible(&self) -> bool {
@@ -473,7 +484,7 @@ impl Host for FakeHost {
         let (admin, delay) = {
             let mut w = self.world();
             w.admin_calls.0 += 1;
-            (w.admin.clone(), w.server_info_delay)
+            (w.target().clone(), w.server_info_delay)
         };
         Box::pin(async move {
             tokio::time::sleep(delay).await;
@@ -494,7 +505,7 @@ impl Host for FakeHost {
         let admin = {
             let mut w = self.world();
             w.admin_calls.1 += 1;
-            w.admin.clone()
+            w.target().clone()
         };
         Box::pin(async move {
             answer(admin, "/stats")

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use envoy_agent_proxy::ServerState;
 use envoy_agent_tests::{
-    Load, PATIENCE, envoy_children_of, envoy_path, eventually, live_at, process_alive,
+    Load, PATIENCE, envoy_children_of, envoy_path, eventually, http_get, live_at, process_alive,
 };
 use nix::sys::signal::Signal;
 
@@ -128,11 +128,30 @@ async fn cold_handover_in_one_pod(why: Why) {
         .expect("a cold handoff event");
     assert_eq!(handoff["outcome"], "live", "{handoff}");
     assert_eq!(handoff["epoch"], 0, "{handoff}");
-    // Both families serve for the drain time: the old one drains.
+    // Both families serve for the drain time: the old one drains. Ready throughout, and
+    // readiness and the status say why two families run.
     assert!(
         process_alive(old_envoy),
         "the old family drains before it stops"
     );
+    eventually(
+        "readiness to tell of the cold handover",
+        PATIENCE,
+        || async {
+            let ready = http_get(agent.status(), "/healthz/ready").await.unwrap();
+            assert_eq!(ready.status, 200, "{}", ready.body);
+            ready.body.starts_with("ready (cold handover").then_some(())
+        },
+    )
+    .await;
+    let (code, out, err) = crate::grpc::cli(&agent, &["status"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("cold handover:") && l.contains(expected)),
+        "{out}"
+    );
+    assert!(out.lines().any(|l| l.starts_with("retiring:")), "{out}");
 
     // The old family retires; a hot restart of the new one takes the configured admin port.
     agent.wait_event("cold_handover", "stage", "retired").await;
@@ -147,6 +166,12 @@ async fn cold_handover_in_one_pod(why: Why) {
         PATIENCE,
         || async { (agent.envoys().len() == 1).then_some(()) },
     )
+    .await;
+    eventually("readiness plain again", PATIENCE, || async {
+        let ready = http_get(agent.status(), "/healthz/ready").await.unwrap();
+        assert_eq!(ready.status, 200, "{}", ready.body);
+        (ready.body == "ready\n").then_some(())
+    })
     .await;
     let settled = agent.events_with("handoff", "epoch", "1").pop().unwrap();
     assert_eq!(
@@ -178,38 +203,6 @@ async fn a_binary_of_another_hot_restart_version_is_handed_over_cold_losing_no_r
 #[tokio::test]
 async fn corrupt_shared_memory_is_handed_over_cold_losing_no_request() {
     cold_handover_in_one_pod(Why::CorruptSharedMemory).await;
-}
-
-#[tokio::test]
-async fn with_no_cold_handover_another_version_is_refused_and_envoy_serves_on() {
-    let builder = agent().hot_restart();
-    let path = builder.dir().join("envoy");
-    repoint(&path, &envoy_path());
-    let wrapper = other_version_wrapper(&builder.dir().join(""));
-    let mut agent = builder
-        .envoy_path(path.clone())
-        .args(&["--no-cold-handover"])
-        .start()
-        .await;
-    live_at(&agent.admin, 0).await;
-    let envoy = agent.envoys()[0];
-    repoint(&path, &wrapper);
-    agent.signal(Signal::SIGHUP);
-    let refused = agent.wait_event("handoff", "outcome", "rejected").await;
-    let message = refused["message"].as_str().unwrap();
-    assert!(
-        message.contains("11.999") && message.contains("--no-cold-handover"),
-        "{refused}"
-    );
-    assert!(agent.events("cold_handover").is_empty());
-    assert_eq!(
-        agent.envoys(),
-        [envoy],
-        "the serving envoy serves on, alone"
-    );
-    live_at(&agent.admin, 0).await;
-    agent.signal(Signal::SIGTERM);
-    assert_eq!(agent.exit().await.code(), Some(0));
 }
 
 /// A successor pod whose Envoy has another hot-restart version (a surge upgrade to an

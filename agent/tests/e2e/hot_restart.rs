@@ -451,8 +451,10 @@ async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// With cold handovers off (by default such a binary is handed over cold:
+/// `cold_handover.rs`).
 #[tokio::test]
-async fn a_binary_with_another_hot_restart_version_is_rejected() {
+async fn with_no_cold_handover_a_binary_with_another_hot_restart_version_is_rejected() {
     // An "envoy" that says the hot-restart version the test wants, and otherwise runs the real
     // one. Replaced on disk the way a release is (a new file renamed over the path), so the
     // agent sees another binary each time.
@@ -479,7 +481,12 @@ async fn a_binary_with_another_hot_restart_version_is_rejected() {
         std::fs::rename(&next, &wrapper).unwrap();
     };
     install(None);
-    let mut agent = builder.envoy_path(wrapper.clone()).args(FAST).start().await;
+    let mut agent = builder
+        .envoy_path(wrapper.clone())
+        .args(FAST)
+        .args(&["--no-cold-handover"])
+        .start()
+        .await;
 
     // An upgrade of the binary on disk to an incompatible Envoy.
     install(Some("12.999"));
@@ -491,9 +498,12 @@ async fn a_binary_with_another_hot_restart_version_is_rejected() {
     let rejected = &agent.events_with("handoff", "outcome", "rejected")[0];
     let message = rejected["message"].as_str().unwrap();
     assert!(
-        message.contains("12.999") && message.contains("cannot hot-restart"),
+        message.contains("12.999")
+            && message.contains("cannot hot-restart")
+            && message.contains("--no-cold-handover"),
         "{message}"
     );
+    assert!(agent.events("cold_handover").is_empty());
     let info = agent.admin.server_info().await.unwrap();
     assert_eq!((info.state, info.restart_epoch), (ServerState::Live, 0));
     assert_eq!(agent.envoys().len(), 1, "nothing was started");
