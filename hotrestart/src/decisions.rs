@@ -1248,3 +1248,35 @@ async fn a_predecessor_told_of_a_cold_takeover_drains_and_stops_its_family() {
     assert_eq!(f.host.world().signals_to(0), [Signal::SIGTERM]);
     f.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_successor_finding_the_node_family_segment_unusable_takes_over_cold() {
+    let host = FakeHost::default();
+    {
+        let mut w = host.world();
+        w.node = true;
+        w.live(3);
+        w.shm = Err("its header says 3735928559.104".to_owned());
+    }
+    let a = heartbeat("pod-a-1111", NodeState::Serving, 3, &host);
+    host.world().others = vec![a];
+    let f = start(host, config());
+    let s = f.serving_at(0).await;
+    let w = f.host.world();
+    assert_eq!(w.cold_spawns, [8]);
+    assert!(
+        w.spawns.is_empty(),
+        "no epoch 4 into a segment it could not attach to"
+    );
+    assert_eq!(
+        w.ours.clone().unwrap().cold_takeover_of.as_deref(),
+        Some("pod-a-1111")
+    );
+    drop(w);
+    let kind = s.family.unwrap().last_handoff.unwrap().kind;
+    assert!(
+        matches!(&kind, envoy_agent_proxy::HandoffKind::Cold { why, from_base_id: 7, .. } if why.contains("shared memory")),
+        "{kind:?}"
+    );
+    f.stop().await;
+}

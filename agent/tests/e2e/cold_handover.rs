@@ -205,12 +205,12 @@ async fn corrupt_shared_memory_is_handed_over_cold_losing_no_request() {
     cold_handover_in_one_pod(Why::CorruptSharedMemory).await;
 }
 
-/// A successor pod whose Envoy has another hot-restart version (a surge upgrade to an
-/// incompatible release): its new family starts beside the predecessor's under the other base
-/// id; once it is LIVE its heartbeat tells the predecessor, which drains its family, stops it
-/// and exits as handed over; the successor then binds the configured admin port.
-#[tokio::test]
-async fn a_successor_pod_of_another_hot_restart_version_takes_over_cold_losing_no_request() {
+/// A successor pod that cannot hot-restart from the node's family (its Envoy has another
+/// hot-restart version: a surge upgrade to an incompatible release; or the family's segment is
+/// corrupt): its new family starts beside the predecessor's under the other base id; once it is
+/// LIVE its heartbeat tells the predecessor, which drains its family, stops it and exits as
+/// handed over; the successor then binds the configured admin port.
+async fn cold_handover_across_pods(why: Why) {
     tcp_migrate_req();
     let node = Node::new();
     let mut a = node.pod("pod-a").start().await;
@@ -222,9 +222,16 @@ async fn a_successor_pod_of_another_hot_restart_version_takes_over_cold_losing_n
     })
     .await;
 
-    // The successor's image: a binary of another hot-restart version at its Envoy path.
+    // The successor's image: a binary of another hot-restart version at its Envoy path; or
+    // its own release, and the node's segment corrupted.
     let path = node.dir.join("envoy-of-pod-b");
-    repoint(&path, &other_version_wrapper(&node.dir.join("")));
+    match why {
+        Why::OtherVersion => repoint(&path, &other_version_wrapper(&node.dir.join(""))),
+        Why::CorruptSharedMemory => {
+            repoint(&path, &envoy_path());
+            corrupt_shared_memory(node.ports.base_id);
+        }
+    }
     // start() returns once its readiness marker exists: its new family is LIVE.
     let mut b = node.pod("pod-b").envoy_path(path.clone()).start().await;
     let starting = b.wait_event("cold_handover", "stage", "starting").await;
@@ -234,6 +241,14 @@ async fn a_successor_pod_of_another_hot_restart_version_takes_over_cold_losing_n
         starting["predecessor"]
             .as_str()
             .is_some_and(|p| p.starts_with("pod-a-")),
+        "{starting}"
+    );
+    let expected = match why {
+        Why::OtherVersion => "11.999",
+        Why::CorruptSharedMemory => "shared memory is unusable",
+    };
+    assert!(
+        starting["why"].as_str().unwrap().contains(expected),
         "{starting}"
     );
     // As in one pod: what the new family runs is the real Envoy, which says so of itself.
@@ -281,7 +296,7 @@ async fn a_successor_pod_of_another_hot_restart_version_takes_over_cold_losing_n
     .await;
     let report = load.stop().await;
     eprintln!(
-        "cold handover across pods: {} requests ok, {} failed",
+        "cold handover ({why:?}) across pods: {} requests ok, {} failed",
         report.ok, report.failed
     );
     assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
@@ -300,4 +315,14 @@ async fn a_successor_pod_of_another_hot_restart_version_takes_over_cold_losing_n
     assert_eq!(b.exit().await.code(), Some(0));
     c.signal_agent(Signal::SIGTERM);
     assert_eq!(c.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn a_successor_pod_of_another_hot_restart_version_takes_over_cold_losing_no_request() {
+    cold_handover_across_pods(Why::OtherVersion).await;
+}
+
+#[tokio::test]
+async fn a_successor_pod_takes_over_a_family_with_corrupt_shared_memory_cold_losing_no_request() {
+    cold_handover_across_pods(Why::CorruptSharedMemory).await;
 }

@@ -60,6 +60,14 @@ impl<H: Host> Supervisor<H> {
                     self.family.base_id = base_id;
                     self.host.switch_family(base_id, false);
                 }
+                if let Err(why) = self.host.shm_usable(&self.version) {
+                    // Our epoch could not attach to the family's segment: a family of our own
+                    // beside it instead.
+                    self.family.predecessor = Some(who.clone());
+                    let why = format!("the node family's shared memory is unusable: {why}");
+                    self.begin_first_cold(base_id, who, why);
+                    return;
+                }
                 tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
                 self.family.predecessor = Some(who.clone());
                 self.begin_first(
