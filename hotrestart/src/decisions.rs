@@ -1262,17 +1262,18 @@ async fn a_successor_finding_the_node_family_segment_unusable_takes_over_cold() 
     host.world().others = vec![a];
     let f = start(host, config());
     let s = f.serving_at(0).await;
-    let w = f.host.world();
-    assert_eq!(w.cold_spawns, [8]);
-    assert!(
-        w.spawns.is_empty(),
-        "no epoch 4 into a segment it could not attach to"
-    );
-    assert_eq!(
-        w.ours.clone().unwrap().cold_takeover_of.as_deref(),
-        Some("pod-a-1111")
-    );
-    drop(w);
+    {
+        let w = f.host.world();
+        assert_eq!(w.cold_spawns, [8]);
+        assert!(
+            w.spawns.is_empty(),
+            "no epoch 4 into a segment it could not attach to"
+        );
+        assert_eq!(
+            w.ours.clone().unwrap().cold_takeover_of.as_deref(),
+            Some("pod-a-1111")
+        );
+    }
     let kind = s.family.unwrap().last_handoff.unwrap().kind;
     assert!(
         matches!(&kind, envoy_agent_proxy::HandoffKind::Cold { why, from_base_id: 7, .. } if why.contains("shared memory")),
