@@ -137,6 +137,7 @@ fn heartbeat(identity: &str, state: NodeState, epoch: u32, host: &FakeHost) -> H
         parent_draining_until_unix_ms: 0,
         restart_in_flight: false,
         cold_takeover_of: None,
+        handover: None,
     }
 }
 
@@ -1201,6 +1202,9 @@ async fn a_successor_that_cannot_hot_restart_from_the_node_family_takes_over_col
             Some("pod-a-1111"),
             "{ours:?}"
         );
+        let handover = ours.handover.unwrap();
+        assert_eq!(handover.kind, "cold");
+        assert!(handover.why.contains("12.104"), "{handover:?}");
     }
     let family = s.family.unwrap();
     assert_eq!(family.predecessor.as_deref(), Some("pod-a-1111"));

@@ -153,6 +153,7 @@ mod tests {
             parent_draining_until_unix_ms: 0,
             restart_in_flight: false,
             cold_takeover_of: None,
+            handover: None,
         }
     }
 

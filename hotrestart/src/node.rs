@@ -21,6 +21,12 @@
 //! `restart_in_flight` says the pod is hot-restarting on its own (optional, `false` when
 //! absent). A successor takes over only from a `serving` pod with neither.
 //!
+//! Optional, absent when not set: `handover` says how the newest family came to serve when a
+//! handover started it, `{"kind":"hot"}` or `{"kind":"cold","why":"..."}` (a cold handover: a
+//! new family under the other base id beside the old one); `cold_takeover_of` names the
+//! predecessor pod whose family this one's took over from cold, until that Envoy is gone: the
+//! predecessor, reading it, drains and stops its own family.
+//!
 //! A heartbeat is fresh when `updated_unix_ms` (or the file's modification time, when newer: an
 //! unchanged heartbeat is [`touch`]ed rather than rewritten) is at most a few periods old and
 //! not more than [`CLOCK_SKEW`] in the future (a future stamp would otherwise stay fresh forever). Only
@@ -101,6 +107,19 @@ pub struct Heartbeat {
     /// and stops it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cold_takeover_of: Option<String>,
+    /// How its newest family came to serve, when a handover started it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handover: Option<Handover>,
+}
+
+/// How a family came to serve (in a heartbeat).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Handover {
+    /// `hot` or `cold`.
+    pub kind: String,
+    /// Why hot restart could not be used, for a cold one.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub why: String,
 }
 
 impl Heartbeat {
@@ -338,6 +357,7 @@ mod tests {
             parent_draining_until_unix_ms: 0,
             restart_in_flight: false,
             cold_takeover_of: None,
+            handover: None,
         }
     }
 

@@ -63,6 +63,8 @@ pub(crate) const MAX_RETRIES: u32 = 3;
 const WEDGES_KEPT: usize = 16;
 /// Beyond the stop grace: how long stopping may take before the supervisor gives up waiting.
 const STOP_BACKSTOP: Duration = Duration::from_secs(5);
+/// The reason of a first epoch started from nothing (not a handover).
+pub(crate) const START_REASON: &str = "start";
 /// An incompatible predecessor is reported again after this long.
 const INCOMPATIBLE_REPORT: Duration = Duration::from_secs(60);
 
@@ -406,7 +408,7 @@ impl<H: Host> Supervisor<H> {
                 reported_incompatible: None,
             };
         } else {
-            self.begin_first(0, None, "start".to_owned());
+            self.begin_first(0, None, START_REASON.to_owned());
         }
         if self.config.watch_config {
             match crate::watch::ConfigWatch::start(

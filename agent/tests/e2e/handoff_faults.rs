@@ -499,6 +499,7 @@ fn heartbeat(identity: &str, base_id: u32, epoch: u32, updated_unix_ms: u64) -> 
         parent_draining_until_unix_ms: 0,
         restart_in_flight: false,
         cold_takeover_of: None,
+        handover: None,
     }
 }
 

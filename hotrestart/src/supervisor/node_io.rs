@@ -126,6 +126,20 @@ impl<H: Host> Supervisor<H> {
             parent_draining_until_unix_ms: parent_until,
             restart_in_flight: self.newest_live.is_some() && self.handoff.attempt().is_some(),
             cold_takeover_of: self.cold_takeover_of.clone(),
+            handover: self
+                .family
+                .handoffs
+                .iter()
+                .rev()
+                .find(|h| h.outcome == Outcome::Live)
+                .filter(|h| h.reason != START_REASON)
+                .map(|h| node::Handover {
+                    kind: h.kind.as_str().to_owned(),
+                    why: match &h.kind {
+                        HandoffKind::Cold { why, .. } => why.clone(),
+                        HandoffKind::Hot => String::new(),
+                    },
+                }),
         };
         if let Some((last, at)) = &mut self.heartbeat_written {
             let same = Heartbeat {

@@ -45,7 +45,7 @@ impl<H: Host> Supervisor<H> {
         match decision {
             Discovery::Fresh => {
                 tracing::info!("no live predecessor on this node: starting at epoch 0");
-                self.begin_first(0, None, "start".to_owned());
+                self.begin_first(0, None, START_REASON.to_owned());
             }
             Discovery::TakeOver {
                 epoch,
