@@ -17,12 +17,11 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoy_agent_proxy::admin::{AdminState, DrainListeners, Readiness};
+use envoy_agent_proxy::admin::{AdminState, DrainListeners};
 use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCache};
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
-    AdminClient, AdminError, EnvoyProcess, Exit, ProxyConfig, ProxyError, ServerInfo, ServerState,
-    Signal,
+    AdminClient, AdminError, EnvoyProcess, Exit, ProxyConfig, ProxyError, ServerInfo, Signal,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -368,18 +367,10 @@ async fn check(
     (checked, result)
 }
 
-/// Whether `admin` answers LIVE, and who.
+/// Whether `admin` answers LIVE, and who (it may still be the parent's admin, or another
+/// pod's): one connection, `/ready` first.
 async fn live(admin: &AdminClient) -> Result<Option<AdminState>, AdminError> {
-    // `/ready` costs Envoy next to nothing, even with a huge config; only a LIVE answer needs
-    // to say who (it may still be the parent's admin, or another pod's), and then LIVE is
-    // asked again of whoever the epoch came from.
-    match admin.ready().await? {
-        Readiness::NotReady(_) => Ok(None),
-        Readiness::Ready => {
-            let state = admin.admin_state().await?;
-            Ok((state.state == ServerState::Live).then_some(state))
-        }
-    }
+    admin.live_state().await
 }
 
 /// Bound on a drain call.

@@ -382,6 +382,45 @@ impl AdminClient {
         }
     }
 
+    /// Whether the admin answers LIVE, and then who: `/ready` first (it costs Envoy next to
+    /// nothing, and is all a starting epoch's frequent checks need while it is not LIVE), then
+    /// the epoch, over the same connection, so one process answers both. Should that
+    /// connection not carry the second question, [`AdminClient::admin_state`] asks anew (the
+    /// epoch first: the state is then never an older process's).
+    pub async fn live_state(&self) -> Result<Option<AdminState>, AdminError> {
+        let exchange = async {
+            let mut connection = self.connect("/ready").await?;
+            let (status, body) = connection.get("/ready").await?;
+            match status {
+                StatusCode::OK => {}
+                StatusCode::SERVICE_UNAVAILABLE => return Ok(None),
+                status => return Err(self.status("/ready", status, &body)),
+            }
+            let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
+            let Ok((status, body)) = connection.get(&endpoint).await else {
+                return Ok(Some(self.admin_state().await?).filter(|s| s.state == ServerState::Live));
+            };
+            if status != StatusCode::OK {
+                return Err(self.status(&endpoint, status, &body));
+            }
+            let stats = EpochStats::parse(&String::from_utf8_lossy(&body))
+                .map_err(|e| self.decode("/stats", e))?;
+            Ok(Some(AdminState {
+                epoch: stats.epoch,
+                state: ServerState::Live,
+                uptime: stats.uptime,
+            }))
+        };
+        match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(AdminError::Timeout {
+                addr: self.addr,
+                endpoint: "/ready".to_owned(),
+                timeout: self.timeout,
+            }),
+        }
+    }
+
     /// `GET /stats?filter=<regex>` (plus `usedonly`), as Envoy's text format.
     pub async fn stats(&self, filter: &str, used_only: bool) -> Result<String, AdminError> {
         let mut endpoint = format!("/stats?filter={}", percent_encode(filter));
@@ -632,6 +671,80 @@ mod tests {
         assert!(EpochStats::parse("server.state: 0\n").is_err());
         assert!(EpochStats::parse("server.hot_restart_epoch: x").is_err());
         assert!(EpochStats::parse("").is_err());
+    }
+
+    /// A fake admin on port 0 answering `/ready` with `ready` (status, body) and the epoch
+    /// stats with `epoch`, keeping connections alive; counts the connections it accepted.
+    async fn fake_admin(
+        ready: (u16, &'static str),
+        epoch: u32,
+    ) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(AtomicU32::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    loop {
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match stream.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                        buf.drain(..end + 4);
+                        let (status, body) = if head.starts_with("GET /ready ") {
+                            (ready.0, ready.1.to_owned())
+                        } else {
+                            (
+                                200,
+                                format!("server.hot_restart_epoch: {epoch}\nserver.uptime: 9\n"),
+                            )
+                        };
+                        let answer = format!(
+                            "HTTP/1.1 {status} X\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if stream.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    #[tokio::test]
+    async fn live_state_asks_ready_then_the_epoch_over_one_connection() {
+        use std::sync::atomic::Ordering;
+        let (addr, accepted) = fake_admin((200, "LIVE\n"), 3).await;
+        let live = AdminClient::new(addr).live_state().await.unwrap();
+        assert_eq!(
+            live,
+            Some(AdminState {
+                epoch: 3,
+                state: ServerState::Live,
+                uptime: Some(Duration::from_secs(9)),
+            })
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection");
+
+        let (addr, accepted) = fake_admin((503, "INITIALIZING\n"), 4).await;
+        assert_eq!(AdminClient::new(addr).live_state().await.unwrap(), None);
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+
+        let (addr, _) = fake_admin((500, "boom"), 4).await;
+        let err = AdminClient::new(addr).live_state().await.unwrap_err();
+        assert!(err.to_string().contains("/ready"), "{err}");
     }
 
     #[test]
