@@ -12,9 +12,6 @@ use tracing_subscriber::EnvFilter;
 const EXIT_FAILURE: u8 = envoy_agent::agent::EXIT_SOFTWARE;
 
 fn main() -> ExitCode {
-    // Before anything else runs: the agent's code is mapped page by page as it is used (its
-    // resident memory is mostly its own code; see the function).
-    let advised = envoy_agent_proxy::map_own_code_on_demand();
     let parsed = Cli::command()
         .try_get_matches()
         .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
@@ -56,7 +53,6 @@ fn main() -> ExitCode {
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => logs.json().flatten_event(true).init(),
     }
-    tracing::debug!(bytes = advised, "own code mapped on demand (MADV_RANDOM)");
 
     // One thread: the agent waits on Envoy, timers and a few sockets, never on its own CPU,
     // and every wakeup that stays on its thread saves two context switches (idle CPU, and

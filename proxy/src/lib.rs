@@ -49,7 +49,6 @@ pub mod reaper;
 mod spawner;
 pub mod state;
 mod sys;
-pub use sys::map_own_code_on_demand;
 
 pub use admin::{AdminClient, AdminError, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
