@@ -791,9 +791,11 @@ async fn a_node_agent_waits_for_its_version_before_judging_a_predecessor() {
     host.world().foreign_alive.push(3);
     host.world().version = Ok("12.104".to_owned());
     let f = start(host, config());
-    // Once known, the version differs from the predecessor's: no takeover, ever.
+    // Once known, the version differs from the predecessor's: never a hot takeover (a cold
+    // handover instead: a family of its own beside it).
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(f.host.world().spawns.is_empty());
+    assert_eq!(f.host.world().cold_spawns, [8]);
     assert_eq!(f.host.world().version_asks, 1);
     f.stop().await;
 }

@@ -349,11 +349,9 @@ impl<H: Host> Supervisor<H> {
         if let Err(e) = self.host.set_marker(false) {
             tracing::error!(error = %e, "cannot remove the readiness marker");
         }
-        // Discovery compares it with a predecessor's; alone, the first epoch starts without it
-        // (nothing runs to compare with), and it is asked once that epoch is LIVE.
-        if self.host.has_node() {
-            self.ask_version();
-        }
+        // Discovery asks for it only when something answers on the admin port (to compare it
+        // with a predecessor's): a fresh start does not exec the binary beside its Envoy's
+        // start, competing for the CPU; it is asked of the LIVE epoch instead.
         let ended = self.supervise(abort).await;
         self.host.remove_heartbeat(&self.config.identity);
         self.lock = None;

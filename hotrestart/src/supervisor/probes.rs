@@ -7,10 +7,13 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
         if let Life::Discovering { probing, next, .. } = &mut self.life {
             if result.is_ok() && self.version.is_empty() {
-                // Someone answers: only our own version tells whether we can take over. It is
-                // being asked; look again once it is known.
+                // Someone answers: only our own version tells whether we can take over. Ask
+                // it; look again once it is known.
                 *probing = false;
                 *next = Instant::now() + LIVE_POLL;
+                if !self.version_asked {
+                    self.ask_version();
+                }
                 return;
             }
         }
