@@ -524,11 +524,13 @@ impl Host for RealHost {
                 (checked, Ok(())) => tracing::info!(
                     event = "prevalidated",
                     cache = checked.cache(),
+                    binary_inode = checked.key.map(|k| k.binary.inode()),
                     took = ?started.elapsed(),
                     "validated ahead of the restart"
                 ),
-                (_, Err(refusal)) => tracing::warn!(
+                (checked, Err(refusal)) => tracing::warn!(
                     event = "prevalidated",
+                    binary_inode = checked.key.map(|k| k.binary.inode()),
                     message = refusal.message(),
                     "validated ahead of the restart: the restart would be refused"
                 ),

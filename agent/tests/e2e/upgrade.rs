@@ -125,8 +125,16 @@ async fn upgrade_in_one_pod(how: Replace, trigger: Trigger, ahead: bool) {
     install(how, &new, &path);
     if ahead {
         // A fraction of a second after the first epoch's LIVE: the change must still be seen.
-        // (A refusal ahead has no `cache`.)
-        agent.wait_event("prevalidated", "cache", "miss").await;
+        // (A refusal ahead has no `cache`; the running binary's own pair is prevalidated too,
+        // once its version is known: the event names the binary's inode.)
+        let inode = file_id(&path).1;
+        eventually("the new release validated ahead", PATIENCE, || async {
+            agent
+                .events_with("prevalidated", "cache", "miss")
+                .into_iter()
+                .find(|e| e["binary_inode"] == inode)
+        })
+        .await;
     }
     match trigger {
         Trigger::Sighup => agent.signal(Signal::SIGHUP),

@@ -51,6 +51,11 @@ pub struct FileId {
 }
 
 impl FileId {
+    /// The inode number (which file, on its device: what logs name).
+    pub fn inode(&self) -> u64 {
+        self.ino
+    }
+
     /// The identity of whatever `path` leads to now.
     pub fn of(path: &Path) -> std::io::Result<FileId> {
         let meta = std::fs::metadata(path)?;
