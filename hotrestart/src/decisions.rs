@@ -102,6 +102,17 @@ impl Family {
         .unwrap_or_else(|_| panic!("spawns {:?}, expected {spawns:?}", self.host.world().spawns));
     }
 
+    /// Until a cold handover's new family was spawned.
+    async fn cold_spawned(&self) {
+        tokio::time::timeout(BOUND, async {
+            while self.host.world().cold_spawns.is_empty() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no cold handover started"));
+    }
+
     /// A hot restart asked for in the background; its outcome on the handle.
     fn restart(&self, reason: &str) -> JoinHandle<Result<u32, RestartError>> {
         let (handle, reason) = (self.handle.clone(), reason.to_owned());
@@ -1025,13 +1036,7 @@ async fn a_new_family_that_fails_leaves_the_old_one_serving_untouched() {
         w.live_after = None;
     }
     let restart = f.restart("SIGHUP");
-    tokio::time::timeout(BOUND, async {
-        while f.host.world().cold_spawns.is_empty() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .unwrap();
+    f.cold_spawned().await;
     f.host.world().exit_in(8, 0, code(1));
     let answer = restart.await.unwrap();
     assert!(
@@ -1117,13 +1122,7 @@ async fn stopping_during_a_cold_handover_stops_both_families() {
         w.live_after = None;
     }
     let _restart = f.restart("SIGHUP");
-    tokio::time::timeout(BOUND, async {
-        while f.host.world().cold_spawns.is_empty() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .unwrap();
+    f.cold_spawned().await;
     let (ended, host) = f.stop().await;
     assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
     let w = host.world();

@@ -367,6 +367,22 @@ async fn check(
     (checked, result)
 }
 
+/// A started Envoy, supervised (signals in, its exit out) by a task of its own.
+fn supervised(process: EnvoyProcess, admin_bound: Option<oneshot::Receiver<()>>) -> Spawned {
+    let pid = process.pid();
+    let (signals, receiver) = mpsc::unbounded_channel();
+    let (report, exit) = oneshot::channel();
+    tokio::spawn(async move {
+        let _ = report.send(process.supervise(receiver).await);
+    });
+    Spawned {
+        pid,
+        signals,
+        exit,
+        admin_bound,
+    }
+}
+
 /// Whether `admin` answers LIVE, and who (it may still be the parent's admin, or another
 /// pod's): one connection, `/ready` first.
 async fn live(admin: &AdminClient) -> Result<Option<AdminState>, AdminError> {
@@ -392,18 +408,7 @@ impl Host for RealHost {
                 return Err(e);
             }
         };
-        let pid = process.pid();
-        let (signals, receiver) = mpsc::unbounded_channel();
-        let (report, exit) = oneshot::channel();
-        tokio::spawn(async move {
-            let _ = report.send(process.supervise(receiver).await);
-        });
-        Ok(Spawned {
-            pid,
-            signals,
-            exit,
-            admin_bound,
-        })
+        Ok(supervised(process, admin_bound))
     }
 
     async fn spawn_cold(&self, base_id: u32) -> Result<Spawned, ProxyError> {
@@ -411,7 +416,7 @@ impl Host for RealHost {
             .cold_admin_file(base_id)
             .ok_or_else(|| ProxyError::Unsupported("envoy runs as another user and cannot write its admin address where the agent reads it".to_owned()))?;
         if envoy_agent_proxy::args::sets(&self.proxy.extra_args, &["--config-yaml"]) {
-            return Err(ProxyError::Unsupported("your own --config-yaml of your own: envoy takes one overlay, and the new family's needs one for its admin address".to_owned()));
+            return Err(ProxyError::Unsupported("a --config-yaml of your own: envoy takes one overlay, and the new family needs one for its admin address".to_owned()));
         }
         // A previous cold family's address must not pass for this one's (its LIVE check
         // also wants an Envoy younger than this spawn).
@@ -422,18 +427,7 @@ impl Host for RealHost {
             hot.ephemeral_admin = Some(path);
         }
         let process = EnvoyProcess::spawn(&proxy, 0).await?;
-        let pid = process.pid();
-        let (signals, receiver) = mpsc::unbounded_channel();
-        let (report, exit) = oneshot::channel();
-        tokio::spawn(async move {
-            let _ = report.send(process.supervise(receiver).await);
-        });
-        Ok(Spawned {
-            pid,
-            signals,
-            exit,
-            admin_bound: None,
-        })
+        Ok(supervised(process, None))
     }
 
     fn cold_live_check(&self, base_id: u32) -> Task<Result<Option<AdminState>, AdminError>> {

@@ -287,6 +287,19 @@ async fn answer(
     }
 }
 
+/// What a LIVE check of `admin` answers: who, when it is LIVE.
+async fn live_answer(admin: Admin) -> Result<Option<AdminState>, AdminError> {
+    answer(admin, "/ready")
+        .await
+        .map(|(epoch, state, _, _, uptime)| {
+            (state == ServerState::Live).then_some(AdminState {
+                epoch,
+                state,
+                uptime: Some(uptime),
+            })
+        })
+}
+
 async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(t) => tokio::time::sleep_until(t).await,
@@ -445,18 +458,7 @@ impl Host for FakeHost {
     }
 
     fn cold_live_check(&self, _base_id: u32) -> Task<Result<Option<AdminState>, AdminError>> {
-        let admin = self.world().cold_admin.clone();
-        Box::pin(async move {
-            answer(admin, "/ready")
-                .await
-                .map(|(epoch, state, _, _, uptime)| {
-                    (state == ServerState::Live).then_some(AdminState {
-                        epoch,
-                        state,
-                        uptime: Some(uptime),
-                    })
-                })
-        })
+        Box::pin(live_answer(self.world().cold_admin.clone()))
     }
 
     fn switch_family(&self, base_id: u32, cold: bool) {
@@ -524,17 +526,7 @@ impl Host for FakeHost {
             w.admin_calls.2 += 1;
             w.admin.clone()
         };
-        Box::pin(async move {
-            answer(admin, "/ready")
-                .await
-                .map(|(epoch, state, _, _, uptime)| {
-                    (state == ServerState::Live).then_some(AdminState {
-                        epoch,
-                        state,
-                        uptime: Some(uptime),
-                    })
-                })
-        })
+        Box::pin(live_answer(admin))
     }
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {

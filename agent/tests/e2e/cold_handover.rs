@@ -70,6 +70,22 @@ fn corrupt_shared_memory(base_id: u32) {
         .unwrap();
 }
 
+/// Once the new family has served the load a while: stops it, prints the figure (`what`) and
+/// asserts that no request failed.
+async fn serves_on_then_reports(load: Load, what: &str) {
+    let served = load.ok();
+    eventually("the new family to serve the load", PATIENCE, || async {
+        (load.ok() > served + 50).then_some(())
+    })
+    .await;
+    let report = load.stop().await;
+    eprintln!(
+        "{what}: {} requests ok, {} failed",
+        report.ok, report.failed
+    );
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+}
+
 #[derive(Clone, Copy, Debug)]
 enum Why {
     /// The binary on the path reports another `--hot-restart-version`.
@@ -180,17 +196,7 @@ async fn cold_handover_in_one_pod(why: Why) {
         "{settled}"
     );
 
-    let served = load.ok();
-    eventually("the new family to serve the load", PATIENCE, || async {
-        (load.ok() > served + 50).then_some(())
-    })
-    .await;
-    let report = load.stop().await;
-    eprintln!(
-        "cold handover ({why:?}) in one pod: {} requests ok, {} failed",
-        report.ok, report.failed
-    );
-    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    serves_on_then_reports(load, &format!("cold handover ({why:?}) in one pod")).await;
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -289,17 +295,7 @@ async fn cold_handover_across_pods(why: Why) {
     )
     .await;
 
-    let served = load.ok();
-    eventually("the successor to serve the load", PATIENCE, || async {
-        (load.ok() > served + 50).then_some(())
-    })
-    .await;
-    let report = load.stop().await;
-    eprintln!(
-        "cold handover ({why:?}) across pods: {} requests ok, {} failed",
-        report.ok, report.failed
-    );
-    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    serves_on_then_reports(load, &format!("cold handover ({why:?}) across pods")).await;
 
     // A third pod of the same configuration takes over from the family under the other base
     // id by hot restart: it is still ours.

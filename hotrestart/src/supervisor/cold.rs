@@ -103,18 +103,9 @@ impl<H: Host> Supervisor<H> {
         match self.host.spawn_cold(base_id).await {
             Ok(spawned) => {
                 let pid = spawned.pid;
-                let events = self.events_tx.clone();
-                let exit = spawned.exit;
-                tokio::spawn(async move {
-                    let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
-                    // Epoch 0 of the new family, once it is ours; until then its pid tells it
-                    // from the old family's epoch 0.
-                    let _ = events.send(Event::Exited {
-                        epoch: 0,
-                        pid,
-                        result,
-                    });
-                });
+                // Epoch 0 of the new family, once it is ours; until then its pid tells it from
+                // the old family's epoch 0.
+                self.watch_exit(0, pid, spawned.exit);
                 tracing::info!(
                     event = "epoch_starting",
                     epoch = 0,
@@ -342,16 +333,21 @@ impl<H: Host> Supervisor<H> {
                 base_id = self.base_id,
                 "the old family is gone; a hot restart binds the configured admin address again"
             );
-            if !self.family.drained {
-                self.queue.push(
-                    "after a cold handover: the configured admin address".to_owned(),
-                    None,
-                    Instant::now(),
-                );
-                self.queue.settles = true;
-            }
-            self.write_heartbeat();
+            self.queue_settling_restart();
         }
+    }
+
+    /// The old family is gone: a hot restart of ours takes the configured admin address.
+    fn queue_settling_restart(&mut self) {
+        if !self.family.drained {
+            self.queue.push(
+                "after a cold handover: the configured admin address".to_owned(),
+                None,
+                Instant::now(),
+            );
+            self.queue.settles = true;
+        }
+        self.write_heartbeat();
     }
 
     /// Tells our family's Envoy to drain every listener gracefully (a new family serves them
@@ -421,15 +417,7 @@ impl<H: Host> Supervisor<H> {
         );
         self.handoff = Handoff::Idle;
         self.cold_takeover_of = None;
-        if !self.family.drained {
-            self.queue.push(
-                "after a cold handover: the configured admin address".to_owned(),
-                None,
-                Instant::now(),
-            );
-            self.queue.settles = true;
-        }
-        self.write_heartbeat();
+        self.queue_settling_restart();
     }
 
     /// The cold handover's timers: the new family's deadline, the old family's retirement.

@@ -136,13 +136,8 @@ impl<H: Host> Supervisor<H> {
                     }
                     None => LiveHint::Blind,
                 };
-                let events = self.events_tx.clone();
                 let pid = spawned.pid;
-                let exit = spawned.exit;
-                tokio::spawn(async move {
-                    let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
-                    let _ = events.send(Event::Exited { epoch, pid, result });
-                });
+                self.watch_exit(epoch, pid, spawned.exit);
                 tracing::info!(event = "epoch_starting", epoch, pid, "epoch starting");
                 let now = Instant::now();
                 attempt.spawned = Some(now);
@@ -171,6 +166,20 @@ impl<H: Host> Supervisor<H> {
                 }
             }
         }
+    }
+
+    /// Reports the exit of `epoch`'s process `pid` as an event, once it comes.
+    pub(super) fn watch_exit(
+        &self,
+        epoch: u32,
+        pid: u32,
+        exit: oneshot::Receiver<Result<Exit, ProxyError>>,
+    ) {
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
+            let _ = events.send(Event::Exited { epoch, pid, result });
+        });
     }
 
     /// How long until the next LIVE check of an epoch spawned `since` ago: every millisecond
