@@ -943,6 +943,15 @@ async fn a_family_that_ended_on_a_crash_runs_again_as_a_fresh_family_at_epoch_ze
     assert!(matches!(ended, Ended::Stopped { .. }), "{ended:?}");
 }
 
+impl crate::testing::World {
+    /// The next restart finds a binary of another hot-restart version, and nothing spawned
+    /// from now on becomes LIVE by itself.
+    fn incompatible_never_live(&mut self) {
+        self.preflights.push_back(Err(incompatible()));
+        self.live_after = None;
+    }
+}
+
 fn incompatible() -> Refusal {
     Refusal::Incompatible {
         version: "12.104".to_owned(),
@@ -1030,11 +1039,7 @@ async fn an_incompatible_binary_is_handed_over_cold_and_the_old_family_retires()
 async fn a_new_family_that_fails_leaves_the_old_one_serving_untouched() {
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;
-    {
-        let mut w = f.host.world();
-        w.preflights.push_back(Err(incompatible()));
-        w.live_after = None;
-    }
+    f.host.world().incompatible_never_live();
     let restart = f.restart("SIGHUP");
     f.cold_spawned().await;
     f.host.world().exit_in(8, 0, code(1));
@@ -1057,11 +1062,7 @@ async fn a_new_family_that_fails_leaves_the_old_one_serving_untouched() {
 async fn a_new_family_not_live_by_the_deadline_is_killed_and_the_old_one_serves_on() {
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;
-    {
-        let mut w = f.host.world();
-        w.preflights.push_back(Err(incompatible()));
-        w.live_after = None;
-    }
+    f.host.world().incompatible_never_live();
     let answer = f.restart("SIGHUP").await.unwrap();
     assert!(matches!(answer, Err(RestartError::Failed(_))), "{answer:?}");
     let w = f.host.world();
@@ -1116,11 +1117,7 @@ async fn without_cold_handovers_an_incompatible_binary_is_refused() {
 async fn stopping_during_a_cold_handover_stops_both_families() {
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;
-    {
-        let mut w = f.host.world();
-        w.preflights.push_back(Err(incompatible()));
-        w.live_after = None;
-    }
+    f.host.world().incompatible_never_live();
     let _restart = f.restart("SIGHUP");
     f.cold_spawned().await;
     let (ended, host) = f.stop().await;

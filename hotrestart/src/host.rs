@@ -241,15 +241,21 @@ impl RealHost {
         self.target().base_id
     }
 
-    /// The file where the cold family under `base_id` writes its admin address.
-    fn cold_admin_file(&self, base_id: u32) -> Option<PathBuf> {
-        let dir = self
-            .proxy
+    /// The agent's private directory where Envoy writes its admin addresses, if it can.
+    fn admin_address_dir(&self) -> Option<&std::path::Path> {
+        self.proxy
             .hot_restart
             .as_ref()?
             .admin_address_dir
-            .as_ref()?;
-        Some(dir.join(format!("cold-admin-address.{base_id}")))
+            .as_deref()
+    }
+
+    /// The file where the cold family under `base_id` writes its admin address.
+    fn cold_admin_file(&self, base_id: u32) -> Option<PathBuf> {
+        Some(
+            self.admin_address_dir()?
+                .join(format!("cold-admin-address.{base_id}")),
+        )
     }
 
     /// The cold family's admin, once it wrote its address.
@@ -261,13 +267,7 @@ impl RealHost {
     fn admin_files(&self) -> Option<&AdminFiles> {
         self.admin_files
             .get_or_init(|| {
-                let dir = self
-                    .proxy
-                    .hot_restart
-                    .as_ref()?
-                    .admin_address_dir
-                    .as_ref()?;
-                AdminFiles::watch(dir)
+                AdminFiles::watch(self.admin_address_dir()?)
                     .inspect_err(|e| {
                         tracing::warn!(error = %e, "no admin address hint: LIVE is polled for");
                     })

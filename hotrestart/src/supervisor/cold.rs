@@ -126,13 +126,8 @@ impl<H: Host> Supervisor<H> {
                         killed: false,
                     },
                 };
-                self.live_missed = None;
                 self.live_hint = LiveHint::Blind;
-                self.live = Probing {
-                    next: Some(now + self.live_poll_gap(Duration::ZERO)),
-                    in_flight: false,
-                };
-                self.write_heartbeat();
+                self.begin_live_checks(now);
             }
             Err(e) => {
                 self.lock = None;

@@ -145,12 +145,7 @@ impl<H: Host> Supervisor<H> {
                     attempt,
                     deadline: now + self.config.handoff_deadline,
                 };
-                self.live_missed = None;
-                self.live = Probing {
-                    next: Some(now + self.live_poll_gap(Duration::ZERO)),
-                    in_flight: false,
-                };
-                self.write_heartbeat();
+                self.begin_live_checks(now);
             }
             Err(e) => {
                 self.lock = None;
@@ -166,6 +161,17 @@ impl<H: Host> Supervisor<H> {
                 }
             }
         }
+    }
+
+    /// A new Envoy was spawned at `now`: its LIVE checks begin (by `live_hint`), and the
+    /// heartbeat says so.
+    pub(super) fn begin_live_checks(&mut self, now: Instant) {
+        self.live_missed = None;
+        self.live = Probing {
+            next: Some(now + self.live_poll_gap(Duration::ZERO)),
+            in_flight: false,
+        };
+        self.write_heartbeat();
     }
 
     /// Reports the exit of `epoch`'s process `pid` as an event, once it comes.
