@@ -131,12 +131,14 @@ async fn cold_handover_in_one_pod(why: Why) {
         starting["why"].as_str().unwrap().contains(expected),
         "{starting}"
     );
+    let live = agent.wait_event("cold_handover", "stage", "live").await;
     if let Why::OtherVersion = why {
         // A real release of another version says the same of itself before and after; the
-        // wrapper's runs the real Envoy, so the real binary is what the new family runs on.
+        // wrapper runs the real Envoy, so the real binary is what the new family runs on, and
+        // what the settling restart (after the drain time) must find. Not while the new
+        // family's Envoy is being exec'd: a binary swapped under an exec is not a release.
         repoint(&path, &envoy_path());
     }
-    let live = agent.wait_event("cold_handover", "stage", "live").await;
     assert_eq!(live["tcp_migrate_req"], true, "{live}");
     let handoff = agent
         .events_with("handoff", "kind", "cold")
