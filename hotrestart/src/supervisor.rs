@@ -40,6 +40,10 @@ mod probes;
 pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
 /// ... and at least: around the time LIVE is expected (so it is seen within ~1 ms).
 pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
+/// How long after a starting epoch's admin listener is bound LIVE is checked every
+/// millisecond before the checks slow down: a static config's epoch is LIVE within some tens of
+/// milliseconds of binding it (a backoff from the start added ~0.5 ms to seeing it).
+pub(crate) const LIVE_NEAR_BOUND: Duration = Duration::from_millis(100);
 /// How long an epoch is expected to take from spawn to LIVE before any has been seen.
 pub(crate) const EXPECTED_START: Duration = Duration::from_millis(100);
 /// How often a starting epoch is asked whether it is LIVE while its admin listener is not bound

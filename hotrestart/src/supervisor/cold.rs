@@ -180,6 +180,7 @@ impl<H: Host> Supervisor<H> {
 
     /// The new family is LIVE: it becomes the family, the old one drains and retires.
     fn go_cold_live(&mut self) {
+        let seen = Instant::now();
         let Handoff::Cold {
             mut attempt, child, ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
@@ -255,7 +256,7 @@ impl<H: Host> Supervisor<H> {
             );
         }
         self.publish();
-        self.finish(attempt, Outcome::Live, String::new());
+        self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
         self.flush_pending_drains();
     }

@@ -189,14 +189,17 @@ impl<H: Host> Supervisor<H> {
     }
 
     /// How long until the next LIVE check of an epoch spawned `since` ago: every millisecond
-    /// once its admin listener is bound (slowing down if LIVE is long in coming: an xDS config
-    /// to fetch), rarely before. Without that sign: sparse until LIVE is near (three quarters
+    /// once its admin listener is bound (for [`LIVE_NEAR_BOUND`], then slowing down, as LIVE is
+    /// long in coming: an xDS config to fetch), rarely before. Without that sign: sparse until LIVE is near (three quarters
     /// of the shortest recent start), every millisecond around it, slowing down again once the
     /// start is long overdue (a config grown much bigger).
     pub(super) fn live_poll_gap(&self, since: Duration) -> Duration {
         match self.live_hint {
             LiveHint::Unbound => return LIVE_POLL_UNBOUND,
-            LiveHint::Bound(at) => return (LIVE_POLL_FAST + at.elapsed() / 32).min(LIVE_POLL),
+            LiveHint::Bound(at) => {
+                let slow = at.elapsed().saturating_sub(LIVE_NEAR_BOUND);
+                return (LIVE_POLL_FAST + slow / 32).min(LIVE_POLL);
+            }
             LiveHint::Blind => {}
         }
         let expected = self.starts.iter().min().copied().unwrap_or(EXPECTED_START);
@@ -228,6 +231,7 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn go_live(&mut self, epoch: u32) {
+        let seen = Instant::now();
         let Handoff::Starting { mut attempt, .. } =
             std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
@@ -285,7 +289,7 @@ impl<H: Host> Supervisor<H> {
         };
         // Whoever waits for this restart sees the new state at once; the files follow.
         self.publish();
-        self.finish(attempt, Outcome::Live, String::new());
+        self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
         self.flush_pending_drains();
         if self.version.is_empty() && !self.version_asked {
@@ -451,7 +455,19 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn finish(&mut self, attempt: Attempt, outcome: Outcome, message: String) {
-        let duration = attempt.triggered.elapsed();
+        self.finish_at(attempt, outcome, message, Instant::now());
+    }
+
+    /// [`Self::finish`] of an attempt that ended at `ended` (LIVE: when the answer came, not
+    /// after the marker and the state that follow it).
+    pub(super) fn finish_at(
+        &mut self,
+        attempt: Attempt,
+        outcome: Outcome,
+        message: String,
+        ended: Instant,
+    ) {
+        let duration = ended.saturating_duration_since(attempt.triggered);
         if !attempt.first {
             self.metrics
                 .handoff(duration, outcome.as_str(), attempt.kind.as_str());
@@ -459,7 +475,7 @@ impl<H: Host> Supervisor<H> {
         if outcome == Outcome::Rejected {
             self.metrics.config_rejected();
         }
-        let spawn_to_live = attempt.spawned.map(|s| s.elapsed());
+        let spawn_to_live = attempt.spawned.map(|s| ended.saturating_duration_since(s));
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
         match outcome {
             Outcome::Live => tracing::info!(
