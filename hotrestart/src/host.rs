@@ -106,6 +106,9 @@ pub trait Host: Send + Sync + 'static {
     /// `/server_info` on the family's admin address, bounded (discovery: it alone names the
     /// base id and the hot-restart version of whoever answers).
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>>;
+    /// The hot-restart version of whoever answers on the family's admin address, bounded
+    /// (`/hot_restart_version`: the serving epoch's, in a few bytes).
+    fn serving_version(&self) -> Task<Result<String, AdminError>>;
     /// Which epoch answers on the family's admin address and its state, bounded and cheap
     /// (the watchdog and every other probe of a running family).
     fn admin_state(&self) -> Task<Result<AdminState, AdminError>>;
@@ -466,6 +469,11 @@ impl Host for RealHost {
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
         let admin = self.target().admin;
         Box::pin(async move { admin.server_info().await })
+    }
+
+    fn serving_version(&self) -> Task<Result<String, AdminError>> {
+        let admin = self.target().admin;
+        Box::pin(async move { admin.hot_restart_version().await })
     }
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {

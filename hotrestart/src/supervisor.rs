@@ -783,18 +783,9 @@ impl<H: Host> Supervisor<H> {
         self.version_asked = true;
         let events = self.events_tx.clone();
         if self.newest_live.is_some() {
-            let ask = self.host.server_info();
+            let ask = self.host.serving_version();
             tokio::spawn(async move {
-                let version = match ask.await {
-                    Ok(info) if !info.hot_restart_version.is_empty() => {
-                        Ok(info.hot_restart_version)
-                    }
-                    Ok(info) => Err(format!(
-                        "the serving envoy (epoch {}) names no hot-restart version",
-                        info.restart_epoch
-                    )),
-                    Err(e) => Err(e.to_string()),
-                };
+                let version = ask.await.map_err(|e| e.to_string());
                 let _ = events.send(Event::Version(version));
             });
         } else {

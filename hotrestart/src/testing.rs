@@ -503,6 +503,26 @@ impl Host for FakeHost {
         })
     }
 
+    fn serving_version(&self) -> Task<Result<String, AdminError>> {
+        let (admin, delay) = {
+            let mut w = self.world();
+            w.admin_calls.0 += 1;
+            (w.target().clone(), w.server_info_delay)
+        };
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            let (_, _, _, version, _) = answer(admin, "/hot_restart_version").await?;
+            if version.is_empty() {
+                return Err(AdminError::Decode {
+                    addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9901)),
+                    endpoint: "/hot_restart_version".to_owned(),
+                    message: "the answer names no hot-restart version".to_owned(),
+                });
+            }
+            Ok(version)
+        })
+    }
+
     fn admin_state(&self) -> Task<Result<AdminState, AdminError>> {
         let admin = {
             let mut w = self.world();

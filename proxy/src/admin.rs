@@ -319,6 +319,18 @@ impl AdminClient {
         ServerInfo::parse(&body).map_err(|e| self.decode(endpoint, e))
     }
 
+    /// `GET /hot_restart_version`: the answering process's hot-restart version (e.g.
+    /// `11.104`), in a few bytes where `/server_info` takes ~120 KB.
+    pub async fn hot_restart_version(&self) -> Result<String, AdminError> {
+        let endpoint = "/hot_restart_version";
+        let body = self.call_ok(Method::GET, endpoint).await?;
+        let version = String::from_utf8_lossy(&body).trim().to_owned();
+        if version.is_empty() {
+            return Err(self.decode(endpoint, "the answer names no hot-restart version"));
+        }
+        Ok(version)
+    }
+
     /// `GET /ready`: 200 is ready, 503 is not (with the state), anything else is an error.
     pub async fn ready(&self) -> Result<Readiness, AdminError> {
         let endpoint = "/ready";
@@ -703,6 +715,8 @@ mod tests {
                         buf.drain(..end + 4);
                         let (status, body) = if head.starts_with("GET /ready ") {
                             (ready.0, ready.1.to_owned())
+                        } else if head.starts_with("GET /hot_restart_version ") {
+                            (200, "11.104\n".to_owned())
                         } else {
                             (
                                 200,
@@ -745,6 +759,13 @@ mod tests {
         let (addr, _) = fake_admin((500, "boom"), 4).await;
         let err = AdminClient::new(addr).live_state().await.unwrap_err();
         assert!(err.to_string().contains("/ready"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn hot_restart_version_is_the_trimmed_answer() {
+        let (addr, _) = fake_admin((200, "LIVE\n"), 3).await;
+        let version = AdminClient::new(addr).hot_restart_version().await.unwrap();
+        assert_eq!(version, "11.104");
     }
 
     #[test]
