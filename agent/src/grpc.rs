@@ -21,6 +21,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use envoy_agent_proto::pb;
@@ -653,6 +654,107 @@ pub struct GrpcBindError {
     pub in_use: bool,
 }
 
+/// Reflection v1 of the agent's API and of health.
+fn reflection_v1() -> Result<
+    tonic_reflection::server::v1::ServerReflectionServer<
+        impl tonic_reflection::server::v1::ServerReflection,
+    >,
+    tonic_reflection::server::Error,
+> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+}
+
+/// Reflection v1alpha, the same.
+fn reflection_v1alpha() -> Result<
+    tonic_reflection::server::v1alpha::ServerReflectionServer<
+        impl tonic_reflection::server::v1alpha::ServerReflection,
+    >,
+    tonic_reflection::server::Error,
+> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+}
+
+/// A gRPC service built when its first request comes (then kept): for a service that costs
+/// memory to build and is seldom asked. A build that fails answers each request `INTERNAL`
+/// with the reason (the descriptor sets are compiled in, and a unit test builds them).
+struct OnFirstCall<S, E> {
+    built: Arc<OnceLock<Result<S, String>>>,
+    build: fn() -> Result<S, E>,
+}
+
+impl<S, E> Clone for OnFirstCall<S, E> {
+    fn clone(&self) -> Self {
+        OnFirstCall {
+            built: self.built.clone(),
+            build: self.build,
+        }
+    }
+}
+
+impl<S, E> OnFirstCall<S, E> {
+    fn new(build: fn() -> Result<S, E>) -> Self {
+        OnFirstCall {
+            built: Arc::default(),
+            build,
+        }
+    }
+}
+
+impl<S: tonic::server::NamedService, E> tonic::server::NamedService for OnFirstCall<S, E> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, E, B> tower::Service<tonic::codegen::http::Request<B>> for OnFirstCall<S, E>
+where
+    S: tower::Service<
+            tonic::codegen::http::Request<B>,
+            Response = tonic::codegen::http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    E: std::fmt::Display,
+    B: Send + 'static,
+{
+    type Response = tonic::codegen::http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = tonic::codegen::BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: tonic::codegen::http::Request<B>) -> Self::Future {
+        let build = self.build;
+        match self
+            .built
+            .get_or_init(|| build().map_err(|e| e.to_string()))
+        {
+            Ok(service) => {
+                let mut service = service.clone();
+                Box::pin(async move {
+                    std::future::poll_fn(|cx| service.poll_ready(cx)).await?;
+                    service.call(request).await
+                })
+            }
+            Err(e) => {
+                let status = Status::internal(format!("cannot build the service: {e}"));
+                Box::pin(std::future::ready(Ok(status.into_http())))
+            }
+        }
+    }
+}
+
 /// Binds `addr` and serves until `cancel` fires. Health says SERVING exactly while the agent
 /// serves (the newest Envoy LIVE, nothing draining, handing over or stopping). `node_proxy`: a
 /// TCP address taken (by a surge predecessor on the same host network) is bound once free.
@@ -665,21 +767,10 @@ pub async fn serve(
     let (reporter, health) = tonic_health::server::health_reporter();
     // Reflection v1, and v1alpha for the clients that speak only that (grpcurl before 1.9,
     // many GUI clients).
-    let reflection_error = |e: tonic_reflection::server::Error| GrpcBindError {
-        addr: addr.clone(),
-        message: e.to_string(),
-        in_use: false,
-    };
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(reflection_error)?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
-        .map_err(reflection_error)?;
+    // Built at the first reflection request: each decodes the descriptor sets it serves
+    // (~150 KB of heap apiece, a sixth of the agent's), which most agents are never asked.
+    let reflection = OnFirstCall::new(reflection_v1);
+    let reflection_v1alpha = OnFirstCall::new(reflection_v1alpha);
     let health_task = {
         // One receiver for the task's life: a fresh clone per wait would see every past
         // change as new and spin.
@@ -804,5 +895,39 @@ async fn bind_when_free(
             }
             Err(e) => tracing::debug!(%addr, error = %e, "the gRPC address is still taken"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reflection services are built at their first request, not at start: their
+    /// descriptor sets must build.
+    #[test]
+    fn both_reflection_services_build() {
+        assert!(reflection_v1().is_ok());
+        assert!(reflection_v1alpha().is_ok());
+    }
+
+    /// A service that cannot be built answers INTERNAL, naming why, and the server serves on.
+    #[tokio::test]
+    async fn a_service_that_cannot_be_built_answers_internal() {
+        fn broken() -> Result<
+            tonic_reflection::server::v1::ServerReflectionServer<
+                impl tonic_reflection::server::v1::ServerReflection,
+            >,
+            tonic_reflection::server::Error,
+        > {
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(b"\xff not a descriptor set")
+                .build_v1()
+        }
+        let mut service = OnFirstCall::new(broken);
+        let request = tonic::codegen::http::Request::new(tonic::body::Body::empty());
+        let response = tower::Service::call(&mut service, request).await.unwrap();
+        let status = Status::from_header_map(response.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::Internal);
+        assert!(status.message().contains("cannot build"), "{status:?}");
     }
 }
