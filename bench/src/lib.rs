@@ -6,7 +6,9 @@
 //!    and agent start → its `/healthz/ready` (one Envoy, as a sidecar); with each, SIGTERM →
 //!    exit (`--termination-drain-duration 0s`).
 //! 3. **Envoy's own hot restart** under load, as `hot-restarter.py` does it (exec the next
-//!    epoch, nothing else): exec → LIVE, and failed requests. The baseline of a handoff.
+//!    epoch, nothing else): exec → LIVE, and failed requests. The baseline of a handoff: half
+//!    of its restarts run before step 4 and half after it, pooled, so that the machine's
+//!    drift over the run weighs on both sides of the comparison.
 //! 4. **The agent's handoffs** under the same load: K with the same binary and config (a plain
 //!    SIGHUP: a pre-flight cache hit), then K with a changed config (a miss: it is validated).
 //!    Each is timed from SIGHUP to the new epoch answering LIVE, and the agent's own `handoff`
@@ -321,8 +323,41 @@ fn failures(keep_alive: &LoadReport, per_request: &LoadReport) -> Value {
     })
 }
 
-/// 3. Envoy's own hot restarts under load, as `hot-restarter.py` does them.
-async fn bare_hot_restarts(config: &BenchConfig) -> Value {
+/// Envoy's own hot restarts of one batch: exec → LIVE of each, and the load through them.
+struct BareBatch {
+    starts: Vec<Duration>,
+    keep_alive: LoadReport,
+    per_request: LoadReport,
+}
+
+/// 3. Envoy's own hot restarts under load, as `hot-restarter.py` does them: half before the
+/// agent's handoffs, half after, so that a drift of the machine's load over the run weighs on
+/// both sides of the comparison alike.
+fn bare_report(batches: [BareBatch; 2]) -> Value {
+    let [mut first, second] = batches;
+    first.starts.extend(second.starts);
+    let add = |a: &mut LoadReport, b: LoadReport| {
+        a.ok += b.ok;
+        a.failed += b.failed;
+        a.errors.extend(b.errors);
+    };
+    add(&mut first.keep_alive, second.keep_alive);
+    add(&mut first.per_request, second.per_request);
+    json!({
+        "exec_to_live": spread(first.starts),
+        "failed_requests": failures(&first.keep_alive, &first.per_request),
+    })
+}
+
+/// One batch of `restarts` of Envoy's own hot restarts, from a fresh epoch 0.
+async fn bare_hot_restarts(config: &BenchConfig, restarts: u32) -> BareBatch {
+    if restarts == 0 {
+        return BareBatch {
+            starts: Vec::new(),
+            keep_alive: LoadReport::default(),
+            per_request: LoadReport::default(),
+        };
+    }
     let dir = TestDir::new();
     let (admin_port, listener_port) = (free_port(), free_port());
     let base_id = envoy_agent_tests::unique_base_id();
@@ -342,7 +377,7 @@ async fn bare_hot_restarts(config: &BenchConfig) -> Value {
     live_at(&admin, Some(0)).await;
     let loads = Loads::start(([127, 0, 0, 1], listener_port).into(), config.workers);
     let mut starts = Vec::new();
-    for epoch in 1..=config.restarts {
+    for epoch in 1..=restarts {
         let started = Instant::now();
         let child = spawn(epoch);
         starts.push(live_at(&admin, Some(epoch)).await - started);
@@ -357,10 +392,11 @@ async fn bare_hot_restarts(config: &BenchConfig) -> Value {
         "/dev/shm/envoy_shared_memory_{}",
         u64::from(base_id) * 10
     ));
-    json!({
-        "exec_to_live": spread(starts),
-        "failed_requests": failures(&keep_alive, &per_request),
-    })
+    BareBatch {
+        starts,
+        keep_alive,
+        per_request,
+    }
 }
 
 /// The agent's `handoff` event of `epoch`.
@@ -589,8 +625,10 @@ async fn exit_on_zero(config: &BenchConfig) -> Duration {
 pub async fn run(config: &BenchConfig) -> Report {
     let (envoy_starts, validations) = envoy_alone(config.samples).await;
     let startup = startup(config).await;
-    let bare = bare_hot_restarts(config).await;
+    let before = bare_hot_restarts(config, config.restarts.div_ceil(2)).await;
     let (agent, svg) = agent_handoffs(config).await;
+    let after = bare_hot_restarts(config, config.restarts / 2).await;
+    let bare = bare_report([before, after]);
     let close_to_exit = exit_on_zero(config).await;
 
     let envoy_alone = json!({
