@@ -7,7 +7,8 @@
 //! ([`AgentHandle::reopen_logs`]). `WatchStatus` streams read the actor's `watch` channel, so a
 //! slow watcher skips to the latest state and costs the actor nothing. Mutating RPCs from a
 //! non-loopback TCP peer are refused (PERMISSION_DENIED) unless `--grpc-allow-remote`; a Unix
-//! socket is guarded by its mode.
+//! socket is guarded by its mode. Reflection is built at its first request (decoding its
+//! descriptor sets is most of the agent's heap, and most agents are never asked).
 //!
 //! # The status message
 //!
