@@ -4,7 +4,8 @@
 //! 1. **Envoy alone**, idle: exec → LIVE of a cold start, and `envoy --mode validate`.
 //! 2. **Startup**: agent start → the supervisor's readiness marker (hot restart, as on a node),
 //!    and agent start → its `/healthz/ready` (one Envoy, as a sidecar); with each, SIGTERM →
-//!    exit (`--termination-drain-duration 0s`).
+//!    exit (`--termination-drain-duration 0s`). Steps 1 and 2 take their samples in turns,
+//!    one of each at a time, so that the machine's drift weighs on both alike.
 //! 3. **Envoy's own hot restart** under load, as `hot-restarter.py` does it (exec the next
 //!    epoch, nothing else): exec → LIVE, and failed requests. The baseline of a handoff: half
 //!    of its restarts run before step 4 and half after it, pooled, so that the machine's
@@ -211,8 +212,27 @@ fn envoy_command(bootstrap: &std::path::Path) -> tokio::process::Command {
     c
 }
 
-/// 1. Envoy alone, idle: exec → LIVE of a cold start, and `--mode validate`.
-async fn envoy_alone(samples: u32) -> (Vec<Duration>, Vec<Duration>) {
+/// Samples of steps 1 and 2, taken in turns (one of each, then the next), so that the
+/// machine's drift weighs on Envoy alone and on the agent's startup alike.
+#[derive(Default)]
+struct Idle {
+    starts: Vec<Duration>,
+    validations: Vec<Duration>,
+    node: (Vec<Duration>, Vec<Duration>, Vec<f64>),
+    sidecar: (Vec<Duration>, Vec<Duration>),
+}
+
+async fn idle_samples(config: &BenchConfig) -> Idle {
+    let mut idle = Idle::default();
+    for _ in 0..config.samples {
+        envoy_alone(&mut idle).await;
+        startup(config, &mut idle).await;
+    }
+    idle
+}
+
+/// Step 1, Envoy alone, idle: exec → LIVE of a cold start, and `--mode validate` (one sample).
+async fn envoy_alone(idle: &mut Idle) {
     let dir = TestDir::new();
     let admin_port = free_port();
     let bootstrap = dir.write(
@@ -220,9 +240,8 @@ async fn envoy_alone(samples: u32) -> (Vec<Duration>, Vec<Duration>) {
         &envoy_agent_tests::bootstrap_yaml_on(admin_port, free_port(), "x"),
     );
     let admin = AdminClient::new(([127, 0, 0, 1], admin_port).into());
-    let mut starts = Vec::new();
-    let mut validations = Vec::new();
-    for _ in 0..samples {
+    let (starts, validations) = (&mut idle.starts, &mut idle.validations);
+    {
         let started = Instant::now();
         let mut child = envoy_command(&bootstrap)
             .arg("--disable-hot-restart")
@@ -239,15 +258,14 @@ async fn envoy_alone(samples: u32) -> (Vec<Duration>, Vec<Duration>) {
             .await;
         validations.push(started.elapsed());
     }
-    (starts, validations)
 }
 
-/// 2. Startup and SIGTERM → exit, with hot restart (marker) and without (readiness).
-async fn startup(config: &BenchConfig) -> Value {
+/// Step 2, startup and SIGTERM → exit, with hot restart (marker) and without (readiness):
+/// one sample of each.
+async fn startup(config: &BenchConfig, idle: &mut Idle) {
     let quick_exit = ["--termination-drain-duration", "0s", "--log-level", "info"];
-    let mut node = (Vec::new(), Vec::new(), Vec::new());
-    let mut sidecar = (Vec::new(), Vec::new());
-    for _ in 0..config.samples {
+    let (node, sidecar) = (&mut idle.node, &mut idle.sidecar);
+    {
         let started = Instant::now();
         let mut agent = AgentProcess::builder(&config.agent)
             .hot_restart()
@@ -288,6 +306,11 @@ async fn startup(config: &BenchConfig) -> Value {
         agent.exit().await;
         sidecar.1.push(stopping.elapsed());
     }
+}
+
+/// Step 2's part of the report.
+fn startup_report(idle: Idle) -> Value {
+    let (node, sidecar) = (idle.node, idle.sidecar);
     json!({
         "hot_restart_start_to_ready": spread(node.0),
         "hot_restart_envoy_start_to_live": spread_ms(node.2),
@@ -330,9 +353,9 @@ struct BareBatch {
     per_request: LoadReport,
 }
 
-/// 3. Envoy's own hot restarts under load, as `hot-restarter.py` does them: half before the
-/// agent's handoffs, half after, so that a drift of the machine's load over the run weighs on
-/// both sides of the comparison alike.
+/// Step 3, Envoy's own hot restarts under load, as `hot-restarter.py` does them: half before
+/// the agent's handoffs, half after, so that a drift of the machine's load over the run weighs
+/// on both sides of the comparison alike.
 fn bare_report(batches: [BareBatch; 2]) -> Value {
     let [mut first, second] = batches;
     first.starts.extend(second.starts);
@@ -623,8 +646,12 @@ async fn exit_on_zero(config: &BenchConfig) -> Duration {
 
 /// Runs every measurement.
 pub async fn run(config: &BenchConfig) -> Report {
-    let (envoy_starts, validations) = envoy_alone(config.samples).await;
-    let startup = startup(config).await;
+    let mut idle = idle_samples(config).await;
+    let (envoy_starts, validations) = (
+        std::mem::take(&mut idle.starts),
+        std::mem::take(&mut idle.validations),
+    );
+    let startup = startup_report(idle);
     let before = bare_hot_restarts(config, config.restarts.div_ceil(2)).await;
     let (agent, svg) = agent_handoffs(config).await;
     let after = bare_hot_restarts(config, config.restarts / 2).await;
