@@ -190,9 +190,9 @@ impl<H: Host> Supervisor<H> {
 
     /// How long until the next LIVE check of an epoch spawned `since` ago: every millisecond
     /// once its admin listener is bound (for [`LIVE_NEAR_BOUND`], then slowing down, as LIVE is
-    /// long in coming: an xDS config to fetch), rarely before. Without that sign: sparse until LIVE is near (three quarters
-    /// of the shortest recent start), every millisecond around it, slowing down again once the
-    /// start is long overdue (a config grown much bigger).
+    /// long in coming: an xDS config to fetch), rarely before. Without that sign: sparse until
+    /// LIVE is near (three quarters of the shortest recent start), every millisecond around it,
+    /// slowing down again once the start is long overdue (a config grown much bigger).
     pub(super) fn live_poll_gap(&self, since: Duration) -> Duration {
         match self.live_hint {
             LiveHint::Unbound => return LIVE_POLL_UNBOUND,
