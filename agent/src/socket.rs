@@ -53,6 +53,11 @@ pub enum SocketError {
 
 /// Binds a Unix socket at `path` that only the agent's user can connect to.
 pub fn bind_private(path: &Path) -> Result<std::os::unix::net::UnixListener, SocketError> {
+    // One call at a time: the umask below is the process's, and a second call's directory or
+    // socket made inside the first one's window would get it (seen with parallel tests: a
+    // directory of 0600, a socket of 0755).
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
         _ => PathBuf::from("."),
