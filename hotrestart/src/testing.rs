@@ -336,6 +336,24 @@ impl Drop for StandInGuard {
 }
 
 impl FakeHost {
+    /// An info call (`/server_info`, `/hot_restart_version`): counted, after the world's
+    /// `server_info_delay`, answered as the world's admin target says.
+    fn info_call(
+        &self,
+        endpoint: &'static str,
+    ) -> impl Future<Output = Result<(u32, ServerState, u64, String, Duration), AdminError>> + use<>
+    {
+        let (admin, delay) = {
+            let mut w = self.world();
+            w.admin_calls.0 += 1;
+            (w.target().clone(), w.server_info_delay)
+        };
+        async move {
+            tokio::time::sleep(delay).await;
+            answer(admin, endpoint).await
+        }
+    }
+
     /// A fake Envoy at `epoch`, of the family the host serves or (`cold`) of a new family
     /// under that base id.
     fn start(&self, epoch: u32, cold: Option<u32>) -> Spawned {
@@ -483,15 +501,9 @@ impl Host for FakeHost {
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
-        let (admin, delay) = {
-            let mut w = self.world();
-            w.admin_calls.0 += 1;
-            (w.target().clone(), w.server_info_delay)
-        };
+        let ask = self.info_call("/server_info");
         Box::pin(async move {
-            tokio::time::sleep(delay).await;
-            answer(admin, "/server_info")
-                .await
+            ask.await
                 .map(|(epoch, state, base_id, version, _)| ServerInfo {
                     version: "fake".to_owned(),
                     state,
@@ -504,14 +516,9 @@ impl Host for FakeHost {
     }
 
     fn serving_version(&self) -> Task<Result<String, AdminError>> {
-        let (admin, delay) = {
-            let mut w = self.world();
-            w.admin_calls.0 += 1;
-            (w.target().clone(), w.server_info_delay)
-        };
+        let ask = self.info_call("/hot_restart_version");
         Box::pin(async move {
-            tokio::time::sleep(delay).await;
-            let (_, _, _, version, _) = answer(admin, "/hot_restart_version").await?;
+            let (_, _, _, version, _) = ask.await?;
             if version.is_empty() {
                 return Err(AdminError::Decode {
                     addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9901)),
