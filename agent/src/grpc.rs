@@ -655,30 +655,31 @@ pub struct GrpcBindError {
     pub in_use: bool,
 }
 
-/// Reflection v1 of the agent's API and of health.
+/// Reflection of the agent's API and of health, before its version is picked.
+fn reflection() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+}
+
+/// Reflection v1.
 fn reflection_v1() -> Result<
     tonic_reflection::server::v1::ServerReflectionServer<
         impl tonic_reflection::server::v1::ServerReflection,
     >,
     tonic_reflection::server::Error,
 > {
-    tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
+    reflection().build_v1()
 }
 
-/// Reflection v1alpha, the same.
+/// Reflection v1alpha.
 fn reflection_v1alpha() -> Result<
     tonic_reflection::server::v1alpha::ServerReflectionServer<
         impl tonic_reflection::server::v1alpha::ServerReflection,
     >,
     tonic_reflection::server::Error,
 > {
-    tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(envoy_agent_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()
+    reflection().build_v1alpha()
 }
 
 /// A gRPC service built when its first request comes (then kept): for a service that costs
