@@ -501,6 +501,37 @@ async fn an_unchanged_heartbeat_is_touched_not_rewritten_and_stays_fresh() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_draining_parent_leaves_the_heartbeat_unchanged_while_the_clocks_disagree() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    let (writes, until) = {
+        let w = f.host.world();
+        let ours = w.ours.clone().unwrap();
+        (w.heartbeat_writes, ours.parent_draining_until_unix_ms)
+    };
+    assert!(until > 0, "the parent's drain is advertised");
+    // The parent drains for 2 s; the wall clock steps a millisecond now and then meanwhile.
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        f.host.world().wall_clock_step_ms += 1;
+    }
+    let (ours, rewrites, touches) = {
+        let w = f.host.world();
+        (w.ours.clone().unwrap(), w.heartbeat_writes, w.touches)
+    };
+    assert_eq!(
+        ours.parent_draining_until_unix_ms, until,
+        "one moment, said once"
+    );
+    assert_eq!(rewrites, writes, "nothing changed: no rewrite");
+    assert!(touches > 0, "kept fresh");
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
     let host = FakeHost::default();
     host.world().node = true;

@@ -130,6 +130,10 @@ pub(crate) enum Handoff {
         parent: Parent,
         /// When the child terminates it (parent-shutdown time after LIVE).
         until: Instant,
+        /// The same moment on the wall clock, as the heartbeat says it: fixed once, for the
+        /// wall and monotonic clocks disagree by a millisecond now and then, and a value
+        /// computed again at each heartbeat would rewrite an unchanged one.
+        until_unix_ms: u64,
     },
     /// A cold handover's new family starts beside the serving one.
     Cold {

@@ -166,8 +166,9 @@ pub trait Host: Send + Sync + 'static {
     fn set_marker(&self, present: bool) -> std::io::Result<()>;
     /// Whether the node has a state directory (cross-pod handoffs).
     fn has_node(&self) -> bool;
-    /// Every heartbeat in the node's state directory, and the files not trusted.
-    fn read_heartbeats(&self) -> (Vec<Heartbeat>, Vec<Rejected>);
+    /// Every heartbeat in the node's state directory but `identity`'s (this supervisor's
+    /// own), and the files not trusted.
+    fn read_heartbeats(&self, identity: &str) -> (Vec<Heartbeat>, Vec<Rejected>);
     /// Writes this supervisor's heartbeat.
     fn write_heartbeat(&self, heartbeat: &Heartbeat) -> std::io::Result<()>;
     /// Marks this supervisor's unchanged heartbeat as written now.
@@ -392,6 +393,9 @@ async fn live(admin: &AdminClient) -> Result<Option<AdminState>, AdminError> {
     admin.live_state().await
 }
 
+/// The readiness marker's contents.
+const MARKER: &[u8] = b"ready\n";
+
 /// Bound on a drain call.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -578,7 +582,14 @@ impl Host for RealHost {
             return Ok(());
         };
         if present {
-            envoy_agent_proxy::replace_atomically(marker, b"ready\n")
+            // Set again at every LIVE epoch: a marker already in place is left alone (a rename
+            // over it costs the file system a new inode), one removed from outside is put back.
+            let in_place = std::fs::symlink_metadata(marker)
+                .is_ok_and(|m| m.is_file() && m.len() == MARKER.len() as u64);
+            if in_place {
+                return Ok(());
+            }
+            envoy_agent_proxy::replace_atomically(marker, MARKER)
         } else {
             match std::fs::remove_file(marker) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -591,9 +602,9 @@ impl Host for RealHost {
         self.state_dir.is_some()
     }
 
-    fn read_heartbeats(&self) -> (Vec<Heartbeat>, Vec<Rejected>) {
+    fn read_heartbeats(&self, identity: &str) -> (Vec<Heartbeat>, Vec<Rejected>) {
         match &self.state_dir {
-            Some(dir) => node::read_all(dir),
+            Some(dir) => node::read_others(dir, identity),
             None => (Vec::new(), Vec::new()),
         }
     }
@@ -674,6 +685,37 @@ mod tests {
         assert!(!host.binary_changed(), "seen now");
         release(&binary, "newer release");
         assert!(host.binary_changed());
+    }
+
+    #[test]
+    fn a_marker_in_place_is_left_alone_and_one_removed_is_put_back() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let binary = dir.path().join("envoy");
+        release(&binary, "old");
+        let marker = dir.path().join("ready");
+        let host = RealHost {
+            marker: Some(marker.clone()),
+            ..host_for(&binary)
+        };
+        host.set_marker(true).unwrap();
+        let inode = std::fs::metadata(&marker).unwrap().ino();
+        host.set_marker(true).unwrap();
+        assert_eq!(
+            std::fs::metadata(&marker).unwrap().ino(),
+            inode,
+            "not rewritten"
+        );
+        std::fs::remove_file(&marker).unwrap();
+        host.set_marker(true).unwrap();
+        assert_eq!(std::fs::read(&marker).unwrap(), MARKER, "put back");
+        // Truncated from outside: rewritten whole.
+        std::fs::write(&marker, "").unwrap();
+        host.set_marker(true).unwrap();
+        assert_eq!(std::fs::read(&marker).unwrap(), MARKER);
+        host.set_marker(false).unwrap();
+        assert!(!marker.exists());
+        host.set_marker(false).unwrap();
     }
 
     #[test]

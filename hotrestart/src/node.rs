@@ -200,6 +200,16 @@ pub fn remove(dir: &Path, identity: &str) {
 
 /// Every heartbeat in `dir`, and the files that were not trusted.
 pub fn read_all(dir: &Path) -> (Vec<Heartbeat>, Vec<Rejected>) {
+    read(dir, None)
+}
+
+/// Every heartbeat in `dir` but `identity`'s own (not even opened: a supervisor reads the
+/// node every second, and knows what it wrote), and the files that were not trusted.
+pub fn read_others(dir: &Path, identity: &str) -> (Vec<Heartbeat>, Vec<Rejected>) {
+    read(dir, Some(&file_name(identity)))
+}
+
+fn read(dir: &Path, skip: Option<&str>) -> (Vec<Heartbeat>, Vec<Rejected>) {
     let mut heartbeats = Vec::new();
     let mut rejected = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir) else {
@@ -207,7 +217,9 @@ pub fn read_all(dir: &Path) -> (Vec<Heartbeat>, Vec<Rejected>) {
     };
     for entry in entries.filter_map(Result::ok) {
         let name = entry.file_name().to_string_lossy().into_owned();
-        if !(name.starts_with("heartbeat-") && name.ends_with(".json")) {
+        if !(name.starts_with("heartbeat-") && name.ends_with(".json"))
+            || skip == Some(name.as_str())
+        {
             continue;
         }
         let path = entry.path();
@@ -394,6 +406,26 @@ mod tests {
         assert_eq!(good[1].identity, "pod/b weird");
         assert_eq!(rejected.len(), 4, "{rejected:?}");
         assert!(rejected.iter().all(|r| !r.reason.is_empty()));
+    }
+
+    #[test]
+    fn the_others_are_read_without_our_own_file() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), &heartbeat("pod-a")).unwrap();
+        write(dir.path(), &heartbeat("pod-b")).unwrap();
+        let (others, rejected) = read_others(dir.path(), "pod-a");
+        assert_eq!(others.len(), 1, "{others:?}");
+        assert_eq!(others[0].identity, "pod-b");
+        assert!(rejected.is_empty());
+        // Not opened: even a file of ours that would be rejected is not looked at.
+        std::fs::write(dir.path().join(file_name("pod-a")), "not json").unwrap();
+        let (others, rejected) = read_others(dir.path(), "pod-a");
+        assert_eq!((others.len(), rejected.len()), (1, 0), "{rejected:?}");
+        assert_eq!(
+            read_all(dir.path()).1.len(),
+            1,
+            "read_all still looks at it"
+        );
     }
 
     #[test]

@@ -575,6 +575,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining {
                 parent: Parent::Ours(p),
                 until,
+                ..
             } => {
                 let killed = self.epochs.get(*p).is_none_or(|c| c.stopped.is_some());
                 if !killed {
@@ -584,6 +585,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining {
                 parent: Parent::Foreign { .. },
                 until,
+                ..
             } => {
                 consider(Some(*until));
                 consider(self.foreign_check);

@@ -113,6 +113,9 @@ pub(crate) struct World {
     pub(crate) initializing: bool,
     pub(crate) repairs: u32,
     pub(crate) drains: Vec<DrainListeners>,
+    /// Added to the wall clock: real wall and monotonic clocks disagree by a millisecond here
+    /// and there (rounding, NTP slewing).
+    pub(crate) wall_clock_step_ms: u64,
     start: Instant,
 }
 
@@ -158,6 +161,7 @@ impl Default for World {
             released: Vec::new(),
             initializing: false,
             repairs: 0,
+            wall_clock_step_ms: 0,
             drains: Vec::new(),
             start: Instant::now(),
         }
@@ -640,10 +644,11 @@ impl Host for FakeHost {
         self.world().node
     }
 
-    fn read_heartbeats(&self) -> (Vec<Heartbeat>, Vec<Rejected>) {
+    fn read_heartbeats(&self, identity: &str) -> (Vec<Heartbeat>, Vec<Rejected>) {
         let w = self.world();
         let mut all = w.others.clone();
         all.extend(w.ours.clone());
+        all.retain(|h| h.identity != identity);
         (all, Vec::new())
     }
 
@@ -681,6 +686,7 @@ impl Host for FakeHost {
     }
 
     fn now_unix_ms(&self) -> u64 {
-        1_000_000_000 + self.world().start.elapsed().as_millis() as u64
+        let w = self.world();
+        1_000_000_000 + w.start.elapsed().as_millis() as u64 + w.wall_clock_step_ms
     }
 }

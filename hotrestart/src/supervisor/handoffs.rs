@@ -254,9 +254,11 @@ impl<H: Host> Supervisor<H> {
         self.handoff = match &attempt.parent {
             Some(Parent::Ours(p)) if self.epochs.get(*p).is_some() => {
                 self.epochs.set_state(*p, EpochState::Draining);
+                let drains = self.config.parent_shutdown_time();
                 Handoff::ParentDraining {
                     parent: Parent::Ours(*p),
-                    until: now + self.config.parent_shutdown_time(),
+                    until: now + drains,
+                    until_unix_ms: self.host.now_unix_ms() + drains.as_millis() as u64,
                 }
             }
             Some(Parent::Foreign { epoch, identity }) => {
@@ -271,6 +273,7 @@ impl<H: Host> Supervisor<H> {
                         identity: identity.clone(),
                     },
                     until: now + drains,
+                    until_unix_ms: self.host.now_unix_ms() + drains.as_millis() as u64,
                 }
             }
             _ => Handoff::Idle,
@@ -384,6 +387,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining {
                 parent: Parent::Ours(p),
                 until,
+                ..
             } if now >= *until + self.config.parent_overdue_grace => {
                 let p = *p;
                 if self.epochs.get(p).is_some_and(|c| c.stopped.is_none()) {
@@ -400,6 +404,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining {
                 parent: Parent::Foreign { epoch, identity },
                 until,
+                ..
             } => {
                 let (epoch, identity, until) = (*epoch, identity.clone(), *until);
                 if self.foreign_check.is_some_and(|t| now >= t) {

@@ -9,7 +9,7 @@ impl<H: Host> Supervisor<H> {
         if !self.host.has_node() {
             return Vec::new();
         }
-        let (heartbeats, rejected) = self.host.read_heartbeats();
+        let (heartbeats, rejected) = self.host.read_heartbeats(&self.config.identity);
         for r in rejected {
             if self.reported.insert((r.path.clone(), r.reason.clone())) {
                 tracing::warn!(event = "heartbeat_rejected", path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
@@ -108,9 +108,11 @@ impl<H: Host> Supervisor<H> {
         let now = Instant::now();
         let now_ms = self.host.now_unix_ms();
         let parent_until = match &self.handoff {
-            Handoff::ParentDraining { until, .. } if *until > now => {
-                now_ms + (*until - now).as_millis() as u64
-            }
+            Handoff::ParentDraining {
+                until,
+                until_unix_ms,
+                ..
+            } if *until > now => *until_unix_ms,
             _ => 0,
         };
         let heartbeat = Heartbeat {
