@@ -532,6 +532,39 @@ async fn a_draining_parent_leaves_the_heartbeat_unchanged_while_the_clocks_disag
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_starting_epoch_publishes_no_new_state_at_each_live_check() {
+    let host = FakeHost::default();
+    host.world().live_after = Some(Duration::from_millis(800));
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let restart = f.restart("SIGHUP");
+    f.until("epoch 1 starting", |s| {
+        s.family
+            .as_ref()
+            .and_then(|f| f.handoff.as_ref())
+            .is_some_and(|h| h.stage == envoy_agent_proxy::HandoffStage::Starting)
+    })
+    .await;
+    let mut state = f.handle.state();
+    state.mark_unchanged();
+    let checks = f.host.world().admin_calls.2;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let checked = f.host.world().admin_calls.2 - checks;
+    assert!(checked >= 3, "{checked} LIVE checks meanwhile");
+    assert!(
+        !state.has_changed().unwrap(),
+        "{checked} LIVE checks that found nothing new changed the state: {:?}",
+        state
+            .borrow()
+            .family
+            .as_ref()
+            .and_then(|f| f.handoff.as_ref())
+    );
+    assert_eq!(restart.await.unwrap(), Ok(1));
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
     let host = FakeHost::default();
     host.world().node = true;

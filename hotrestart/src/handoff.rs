@@ -25,7 +25,7 @@
 //! first epoch of a supervisor goes through the same states (with no parent of its own, or a
 //! predecessor pod's Envoy as a foreign parent).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::RestartError;
 use tokio::sync::oneshot;
@@ -56,6 +56,25 @@ impl Parent {
     }
 }
 
+/// A moment on both clocks, read together once: the monotonic one for durations, the wall one
+/// for the status. A wall time computed again at each look (`now - elapsed`) differs at every
+/// call, and the published state would change at every event of a handoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Moment {
+    pub(crate) at: Instant,
+    pub(crate) wall: SystemTime,
+}
+
+impl Moment {
+    /// `at` (a recent instant), with the wall time it was.
+    pub(crate) fn of(at: Instant) -> Self {
+        Moment {
+            at,
+            wall: SystemTime::now() - at.elapsed(),
+        }
+    }
+}
+
 /// One hot restart (or a supervisor's first start), from trigger to outcome.
 #[derive(Debug)]
 pub(crate) struct Attempt {
@@ -66,7 +85,7 @@ pub(crate) struct Attempt {
     /// What triggered it.
     pub(crate) reason: String,
     /// When it was triggered (the first of its coalesced triggers).
-    pub(crate) triggered: Instant,
+    pub(crate) triggered: Moment,
     /// When its turn came (pre-flight started).
     pub(crate) began: Instant,
     /// How long pre-flight took.
@@ -108,7 +127,7 @@ pub(crate) struct ColdChild {
 
 impl Attempt {
     pub(crate) fn queued(&self) -> Duration {
-        self.began - self.triggered
+        self.began - self.triggered.at
     }
 }
 
@@ -179,7 +198,7 @@ impl Handoff {
 pub(crate) struct Queue {
     pub(crate) reasons: Vec<String>,
     pub(crate) waiters: Vec<Waiter>,
-    pub(crate) since: Option<Instant>,
+    pub(crate) since: Option<Moment>,
     /// Same-epoch retries carried over from a failed attempt.
     pub(crate) retries: u32,
     /// Why the queue waits, as last logged (logged once per change).
@@ -192,7 +211,7 @@ impl Queue {
     pub(crate) fn push(&mut self, reason: String, waiter: Option<Waiter>, now: Instant) {
         self.reasons.push(reason);
         self.waiters.extend(waiter);
-        self.since.get_or_insert(now);
+        self.since.get_or_insert_with(|| Moment::of(now));
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -207,7 +226,7 @@ impl Queue {
             epoch,
             parent,
             reason: reasons.join(", "),
-            triggered: self.since.take().unwrap_or(now),
+            triggered: self.since.take().unwrap_or_else(|| Moment::of(now)),
             began: now,
             preflight: Duration::ZERO,
             checked: crate::host::Checked::default(),
@@ -252,7 +271,7 @@ mod tests {
         q.push("config change".into(), None, Instant::now());
         let a = q.take(4, Some(Parent::Ours(3)), Instant::now());
         assert_eq!(a.reason, "SIGHUP, config change");
-        assert_eq!(a.triggered, t0, "the first trigger's time");
+        assert_eq!(a.triggered.at, t0, "the first trigger's time");
         assert_eq!(a.queued(), Duration::from_millis(5));
         assert_eq!(a.waiters.len(), 1);
         assert!(q.is_empty());

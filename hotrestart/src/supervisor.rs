@@ -729,13 +729,12 @@ impl<H: Host> Supervisor<H> {
     }
 
     fn handoff_info(&self) -> Option<envoy_agent_proxy::Handoff> {
-        let since = |t: Instant| SystemTime::now() - t.elapsed();
         match &self.handoff {
             Handoff::PreFlight(a) | Handoff::Starting { attempt: a, .. } => {
                 Some(envoy_agent_proxy::Handoff {
                     epoch: a.epoch,
                     reason: a.reason.clone(),
-                    since: since(a.triggered),
+                    since: a.triggered.wall,
                     stage: if matches!(self.handoff, Handoff::PreFlight(_)) {
                         HandoffStage::PreFlight
                     } else {
@@ -748,7 +747,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::Cold { attempt: a, .. } => Some(envoy_agent_proxy::Handoff {
                 epoch: a.epoch,
                 reason: a.reason.clone(),
-                since: since(a.triggered),
+                since: a.triggered.wall,
                 stage: HandoffStage::Starting,
                 waiting_for: None,
                 kind: a.kind.clone(),
@@ -756,7 +755,7 @@ impl<H: Host> Supervisor<H> {
             _ if !self.queue.is_empty() => Some(envoy_agent_proxy::Handoff {
                 epoch: self.newest_live.map_or(0, |n| n + 1),
                 reason: self.queue.reasons.join(", "),
-                since: self.queue.since.map_or_else(SystemTime::now, since),
+                since: self.queue.since.map_or_else(SystemTime::now, |m| m.wall),
                 stage: HandoffStage::Queued,
                 waiting_for: self
                     .queue

@@ -472,7 +472,7 @@ impl<H: Host> Supervisor<H> {
         message: String,
         ended: Instant,
     ) {
-        let duration = ended.saturating_duration_since(attempt.triggered);
+        let duration = ended.saturating_duration_since(attempt.triggered.at);
         if !attempt.first {
             self.metrics
                 .handoff(duration, outcome.as_str(), attempt.kind.as_str());
@@ -527,7 +527,7 @@ impl<H: Host> Supervisor<H> {
             reason: attempt.reason,
             outcome,
             duration,
-            queued: attempt.began - attempt.triggered,
+            queued: attempt.began - attempt.triggered.at,
             preflight: attempt.preflight,
             at: SystemTime::now(),
             message,
