@@ -565,6 +565,37 @@ async fn a_starting_epoch_publishes_no_new_state_at_each_live_check() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_watchdog_asks_the_state_only_of_a_newer_epoch() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    let (stats, states) = {
+        let w = f.host.world();
+        (w.admin_calls.1, w.state_asks)
+    };
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (stats, states) = {
+        let w = f.host.world();
+        (w.admin_calls.1 - stats, w.state_asks - states)
+    };
+    assert!(stats >= 9, "{stats} watchdog checks in 10 s");
+    assert_eq!(
+        states, 0,
+        "our own epoch answers: its readiness decides nothing"
+    );
+    // Another pod's epoch 1 holds the admin address (no heartbeat: seen by the watchdog).
+    f.host.world().live(1);
+    let s = f
+        .until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    assert!(
+        f.host.world().state_asks >= 1,
+        "a newer epoch's state is asked"
+    );
+    assert_eq!(s.newest_live, None);
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
     let host = FakeHost::default();
     host.world().node = true;

@@ -109,9 +109,11 @@ pub trait Host: Send + Sync + 'static {
     /// The hot-restart version of whoever answers on the family's admin address, bounded
     /// (`/hot_restart_version`: the serving epoch's, in a few bytes).
     fn serving_version(&self) -> Task<Result<String, AdminError>>;
-    /// Which epoch answers on the family's admin address and its state, bounded and cheap
-    /// (the watchdog and every other probe of a running family).
-    fn admin_state(&self) -> Task<Result<AdminState, AdminError>>;
+    /// Whether an epoch newer than `ours` answers on the family's admin address, and then its
+    /// state; bounded and cheap (the watchdog asks every second, and other probes of a running
+    /// family). `Ok(None)`: epoch `ours` or an older one answers, and its readiness decides
+    /// nothing, so it is not asked (one request, not two). `ours` `None`: any epoch is newer.
+    fn newer_epoch(&self, ours: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>>;
     /// Whether the admin address answers LIVE, and who: `None` while it is not LIVE. Asked
     /// every millisecond or so while an epoch starts: the cheapest answer first.
     fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>>;
@@ -488,9 +490,18 @@ impl Host for RealHost {
         })
     }
 
-    fn admin_state(&self) -> Task<Result<AdminState, AdminError>> {
+    fn newer_epoch(&self, ours: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>> {
         let admin = self.target().admin;
-        Box::pin(async move { admin.admin_state().await })
+        Box::pin(async move {
+            if let Some(ours) = ours {
+                if admin.epoch_stats().await?.epoch <= ours {
+                    return Ok(None);
+                }
+            }
+            // Newer: who, and whether LIVE, over one connection (the first answer's process
+            // may have handed the address on meanwhile).
+            admin.admin_state().await.map(Some)
+        })
     }
 
     fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {

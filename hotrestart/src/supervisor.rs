@@ -119,9 +119,10 @@ enum Event {
         pid: u32,
         result: Result<Exit, ProxyError>,
     },
+    /// A probe's answer: `Some` when an epoch newer than the probe's own answers.
     Probed {
         probe: Probe,
-        result: Result<AdminState, AdminError>,
+        result: Result<Option<AdminState>, AdminError>,
     },
     /// Where does our first epoch start?
     Discovered(Result<ServerInfo, AdminError>),

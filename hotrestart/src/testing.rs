@@ -90,6 +90,8 @@ pub(crate) struct World {
     pub(crate) passed_live: u32,
     /// Admin calls made: (`/server_info`, epoch stats, LIVE checks).
     pub(crate) admin_calls: (u32, u32, u32),
+    /// How often a probe also asked the answering epoch's state (`/ready`).
+    pub(crate) state_asks: u32,
     pub(crate) spawns: Vec<u32>,
     /// Every signal the supervisor sent: (epoch, signal).
     pub(crate) signals: Vec<(u32, Signal)>,
@@ -144,6 +146,7 @@ impl Default for World {
             binary_changed: false,
             passed_live: 0,
             admin_calls: (0, 0, 0),
+            state_asks: 0,
             spawns: Vec::new(),
             signals: Vec::new(),
             family_signals: Vec::new(),
@@ -534,20 +537,23 @@ impl Host for FakeHost {
         })
     }
 
-    fn admin_state(&self) -> Task<Result<AdminState, AdminError>> {
-        let admin = {
+    fn newer_epoch(&self, ours: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>> {
+        let (admin, world) = {
             let mut w = self.world();
             w.admin_calls.1 += 1;
-            w.target().clone()
+            (w.target().clone(), self.world.clone())
         };
         Box::pin(async move {
-            answer(admin, "/stats")
-                .await
-                .map(|(epoch, state, _, _, uptime)| AdminState {
-                    epoch,
-                    state,
-                    uptime: Some(uptime),
-                })
+            let (epoch, state, _, _, uptime) = answer(admin, "/stats").await?;
+            if ours.is_some_and(|ours| epoch <= ours) {
+                return Ok(None);
+            }
+            world.lock().unwrap_or_else(|p| p.into_inner()).state_asks += 1;
+            Ok(Some(AdminState {
+                epoch,
+                state,
+                uptime: Some(uptime),
+            }))
         })
     }
 

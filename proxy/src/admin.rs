@@ -354,7 +354,8 @@ impl AdminClient {
     /// its own), so the state comes from that epoch or a newer one, never an older one.
     ///
     /// Both questions go over one connection, so one process answers both (and it costs one
-    /// connection, not two: the watchdog and the LIVE checks ask this often).
+    /// connection, not two). The watchdog asks [`AdminClient::epoch_stats`] alone, and this
+    /// only when a newer epoch than its own answers.
     pub async fn admin_state(&self) -> Result<AdminState, AdminError> {
         let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
         let exchange = async {

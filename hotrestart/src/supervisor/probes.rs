@@ -125,12 +125,20 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// Asks which epoch answers on the admin address, beside the loop.
+    /// Asks whether a newer epoch than ours answers on the admin address, beside the loop.
     pub(super) fn probe(&mut self, probe: Probe) {
         if matches!(probe, Probe::Watchdog) {
             self.watchdog.in_flight = true;
         }
-        let call = self.host.admin_state();
+        // The epoch each probe's answer is weighed against (see `takeover_seen`): only a newer
+        // one's state matters.
+        let ours = match &probe {
+            Probe::Watchdog => self.newest_live,
+            Probe::Successor(_) => self.newest_live.or(self.epochs.newest().map(|c| c.epoch)),
+            Probe::ServingExited(exit) => Some(exit.epoch),
+            Probe::FailedChild { .. } => None,
+        };
+        let call = self.host.newer_epoch(ours);
         let events = self.events_tx.clone();
         tokio::spawn(async move {
             let result = call.await;
@@ -166,7 +174,11 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    pub(super) fn on_probe(&mut self, probe: Probe, result: Result<AdminState, AdminError>) {
+    pub(super) fn on_probe(
+        &mut self,
+        probe: Probe,
+        result: Result<Option<AdminState>, AdminError>,
+    ) {
         match probe {
             Probe::Watchdog => {
                 self.watchdog.in_flight = false;
@@ -253,10 +265,10 @@ impl<H: Host> Supervisor<H> {
     /// over, so a newer epoch there that is not ours is a successor's.
     pub(super) fn takeover_seen(
         &mut self,
-        result: &Result<AdminState, AdminError>,
+        result: &Result<Option<AdminState>, AdminError>,
         ours: Option<u32>,
     ) -> Option<String> {
-        let info = result.as_ref().ok()?;
+        let info = result.as_ref().ok()?.as_ref()?;
         let ours = ours?;
         if info.state != ServerState::Live
             || info.epoch <= ours
@@ -339,7 +351,7 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    pub(super) fn on_watchdog(&mut self, result: Result<AdminState, AdminError>) {
+    pub(super) fn on_watchdog(&mut self, result: Result<Option<AdminState>, AdminError>) {
         if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
             return;
         }
