@@ -1485,10 +1485,10 @@ fn log_ended(ended: &Ended) {
             );
         }
         Ended::StartFailed { code, message } => {
-            tracing::error!(code, %message, "envoy failed to start");
+            tracing::error!(code, error = %message, "envoy failed to start");
         }
         Ended::Wedged { reason, message } => {
-            tracing::error!(%reason, %message, "wedged");
+            tracing::error!(%reason, error = %message, "wedged");
         }
     }
 }

@@ -548,7 +548,7 @@ impl Host for RealHost {
                 (checked, Err(refusal)) => tracing::warn!(
                     event = "prevalidated",
                     binary_inode = checked.key.map(|k| k.binary.inode()),
-                    message = refusal.message(),
+                    error = refusal.message(),
                     "validated ahead of the restart: the restart would be refused"
                 ),
             }

@@ -814,7 +814,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Err(message) => {
-                tracing::error!(%message, "cannot learn the binary's hot-restart version");
+                tracing::error!(error = %message, "cannot learn the binary's hot-restart version");
                 match self.life {
                     Life::Discovering { .. } => self.begin_stop(
                         Ended::StartFailed { code: 1, message },

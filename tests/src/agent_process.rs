@@ -344,11 +344,21 @@ impl AgentProcess {
     }
 
     /// The agent's structured log events named `event` so far (its JSON log lines whose
-    /// `event` field is `event`), oldest first.
+    /// `event` field is `event`), oldest first. Panics at a JSON line with a key twice (any
+    /// line so far, of any event): log pipelines read those differently.
     pub fn events(&self, event: &str) -> Vec<serde_json::Value> {
         self.stderr()
             .lines()
-            .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+            // Envoy's own lines, forwarded, are not JSON.
+            .filter(|line| line.starts_with('{'))
+            .filter_map(|line| match crate::json::parse_strict(line) {
+                Ok(value) => Some(value),
+                // Valid JSON all the same: a key twice.
+                Err(e) if serde_json::from_str::<serde_json::Value>(line).is_ok() => {
+                    panic!("the agent logged a JSON line with {e}: {line}")
+                }
+                Err(_) => None,
+            })
             .filter(|v| v.get("event").and_then(|e| e.as_str()) == Some(event))
             .collect()
     }

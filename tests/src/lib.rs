@@ -20,6 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 mod agent_process;
+pub mod json;
 mod load;
 
 pub use agent_process::{AgentBuilder, AgentProcess, HotRestartPorts};

@@ -156,7 +156,7 @@ async fn a_successors_bad_config_is_refused_by_its_preflight() {
     assert_eq!(b.exit().await.code(), Some(1), "the successor gives up");
     let rejected = b.wait_event("handoff", "outcome", "rejected").await;
     assert!(
-        rejected["message"]
+        rejected["error"]
             .as_str()
             .unwrap()
             .contains("no_such_cluster"),
@@ -638,7 +638,7 @@ async fn an_unusable_shared_memory_segment_is_refused_and_left_untouched_without
     let header = tamper(&segment, 99);
     a.signal_agent(Signal::SIGHUP);
     let refused = a.wait_event("handoff", "outcome", "rejected").await;
-    let message = refused["message"].as_str().unwrap();
+    let message = refused["error"].as_str().unwrap();
     assert!(
         message.contains("shared memory is unusable")
             && message.contains(&segment.display().to_string())

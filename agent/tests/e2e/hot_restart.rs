@@ -184,7 +184,7 @@ async fn a_bad_config_is_rejected_and_the_old_epoch_keeps_serving() {
         assert_eq!(agent.envoys().len(), 1, "nothing was started");
     }
     let rejected = agent.events_with("handoff", "outcome", "rejected");
-    let reason = rejected[1]["message"].as_str().unwrap();
+    let reason = rejected[1]["error"].as_str().unwrap();
     assert!(
         reason.contains("no_such_cluster"),
         "envoy's reason: {reason}"
@@ -496,7 +496,7 @@ async fn with_no_cold_handover_a_binary_with_another_hot_restart_version_is_reje
     })
     .await;
     let rejected = &agent.events_with("handoff", "outcome", "rejected")[0];
-    let message = rejected["message"].as_str().unwrap();
+    let message = rejected["error"].as_str().unwrap();
     assert!(
         message.contains("12.999")
             && message.contains("cannot hot-restart")
@@ -515,7 +515,7 @@ async fn with_no_cold_handover_a_binary_with_another_hot_restart_version_is_reje
     })
     .await;
     let second = &agent.events_with("handoff", "outcome", "rejected")[1];
-    assert_eq!(second["message"], rejected["message"]);
+    assert_eq!(second["error"], rejected["error"]);
     assert_eq!(second["preflight_cache"], "hit", "{second}");
 
     // Back to a compatible binary: hot restart works again.

@@ -161,7 +161,7 @@ async fn an_invalid_config_is_rejected_again_without_an_exec_and_the_serving_epo
     assert_ne!(rejected[0]["preflight_cache"], "none", "{}", rejected[0]);
     assert_eq!(rejected[1]["preflight_cache"], "hit", "{}", rejected[1]);
     for r in &rejected {
-        let reason = r["message"].as_str().unwrap_or("");
+        let reason = r["error"].as_str().unwrap_or("");
         assert!(reason.contains("no_such_cluster"), "reported again: {r}");
     }
     let validations: Vec<_> = agent.events("validate").split_off(before);

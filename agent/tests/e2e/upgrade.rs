@@ -276,7 +276,7 @@ async fn a_config_only_the_new_release_runs_is_judged_by_the_new_release_and_a_r
     agent.signal(Signal::SIGHUP);
     let rejected = agent.wait_event("handoff", "outcome", "rejected").await;
     assert_eq!(rejected["epoch"], 2, "{rejected}");
-    let reason = rejected["message"].as_str().unwrap();
+    let reason = rejected["error"].as_str().unwrap();
     assert!(
         reason.contains("body_size_limit"),
         "Envoy's reason: {reason}"

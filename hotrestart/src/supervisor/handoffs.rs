@@ -107,7 +107,7 @@ impl<H: Host> Supervisor<H> {
         if let Err(message) = result {
             self.lock = None;
             if self.newest_live.is_none() {
-                tracing::error!(epoch, %message, "pre-flight rejects the first epoch");
+                tracing::error!(epoch, error = %message, "pre-flight rejects the first epoch");
                 self.finish(attempt, Outcome::Rejected, message.clone());
                 self.begin_stop(Ended::StartFailed { code: 1, message }, "pre-flight failed");
             } else {
@@ -511,7 +511,7 @@ impl<H: Host> Supervisor<H> {
                 epoch = attempt.epoch,
                 reason = %attempt.reason,
                 preflight_cache = attempt.checked.cache(),
-                %message,
+                error = %message,
                 "hot restart did not happen; the serving epoch keeps serving"
             ),
         }

@@ -174,7 +174,7 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn record_wedge(&mut self, reason: WedgeReason, message: String) {
-        tracing::error!(event = "wedge", reason = %reason, %message, "hot restart wedge");
+        tracing::error!(event = "wedge", reason = %reason, error = %message, "hot restart wedge");
         self.metrics.wedge(reason.as_str());
         self.family.wedges.push(Wedge {
             reason,
