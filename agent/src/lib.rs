@@ -234,7 +234,9 @@ async fn serve<P: Proxy>(
                 },
             };
             if let Some(path) = &status_file {
-                if let Err(e) = envoy_agent_proxy::write_atomically(
+                // Atomic, not synced: it names a port of this process, meaningless after a
+                // crash, and two fsyncs here held up the first epoch's start by a millisecond.
+                if let Err(e) = envoy_agent_proxy::replace_atomically(
                     path,
                     server.local_addr().to_string().as_bytes(),
                 ) {
