@@ -56,9 +56,9 @@ impl Parent {
     }
 }
 
-/// A moment on both clocks, read together once: the monotonic one for durations, the wall one
-/// for the status. A wall time computed again at each look (`now - elapsed`) differs at every
-/// call, and the published state would change at every event of a handoff.
+/// A moment on both clocks, read together once: the monotonic one for durations and deadlines,
+/// the wall one for the status and the heartbeat. A wall time computed again at each look
+/// (`now - elapsed`) differs from call to call, and what is published would change with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Moment {
     pub(crate) at: Instant,
@@ -72,6 +72,19 @@ impl Moment {
             at,
             wall: SystemTime::now() - at.elapsed(),
         }
+    }
+
+    /// `after` from now, where now on the wall clock is `now_unix_ms`.
+    pub(crate) fn after(after: Duration, now_unix_ms: u64) -> Self {
+        Moment {
+            at: Instant::now() + after,
+            wall: SystemTime::UNIX_EPOCH + Duration::from_millis(now_unix_ms) + after,
+        }
+    }
+
+    /// Its wall time in Unix milliseconds.
+    pub(crate) fn unix_ms(&self) -> u64 {
+        crate::node::to_unix_ms(self.wall)
     }
 }
 
@@ -147,12 +160,10 @@ pub(crate) enum Handoff {
     /// The previous generation drains until its child terminates it; no new epoch may start.
     ParentDraining {
         parent: Parent,
-        /// When the child terminates it (parent-shutdown time after LIVE).
-        until: Instant,
-        /// The same moment on the wall clock, as the heartbeat says it: fixed once, for the
-        /// wall and monotonic clocks disagree by a millisecond now and then, and a value
-        /// computed again at each heartbeat would rewrite an unchanged one.
-        until_unix_ms: u64,
+        /// When the child terminates it (parent-shutdown time after LIVE); the heartbeat says
+        /// its wall time, fixed once (computed again at each heartbeat it moved by a
+        /// millisecond now and then, and rewrote an unchanged heartbeat).
+        until: Moment,
     },
     /// A cold handover's new family starts beside the serving one.
     Cold {

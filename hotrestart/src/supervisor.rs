@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
-use crate::handoff::{Attempt, Handoff, Parent, Queue, Waiter};
+use crate::handoff::{Attempt, Handoff, Moment, Parent, Queue, Waiter};
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};
@@ -576,19 +576,17 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining {
                 parent: Parent::Ours(p),
                 until,
-                ..
             } => {
                 let killed = self.epochs.get(*p).is_none_or(|c| c.stopped.is_some());
                 if !killed {
-                    consider(Some(*until + self.config.parent_overdue_grace));
+                    consider(Some(until.at + self.config.parent_overdue_grace));
                 }
             }
             Handoff::ParentDraining {
                 parent: Parent::Foreign { .. },
                 until,
-                ..
             } => {
-                consider(Some(*until));
+                consider(Some(until.at));
                 consider(self.foreign_check);
             }
             _ => {}

@@ -254,11 +254,12 @@ impl<H: Host> Supervisor<H> {
         self.handoff = match &attempt.parent {
             Some(Parent::Ours(p)) if self.epochs.get(*p).is_some() => {
                 self.epochs.set_state(*p, EpochState::Draining);
-                let drains = self.config.parent_shutdown_time();
                 Handoff::ParentDraining {
                     parent: Parent::Ours(*p),
-                    until: now + drains,
-                    until_unix_ms: self.host.now_unix_ms() + drains.as_millis() as u64,
+                    until: Moment::after(
+                        self.config.parent_shutdown_time(),
+                        self.host.now_unix_ms(),
+                    ),
                 }
             }
             Some(Parent::Foreign { epoch, identity }) => {
@@ -272,8 +273,7 @@ impl<H: Host> Supervisor<H> {
                         epoch: *epoch,
                         identity: identity.clone(),
                     },
-                    until: now + drains,
-                    until_unix_ms: self.host.now_unix_ms() + drains.as_millis() as u64,
+                    until: Moment::after(drains, self.host.now_unix_ms()),
                 }
             }
             _ => Handoff::Idle,
@@ -387,8 +387,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining {
                 parent: Parent::Ours(p),
                 until,
-                ..
-            } if now >= *until + self.config.parent_overdue_grace => {
+            } if now >= until.at + self.config.parent_overdue_grace => {
                 let p = *p;
                 if self.epochs.get(p).is_some_and(|c| c.stopped.is_none()) {
                     let message = format!(
@@ -404,9 +403,8 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining {
                 parent: Parent::Foreign { epoch, identity },
                 until,
-                ..
             } => {
-                let (epoch, identity, until) = (*epoch, identity.clone(), *until);
+                let (epoch, identity, until) = (*epoch, identity.clone(), until.at);
                 if self.foreign_check.is_some_and(|t| now >= t) {
                     self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
                     // The names come free only once the predecessor's Envoy is gone: then our

@@ -108,11 +108,7 @@ impl<H: Host> Supervisor<H> {
         let now = Instant::now();
         let now_ms = self.host.now_unix_ms();
         let parent_until = match &self.handoff {
-            Handoff::ParentDraining {
-                until,
-                until_unix_ms,
-                ..
-            } if *until > now => *until_unix_ms,
+            Handoff::ParentDraining { until, .. } if until.at > now => until.unix_ms(),
             _ => 0,
         };
         let heartbeat = Heartbeat {
