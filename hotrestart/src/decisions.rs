@@ -596,6 +596,50 @@ async fn the_watchdog_asks_the_state_only_of_a_newer_epoch() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_watchdog_keeps_its_connection_but_while_a_successor_starts() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let asks = || {
+        let w = f.host.world();
+        (w.admin_calls.1, w.kept_asks)
+    };
+    let (stats, kept) = asks();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let (steady, steady_kept) = {
+        let (s, k) = asks();
+        (s - stats, k - kept)
+    };
+    assert!(steady >= 9, "{steady} watchdog checks in 10 s");
+    assert_eq!(
+        steady_kept, steady,
+        "every steady check over the kept connection"
+    );
+    // pod-b starts to take over: its Envoy will answer on new connections only.
+    let b = heartbeat("pod-b-2222", NodeState::Starting, 1, &f.host);
+    f.host.world().others = vec![b];
+    assert_eq!(f.handle.successor().await.as_deref(), Some("pod-b-2222"));
+    let (stats, kept) = asks();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (s, k) = asks();
+    assert!(
+        s - stats >= 5,
+        "{} checks in 1 s while pod-b starts",
+        s - stats
+    );
+    assert_eq!(
+        k - kept,
+        0,
+        "no kept connection while a takeover is expected"
+    );
+    f.host.world().live(1);
+    f.until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
     let host = FakeHost::default();
     host.world().node = true;

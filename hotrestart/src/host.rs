@@ -21,7 +21,8 @@ use envoy_agent_proxy::admin::{AdminState, DrainListeners};
 use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCache};
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
-    AdminClient, AdminError, EnvoyProcess, Exit, ProxyConfig, ProxyError, ServerInfo, Signal,
+    AdminClient, AdminError, EnvoyProcess, Exit, KeptConnection, ProxyConfig, ProxyError,
+    ServerInfo, Signal,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -113,7 +114,17 @@ pub trait Host: Send + Sync + 'static {
     /// state; bounded and cheap (the watchdog asks every second, and other probes of a running
     /// family). `Ok(None)`: epoch `ours` or an older one answers, and its readiness decides
     /// nothing, so it is not asked (one request, not two). `ours` `None`: any epoch is newer.
-    fn newer_epoch(&self, ours: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>>;
+    ///
+    /// `kept`: the epoch is asked over the connection the last such call kept while epoch
+    /// `ours` answered it, renewed every [`KEPT_CONNECTION_RENEWAL`] (the watchdog's steady
+    /// checks: a TCP handshake and teardown a second cost more than the question). A kept
+    /// connection reaches the process that accepted it, so a takeover is seen over it only
+    /// once it is renewed: no `kept` while a takeover is expected.
+    fn newer_epoch(
+        &self,
+        ours: Option<u32>,
+        kept: bool,
+    ) -> Task<Result<Option<AdminState>, AdminError>>;
     /// Whether the admin address answers LIVE, and who: `None` while it is not LIVE. Asked
     /// every millisecond or so while an epoch starts: the cheapest answer first.
     fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>>;
@@ -205,6 +216,8 @@ pub struct RealHost {
     binary_seen: Arc<Mutex<Option<FileId>>>,
     /// The watch on the epochs' admin address files, set up at the first spawn.
     admin_files: Arc<std::sync::OnceLock<Option<AdminFiles>>>,
+    /// The watchdog's admin connection, and the epoch that answered on it.
+    kept: Arc<Mutex<(u32, KeptConnection)>>,
 }
 
 impl RealHost {
@@ -233,6 +246,7 @@ impl RealHost {
             cache,
             binary_seen: Arc::new(Mutex::new(binary_seen)),
             admin_files: Arc::default(),
+            kept: Arc::default(),
         }
     }
 
@@ -398,6 +412,11 @@ async fn live(admin: &AdminClient) -> Result<Option<AdminState>, AdminError> {
 /// The readiness marker's contents.
 const MARKER: &[u8] = b"ready\n";
 
+/// How long the watchdog's kept admin connection is used before a new one is opened: the
+/// longest a takeover nobody announced (no heartbeat: not an agent), or a serving epoch's
+/// admin listener lost while it runs, can go unseen by the watchdog.
+pub const KEPT_CONNECTION_RENEWAL: Duration = Duration::from_secs(5);
+
 /// Bound on a drain call.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -490,11 +509,34 @@ impl Host for RealHost {
         })
     }
 
-    fn newer_epoch(&self, ours: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>> {
+    fn newer_epoch(
+        &self,
+        ours: Option<u32>,
+        kept: bool,
+    ) -> Task<Result<Option<AdminState>, AdminError>> {
         let admin = self.target().admin;
+        let slot = self.kept.clone();
         Box::pin(async move {
             if let Some(ours) = ours {
-                if admin.epoch_stats().await?.epoch <= ours {
+                let epoch = if kept {
+                    // Taken out for the call (at most one watchdog check is in flight); put
+                    // back only while our epoch answers on it.
+                    let (epoch, mut connection) =
+                        std::mem::take(&mut *slot.lock().unwrap_or_else(|p| p.into_inner()));
+                    if epoch != ours {
+                        connection = KeptConnection::default();
+                    }
+                    let stats = admin
+                        .epoch_stats_kept(&mut connection, KEPT_CONNECTION_RENEWAL)
+                        .await?;
+                    if stats.epoch == ours {
+                        *slot.lock().unwrap_or_else(|p| p.into_inner()) = (ours, connection);
+                    }
+                    stats.epoch
+                } else {
+                    admin.epoch_stats().await?.epoch
+                };
+                if epoch <= ours {
                     return Ok(None);
                 }
             }

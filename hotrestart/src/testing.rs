@@ -92,6 +92,8 @@ pub(crate) struct World {
     pub(crate) admin_calls: (u32, u32, u32),
     /// How often a probe also asked the answering epoch's state (`/ready`).
     pub(crate) state_asks: u32,
+    /// [`Host::newer_epoch`] calls over a kept connection.
+    pub(crate) kept_asks: u32,
     pub(crate) spawns: Vec<u32>,
     /// Every signal the supervisor sent: (epoch, signal).
     pub(crate) signals: Vec<(u32, Signal)>,
@@ -147,6 +149,7 @@ impl Default for World {
             passed_live: 0,
             admin_calls: (0, 0, 0),
             state_asks: 0,
+            kept_asks: 0,
             spawns: Vec::new(),
             signals: Vec::new(),
             family_signals: Vec::new(),
@@ -537,10 +540,15 @@ impl Host for FakeHost {
         })
     }
 
-    fn newer_epoch(&self, ours: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>> {
+    fn newer_epoch(
+        &self,
+        ours: Option<u32>,
+        kept: bool,
+    ) -> Task<Result<Option<AdminState>, AdminError>> {
         let (admin, world) = {
             let mut w = self.world();
             w.admin_calls.1 += 1;
+            w.kept_asks += u32::from(kept);
             (w.target().clone(), self.world.clone())
         };
         Box::pin(async move {

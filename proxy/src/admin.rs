@@ -3,6 +3,8 @@
 //! Every call opens its own HTTP/1 connection and is bounded as a whole (connect, request,
 //! body) by the client's timeout: a drain POST that hangs is how Istio lost pods (#50596).
 //! Every call checks the status code, and every error names the address and the endpoint.
+//! The one exception is a question asked every second for as long as Envoy runs (the
+//! watchdog's, [`AdminClient::epoch_stats_kept`]), which may reuse a [`KeptConnection`].
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -349,6 +351,61 @@ impl AdminClient {
         EpochStats::parse(&text).map_err(|e| self.decode("/stats", e))
     }
 
+    /// [`AdminClient::epoch_stats`] over `kept`'s connection when it has one to this address
+    /// younger than `renew`, else over a new one that `kept` then keeps. A kept connection that
+    /// broke (Envoy closed it) is replaced within the call; one that does not answer is a
+    /// timeout, as a new one would be, and is not kept.
+    ///
+    /// Why renew at all: a kept connection goes on reaching the process that accepted it.
+    /// Tried with Envoy 1.40: after epoch 1 took the admin address over, a connection opened to
+    /// epoch 0 before went on answering `server.hot_restart_epoch: 0` (for 2 s, 40 requests)
+    /// while every new connection answered 1. So a takeover, or a listener lost while Envoy
+    /// lives, is seen over a kept connection only once it is renewed.
+    pub async fn epoch_stats_kept(
+        &self,
+        kept: &mut KeptConnection,
+        renew: Duration,
+    ) -> Result<EpochStats, AdminError> {
+        let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
+        let reusable = kept
+            .connection
+            .take()
+            .filter(|(c, opened)| c.addr == self.addr && opened.elapsed() < renew);
+        let exchange = async {
+            let answered = match reusable {
+                Some((mut connection, opened)) => match connection.get(&endpoint).await {
+                    Ok(answer) => Some((connection, opened, answer)),
+                    // Closed by Envoy since (an idle timeout, a drain): not an answer.
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            let (connection, opened, (status, body)) = match answered {
+                Some(answered) => answered,
+                None => {
+                    let mut connection = self.connect(&endpoint).await?;
+                    let answer = connection.get(&endpoint).await?;
+                    (connection, std::time::Instant::now(), answer)
+                }
+            };
+            if status != StatusCode::OK {
+                return Err(self.status(&endpoint, status, &body));
+            }
+            let stats = EpochStats::parse(&String::from_utf8_lossy(&body))
+                .map_err(|e| self.decode("/stats", e))?;
+            kept.connection = Some((connection, opened));
+            Ok(stats)
+        };
+        match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(result) => result,
+            Err(_) => Err(AdminError::Timeout {
+                addr: self.addr,
+                endpoint,
+                timeout: self.timeout,
+            }),
+        }
+    }
+
     /// Which epoch answers and its state: the epoch first, then `/ready`. The admin address
     /// passes from a parent to its child once (the child shuts the parent's down, then binds
     /// its own), so the state comes from that epoch or a newer one, never an older one.
@@ -584,6 +641,22 @@ impl AdminClient {
     }
 }
 
+/// A connection to an admin address kept between calls of
+/// [`AdminClient::epoch_stats_kept`] (none at first). Dropping it closes the connection.
+#[derive(Default)]
+pub struct KeptConnection {
+    connection: Option<(Connection, std::time::Instant)>,
+}
+
+impl std::fmt::Debug for KeptConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kept = self.connection.as_ref().map(|(c, opened)| (c.addr, opened));
+        f.debug_struct("KeptConnection")
+            .field("connection", &kept)
+            .finish()
+    }
+}
+
 /// One connection to the admin API, for one request after another.
 struct Connection {
     addr: SocketAddr,
@@ -692,6 +765,15 @@ mod tests {
         ready: (u16, &'static str),
         epoch: u32,
     ) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+        fake_admin_closing(ready, epoch, usize::MAX).await
+    }
+
+    /// [`fake_admin`] closing each connection after `answers` answers.
+    async fn fake_admin_closing(
+        ready: (u16, &'static str),
+        epoch: u32,
+        answers: usize,
+    ) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU32>) {
         use std::sync::atomic::{AtomicU32, Ordering};
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -704,7 +786,8 @@ mod tests {
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 1024];
-                    loop {
+                    let mut answered = 0;
+                    while answered < answers {
                         let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
                             match stream.read(&mut chunk).await {
                                 Ok(0) | Err(_) => return,
@@ -731,6 +814,7 @@ mod tests {
                         if stream.write_all(answer.as_bytes()).await.is_err() {
                             return;
                         }
+                        answered += 1;
                     }
                 });
             }
@@ -760,6 +844,48 @@ mod tests {
         let (addr, _) = fake_admin((500, "boom"), 4).await;
         let err = AdminClient::new(addr).live_state().await.unwrap_err();
         assert!(err.to_string().contains("/ready"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn the_watchdogs_question_keeps_its_connection_until_renewal() {
+        use std::sync::atomic::Ordering;
+        let hour = Duration::from_secs(3600);
+        let (addr, accepted) = fake_admin((200, "LIVE\n"), 3).await;
+        let client = AdminClient::new(addr);
+        let mut kept = KeptConnection::default();
+        for _ in 0..3 {
+            let stats = client.epoch_stats_kept(&mut kept, hour).await.unwrap();
+            assert_eq!(stats.epoch, 3);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection, kept");
+        // Due for renewal: a new connection each time.
+        for _ in 0..2 {
+            client
+                .epoch_stats_kept(&mut kept, Duration::ZERO)
+                .await
+                .unwrap();
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+
+        // Another address (a cold family's admin): never the connection kept for the first.
+        let (other, other_accepted) = fake_admin((200, "LIVE\n"), 7).await;
+        let stats = client
+            .at(other)
+            .epoch_stats_kept(&mut kept, hour)
+            .await
+            .unwrap();
+        assert_eq!(stats.epoch, 7);
+        assert_eq!(other_accepted.load(Ordering::SeqCst), 1);
+
+        // Envoy closes connections after one answer: each question still gets one.
+        let (addr, accepted) = fake_admin_closing((200, "LIVE\n"), 5, 1).await;
+        let client = AdminClient::new(addr);
+        let mut kept = KeptConnection::default();
+        for _ in 0..3 {
+            let stats = client.epoch_stats_kept(&mut kept, hour).await.unwrap();
+            assert_eq!(stats.epoch, 5);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
     }
 
     #[tokio::test]

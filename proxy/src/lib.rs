@@ -50,7 +50,7 @@ mod spawner;
 pub mod state;
 mod sys;
 
-pub use admin::{AdminClient, AdminError, ServerInfo, ServerState};
+pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
 pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs};
 pub use config_file::{

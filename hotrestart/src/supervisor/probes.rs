@@ -138,7 +138,10 @@ impl<H: Host> Supervisor<H> {
             Probe::ServingExited(exit) => Some(exit.epoch),
             Probe::FailedChild { .. } => None,
         };
-        let call = self.host.newer_epoch(ours);
+        // The watchdog's steady checks keep their connection; not while a successor starts
+        // (its takeover is expected: a kept connection would go on reaching ours).
+        let kept = matches!(probe, Probe::Watchdog) && self.family.successor_starting.is_none();
+        let call = self.host.newer_epoch(ours, kept);
         let events = self.events_tx.clone();
         tokio::spawn(async move {
             let result = call.await;
