@@ -218,6 +218,8 @@ pub struct RealHost {
     admin_files: Arc<std::sync::OnceLock<Option<AdminFiles>>>,
     /// The watchdog's admin connection, and the epoch that answered on it.
     kept: Arc<Mutex<(u32, KeptConnection)>>,
+    /// What the last look at the node's state directory found.
+    last_look: Arc<Mutex<node::LastLook>>,
 }
 
 impl RealHost {
@@ -247,6 +249,7 @@ impl RealHost {
             binary_seen: Arc::new(Mutex::new(binary_seen)),
             admin_files: Arc::default(),
             kept: Arc::default(),
+            last_look: Arc::default(),
         }
     }
 
@@ -657,7 +660,10 @@ impl Host for RealHost {
 
     fn read_heartbeats(&self, identity: &str) -> (Vec<Heartbeat>, Vec<Rejected>) {
         match &self.state_dir {
-            Some(dir) => node::read_others(dir, identity),
+            Some(dir) => {
+                let mut last = self.last_look.lock().unwrap_or_else(|p| p.into_inner());
+                node::read_others_since(dir, identity, &mut last)
+            }
             None => (Vec::new(), Vec::new()),
         }
     }
