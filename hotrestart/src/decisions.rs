@@ -897,6 +897,68 @@ async fn with_the_admin_listener_as_the_sign_live_is_seen_within_two_millisecond
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_late_not_live_answer_is_followed_by_the_next_check_at_once() {
+    let host = FakeHost::default();
+    host.world().admin_bound_before_live = Some(Duration::from_millis(30));
+    // A busy Envoy: each answer comes 5 ms after the question.
+    host.world().live_check_delay = Duration::from_millis(5);
+    host.world().live_after = Some(Duration::from_millis(133));
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let sent_before = f.host.world().live_checks_sent.len();
+    let restart = f.restart("SIGHUP");
+    assert_eq!(restart.await.unwrap(), Ok(1));
+    let sent = f.host.world().live_checks_sent[sent_before..].to_vec();
+    // Before the sign: one check per 50 ms. After it: back to back (a 1 ms gap would make
+    // each 6 ms).
+    let after_sign: Vec<Duration> = sent
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .skip_while(|gap| *gap >= LIVE_POLL_UNBOUND)
+        .collect();
+    assert!(after_sign.len() >= 4, "{sent:?}");
+    let (last, earlier) = after_sign.split_last().unwrap();
+    assert!(
+        earlier.iter().all(|gap| *gap == Duration::from_millis(5)),
+        "{after_sign:?}"
+    );
+    // The sign itself asks at once, whenever the check before it was sent.
+    assert!(*last <= Duration::from_millis(5), "{after_sign:?}");
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn late_answers_long_after_the_sign_are_not_followed_at_once() {
+    let host = FakeHost::default();
+    // LIVE 300 ms after the sign (xDS): past LIVE_NEAR_BOUND the checks slow down again,
+    // however late each answer.
+    host.world().admin_bound_before_live = Some(Duration::from_millis(300));
+    host.world().live_check_delay = Duration::from_millis(5);
+    host.world().live_after = Some(Duration::from_millis(400));
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let sent_before = f.host.world().live_checks_sent.len();
+    let restart = f.restart("SIGHUP");
+    assert_eq!(restart.await.unwrap(), Ok(1));
+    let sent = f.host.world().live_checks_sent[sent_before..].to_vec();
+    let gaps: Vec<Duration> = sent.windows(2).map(|w| w[1] - w[0]).collect();
+    let back_to_back = gaps
+        .iter()
+        .filter(|gap| **gap == Duration::from_millis(5))
+        .count();
+    // ~100 ms of them after the sign, none in the 200 ms after that.
+    assert!((15..=21).contains(&back_to_back), "{gaps:?}");
+    assert!(
+        gaps.iter()
+            .rev()
+            .take(5)
+            .all(|gap| *gap > Duration::from_millis(6)),
+        "{gaps:?}"
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn without_the_sign_coming_live_is_still_seen() {
     let host = FakeHost::default();
     host.world().live_after = Some(Duration::from_millis(133));

@@ -58,6 +58,11 @@ pub(crate) struct World {
     /// A spawned process's admin listener is bound this long before it is LIVE (and the
     /// supervisor is told); `None`: no such sign.
     pub(crate) admin_bound_before_live: Option<Duration>,
+    /// How long a LIVE check takes to answer (an Envoy busy initializing): the answer is
+    /// what the admin port said when asked.
+    pub(crate) live_check_delay: Duration,
+    /// When each LIVE check was sent.
+    pub(crate) live_checks_sent: Vec<Instant>,
     /// Answers of the next pre-flights (default: pass).
     pub(crate) preflights: VecDeque<Result<(), Refusal>>,
     /// What the family's shared memory check answers.
@@ -132,6 +137,8 @@ impl Default for World {
             admin: Admin::Refused,
             live_after: Some(Duration::from_millis(50)),
             admin_bound_before_live: None,
+            live_check_delay: Duration::ZERO,
+            live_checks_sent: Vec::new(),
             preflights: VecDeque::new(),
             shm: Ok(()),
             cold_possible: true,
@@ -403,8 +410,18 @@ impl FakeHost {
             }
             (Some(live), Some(lead)) => {
                 let (tx, rx) = oneshot::channel();
+                let world = self.world.clone();
                 tokio::spawn(async move {
                     tokio::time::sleep_until(started + live.saturating_sub(lead)).await;
+                    // As Envoy does: the child shuts its parent's admin listener and binds its
+                    // own, which answers "not LIVE" until it is.
+                    let mut w = world.lock().unwrap_or_else(|p| p.into_inner());
+                    if w.admin_epoch().is_some_and(|e| e + 1 == epoch) {
+                        w.live(epoch);
+                        if let Admin::Answers { state, .. } = &mut w.admin {
+                            *state = ServerState::Initializing;
+                        }
+                    }
                     let _ = tx.send(());
                 });
                 Some(rx)
@@ -449,7 +466,8 @@ impl FakeHost {
                         // LIVE once its parent's admin listener is ours (or none runs).
                         let free = match w.admin_epoch() {
                             None => matches!(w.admin, Admin::Refused),
-                            Some(e) => e + 1 == epoch,
+                            // Its parent's, or already its own (bound before LIVE).
+                            Some(e) => e + 1 == epoch || e == epoch,
                         };
                         if free {
                             w.live(epoch);
@@ -566,12 +584,17 @@ impl Host for FakeHost {
     }
 
     fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {
-        let admin = {
+        let (admin, delay) = {
             let mut w = self.world();
             w.admin_calls.2 += 1;
-            w.admin.clone()
+            w.live_checks_sent.push(Instant::now());
+            (w.admin.clone(), w.live_check_delay)
         };
-        Box::pin(live_answer(admin))
+        Box::pin(async move {
+            let answer = live_answer(admin).await;
+            tokio::time::sleep(delay).await;
+            answer
+        })
     }
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {
