@@ -126,8 +126,11 @@ pub trait Host: Send + Sync + 'static {
         kept: bool,
     ) -> Task<Result<Option<AdminState>, AdminError>>;
     /// Whether the admin address answers LIVE, and who: `None` while it is not LIVE. Asked
-    /// every millisecond or so while an epoch starts: the cheapest answer first.
-    fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>>;
+    /// every millisecond or so while an epoch starts: the cheapest answer first. `kept`: the
+    /// starting epoch is known to hold the address (its admin listener is bound), so the
+    /// connection of the previous such check, kept while the answer was "not LIVE", is asked
+    /// again (until the next spawn).
+    fn live_check(&self, kept: bool) -> Task<Result<Option<AdminState>, AdminError>>;
     /// `POST /drain_listeners` on the family's admin address, bounded.
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>>;
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
@@ -218,6 +221,8 @@ pub struct RealHost {
     admin_files: Arc<std::sync::OnceLock<Option<AdminFiles>>>,
     /// The watchdog's admin connection, and the epoch that answered on it.
     kept: Arc<Mutex<(u32, KeptConnection)>>,
+    /// The starting epoch's LIVE checks' admin connection (dropped at each spawn).
+    live_kept: Arc<Mutex<KeptConnection>>,
     /// What the last look at the node's state directory found.
     last_look: Arc<Mutex<node::LastLook>>,
 }
@@ -249,6 +254,7 @@ impl RealHost {
             binary_seen: Arc::new(Mutex::new(binary_seen)),
             admin_files: Arc::default(),
             kept: Arc::default(),
+            live_kept: Arc::default(),
             last_look: Arc::default(),
         }
     }
@@ -430,6 +436,10 @@ impl Host for RealHost {
             hot.base_id = self.base_id();
         }
         let admin_bound = self.admin_files().map(|files| files.expect(epoch));
+        // The next LIVE checks are of this epoch, never over a connection to another.
+        drop(std::mem::take(
+            &mut *self.live_kept.lock().unwrap_or_else(|p| p.into_inner()),
+        ));
         let process = match EnvoyProcess::spawn(&proxy, epoch).await {
             Ok(process) => process,
             Err(e) => {
@@ -549,11 +559,23 @@ impl Host for RealHost {
         })
     }
 
-    fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {
+    fn live_check(&self, kept: bool) -> Task<Result<Option<AdminState>, AdminError>> {
         // A hot-restart epoch binds the configured address, also after a cold family's first
         // epoch answered on an ephemeral one.
         let admin = self.admin.clone();
-        Box::pin(async move { live(&admin).await })
+        if !kept {
+            return Box::pin(async move { live(&admin).await });
+        }
+        let slot = self.live_kept.clone();
+        Box::pin(async move {
+            // Taken out for the call (one LIVE check is in flight at a time); it comes back
+            // holding a connection only after a "not LIVE".
+            let mut connection =
+                std::mem::take(&mut *slot.lock().unwrap_or_else(|p| p.into_inner()));
+            let answer = admin.live_state_kept(&mut connection).await;
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = connection;
+            answer
+        })
     }
 
     fn hot_restart_version(&self) -> Task<Result<String, String>> {

@@ -61,8 +61,8 @@ pub(crate) struct World {
     /// How long a LIVE check takes to answer (an Envoy busy initializing): the answer is
     /// what the admin port said when asked.
     pub(crate) live_check_delay: Duration,
-    /// When each LIVE check was sent.
-    pub(crate) live_checks_sent: Vec<Instant>,
+    /// When each LIVE check was sent, and whether over a kept connection.
+    pub(crate) live_checks_sent: Vec<(Instant, bool)>,
     /// Answers of the next pre-flights (default: pass).
     pub(crate) preflights: VecDeque<Result<(), Refusal>>,
     /// What the family's shared memory check answers.
@@ -583,11 +583,11 @@ impl Host for FakeHost {
         })
     }
 
-    fn live_check(&self) -> Task<Result<Option<AdminState>, AdminError>> {
+    fn live_check(&self, kept: bool) -> Task<Result<Option<AdminState>, AdminError>> {
         let (admin, delay) = {
             let mut w = self.world();
             w.admin_calls.2 += 1;
-            w.live_checks_sent.push(Instant::now());
+            w.live_checks_sent.push((Instant::now(), kept));
             (w.admin.clone(), w.live_check_delay)
         };
         Box::pin(async move {

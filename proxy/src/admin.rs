@@ -3,8 +3,9 @@
 //! Every call opens its own HTTP/1 connection and is bounded as a whole (connect, request,
 //! body) by the client's timeout: a drain POST that hangs is how Istio lost pods (#50596).
 //! Every call checks the status code, and every error names the address and the endpoint.
-//! The one exception is a question asked every second for as long as Envoy runs (the
-//! watchdog's, [`AdminClient::epoch_stats_kept`]), which may reuse a [`KeptConnection`].
+//! The exceptions are questions asked over and over of one process (the watchdog's every
+//! second, [`AdminClient::epoch_stats_kept`]; a starting epoch's LIVE checks,
+//! [`AdminClient::live_state_kept`]), which may reuse a [`KeptConnection`].
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -458,12 +459,41 @@ impl AdminClient {
     /// connection not carry the second question, [`AdminClient::admin_state`] asks anew (the
     /// epoch first: the state is then never an older process's).
     pub async fn live_state(&self) -> Result<Option<AdminState>, AdminError> {
+        self.live_state_kept(&mut KeptConnection::default()).await
+    }
+
+    /// [`AdminClient::live_state`] over `kept`'s connection to this address when it has one
+    /// (replaced within the call if Envoy closed it), else over a new one that `kept` then
+    /// keeps while the answer is "not LIVE". For the frequent checks of an epoch that is known
+    /// to hold the address (its admin listener is bound): a question on an open connection
+    /// costs a starting Envoy's main thread less than an accept, a connection and its teardown.
+    pub async fn live_state_kept(
+        &self,
+        kept: &mut KeptConnection,
+    ) -> Result<Option<AdminState>, AdminError> {
+        let reusable = kept.connection.take().filter(|(c, _)| c.addr == self.addr);
         let exchange = async {
-            let mut connection = self.connect("/ready").await?;
-            let (status, body) = connection.get("/ready").await?;
+            let answered = match reusable {
+                Some((mut connection, opened)) => match connection.get("/ready").await {
+                    Ok(answer) => Some((connection, opened, answer)),
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            let (mut connection, opened, (status, body)) = match answered {
+                Some(answered) => answered,
+                None => {
+                    let mut connection = self.connect("/ready").await?;
+                    let answer = connection.get("/ready").await?;
+                    (connection, std::time::Instant::now(), answer)
+                }
+            };
             match status {
                 StatusCode::OK => {}
-                StatusCode::SERVICE_UNAVAILABLE => return Ok(None),
+                StatusCode::SERVICE_UNAVAILABLE => {
+                    kept.connection = Some((connection, opened));
+                    return Ok(None);
+                }
                 status => return Err(self.status("/ready", status, &body)),
             }
             let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
@@ -642,7 +672,8 @@ impl AdminClient {
 }
 
 /// A connection to an admin address kept between calls of
-/// [`AdminClient::epoch_stats_kept`] (none at first). Dropping it closes the connection.
+/// [`AdminClient::epoch_stats_kept`] or [`AdminClient::live_state_kept`] (none at first).
+/// Dropping it closes the connection.
 #[derive(Default)]
 pub struct KeptConnection {
     connection: Option<(Connection, std::time::Instant)>,
@@ -884,6 +915,35 @@ mod tests {
         for _ in 0..3 {
             let stats = client.epoch_stats_kept(&mut kept, hour).await.unwrap();
             assert_eq!(stats.epoch, 5);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn live_checks_keep_their_connection_until_live() {
+        use std::sync::atomic::Ordering;
+        let (addr, accepted) = fake_admin((503, "INITIALIZING\n"), 4).await;
+        let client = AdminClient::new(addr);
+        let mut kept = KeptConnection::default();
+        for _ in 0..3 {
+            assert_eq!(client.live_state_kept(&mut kept).await.unwrap(), None);
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection, kept");
+
+        // LIVE: answered, and the connection is not kept (the checks are over).
+        let (addr, accepted) = fake_admin((200, "LIVE\n"), 4).await;
+        let client = AdminClient::new(addr);
+        for _ in 0..2 {
+            let live = client.live_state_kept(&mut kept).await.unwrap();
+            assert_eq!(live.map(|s| s.epoch), Some(4));
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+
+        // Envoy closing each connection after one answer: every check still answered.
+        let (addr, accepted) = fake_admin_closing((503, "INITIALIZING\n"), 4, 1).await;
+        let client = AdminClient::new(addr);
+        for _ in 0..3 {
+            assert_eq!(client.live_state_kept(&mut kept).await.unwrap(), None);
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 3);
     }

@@ -164,7 +164,11 @@ impl<H: Host> Supervisor<H> {
     /// Asks whether the starting `epoch` is LIVE, beside the loop.
     pub(super) fn live_check(&mut self, epoch: u32) {
         self.live.in_flight = true;
-        let call = self.host.live_check();
+        // Once its admin listener is bound the address is the starting epoch's: its checks
+        // can share a connection.
+        let call = self
+            .host
+            .live_check(matches!(self.live_hint, LiveHint::Bound(_)));
         let events = self.events_tx.clone();
         let sent = Instant::now();
         tokio::spawn(async move {
