@@ -272,9 +272,53 @@ dynamic_resources:
     yaml
 }
 
-/// A port that was free a moment ago (bind port 0, note it, release it). Hot-restart tests
-/// need fixed ports; the race with another process taking it is accepted.
+/// A port for a fixed address (hot-restart tests need them: every epoch binds the same
+/// ports), free when picked. It lies outside the kernel's ephemeral range, so that no port-0
+/// bind or outgoing connection of another test, or of this test's next agent (its status
+/// server binds port 0), is handed it once its Envoy is gone: a second agent found its own
+/// status server on the admin port of a killed predecessor and waited to take over from it.
+/// Tests of one process get different ports (a counter from a per-process start); the race
+/// with an unrelated process taking the port is accepted.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let Some((start, len)) = fixed_port_range() else {
+        return ephemeral_port();
+    };
+    let first = std::process::id().wrapping_mul(7919);
+    for _ in 0..len {
+        let offset = first.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % len;
+        let Ok(port) = u16::try_from(start + offset) else {
+            continue;
+        };
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {start}..{}", start + len)
+}
+
+/// 10,000 ports just below the ephemeral range (or just above it), `None` when neither fits.
+fn fixed_port_range() -> Option<(u32, u32)> {
+    const LEN: u32 = 10_000;
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok();
+    let mut bounds = range
+        .as_deref()
+        .unwrap_or("32768 60999")
+        .split_whitespace()
+        .filter_map(|n| n.parse::<u32>().ok());
+    let (low, high) = (bounds.next()?, bounds.next()?);
+    if low >= 1024 + LEN {
+        Some((low - LEN, LEN))
+    } else if high + LEN <= 65_535 {
+        Some((high + 1, LEN))
+    } else {
+        None
+    }
+}
+
+/// A port that was free a moment ago, from the ephemeral range (bind port 0, release it).
+fn ephemeral_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
