@@ -288,7 +288,8 @@ pub struct RunArgs {
 
     /// The status server's address (readiness, /drain, /quitquitquit, /stats/prometheus), in both
     /// modes. With --hot-restart, a surge successor that finds it taken by its predecessor on
-    /// the node binds it once it is free.
+    /// the node binds it once it is free. Envoy's admin port (on the same or a wildcard address)
+    /// is refused at start.
     #[arg(
         long,
         env = "ENVOY_AGENT_STATUS_ADDRESS",

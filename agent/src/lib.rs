@@ -128,6 +128,7 @@ pub async fn run(
         &args.envoy_args,
         &runtime_dir,
     )?;
+    setup::check_status_address(args.status_address, &admin)?;
     let binary = setup::resolve_envoy(&args.envoy_path, std::env::var_os("PATH").as_deref())?;
 
     // PID 1 duties: orphans below us are ours to reap.

@@ -40,6 +40,18 @@ pub enum SetupError {
         /// Why, when known (permissions for this user, a missing interpreter).
         why: String,
     },
+    /// The status server would take Envoy's admin port: the first would answer for the second
+    /// (a successor would wait to take over from it) or Envoy could not start.
+    #[error(
+        "--status-address {status} is Envoy's admin address {admin} (from --admin-address or \
+         the bootstrap): give the agent's status server another port"
+    )]
+    StatusOnAdmin {
+        /// The status server's address.
+        status: SocketAddr,
+        /// Envoy's admin address.
+        admin: SocketAddr,
+    },
     /// The status server's address cannot be bound.
     #[error(transparent)]
     StatusBind(#[from] crate::status::BindError),
@@ -244,6 +256,23 @@ pub fn resolve_admin(
     Ok((admin, rest))
 }
 
+/// Refuses a status address on Envoy's admin port (the same address, or a wildcard on either
+/// side). An admin address read from a file is only known once Envoy binds it.
+pub fn check_status_address(status: SocketAddr, admin: &AdminAddress) -> Result<(), SetupError> {
+    let AdminAddress::Fixed(admin) = admin else {
+        return Ok(());
+    };
+    let overlap =
+        status.ip() == admin.ip() || status.ip().is_unspecified() || admin.ip().is_unspecified();
+    if status.port() == admin.port() && overlap {
+        return Err(SetupError::StatusOnAdmin {
+            status,
+            admin: *admin,
+        });
+    }
+    Ok(())
+}
+
 fn take_admin_address_path(args: &[String]) -> Result<(Option<PathBuf>, Vec<String>), SetupError> {
     const FLAG: &str = "--admin-address-path";
     let mut path = None;
@@ -408,6 +437,27 @@ mod tests {
         let (admin, rest) = resolve_admin(&zero, None, &extra, &run).unwrap();
         assert_eq!(admin, AdminAddress::FromFile(PathBuf::from("/y")));
         assert!(rest.is_empty());
+    }
+
+    #[test]
+    fn the_status_server_cannot_take_the_admin_port() {
+        let admin = AdminAddress::Fixed("127.0.0.1:15000".parse().unwrap());
+        for status in ["127.0.0.1:15000", "0.0.0.0:15000"] {
+            let err = check_status_address(status.parse().unwrap(), &admin).unwrap_err();
+            assert!(
+                matches!(err, SetupError::StatusOnAdmin { .. }),
+                "{status}: {err}"
+            );
+            assert!(err.to_string().contains(status), "{err}");
+        }
+        for status in ["127.0.0.1:15020", "127.0.0.1:0", "10.0.0.5:15000"] {
+            assert!(
+                check_status_address(status.parse().unwrap(), &admin).is_ok(),
+                "{status}"
+            );
+        }
+        let from_file = AdminAddress::FromFile(PathBuf::from("/run/admin"));
+        assert!(check_status_address("127.0.0.1:15000".parse().unwrap(), &from_file).is_ok());
     }
 
     #[test]

@@ -222,6 +222,31 @@ async fn bad_flag_values_exit_64_naming_the_flag() {
 }
 
 #[tokio::test]
+async fn a_status_address_on_envoys_admin_port_is_refused() {
+    let dir = TestDir::new();
+    let admin = envoy_agent_tests::free_port();
+    let bootstrap = dir.write(
+        "fixed.yaml",
+        &envoy_agent_tests::bootstrap_yaml_on(admin, envoy_agent_tests::free_port(), "x"),
+    );
+    for status in [format!("127.0.0.1:{admin}"), format!("0.0.0.0:{admin}")] {
+        let (code, stderr) = run_to_exit(&[
+            os("run"),
+            os("-c"),
+            bootstrap.as_os_str(),
+            os("--status-address"),
+            os(&status),
+        ])
+        .await;
+        assert_eq!(code, Some(64), "{status}: {stderr}");
+        assert!(
+            stderr.contains("--status-address") && stderr.contains(&status),
+            "names the flag and the address: {stderr}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn hot_restart_flags_without_hot_restart_are_refused_not_ignored() {
     let dir = TestDir::new();
     let good = dir.bootstrap("good.yaml", "x");
