@@ -63,6 +63,9 @@ pub(crate) struct World {
     pub(crate) live_check_delay: Duration,
     /// When each LIVE check was sent, and whether over a kept connection.
     pub(crate) live_checks_sent: Vec<(Instant, bool)>,
+    /// Whether pre-flights are answered from the cache (no exec, no time), as the real host's
+    /// are for a binary and config it has seen.
+    pub(crate) preflight_cached: bool,
     /// Answers of the next pre-flights (default: pass).
     pub(crate) preflights: VecDeque<Result<(), Refusal>>,
     /// What the family's shared memory check answers.
@@ -100,6 +103,8 @@ pub(crate) struct World {
     /// [`Host::newer_epoch`] calls over a kept connection.
     pub(crate) kept_asks: u32,
     pub(crate) spawns: Vec<u32>,
+    /// When each of [`World::spawns`] was spawned.
+    pub(crate) spawned_at: Vec<Instant>,
     /// Every signal the supervisor sent: (epoch, signal).
     pub(crate) signals: Vec<(u32, Signal)>,
     /// ... with the base id of the family it went to: (base id, epoch, signal).
@@ -139,6 +144,7 @@ impl Default for World {
             admin_bound_before_live: None,
             live_check_delay: Duration::ZERO,
             live_checks_sent: Vec::new(),
+            preflight_cached: false,
             preflights: VecDeque::new(),
             shm: Ok(()),
             cold_possible: true,
@@ -158,6 +164,7 @@ impl Default for World {
             state_asks: 0,
             kept_asks: 0,
             spawns: Vec::new(),
+            spawned_at: Vec::new(),
             signals: Vec::new(),
             family_signals: Vec::new(),
             marker: true,
@@ -383,7 +390,10 @@ impl FakeHost {
             w.next_pid += 1;
             match cold {
                 Some(base_id) => w.cold_spawns.push(base_id),
-                None => w.spawns.push(epoch),
+                None => {
+                    w.spawns.push(epoch);
+                    w.spawned_at.push(Instant::now());
+                }
             }
             let family = cold.map_or(w.base_id, u64::from);
             w.processes.insert(
@@ -620,9 +630,10 @@ impl Host for FakeHost {
         validate: bool,
     ) -> Task<(Checked, Result<(), Refusal>)> {
         // Only a check that would exec the binary takes time.
-        let execs = validate || running.is_some();
+        let mut execs = validate || running.is_some();
         let answer = {
             let mut w = self.world();
+            execs &= !w.preflight_cached;
             w.preflight_calls.push((running, validate));
             w.preflights.pop_front().unwrap_or(Ok(()))
         };
