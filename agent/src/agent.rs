@@ -467,6 +467,15 @@ pub struct Status {
     pub crashes: Crashes,
 }
 
+impl Status {
+    /// Whether the agent is ready: it serves (see [`AgentState::serving`]) and the newest
+    /// Envoy has its config (a dynamic bootstrap's, received from the control plane once).
+    /// What readiness, gRPC health and systemd's `READY=1` report.
+    pub fn ready(&self) -> bool {
+        self.agent.serving() && self.proxy.ready().is_ok()
+    }
+}
+
 /// A shutdown drain under way (SIGTERM, gRPC `Stop`), as a controller wants to see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DrainProgress {

@@ -164,6 +164,34 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
             .newest_live_epoch
             .map_or_else(|| "none".to_owned(), |e| e.to_string()),
     );
+    if let Some(cp) = &status.control_plane {
+        let connection = match cp.connected {
+            Some(true) => "connected".to_owned(),
+            Some(false) if cp.disconnected_since.is_some() => {
+                format!("disconnected since {}", when(&cp.disconnected_since, now))
+            }
+            Some(false) => "disconnected".to_owned(),
+            None => "no gRPC control plane".to_owned(),
+        };
+        let received = if cp.received {
+            "config received"
+        } else {
+            "waiting for its config"
+        };
+        line(
+            "control plane:",
+            format!("{connection}, {received} (epoch {})", cp.epoch),
+        );
+        for t in &cp.types {
+            line(
+                &format!("  {}:", t.name),
+                format!(
+                    "{} updates accepted, {} rejected, {} initial fetches timed out",
+                    t.update_success, t.update_rejected, t.init_fetch_timeout
+                ),
+            );
+        }
+    }
     if let Some(d) = &status.drain {
         line(
             "drain:",

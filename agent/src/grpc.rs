@@ -338,7 +338,8 @@ pub fn status_message(
         AgentState::HandingOver { successor, .. } => format!("handing over to {successor}"),
         AgentState::Exiting { path, .. } => path.to_string(),
         AgentState::Recovering { .. } => agent.to_string(),
-        AgentState::Starting { .. } | AgentState::Live { .. } => String::new(),
+        AgentState::Live { .. } => status.proxy.ready().err().unwrap_or_default(),
+        AgentState::Starting { .. } => String::new(),
     };
     let (state, draining_why, exiting_why, successor) = match agent {
         AgentState::Starting { .. } => (pb::AgentState::Starting, None, None, None),
@@ -374,7 +375,7 @@ pub fn status_message(
         state: state.into(),
         reason,
         state_since: timestamp(agent.since()),
-        ready: agent.serving(),
+        ready: status.ready(),
         draining: agent.draining(),
         drain_reason: draining_why
             .map_or(pb::DrainReason::Unspecified, |w| w.0)
@@ -406,6 +407,30 @@ pub fn status_message(
         settings: Some(settings),
         family: proxy.family.as_ref().map(family_message),
         crash_recovery: crash_recovery_message(&status.crashes, agent),
+        control_plane: status
+            .proxy
+            .config
+            .control_plane()
+            .map(control_plane_message),
+    }
+}
+
+fn control_plane_message(cp: &envoy_agent_proxy::ControlPlane) -> pb::ControlPlane {
+    pb::ControlPlane {
+        epoch: cp.epoch,
+        received: cp.received(),
+        connected: cp.connected,
+        disconnected_since: cp.disconnected_since.and_then(timestamp),
+        types: cp
+            .types
+            .iter()
+            .map(|t| pb::XdsType {
+                name: t.kind.as_str().to_owned(),
+                update_success: t.update_success,
+                update_rejected: t.update_rejected,
+                init_fetch_timeout: t.init_fetch_timeout,
+            })
+            .collect(),
     }
 }
 
@@ -782,7 +807,7 @@ pub async fn serve(
         async move {
             let mut last = None;
             loop {
-                let serving = changes.borrow_and_update().agent.serving();
+                let serving = changes.borrow_and_update().ready();
                 if last != Some(serving) {
                     let s = if serving {
                         tonic_health::ServingStatus::Serving

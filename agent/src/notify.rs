@@ -109,14 +109,21 @@ fn tell(s: &Status, told: &mut Told) {
         return;
     }
     if !told.ready {
-        if s.agent.serving() {
+        if s.ready() {
             told.ready = true;
             let line = serving();
             send(&[NotifyState::Ready, NotifyState::Status(&line)]);
             told.status = line;
-        } else if told.status != "starting" {
-            told.status = "starting".to_owned();
-            send(&[NotifyState::Status("starting")]);
+        } else {
+            // Serving without its config yet says what it waits for.
+            let line = match s.proxy.ready() {
+                Err(why) if s.agent.serving() => format!("starting: {why}"),
+                _ => "starting".to_owned(),
+            };
+            if told.status != line {
+                send(&[NotifyState::Status(&line)]);
+                told.status = line;
+            }
         }
         return;
     }

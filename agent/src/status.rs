@@ -23,7 +23,6 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use envoy_agent_proxy::HandoffKind;
-use envoy_agent_proxy::admin::Readiness;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -204,40 +203,32 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
             );
         }
     }
-    let Some(admin) = agent.admin() else {
-        return text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: envoy admin address unknown",
-        );
-    };
-    match admin.with_timeout(ENVOY_CALL_TIMEOUT).ready().await {
-        Ok(Readiness::Ready) => {
-            // Ready all through a cold handover; say so while the old family drains.
-            let retiring = agent
-                .status()
-                .borrow()
-                .proxy
-                .family
-                .as_ref()
-                .and_then(|f| match &f.last_handoff.as_ref()?.kind {
-                    HandoffKind::Cold { from_base_id, why, .. } if !f.retiring.is_empty() => {
-                        Some(format!(
-                            "ready (cold handover: the old family, base id {from_base_id}, drains; {why})"
-                        ))
-                    }
-                    _ => None,
-                });
-            text(
-                StatusCode::OK,
-                retiring.unwrap_or_else(|| "ready".to_owned()),
-            )
-        }
-        Ok(Readiness::NotReady(state)) => text(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: envoy reports {state}"),
-        ),
-        Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}")),
+    // From the agent's known state, not a question to Envoy per probe: while a new epoch
+    // starts, the serving epoch has handed its admin listener to it (and one that waits for
+    // its control plane may hold it for the whole handoff deadline), yet the serving epoch
+    // serves. The watchdogs watch Envoy's admin; the kubelet's probes cost Envoy nothing.
+    let status = agent.status().borrow().clone();
+    if let Err(why) = status.proxy.ready() {
+        return text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}"));
     }
+    // Ready all through a cold handover; say so while the old family drains.
+    let retiring =
+        status
+            .proxy
+            .family
+            .as_ref()
+            .and_then(|f| match &f.last_handoff.as_ref()?.kind {
+                HandoffKind::Cold {
+                    from_base_id, why, ..
+                } if !f.retiring.is_empty() => Some(format!(
+                    "ready (cold handover: the old family, base id {from_base_id}, drains; {why})"
+                )),
+                _ => None,
+            });
+    text(
+        StatusCode::OK,
+        retiring.unwrap_or_else(|| "ready".to_owned()),
+    )
 }
 
 async fn drain(

@@ -1512,3 +1512,147 @@ async fn a_successor_finding_the_node_family_segment_unusable_takes_over_cold() 
     );
     f.stop().await;
 }
+
+/// What the fake Envoy's stats say of its control plane (see `World::xds`): down, nothing
+/// received yet; and up, both types received.
+const XDS_WAITING: &str = "cluster_manager.cds.update_success: 0\n\
+    listener_manager.lds.update_success: 0\n\
+    control_plane.connected_state: 0\n";
+const XDS_RECEIVED: &str = "cluster_manager.cds.update_success: 1\n\
+    listener_manager.lds.update_success: 1\n\
+    control_plane.connected_state: 1\n";
+
+#[tokio::test(start_paused = true)]
+async fn the_marker_waits_until_the_first_epoch_has_its_config_from_the_control_plane() {
+    let host = FakeHost::default();
+    host.world().xds = XDS_WAITING.to_owned();
+    let f = start(host, config());
+    // LIVE (as Envoy is once its initial fetches time out), but with no config.
+    f.serving_at(0).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!f.host.world().marker, "not ready without its config");
+    assert_eq!(
+        f.handle.state().borrow().ready().unwrap_err(),
+        "config not received from the control plane (cds: waiting, lds: waiting)"
+    );
+    f.host.world().xds = XDS_RECEIVED.to_owned();
+    f.until("ready", |s| s.ready().is_ok()).await;
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert!(f.host.world().marker, "the marker follows the config");
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_static_bootstrap_is_ready_at_live_and_its_stats_are_read_once() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.until("ready", |s| s.ready().is_ok()).await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(
+        f.host.world().xds_asks,
+        1,
+        "a static config is not asked again"
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_new_epoch_waiting_for_its_control_plane_is_no_wedge_and_its_restart_is_retried() {
+    let host = FakeHost::default();
+    host.world().xds = XDS_RECEIVED.to_owned();
+    let f = start(host, config());
+    f.serving_at(0).await;
+    f.until("ready", |s| s.ready().is_ok()).await;
+    // The control plane goes away; then a restart.
+    {
+        let mut w = f.host.world();
+        w.live_after = None;
+        w.xds = XDS_WAITING.to_owned();
+    }
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    {
+        // The child took the admin listener and initializes, waiting for its config.
+        let mut w = f.host.world();
+        w.admin = Admin::Answers {
+            epoch: 1,
+            state: ServerState::Initializing,
+            base_id: 7,
+            version: w.admin_version.clone(),
+            uptime: Duration::ZERO,
+        };
+    }
+    let waiting = f
+        .until("the handoff says why it waits", |s| {
+            s.family
+                .as_ref()
+                .and_then(|f| f.handoff.as_ref())
+                .and_then(|h| h.waiting_for.as_deref())
+                == Some("waiting for the control plane: cds, lds")
+        })
+        .await;
+    assert!(waiting.ready().is_ok(), "the serving epoch stays ready");
+    let answer = restart.await.unwrap();
+    let Err(RestartError::Failed(why)) = &answer else {
+        panic!("{answer:?}")
+    };
+    assert!(
+        why.contains("waited for its control plane (cds, lds)"),
+        "{why}"
+    );
+    {
+        let w = f.host.world();
+        assert_eq!(w.signals_to(1), [Signal::SIGKILL]);
+        assert!(
+            w.signals_to(0).is_empty(),
+            "the serving epoch is left alone"
+        );
+        assert!(w.alive(0));
+        assert!(w.marker, "still ready");
+    }
+    let s = f.handle.state().borrow().clone();
+    let family = s.family.clone().unwrap();
+    assert!(family.wedges.is_empty(), "no wedge: {:?}", family.wedges);
+    assert_eq!(
+        family.handoff.map(|h| h.stage),
+        Some(envoy_agent_proxy::HandoffStage::Queued),
+        "the restart stays queued"
+    );
+    assert!(s.ready().is_ok());
+    // Still down at the first retry: it waits again, and is retried again.
+    f.spawned(&[0, 1, 1]).await;
+    {
+        let mut w = f.host.world();
+        w.admin = Admin::Answers {
+            epoch: 1,
+            state: ServerState::Initializing,
+            base_id: 7,
+            version: w.admin_version.clone(),
+            uptime: Duration::ZERO,
+        };
+    }
+    f.until("the second wait", |s| {
+        s.family
+            .as_ref()
+            .and_then(|f| f.last_handoff.as_ref())
+            .is_some_and(|h| h.outcome == Outcome::TimedOut && h.message.contains("retried in 4s"))
+    })
+    .await;
+    // The control plane answers: the next retry goes LIVE with its config.
+    {
+        let mut w = f.host.world();
+        w.admin = Admin::Refused;
+        w.live_after = Some(Duration::from_millis(50));
+        w.xds = XDS_RECEIVED.to_owned();
+    }
+    f.serving_at(1).await;
+    {
+        let w = f.host.world();
+        assert_eq!(w.spawns, [0, 1, 1, 1]);
+        assert!(
+            w.signals_to(0).is_empty(),
+            "the old epoch was never signalled"
+        );
+    }
+    f.stop().await;
+}

@@ -124,6 +124,9 @@ pub(crate) struct Attempt {
     /// It settles a cold handover (binds the configured admin address again): it must not
     /// become another cold handover, or two inconsistent binaries would alternate forever.
     pub(crate) settles: bool,
+    /// The dynamic types its epoch was last seen waiting for (its control plane's config):
+    /// empty while none is known to be missing.
+    pub(crate) waiting_for_config: Vec<envoy_agent_proxy::XdsType>,
 }
 
 /// A cold handover's new Envoy: epoch 0 of another family, not in the family's books until it
@@ -216,6 +219,12 @@ pub(crate) struct Queue {
     pub(crate) waiting_for: Option<String>,
     /// One of the triggers settles a cold handover.
     pub(crate) settles: bool,
+    /// Not to start before then: the back-off after an epoch waited for its control plane
+    /// for the whole handoff deadline.
+    pub(crate) not_before: Option<Instant>,
+    /// Attempts in a row that ended waiting for the control plane (the back-off grows with
+    /// them); reset when an epoch goes LIVE.
+    pub(crate) config_waits: u32,
 }
 
 impl Queue {
@@ -249,8 +258,10 @@ impl Queue {
             kind: envoy_agent_proxy::HandoffKind::Hot,
             settles: std::mem::take(&mut self.settles),
             cold_from: None,
+            waiting_for_config: Vec::new(),
         };
         self.waiting_for = None;
+        self.not_before = None;
         attempt
     }
 
@@ -264,6 +275,7 @@ impl Queue {
         self.retries = 0;
         self.waiting_for = None;
         self.settles = false;
+        self.not_before = None;
     }
 }
 

@@ -22,7 +22,7 @@ use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCach
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
     AdminClient, AdminError, EnvoyProcess, Exit, KeptConnection, ProxyConfig, ProxyError,
-    ServerInfo, Signal,
+    ServerInfo, Signal, XdsReading,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -131,6 +131,10 @@ pub trait Host: Send + Sync + 'static {
     /// connection of the previous such check, kept while the answer was "not LIVE", is asked
     /// again (until the next spawn).
     fn live_check(&self, kept: bool) -> Task<Result<Option<AdminState>, AdminError>>;
+    /// What whoever answers on the family's admin address has of its control plane (its epoch
+    /// and xDS counters), bounded. Envoy visits every stat to answer: asked while readiness
+    /// waits for a config, while a new epoch's start is long, and rarely otherwise.
+    fn xds(&self) -> Task<Result<XdsReading, AdminError>>;
     /// `POST /drain_listeners` on the family's admin address, bounded.
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>>;
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
@@ -512,6 +516,11 @@ impl Host for RealHost {
     fn serving_version(&self) -> Task<Result<String, AdminError>> {
         let admin = self.target().admin;
         Box::pin(async move { admin.hot_restart_version().await })
+    }
+
+    fn xds(&self) -> Task<Result<XdsReading, AdminError>> {
+        let admin = self.target().admin;
+        Box::pin(async move { admin.xds().await })
     }
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {

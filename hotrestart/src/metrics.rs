@@ -16,6 +16,7 @@
 //! | `envoy_agent.hot_restart.wedges` | counter | `{wedge}` | `error.type`: handoff_deadline, admin_unresponsive, stale_initializing, parent_overdue |
 //! | `envoy_agent.envoy.exits` | counter | `{exit}` | `envoy_agent.envoy.exit_kind`: drained_parent, crash, signal, clean |
 //! | `envoy_agent.config.rejected` | counter | `{config}` | |
+//! | `envoy_agent.hot_restart.control_plane_waits` | counter | `{handoff}` | |
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,6 +71,7 @@ struct Instruments {
     wedges: Counter<u64>,
     exits: Counter<u64>,
     rejected: Counter<u64>,
+    control_plane_waits: Counter<u64>,
 }
 
 /// The supervisor's instruments, or none.
@@ -113,6 +115,13 @@ impl SupervisorMetrics {
                 .with_description("Hot restarts rejected by the pre-flight checks.")
                 .with_unit("{config}")
                 .build(),
+            control_plane_waits: meter
+                .u64_counter("envoy_agent.hot_restart.control_plane_waits")
+                .with_description(
+                    "New epochs stopped at the handoff deadline while they waited for their control plane (the restart is retried).",
+                )
+                .with_unit("{handoff}")
+                .build(),
         };
         SupervisorMetrics {
             inner: Some(Arc::new(instruments)),
@@ -150,6 +159,13 @@ impl SupervisorMetrics {
     pub fn exit(&self, kind: ExitKind) {
         if let Some(i) = &self.inner {
             i.exits.add(1, &[KeyValue::new(EXIT_KIND, kind.as_str())]);
+        }
+    }
+
+    /// A new epoch waited for its control plane for the whole handoff deadline.
+    pub fn control_plane_wait(&self) {
+        if let Some(i) = &self.inner {
+            i.control_plane_waits.add(1, &[]);
         }
     }
 

@@ -30,6 +30,7 @@ use crate::node::{self, Heartbeat, NodeState};
 
 mod cold;
 mod commands;
+mod control_plane;
 mod exits;
 mod handoffs;
 mod node_io;
@@ -134,6 +135,8 @@ enum Event {
     },
     /// The binary's hot-restart version.
     Version(Result<String, String>),
+    /// What whoever answers on the admin address has of its control plane.
+    XdsRead(Result<envoy_agent_proxy::XdsReading, AdminError>),
     /// Epoch `epoch`'s admin listener is bound.
     AdminBound(u32),
     /// After a cold handover across pods: does the predecessor's Envoy still hold the
@@ -278,6 +281,12 @@ pub(crate) struct Supervisor<H: Host> {
     /// The predecessor our family took over from by a cold handover, until its Envoy is gone
     /// (our heartbeat tells it to retire).
     cold_takeover_of: Option<String>,
+    /// What the newest LIVE epoch has of its config (readiness and the marker wait for it).
+    config_status: envoy_agent_proxy::ConfigStatus,
+    /// When the control plane is read next.
+    xds: Probing,
+    /// A successor's first epoch that waited for its control plane, tried again when due.
+    first_retry: Option<control_plane::FirstRetry>,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -342,6 +351,9 @@ impl<H: Host> Supervisor<H> {
             lock_retry_at: now,
             pending_serving_exit: None,
             cold_takeover_of: None,
+            config_status: envoy_agent_proxy::ConfigStatus::Unknown,
+            xds: Probing::default(),
+            first_retry: None,
         }
     }
 
@@ -504,6 +516,7 @@ impl<H: Host> Supervisor<H> {
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
+            Event::XdsRead(result) => self.on_xds(result),
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, result } => {
@@ -574,6 +587,8 @@ impl<H: Host> Supervisor<H> {
         }
         consider(self.live.wake());
         consider(self.watchdog.wake());
+        consider(self.xds.wake());
+        consider(self.first_retry.as_ref().map(|r| r.at));
         match &self.handoff {
             Handoff::Starting {
                 attempt, deadline, ..
@@ -702,9 +717,17 @@ impl<H: Host> Supervisor<H> {
             // A restart waits for the running version; the last ask failed.
             self.ask_version();
         }
+        if self.xds.due(now) {
+            self.xds_check();
+        }
         self.handoff_timers(now);
         self.cold_timers(now);
-        if self.handoff.is_idle() && !self.queue.is_empty() && self.can_restart() {
+        self.retry_first(now);
+        if self.handoff.is_idle()
+            && !self.queue.is_empty()
+            && self.can_restart()
+            && self.queue.not_before.is_none_or(|t| now >= t)
+        {
             self.try_start_queued(now);
         }
     }
@@ -729,6 +752,7 @@ impl<H: Host> Supervisor<H> {
             epochs: self.epochs.infos(),
             newest_live: self.newest_live,
             family: Some(self.family.clone()),
+            config: self.config_status.clone(),
         };
         self.state.send_if_modified(|s| {
             if *s == state {
@@ -752,7 +776,12 @@ impl<H: Host> Supervisor<H> {
                     } else {
                         HandoffStage::Starting
                     },
-                    waiting_for: None,
+                    waiting_for: (!a.waiting_for_config.is_empty()).then(|| {
+                        format!(
+                            "waiting for the control plane: {}",
+                            control_plane::type_list(&a.waiting_for_config)
+                        )
+                    }),
                     kind: a.kind.clone(),
                 })
             }

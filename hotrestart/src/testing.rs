@@ -58,6 +58,11 @@ pub(crate) struct World {
     /// A spawned process's admin listener is bound this long before it is LIVE (and the
     /// supervisor is told); `None`: no such sign.
     pub(crate) admin_bound_before_live: Option<Duration>,
+    /// What the answering Envoy has of its control plane, as Envoy's stats text without the
+    /// epoch line (the answering epoch's is added); empty: a static bootstrap.
+    pub(crate) xds: String,
+    /// How often [`Host::xds`] was asked.
+    pub(crate) xds_asks: u32,
     /// How long a LIVE check takes to answer (an Envoy busy initializing): the answer is
     /// what the admin port said when asked.
     pub(crate) live_check_delay: Duration,
@@ -142,6 +147,8 @@ impl Default for World {
             admin: Admin::Refused,
             live_after: Some(Duration::from_millis(50)),
             admin_bound_before_live: None,
+            xds: String::new(),
+            xds_asks: 0,
             live_check_delay: Duration::ZERO,
             live_checks_sent: Vec::new(),
             preflight_cached: false,
@@ -604,6 +611,20 @@ impl Host for FakeHost {
             let answer = live_answer(admin).await;
             tokio::time::sleep(delay).await;
             answer
+        })
+    }
+
+    fn xds(&self) -> Task<Result<envoy_agent_proxy::XdsReading, AdminError>> {
+        let (admin, xds) = {
+            let mut w = self.world();
+            w.xds_asks += 1;
+            (w.target().clone(), w.xds.clone())
+        };
+        Box::pin(async move {
+            let (epoch, _, _, _, _) = answer(admin, "/stats").await?;
+            Ok(envoy_agent_proxy::XdsReading::parse(&format!(
+                "{xds}\nserver.hot_restart_epoch: {epoch}\n"
+            )))
         })
     }
 

@@ -531,6 +531,15 @@ impl AdminClient {
         String::from_utf8(body.to_vec()).map_err(|e| self.decode(&endpoint, e))
     }
 
+    /// What the answering Envoy has of its control plane: one `/stats` request
+    /// ([`crate::control_plane::XDS_STATS_FILTER`]); Envoy visits every stat to answer it.
+    pub async fn xds(&self) -> Result<crate::control_plane::XdsReading, AdminError> {
+        let text = self
+            .stats(crate::control_plane::XDS_STATS_FILTER, false)
+            .await?;
+        Ok(crate::control_plane::XdsReading::parse(&text))
+    }
+
     /// `GET /stats/prometheus`, as Envoy serves it.
     pub async fn prometheus_stats(&self) -> Result<Bytes, AdminError> {
         self.call_ok(Method::GET, "/stats/prometheus").await

@@ -235,6 +235,16 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
     EnvoyArgs { args, warnings }
 }
 
+/// Whether epoch `epoch` of `config` takes over from a serving Envoy: a hot restart's child (in
+/// this pod or a predecessor's), or a cold handover's new family. Such an epoch must not go
+/// LIVE without its config (see [`crate::control_plane`]).
+pub fn takes_over(config: &ProxyConfig, epoch: u32) -> bool {
+    config
+        .hot_restart
+        .as_ref()
+        .is_some_and(|h| epoch > 0 || h.ephemeral_admin.is_some())
+}
+
 /// Where epoch `epoch` of a hot-restart family writes its admin address, in `dir`.
 pub fn admin_address_file(dir: &std::path::Path, epoch: u32) -> std::path::PathBuf {
     dir.join(format!("admin-address.{epoch}"))

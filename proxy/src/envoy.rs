@@ -22,6 +22,11 @@ use crate::{ConfigApplied, DrainOptions, Ended, Exit, Proxy, ProxyError, Restart
 const LIVE_POLL: Duration = Duration::from_millis(50);
 /// Bound on one of those calls.
 const LIVE_CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a LIVE Envoy's control plane is read while readiness waits for its config.
+pub(crate) const CONFIG_POLL: Duration = Duration::from_millis(200);
+/// ... and after (the status's counters and connection state): each reading makes Envoy visit
+/// every stat, so rarely.
+pub(crate) const CONFIG_POLL_STEADY: Duration = Duration::from_secs(10);
 
 /// The real Envoy, one process. Cheap to share behind an `Arc`: `run` and the other calls may
 /// come from different tasks at once (that is how a SIGTERM drains a running Envoy).
@@ -88,6 +93,40 @@ impl Envoy {
         });
     }
 
+    /// Reads Envoy's control plane now and then (often while readiness waits for its config,
+    /// rarely after; never again for a static bootstrap), publishing what changed. Never
+    /// resolves.
+    async fn watch_config(&self, client: AdminClient) {
+        loop {
+            let wait = match client.xds().await {
+                Ok(reading) => {
+                    let mut next = Some(CONFIG_POLL);
+                    self.state.send_if_modified(|s| {
+                        let changed = s.config.observe(0, &reading, SystemTime::now());
+                        next = match &s.config {
+                            crate::ConfigStatus::Static => None,
+                            c if c.waiting() => Some(CONFIG_POLL),
+                            _ => Some(CONFIG_POLL_STEADY),
+                        };
+                        if changed {
+                            s.config.log_change();
+                        }
+                        changed
+                    });
+                    match next {
+                        Some(wait) => wait,
+                        None => return std::future::pending().await,
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot read envoy's control plane stats");
+                    CONFIG_POLL
+                }
+            };
+            tokio::time::sleep(wait).await;
+        }
+    }
+
     /// Resolves once Envoy reports LIVE (publishing it), or never.
     async fn watch_live(&self, mut info: EpochInfo) {
         let mut admin = self.admin.subscribe();
@@ -118,6 +157,7 @@ impl Envoy {
             "envoy is LIVE"
         );
         self.publish(ProxyPhase::Serving, Some(info));
+        self.watch_config(client).await;
     }
 }
 
@@ -148,6 +188,9 @@ impl Proxy for Envoy {
             started: now,
             since: now,
         };
+        // A fresh Envoy has received nothing yet (a run after a crash).
+        self.state
+            .send_modify(|s| s.config = crate::ConfigStatus::Unknown);
         self.publish(ProxyPhase::Starting, Some(info.clone()));
         let watch_admin = async {
             if let Some(path) = admin_file {

@@ -42,6 +42,7 @@ pub mod args;
 pub mod bootstrap;
 mod config;
 mod config_file;
+pub mod control_plane;
 mod envoy;
 pub mod preflight;
 mod process;
@@ -52,6 +53,7 @@ mod sys;
 
 pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
+pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
 pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs};
 pub use config_file::{
     replace_atomically, replace_config, validate_candidate, validate_candidate_cached,

@@ -199,7 +199,17 @@ pub fn signal_pid(pid: u32, signal: Signal) -> Result<(), ProxyError> {
 }
 
 fn command(config: &ProxyConfig, epoch: u32) -> Command {
-    let built = envoy_args(config, epoch);
+    let mut built = envoy_args(config, epoch);
+    if crate::args::takes_over(config, epoch)
+        && crate::control_plane::wait_for_config(&mut built.args, &config.config_path)
+    {
+        // Going LIVE without its config would make its parent stop serving.
+        tracing::info!(
+            event = "fetch_wait",
+            epoch,
+            "the new epoch waits for its control plane's config (initial_fetch_timeout 0s on lds and cds)"
+        );
+    }
     for warning in &built.warnings {
         tracing::warn!(%warning, "envoy command line");
     }

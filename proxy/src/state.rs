@@ -8,6 +8,8 @@
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
+pub use crate::control_plane::ConfigStatus;
+
 /// Where an Envoy process (one restart epoch) is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EpochState {
@@ -87,6 +89,8 @@ pub struct ProxyState {
     pub newest_live: Option<u32>,
     /// Hot restart only: the family's handoffs, wedges and cross-pod facts.
     pub family: Option<FamilyState>,
+    /// What the newest LIVE epoch has of its config (its control plane, when dynamic).
+    pub config: ConfigStatus,
 }
 
 impl ProxyState {
@@ -98,12 +102,22 @@ impl ProxyState {
             epochs: Vec::new(),
             newest_live: None,
             family: None,
+            config: ConfigStatus::Unknown,
         }
     }
 
     /// Whether the newest epoch serves.
     pub fn serving(&self) -> bool {
         self.phase == ProxyPhase::Serving
+    }
+
+    /// Whether the newest epoch serves with its config (a dynamic bootstrap's: received from
+    /// the control plane once); why not otherwise. What readiness reports.
+    pub fn ready(&self) -> Result<(), String> {
+        if !self.serving() {
+            return Err(format!("envoy is {}", self.phase.as_str()));
+        }
+        self.config.ready()
     }
 
     /// Whether an older generation still drains connections of its own (a hot-restart parent,

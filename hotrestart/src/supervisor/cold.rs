@@ -217,10 +217,9 @@ impl<H: Host> Supervisor<H> {
         self.ask_version();
         self.lock = None;
         self.metrics.epoch(0);
-        if !self.family.drained {
-            self.set_marker(true);
-        }
+        self.refresh_marker();
         let now = Instant::now();
+        self.want_xds(now);
         self.admin_ok = now;
         self.watchdog = Probing {
             next: Some(now + WATCHDOG_POLL),

@@ -146,6 +146,7 @@ impl<H: Host> Supervisor<H> {
                     deadline: now + self.config.handoff_deadline,
                 };
                 self.begin_live_checks(now);
+                self.schedule_xds(now);
             }
             Err(e) => {
                 self.lock = None;
@@ -283,9 +284,11 @@ impl<H: Host> Supervisor<H> {
         // Our epoch is LIVE: the next successor (or restart) may allocate.
         self.lock = None;
         self.metrics.epoch(epoch);
-        if !self.family.drained {
-            self.set_marker(true);
-        }
+        self.queue.config_waits = 0;
+        self.refresh_marker();
+        // What it has of its config: readiness waits for it (the previous epoch's reading
+        // stands meanwhile).
+        self.want_xds(now);
         self.watchdog = Probing {
             next: Some(now + WATCHDOG_POLL),
             in_flight: false,
@@ -318,6 +321,21 @@ impl<H: Host> Supervisor<H> {
         };
         self.live = Probing::default();
         self.lock = None;
+        let foreign_first = attempt.first && matches!(attempt.parent, Some(Parent::Foreign { .. }));
+        if timed_out
+            && !attempt.waiting_for_config.is_empty()
+            && (self.newest_live.is_some() || foreign_first)
+            && self.pending_serving_exit.is_none()
+        {
+            // It waited for its control plane: no failure of the serving epoch's, and
+            // nothing to recover but the restart itself (its parent's admin listener comes
+            // back with the LIVE retry).
+            let waiting = attempt.waiting_for_config.clone();
+            self.config_wait_ended(attempt, &waiting);
+            self.flush_pending_drains();
+            self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+            return;
+        }
         let outcome = if timed_out {
             Outcome::TimedOut
         } else {
@@ -350,11 +368,12 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn queue_retry_at(&self) -> Instant {
-        // Immediately the first time; then at the lock's retry pace.
-        match self.queue.waiting_for {
+        // Immediately the first time; then at the lock's retry pace; never within a back-off.
+        let at = match self.queue.waiting_for {
             None => Instant::now(),
             Some(_) => self.lock_retry_at,
-        }
+        };
+        self.queue.not_before.map_or(at, |t| t.max(at))
     }
 
     pub(super) fn can_restart(&self) -> bool {
@@ -376,12 +395,14 @@ impl<H: Host> Supervisor<H> {
                     // parent, which is the epoch still serving (seen on 1.40).
                     self.epochs
                         .signal(epoch, Signal::SIGKILL, Some(Stop::Deadline));
-                    let message = format!(
-                        "epoch {epoch} not LIVE within the handoff deadline ({:?}); killed it \
-                         (SIGKILL), the serving epoch keeps serving",
-                        self.config.handoff_deadline
-                    );
-                    self.record_wedge(WedgeReason::HandoffDeadline, message);
+                    if attempt.waiting_for_config.is_empty() {
+                        let message = format!(
+                            "epoch {epoch} not LIVE within the handoff deadline ({:?}); killed \
+                             it (SIGKILL), the serving epoch keeps serving",
+                            self.config.handoff_deadline
+                        );
+                        self.record_wedge(WedgeReason::HandoffDeadline, message);
+                    }
                 }
             }
             Handoff::ParentDraining {

@@ -1,0 +1,214 @@
+//! The control plane (xDS): what the newest LIVE epoch has of its config, and why a new epoch
+//! waits.
+//!
+//! - **Readiness.** The readiness marker (like the agent's readiness) waits until the newest
+//!   LIVE epoch has received each dynamic type once ([`ConfigStatus`]); a static bootstrap is
+//!   ready at LIVE. The reading of the previous epoch stands until the new one's comes, so a
+//!   hot restart does not blink readiness.
+//! - **A new epoch waits for its config.** An epoch beside a serving one starts with an
+//!   unbounded initial fetch (`envoy_agent_proxy::control_plane`): while the control plane is
+//!   down it stays INITIALIZING, its parent serving. The handoff deadline still ends it
+//!   (SIGKILL, as any epoch that is not LIVE), but that is no wedge: the restart stays queued
+//!   and is retried after a back-off that grows while the control plane stays away, and a
+//!   successor's first epoch is retried the same way instead of giving up.
+
+use envoy_agent_proxy::{ConfigStatus, XdsReading, XdsType};
+
+use super::*;
+
+/// How often the newest epoch's control plane is read while readiness waits for its config.
+pub(crate) const XDS_POLL: Duration = Duration::from_millis(200);
+/// ... and after it came (the status's counters and connection state). Each reading makes
+/// Envoy visit every stat: rarely.
+pub(crate) const XDS_POLL_STEADY: Duration = Duration::from_secs(10);
+/// How often a starting epoch is asked what it waits for, from this long after its spawn.
+pub(crate) const XDS_START_POLL: Duration = Duration::from_secs(1);
+/// The first retry after an epoch waited for its control plane for the whole handoff deadline,
+/// doubling up to [`CONFIG_WAIT_BACKOFF_MAX`].
+pub(crate) const CONFIG_WAIT_BACKOFF: Duration = Duration::from_secs(2);
+/// The longest back-off between those retries.
+pub(crate) const CONFIG_WAIT_BACKOFF_MAX: Duration = Duration::from_secs(30);
+
+/// `lds, cds`.
+pub(crate) fn type_list(types: &[XdsType]) -> String {
+    types
+        .iter()
+        .map(|t| t.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The back-off after `waits` attempts in a row ended waiting for the control plane.
+pub(crate) fn config_wait_backoff(waits: u32) -> Duration {
+    CONFIG_WAIT_BACKOFF
+        .saturating_mul(1 << waits.min(8))
+        .min(CONFIG_WAIT_BACKOFF_MAX)
+}
+
+/// A first epoch (a successor pod's) that waited for its control plane, to be tried again.
+#[derive(Debug)]
+pub(crate) struct FirstRetry {
+    pub(crate) at: Instant,
+    pub(crate) epoch: u32,
+    pub(crate) parent: Parent,
+    pub(crate) reason: String,
+}
+
+impl<H: Host> Supervisor<H> {
+    /// Wants a reading of the control plane no later than `at`.
+    pub(super) fn want_xds(&mut self, at: Instant) {
+        self.xds.next = Some(self.xds.next.map_or(at, |n| n.min(at)));
+    }
+
+    /// Asks whoever answers on the admin address what it has of its control plane, beside the
+    /// loop.
+    pub(super) fn xds_check(&mut self) {
+        self.xds = Probing {
+            next: None,
+            in_flight: true,
+        };
+        let call = self.host.xds();
+        let events = self.events_tx.clone();
+        tokio::spawn(async move {
+            let _ = events.send(Event::XdsRead(call.await));
+        });
+    }
+
+    pub(super) fn on_xds(&mut self, result: Result<XdsReading, AdminError>) {
+        self.xds.in_flight = false;
+        let running = matches!(self.life, Life::Running);
+        match result {
+            Ok(reading)
+                if running && reading.epoch.is_some() && reading.epoch == self.newest_live =>
+            {
+                let epoch = reading.epoch.unwrap_or_default();
+                if self
+                    .config_status
+                    .observe(epoch, &reading, SystemTime::now())
+                {
+                    self.config_status.log_change();
+                    self.refresh_marker();
+                }
+            }
+            Ok(reading)
+                if reading.epoch.is_some() && reading.epoch == self.handoff.starting_epoch() =>
+            {
+                let waiting = reading.waiting();
+                if let Handoff::Starting { attempt, .. } = &mut self.handoff {
+                    if attempt.waiting_for_config != waiting {
+                        if !waiting.is_empty() {
+                            tracing::info!(
+                                event = "handoff_waiting",
+                                epoch = attempt.epoch,
+                                waiting_for = %type_list(&waiting),
+                                connected = ?reading.connected,
+                                "the new epoch waits for its control plane's config; the serving epoch serves on"
+                            );
+                        }
+                        attempt.waiting_for_config = waiting;
+                    }
+                }
+            }
+            // Another epoch answered: a handoff moves on.
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "cannot read the control plane's stats"),
+        }
+        self.schedule_xds(Instant::now());
+    }
+
+    /// The next reading: soon while readiness waits for the newest epoch's config, rarely
+    /// after, never for a static one; every [`XDS_START_POLL`] while a new epoch starts.
+    pub(super) fn schedule_xds(&mut self, now: Instant) {
+        if matches!(self.life, Life::Running) && self.newest_live.is_some() {
+            match &self.config_status {
+                ConfigStatus::Static => {}
+                status if status.waiting() => self.want_xds(now + XDS_POLL),
+                _ => self.want_xds(now + XDS_POLL_STEADY),
+            }
+        }
+        // A static family's new epoch has nothing to wait for (and a large config's stats
+        // are costly to read while it loads).
+        if self.handoff.starting_epoch().is_some() && self.config_status != ConfigStatus::Static {
+            self.want_xds(now + XDS_START_POLL);
+        }
+    }
+
+    /// The readiness marker: our newest epoch LIVE with its config, not drained.
+    pub(super) fn refresh_marker(&mut self) {
+        let present = matches!(self.life, Life::Running)
+            && self.newest_live.is_some()
+            && !self.family.drained
+            && self.config_status.ready().is_ok();
+        if present || self.marker {
+            self.set_marker(present);
+        }
+    }
+
+    /// Epoch `epoch` waited for its control plane (`waiting`) for the whole handoff deadline
+    /// and was stopped: the restart is queued again after a back-off (its callers are told),
+    /// no wedge, the serving epoch serves on.
+    pub(super) fn config_wait_ended(&mut self, attempt: Attempt, waiting: &[XdsType]) {
+        let now = Instant::now();
+        let backoff = config_wait_backoff(self.queue.config_waits);
+        let first_of_streak = self.queue.config_waits == 0;
+        self.queue.config_waits = self.queue.config_waits.saturating_add(1);
+        let types = type_list(waiting);
+        let message = format!(
+            "epoch {} waited for its control plane ({types}) for the whole handoff deadline \
+             ({:?}); the serving epoch keeps serving, and the restart is retried in {backoff:?}",
+            attempt.epoch, self.config.handoff_deadline
+        );
+        if first_of_streak {
+            tracing::warn!(event = "control_plane_wait", epoch = attempt.epoch, waiting_for = %types, retry_in = ?backoff, "{message}");
+        } else {
+            tracing::debug!(epoch = attempt.epoch, waiting_for = %types, retry_in = ?backoff, "{message}");
+        }
+        self.metrics.control_plane_wait();
+        let reason = attempt.reason.clone();
+        match attempt.parent.clone() {
+            Some(parent @ Parent::Foreign { .. }) if attempt.first => {
+                self.finish(attempt, Outcome::TimedOut, message);
+                self.first_retry = Some(FirstRetry {
+                    at: now + backoff,
+                    epoch: parent.epoch() + 1,
+                    parent,
+                    reason,
+                });
+            }
+            _ => {
+                self.finish(attempt, Outcome::TimedOut, message);
+                self.queue.push(reason, None, now);
+                self.queue.not_before = Some(now + backoff);
+                self.queue.waiting_for = Some(format!("waiting for the control plane: {types}"));
+            }
+        }
+    }
+
+    /// A successor's first epoch that waited for its control plane starts again, under the
+    /// node's epoch lock, once its back-off is over.
+    pub(super) fn retry_first(&mut self, now: Instant) {
+        if !matches!(self.life, Life::Running)
+            || !self.handoff.is_idle()
+            || self.first_retry.as_ref().is_none_or(|r| now < r.at)
+        {
+            return;
+        }
+        if self.lock.is_none() {
+            match self.host.try_lock() {
+                Ok(Some(lock)) => self.lock = Some(lock),
+                Ok(None) => {
+                    if let Some(r) = &mut self.first_retry {
+                        r.at = now + LOCK_RETRY;
+                    }
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot take the node's epoch lock; retrying without it");
+                }
+            }
+        }
+        if let Some(r) = self.first_retry.take() {
+            self.begin_first(r.epoch, Some(r.parent), r.reason);
+        }
+    }
+}
