@@ -1656,3 +1656,43 @@ async fn a_new_epoch_waiting_for_its_control_plane_is_no_wedge_and_its_restart_i
     }
     f.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_cold_family_waiting_for_its_control_plane_is_no_wedge_and_the_handover_is_retried() {
+    let host = FakeHost::default();
+    host.world().xds = XDS_RECEIVED.to_owned();
+    let f = start(host, config());
+    f.serving_at(0).await;
+    f.until("ready", |s| s.ready().is_ok()).await;
+    {
+        let mut w = f.host.world();
+        w.incompatible_never_live();
+        w.xds = XDS_WAITING.to_owned();
+        // The new family's admin answers (its own port), initializing.
+        w.cold_admin = Admin::Answers {
+            epoch: 0,
+            state: ServerState::Initializing,
+            base_id: 8,
+            version: "12.104".to_owned(),
+            uptime: Duration::ZERO,
+        };
+    }
+    let answer = f.restart("SIGHUP").await.unwrap();
+    let Err(RestartError::Failed(why)) = &answer else {
+        panic!("{answer:?}")
+    };
+    assert!(why.contains("waited for its control plane"), "{why}");
+    let s = f.handle.state().borrow().clone();
+    let family = s.family.unwrap();
+    assert!(family.wedges.is_empty(), "no wedge: {:?}", family.wedges);
+    assert_eq!(
+        family.handoff.map(|h| h.stage),
+        Some(envoy_agent_proxy::HandoffStage::Queued),
+        "the handover stays queued"
+    );
+    let w = f.host.world();
+    assert!(w.alive_in(7, 0), "the old family serves on");
+    assert!(w.marker);
+    drop(w);
+    f.stop().await;
+}

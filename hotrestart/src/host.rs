@@ -134,7 +134,9 @@ pub trait Host: Send + Sync + 'static {
     /// What whoever answers on the family's admin address has of its control plane (its epoch
     /// and xDS counters), bounded. Envoy visits every stat to answer: asked while readiness
     /// waits for a config, while a new epoch's start is long, and rarely otherwise.
-    fn xds(&self) -> Task<Result<XdsReading, AdminError>>;
+    /// `cold`: of a cold handover's new family under that base id (at its own admin address;
+    /// an empty reading until it is known).
+    fn xds(&self, cold: Option<u32>) -> Task<Result<XdsReading, AdminError>>;
     /// `POST /drain_listeners` on the family's admin address, bounded.
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>>;
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
@@ -518,9 +520,17 @@ impl Host for RealHost {
         Box::pin(async move { admin.hot_restart_version().await })
     }
 
-    fn xds(&self) -> Task<Result<XdsReading, AdminError>> {
-        let admin = self.target().admin;
-        Box::pin(async move { admin.xds().await })
+    fn xds(&self, cold: Option<u32>) -> Task<Result<XdsReading, AdminError>> {
+        let admin = match cold {
+            None => Some(self.target().admin),
+            Some(base_id) => self.cold_admin(base_id),
+        };
+        Box::pin(async move {
+            match admin {
+                Some(admin) => admin.xds().await,
+                None => Ok(XdsReading::default()),
+            }
+        })
     }
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {

@@ -136,7 +136,11 @@ enum Event {
     /// The binary's hot-restart version.
     Version(Result<String, String>),
     /// What whoever answers on the admin address has of its control plane.
-    XdsRead(Result<envoy_agent_proxy::XdsReading, AdminError>),
+    /// `cold`: of a cold handover's new family.
+    XdsRead {
+        cold: bool,
+        result: Result<envoy_agent_proxy::XdsReading, AdminError>,
+    },
     /// Epoch `epoch`'s admin listener is bound.
     AdminBound(u32),
     /// After a cold handover across pods: does the predecessor's Envoy still hold the
@@ -516,7 +520,7 @@ impl<H: Host> Supervisor<H> {
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
-            Event::XdsRead(result) => self.on_xds(result),
+            Event::XdsRead { cold, result } => self.on_xds(cold, result),
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, result } => {

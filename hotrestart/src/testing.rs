@@ -614,11 +614,15 @@ impl Host for FakeHost {
         })
     }
 
-    fn xds(&self) -> Task<Result<envoy_agent_proxy::XdsReading, AdminError>> {
+    fn xds(&self, cold: Option<u32>) -> Task<Result<envoy_agent_proxy::XdsReading, AdminError>> {
         let (admin, xds) = {
             let mut w = self.world();
             w.xds_asks += 1;
-            (w.target().clone(), w.xds.clone())
+            let admin = match cold {
+                Some(_) => w.cold_admin.clone(),
+                None => w.target().clone(),
+            };
+            (admin, w.xds.clone())
         };
         Box::pin(async move {
             let (epoch, _, _, _, _) = answer(admin, "/stats").await?;

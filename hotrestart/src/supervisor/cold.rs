@@ -269,6 +269,12 @@ impl<H: Host> Supervisor<H> {
         };
         self.live = Probing::default();
         self.lock = None;
+        if child.killed && !attempt.waiting_for_config.is_empty() && !attempt.first {
+            let waiting = attempt.waiting_for_config.clone();
+            self.config_wait_ended(attempt, &waiting);
+            self.flush_pending_drains();
+            return;
+        }
         let (outcome, message) = if child.killed {
             (
                 Outcome::TimedOut,
@@ -442,16 +448,19 @@ impl<H: Host> Supervisor<H> {
             Handoff::Cold {
                 deadline: at,
                 child,
-                ..
+                attempt,
             } if now >= *at && !child.killed => {
                 child.killed = true;
                 let _ = child.signals.send(Signal::SIGKILL);
-                let message = format!(
-                    "the new family (base id {}) was not LIVE within the handoff deadline \
-                     ({deadline:?}); killed it, the serving family keeps serving",
-                    child.base_id
-                );
-                self.record_wedge(WedgeReason::HandoffDeadline, message);
+                // Waiting for its control plane is no wedge (see `control_plane`).
+                if attempt.waiting_for_config.is_empty() {
+                    let message = format!(
+                        "the new family (base id {}) was not LIVE within the handoff deadline \
+                         ({deadline:?}); killed it, the serving family keeps serving",
+                        child.base_id
+                    );
+                    self.record_wedge(WedgeReason::HandoffDeadline, message);
+                }
                 return;
             }
             Handoff::Retiring { until, kill_at, .. } => match kill_at {

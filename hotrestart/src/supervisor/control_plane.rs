@@ -67,17 +67,30 @@ impl<H: Host> Supervisor<H> {
             next: None,
             in_flight: true,
         };
-        let call = self.host.xds();
+        let cold = match &self.handoff {
+            Handoff::Cold { child, .. } => Some(child.base_id),
+            _ => None,
+        };
+        let call = self.host.xds(cold);
         let events = self.events_tx.clone();
         tokio::spawn(async move {
-            let _ = events.send(Event::XdsRead(call.await));
+            let result = call.await;
+            let _ = events.send(Event::XdsRead {
+                cold: cold.is_some(),
+                result,
+            });
         });
     }
 
-    pub(super) fn on_xds(&mut self, result: Result<XdsReading, AdminError>) {
+    pub(super) fn on_xds(&mut self, cold: bool, result: Result<XdsReading, AdminError>) {
         self.xds.in_flight = false;
         let running = matches!(self.life, Life::Running);
         match result {
+            Ok(reading) if cold => {
+                if let Handoff::Cold { attempt, .. } = &mut self.handoff {
+                    note_waiting(attempt, &reading);
+                }
+            }
             Ok(reading)
                 if running && reading.epoch.is_some() && reading.epoch == self.newest_live =>
             {
@@ -93,20 +106,8 @@ impl<H: Host> Supervisor<H> {
             Ok(reading)
                 if reading.epoch.is_some() && reading.epoch == self.handoff.starting_epoch() =>
             {
-                let waiting = reading.waiting();
                 if let Handoff::Starting { attempt, .. } = &mut self.handoff {
-                    if attempt.waiting_for_config != waiting {
-                        if !waiting.is_empty() {
-                            tracing::info!(
-                                event = "handoff_waiting",
-                                epoch = attempt.epoch,
-                                waiting_for = %type_list(&waiting),
-                                connected = ?reading.connected,
-                                "the new epoch waits for its control plane's config; the serving epoch serves on"
-                            );
-                        }
-                        attempt.waiting_for_config = waiting;
-                    }
+                    note_waiting(attempt, &reading);
                 }
             }
             // Another epoch answered: a handoff moves on.
@@ -128,7 +129,9 @@ impl<H: Host> Supervisor<H> {
         }
         // A static family's new epoch has nothing to wait for (and a large config's stats
         // are costly to read while it loads).
-        if self.handoff.starting_epoch().is_some() && self.config_status != ConfigStatus::Static {
+        let starting =
+            self.handoff.starting_epoch().is_some() || matches!(self.handoff, Handoff::Cold { .. });
+        if starting && self.config_status != ConfigStatus::Static {
             self.want_xds(now + XDS_START_POLL);
         }
     }
@@ -211,4 +214,22 @@ impl<H: Host> Supervisor<H> {
             self.begin_first(r.epoch, Some(r.parent), r.reason);
         }
     }
+}
+
+/// What a starting epoch (or cold family) waits for, from its reading; logged when it changes.
+fn note_waiting(attempt: &mut Attempt, reading: &XdsReading) {
+    let waiting = reading.waiting();
+    if attempt.waiting_for_config == waiting {
+        return;
+    }
+    if !waiting.is_empty() {
+        tracing::info!(
+            event = "handoff_waiting",
+            epoch = attempt.epoch,
+            waiting_for = %type_list(&waiting),
+            connected = ?reading.connected,
+            "the new epoch waits for its control plane's config; the serving epoch serves on"
+        );
+    }
+    attempt.waiting_for_config = waiting;
 }
