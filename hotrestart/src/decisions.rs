@@ -1690,9 +1690,10 @@ async fn a_cold_family_waiting_for_its_control_plane_is_no_wedge_and_the_handove
         Some(envoy_agent_proxy::HandoffStage::Queued),
         "the handover stays queued"
     );
-    let w = f.host.world();
-    assert!(w.alive_in(7, 0), "the old family serves on");
-    assert!(w.marker);
-    drop(w);
+    {
+        let w = f.host.world();
+        assert!(w.alive_in(7, 0), "the old family serves on");
+        assert!(w.marker);
+    }
     f.stop().await;
 }
