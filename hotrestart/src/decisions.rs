@@ -1576,7 +1576,7 @@ async fn a_new_epoch_waiting_for_its_control_plane_is_no_wedge_and_its_restart_i
         let mut w = f.host.world();
         w.admin = Admin::Answers {
             epoch: 1,
-            state: ServerState::Initializing,
+            state: ServerState::PreInitializing,
             base_id: 7,
             version: w.admin_version.clone(),
             uptime: Duration::ZERO,
@@ -1588,7 +1588,7 @@ async fn a_new_epoch_waiting_for_its_control_plane_is_no_wedge_and_its_restart_i
                 .as_ref()
                 .and_then(|f| f.handoff.as_ref())
                 .and_then(|h| h.waiting_for.as_deref())
-                == Some("waiting for the control plane: cds, lds")
+                == Some("the control plane: cds, lds")
         })
         .await;
     assert!(waiting.ready().is_ok(), "the serving epoch stays ready");
@@ -1625,7 +1625,7 @@ async fn a_new_epoch_waiting_for_its_control_plane_is_no_wedge_and_its_restart_i
         let mut w = f.host.world();
         w.admin = Admin::Answers {
             epoch: 1,
-            state: ServerState::Initializing,
+            state: ServerState::PreInitializing,
             base_id: 7,
             version: w.admin_version.clone(),
             uptime: Duration::ZERO,

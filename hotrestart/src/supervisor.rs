@@ -178,6 +178,10 @@ enum Life {
         /// Why it waits, as last logged.
         waiting: Option<String>,
         reported_incompatible: Option<Instant>,
+        /// Our first epoch waited for its control plane and was stopped: discovery starts
+        /// again (fresh facts: the predecessor may have restarted meanwhile), with no deadline
+        /// while the control plane stays away.
+        config_wait: bool,
     },
     /// Our epochs run (the first may not be LIVE yet).
     Running,
@@ -289,8 +293,6 @@ pub(crate) struct Supervisor<H: Host> {
     config_status: envoy_agent_proxy::ConfigStatus,
     /// When the control plane is read next.
     xds: Probing,
-    /// A successor's first epoch that waited for its control plane, tried again when due.
-    first_retry: Option<control_plane::FirstRetry>,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -357,7 +359,6 @@ impl<H: Host> Supervisor<H> {
             cold_takeover_of: None,
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
             xds: Probing::default(),
-            first_retry: None,
         }
     }
 
@@ -425,6 +426,7 @@ impl<H: Host> Supervisor<H> {
                 probing: false,
                 waiting: None,
                 reported_incompatible: None,
+                config_wait: false,
             };
         } else {
             self.begin_first(0, None, START_REASON.to_owned());
@@ -568,14 +570,16 @@ impl<H: Host> Supervisor<H> {
                 next,
                 probing,
                 waiting,
+                config_wait,
                 ..
             } => {
                 if !probing {
                     consider(Some(*next));
                 }
-                if !waiting
-                    .as_deref()
-                    .is_some_and(|w| w.contains("hot-restart version"))
+                if !config_wait
+                    && !waiting
+                        .as_deref()
+                        .is_some_and(|w| w.contains("hot-restart version"))
                 {
                     consider(Some(*deadline));
                 }
@@ -592,7 +596,6 @@ impl<H: Host> Supervisor<H> {
         consider(self.live.wake());
         consider(self.watchdog.wake());
         consider(self.xds.wake());
-        consider(self.first_retry.as_ref().map(|r| r.at));
         match &self.handoff {
             Handoff::Starting {
                 attempt, deadline, ..
@@ -661,14 +664,15 @@ impl<H: Host> Supervisor<H> {
                 next,
                 probing,
                 waiting,
+                config_wait,
                 ..
             } => {
                 let incompatible = waiting
                     .as_deref()
                     .is_some_and(|w| w.contains("hot-restart version"));
-                let (deadline, next, probing, waiting) =
-                    (*deadline, *next, *probing, waiting.clone());
-                if now >= deadline && !incompatible {
+                let (deadline, next, probing, waiting, config_wait) =
+                    (*deadline, *next, *probing, waiting.clone(), *config_wait);
+                if now >= deadline && !incompatible && !config_wait {
                     let why =
                         waiting.unwrap_or_else(|| "the node's epoch lock stayed taken".to_owned());
                     let message = format!(
@@ -726,7 +730,6 @@ impl<H: Host> Supervisor<H> {
         }
         self.handoff_timers(now);
         self.cold_timers(now);
-        self.retry_first(now);
         if self.handoff.is_idle()
             && !self.queue.is_empty()
             && self.can_restart()
@@ -782,7 +785,7 @@ impl<H: Host> Supervisor<H> {
                     },
                     waiting_for: (!a.waiting_for_config.is_empty()).then(|| {
                         format!(
-                            "waiting for the control plane: {}",
+                            "the control plane: {}",
                             control_plane::type_list(&a.waiting_for_config)
                         )
                     }),

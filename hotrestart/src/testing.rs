@@ -625,10 +625,12 @@ impl Host for FakeHost {
             (admin, w.xds.clone())
         };
         Box::pin(async move {
-            let (epoch, _, _, _, _) = answer(admin, "/stats").await?;
-            Ok(envoy_agent_proxy::XdsReading::parse(&format!(
+            let (epoch, state, _, _, _) = answer(admin, "/stats").await?;
+            let mut reading = envoy_agent_proxy::XdsReading::parse(&format!(
                 "{xds}\nserver.hot_restart_epoch: {epoch}\n"
-            )))
+            ));
+            reading.state = Some(state);
+            Ok(reading)
         })
     }
 

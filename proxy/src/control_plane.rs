@@ -20,6 +20,8 @@
 use std::path::Path;
 use std::time::SystemTime;
 
+use crate::admin::ServerState;
+
 /// The stats one reading asks for (Envoy visits every stat to match it: ask rarely).
 pub const XDS_STATS_FILTER: &str = r"^(cluster_manager\.cds|listener_manager\.lds)\.(update_success|update_rejected|init_fetch_timeout)$|^control_plane\.connected_state$|^server\.hot_restart_epoch$";
 
@@ -86,6 +88,9 @@ pub struct XdsReading {
     /// `control_plane.connected_state`: whether its xDS stream is up; `None` when it has no
     /// gRPC control plane.
     pub connected: Option<bool>,
+    /// Its server state, from `/ready` (asked just before the stats; its `server.state`
+    /// gauge is only updated at each stats flush).
+    pub state: Option<ServerState>,
 }
 
 impl XdsReading {
@@ -139,7 +144,23 @@ impl XdsReading {
         reading
     }
 
-    /// The dynamic types not received yet.
+    /// What a new epoch that started with an unbounded initial fetch (see
+    /// [`fetch_wait_overlay`]) still waits for, from its server state: Envoy fetches clusters
+    /// while PRE_INITIALIZING and listeners while INITIALIZING. Not from its counters: a hot
+    /// restart's child adds its parent's counters to its own (only some gauges, such as
+    /// `control_plane.connected_state`, are its own), so they say "received" before it
+    /// received anything.
+    pub fn starting_waits(&self) -> Vec<XdsType> {
+        let has = |t: XdsType| self.types.iter().any(|c| c.kind == t);
+        match self.state {
+            Some(ServerState::PreInitializing) => self.types.iter().map(|c| c.kind).collect(),
+            Some(ServerState::Initializing) if has(XdsType::Lds) => vec![XdsType::Lds],
+            _ => Vec::new(),
+        }
+    }
+
+    /// The dynamic types not received yet, by the counters (see [`Self::starting_waits`] for
+    /// a hot restart's new epoch).
     pub fn waiting(&self) -> Vec<XdsType> {
         self.types
             .iter()
@@ -393,6 +414,30 @@ mod tests {
         assert_eq!(r.waiting(), [XdsType::Cds, XdsType::Lds]);
         let r = XdsReading::parse(&DOWN.replace("cds.update_success: 0", "cds.update_success: 3"));
         assert_eq!(r.waiting(), [XdsType::Lds]);
+    }
+
+    #[test]
+    fn a_starting_epoch_waits_by_its_state_not_by_its_parents_counters() {
+        // A hot restart's child shows its parent's counters as its own.
+        let merged = XdsReading::parse(&DOWN.replace("update_success: 0", "update_success: 1"));
+        let in_state = |reading: &XdsReading, state| XdsReading {
+            state: Some(state),
+            ..reading.clone()
+        };
+        let r = in_state(&merged, ServerState::PreInitializing);
+        assert_eq!(r.starting_waits(), [XdsType::Cds, XdsType::Lds]);
+        let r = in_state(&merged, ServerState::Initializing);
+        assert_eq!(r.starting_waits(), [XdsType::Lds]);
+        let r = in_state(&merged, ServerState::Live);
+        assert!(r.starting_waits().is_empty(), "LIVE waits for nothing");
+        let r = in_state(
+            &XdsReading::parse("server.hot_restart_epoch: 1\n"),
+            ServerState::PreInitializing,
+        );
+        assert!(
+            r.starting_waits().is_empty(),
+            "a static bootstrap waits for no control plane"
+        );
     }
 
     #[test]

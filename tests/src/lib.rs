@@ -20,10 +20,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 mod agent_process;
+pub mod control_plane;
 pub mod json;
 mod load;
 
 pub use agent_process::{AgentBuilder, AgentProcess, HotRestartPorts};
+pub use control_plane::{ControlPlane, Snapshot, Upstream, ads_bootstrap};
 pub use load::{BUCKET, Bucket, Load, LoadReport, unix_ms};
 
 /// How long a test waits for something that should happen in well under a second. Generous:

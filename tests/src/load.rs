@@ -108,10 +108,10 @@ impl Counters {
         if let Ok(mut times) = self.failure_times.lock() {
             times.push(unix_ms());
         }
-        if let Ok(mut errors) = self.errors.lock() {
-            if errors.len() < ERRORS_KEPT {
-                errors.push(format!("{kind}: {error}"));
-            }
+        if let Ok(mut errors) = self.errors.lock()
+            && errors.len() < ERRORS_KEPT
+        {
+            errors.push(format!("{kind}: {error}"));
         }
     }
 }

@@ -7,6 +7,7 @@
 mod api;
 mod clients;
 mod cold_handover;
+mod control_plane;
 mod crash_recovery;
 mod cross_pod;
 mod day_one;

@@ -9,8 +9,9 @@
 //!   unbounded initial fetch (`envoy_agent_proxy::control_plane`): while the control plane is
 //!   down it stays INITIALIZING, its parent serving. The handoff deadline still ends it
 //!   (SIGKILL, as any epoch that is not LIVE), but that is no wedge: the restart stays queued
-//!   and is retried after a back-off that grows while the control plane stays away, and a
-//!   successor's first epoch is retried the same way instead of giving up.
+//!   and is retried after a back-off that grows while the control plane stays away; a
+//!   successor's first epoch goes back to discovery after the back-off (without a deadline)
+//!   instead of giving up.
 
 use envoy_agent_proxy::{ConfigStatus, XdsReading, XdsType};
 
@@ -43,15 +44,6 @@ pub(crate) fn config_wait_backoff(waits: u32) -> Duration {
     CONFIG_WAIT_BACKOFF
         .saturating_mul(1 << waits.min(8))
         .min(CONFIG_WAIT_BACKOFF_MAX)
-}
-
-/// A first epoch (a successor pod's) that waited for its control plane, to be tried again.
-#[derive(Debug)]
-pub(crate) struct FirstRetry {
-    pub(crate) at: Instant,
-    pub(crate) epoch: u32,
-    pub(crate) parent: Parent,
-    pub(crate) reason: String,
 }
 
 impl<H: Host> Supervisor<H> {
@@ -168,57 +160,35 @@ impl<H: Host> Supervisor<H> {
         }
         self.metrics.control_plane_wait();
         let reason = attempt.reason.clone();
-        match attempt.parent.clone() {
-            Some(parent @ Parent::Foreign { .. }) if attempt.first => {
+        match &attempt.parent {
+            Some(Parent::Foreign { .. }) if attempt.first => {
                 self.finish(attempt, Outcome::TimedOut, message);
-                self.first_retry = Some(FirstRetry {
-                    at: now + backoff,
-                    epoch: parent.epoch() + 1,
-                    parent,
-                    reason,
-                });
+                // Discovery again, from fresh facts: the predecessor may have restarted
+                // meanwhile (to get back the admin listener our epoch took), and only what
+                // answers then says which epoch is next.
+                self.life = Life::Discovering {
+                    deadline: now + backoff + self.discovery_bound(),
+                    next: now + backoff,
+                    probing: false,
+                    waiting: Some(format!("the control plane: {types}")),
+                    reported_incompatible: None,
+                    config_wait: true,
+                };
+                self.write_heartbeat();
             }
             _ => {
                 self.finish(attempt, Outcome::TimedOut, message);
                 self.queue.push(reason, None, now);
                 self.queue.not_before = Some(now + backoff);
-                self.queue.waiting_for = Some(format!("waiting for the control plane: {types}"));
+                self.queue.waiting_for = Some(format!("the control plane: {types}"));
             }
-        }
-    }
-
-    /// A successor's first epoch that waited for its control plane starts again, under the
-    /// node's epoch lock, once its back-off is over.
-    pub(super) fn retry_first(&mut self, now: Instant) {
-        if !matches!(self.life, Life::Running)
-            || !self.handoff.is_idle()
-            || self.first_retry.as_ref().is_none_or(|r| now < r.at)
-        {
-            return;
-        }
-        if self.lock.is_none() {
-            match self.host.try_lock() {
-                Ok(Some(lock)) => self.lock = Some(lock),
-                Ok(None) => {
-                    if let Some(r) = &mut self.first_retry {
-                        r.at = now + LOCK_RETRY;
-                    }
-                    return;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot take the node's epoch lock; retrying without it");
-                }
-            }
-        }
-        if let Some(r) = self.first_retry.take() {
-            self.begin_first(r.epoch, Some(r.parent), r.reason);
         }
     }
 }
 
 /// What a starting epoch (or cold family) waits for, from its reading; logged when it changes.
 fn note_waiting(attempt: &mut Attempt, reading: &XdsReading) {
-    let waiting = reading.waiting();
+    let waiting = reading.starting_waits();
     if attempt.waiting_for_config == waiting {
         return;
     }

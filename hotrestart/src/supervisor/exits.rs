@@ -37,8 +37,15 @@ impl<H: Host> Supervisor<H> {
         // A stand-in's child is gone: nothing talks to that dead parent's names anymore.
         self.release_stand_ins(|p| p + 1 == epoch, "its child exited");
         if child.state == EpochState::Starting {
-            // No Envoy of the family initializes now: a flag it left set is stale.
-            self.repair_initializing(epoch);
+            // No Envoy of the family initializes now: a flag it left set is stale. Expected of
+            // one stopped while it waited for its control plane (no wedge, see
+            // `control_plane`).
+            let waited = matches!(child.stopped, Some((Stop::Deadline, _)))
+                && self
+                    .handoff
+                    .attempt()
+                    .is_some_and(|a| a.epoch == epoch && !a.waiting_for_config.is_empty());
+            self.repair_initializing(epoch, waited);
         }
         match &self.life {
             Life::Stopping { .. } => {
@@ -193,7 +200,9 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    pub(super) fn repair_initializing(&mut self, epoch: u32) {
+    /// `expected`: the epoch was stopped while it initialized on purpose, so a flag it left
+    /// is no wedge.
+    pub(super) fn repair_initializing(&mut self, epoch: u32, expected: bool) {
         if self.version.is_empty() {
             // Only before our first epoch was LIVE: nothing serves, the family stops, and the
             // next epoch 0 makes a new segment.
@@ -205,6 +214,11 @@ impl<H: Host> Supervisor<H> {
         }
         match self.host.repair_initializing(&self.version) {
             Repair::Clean => {}
+            Repair::Cleared if expected => tracing::info!(
+                event = "initializing_cleared",
+                epoch,
+                "cleared the shared INITIALIZING flag the stopped epoch left set"
+            ),
             Repair::Cleared => self.record_wedge(
                 WedgeReason::StaleInitializing,
                 format!(
