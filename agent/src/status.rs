@@ -22,7 +22,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use envoy_agent_proxy::HandoffKind;
+use envoy_agent_proxy::{ConfigStatus, HandoffKind};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -265,6 +265,7 @@ async fn quit(
 async fn prometheus(State(agent): State<AgentHandle>) -> Response {
     let state = agent.state();
     let mut body = agent_metrics(&state);
+    body.push_str(&config_metrics(&agent.status().borrow().proxy.config));
     let envoy = match agent.admin() {
         Some(admin) => admin
             .with_timeout(ENVOY_CALL_TIMEOUT)
@@ -333,6 +334,36 @@ pub fn agent_metrics(state: &AgentState) -> String {
         u8::from(state.draining()),
         unix_seconds(state.since()),
     );
+    out
+}
+
+/// What the newest Envoy has of its config, in Prometheus text format: whether it has it
+/// (`envoy_agent_config_ready`), and, for a bootstrap with dynamic resources, its control
+/// plane's connection and how long it has been without it.
+pub fn config_metrics(config: &ConfigStatus) -> String {
+    let mut out = format!(
+        "# HELP envoy_agent_config_ready Whether the newest Envoy has its config (from its control plane, when dynamic).
+         # TYPE envoy_agent_config_ready gauge
+envoy_agent_config_ready {}
+",
+        u8::from(config.ready().is_ok())
+    );
+    if let Some(cp) = config.control_plane() {
+        let without = cp
+            .disconnected_since
+            .and_then(|t| t.elapsed().ok())
+            .map_or(0.0, |d| d.as_secs_f64());
+        let _ = writeln!(
+            out,
+            "# HELP envoy_agent_control_plane_connected Whether the newest Envoy's xDS stream is up (control_plane.connected_state).
+             # TYPE envoy_agent_control_plane_connected gauge
+envoy_agent_control_plane_connected {}
+             # HELP envoy_agent_control_plane_disconnected_seconds How long the newest Envoy has been without its control plane (0 while connected).
+             # TYPE envoy_agent_control_plane_disconnected_seconds gauge
+envoy_agent_control_plane_disconnected_seconds {without:.3}",
+            u8::from(cp.connected.unwrap_or(false))
+        );
+    }
     out
 }
 
@@ -544,5 +575,32 @@ mod tests {
             text.contains("envoy_agent_drain_start_time_seconds 1700000000.000"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn metrics_of_the_control_plane() {
+        let text = config_metrics(&ConfigStatus::Static);
+        assert!(text.contains("envoy_agent_config_ready 1"), "{text}");
+        assert!(!text.contains("control_plane"), "no control plane: {text}");
+        let down = ConfigStatus::Dynamic(envoy_agent_proxy::ControlPlane {
+            epoch: 0,
+            types: Vec::new(),
+            connected: Some(false),
+            disconnected_since: Some(SystemTime::now() - Duration::from_secs(90)),
+        });
+        let text = config_metrics(&down);
+        assert!(
+            text.contains("envoy_agent_control_plane_connected 0"),
+            "{text}"
+        );
+        let without: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("envoy_agent_control_plane_disconnected_seconds "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!((90.0..100.0).contains(&without), "{text}");
+        let text = config_metrics(&ConfigStatus::Unknown);
+        assert!(text.contains("envoy_agent_config_ready 0"), "{text}");
     }
 }

@@ -274,6 +274,59 @@ dynamic_resources:
     yaml
 }
 
+/// A static bootstrap whose listener (`hello` on `listener_port`, as [`bootstrap_yaml_on`]'s)
+/// takes its routes by RDS from the server at `xds`, with no initial-fetch timeout: pointed at
+/// a server that never answers, Envoy stays INITIALIZING (the listener warms forever). It has
+/// no `dynamic_resources`: a start stuck for another reason than a control plane's LDS or CDS.
+pub fn bootstrap_waiting_for_rds(admin_port: u16, listener_port: u16, xds: SocketAddr) -> String {
+    format!(
+        r#"admin:
+  address:
+    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
+node: {{ id: test, cluster: test }}
+static_resources:
+  listeners:
+  - name: hello
+    address:
+      socket_address: {{ address: 127.0.0.1, port_value: {listener_port} }}
+    traffic_direction: INBOUND
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: hello
+          rds:
+            route_config_name: hello
+            config_source:
+              resource_api_version: V3
+              initial_fetch_timeout: 3600s
+              api_config_source:
+                api_type: GRPC
+                transport_api_version: V3
+                grpc_services: [{{ envoy_grpc: {{ cluster_name: xds }} }}]
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: xds
+    type: STATIC
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: xds
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
+"#,
+        ip = xds.ip(),
+        port = xds.port()
+    )
+}
+
 /// A port for a fixed address (hot-restart tests need them: every epoch binds the same
 /// ports), free when picked. It lies outside the kernel's ephemeral range, so that no port-0
 /// bind or outgoing connection of another test, or of this test's next agent (its status

@@ -230,7 +230,7 @@ async fn stopping_a_successor_that_is_still_starting_leaves_the_predecessor_serv
     // SIGTERM while its Envoy initializes.
     let mut b = node
         .pod("pod-b")
-        .bootstrap_path(stuck.clone())
+        .bootstrap_path(stuck)
         .no_wait()
         .start()
         .await;
@@ -259,10 +259,16 @@ async fn stopping_a_successor_that_is_still_starting_leaves_the_predecessor_serv
     assert!(a.running(), "the predecessor runs on");
     live_at(&node.admin(), 1).await;
 
-    // Its handoff deadline.
+    // Its handoff deadline, stuck for another reason than its control plane (a listener
+    // whose routes never come; an epoch that waits for its LDS or CDS is retried instead:
+    // `control_plane.rs`).
+    let warming = node.dir.write(
+        "warming.yaml",
+        &envoy_agent_tests::bootstrap_waiting_for_rds(p.admin_port, p.listener_port, xds),
+    );
     let mut c = node
         .pod("pod-c")
-        .bootstrap_path(stuck)
+        .bootstrap_path(warming)
         .args(&["--handoff-deadline", "3s"])
         .no_wait()
         .start()
