@@ -347,6 +347,18 @@ pub struct RunArgs {
     )]
     pub no_cold_handover: bool,
 
+    /// With --hot-restart: allow an abstract hot-restart channel (`-- --socket-path @name`,
+    /// Envoy's own default). Abstract sockets have no permissions: every process in the network
+    /// namespace (with hostNetwork, the node) can take Envoy's listeners or stop it through
+    /// them. Without this flag the agent puts the channel in a private directory under
+    /// --state-dir and refuses an abstract one.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_ALLOW_ABSTRACT_HOT_RESTART_SOCKET",
+        requires = "hot_restart"
+    )]
+    pub allow_abstract_hot_restart_socket: bool,
+
     /// With --hot-restart: when a new epoch terminates its draining parent
     /// (--parent-shutdown-time-s: whole seconds). Must exceed --drain-time. [default: 60s]
     #[arg(long, env = "ENVOY_AGENT_PARENT_SHUTDOWN_TIME", value_parser = parse_positive_whole_seconds, requires = "hot_restart")]

@@ -261,6 +261,14 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
             "family:             base id {}, hot-restart version {}, identity {}",
             f.base_id, f.hot_restart_version, f.identity
         );
+        if !f.socket_path.is_empty() {
+            let reach = if f.socket_path.starts_with('@') {
+                "abstract: any process on the node's network can reach it"
+            } else {
+                "private"
+            };
+            let _ = writeln!(out, "{:<20}{} ({reach})", "channel:", f.socket_path);
+        }
         for (label, value) in [
             ("predecessor:", &f.predecessor),
             ("successor:", &f.successor_starting),

@@ -276,6 +276,7 @@ fn family_message(f: &FamilyState) -> pb::Family {
         base_id: f.base_id,
         hot_restart_version: f.hot_restart_version.clone(),
         identity: f.identity.clone(),
+        socket_path: f.socket_path.clone(),
         handoff: f.handoff.as_ref().map(|h| pb::Handoff {
             epoch: h.epoch,
             reason: h.reason.clone(),

@@ -149,7 +149,16 @@ pub async fn run(
         .as_ref()
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
-    let proxy = setup::proxy_config(&args, binary, admin, extra_args, &runtime_dir);
+    let (socket_path, extra_args) = setup::hot_restart_channel(&args, extra_args)?;
+    if args.hot_restart {
+        tracing::info!(
+            event = "hot_restart_channel",
+            socket_path = %socket_path,
+            private = !socket_path.is_abstract(),
+            "hot-restart channel"
+        );
+    }
+    let proxy = setup::proxy_config(&args, binary, admin, extra_args, &runtime_dir, socket_path);
     setup::check_extra_args(&proxy)?;
     let own_runtime_dir = args.hot_restart
         || matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));

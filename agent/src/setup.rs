@@ -7,7 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use envoy_agent_proxy::bootstrap::{self, BootstrapError};
-use envoy_agent_proxy::{AdminAddress, DrainStrategy, ProxyConfig, RunAs};
+use envoy_agent_proxy::{AdminAddress, DrainStrategy, ProxyConfig, RunAs, SocketPath};
 
 use crate::cli::{DrainStrategyArg, RunArgs};
 
@@ -77,6 +77,38 @@ pub enum SetupError {
     MissingArgValue {
         /// The flag.
         arg: String,
+    },
+    /// An abstract hot-restart channel, not allowed.
+    #[error(
+        "--socket-path {path} (after --) is an abstract socket: any process on the node's \
+         network could take Envoy's listeners or stop it through it. Leave it out (the agent \
+         uses a private directory under --state-dir), give a file path in a directory only \
+         this user can enter, or pass --allow-abstract-hot-restart-socket"
+    )]
+    AbstractChannel {
+        /// What was given.
+        path: String,
+    },
+    /// The hot-restart channel's (or the state) directory cannot be trusted or made.
+    #[error("{what} {dir}: {why}")]
+    PrivateDir {
+        /// Which directory.
+        what: &'static str,
+        /// The directory.
+        dir: PathBuf,
+        /// Why.
+        why: String,
+    },
+    /// The channel's socket names would not fit a Unix socket address.
+    #[error(
+        "hot-restart socket path {path} is too long: Envoy's names below it ({longest}) must fit \
+         in 107 bytes; use a shorter --state-dir or --socket-path"
+    )]
+    ChannelTooLong {
+        /// The prefix.
+        path: PathBuf,
+        /// Its longest name.
+        longest: String,
     },
     /// An extra Envoy argument would break what the agent guarantees.
     #[error("envoy argument {arg} (after --) cannot be passed through: {instead}")]
@@ -274,23 +306,175 @@ pub fn check_status_address(status: SocketAddr, admin: &AdminAddress) -> Result<
 }
 
 fn take_admin_address_path(args: &[String]) -> Result<(Option<PathBuf>, Vec<String>), SetupError> {
-    const FLAG: &str = "--admin-address-path";
-    let mut path = None;
+    let (value, rest) = take_flag(args, "--admin-address-path")?;
+    Ok((value.map(PathBuf::from), rest))
+}
+
+/// `flag`'s value among Envoy's extra arguments (`--flag V` or `--flag=V`; the last wins), and
+/// the arguments without it.
+fn take_flag(args: &[String], flag: &str) -> Result<(Option<String>, Vec<String>), SetupError> {
+    let mut value = None;
     let mut rest = Vec::with_capacity(args.len());
     let mut it = args.iter();
+    let prefix = format!("{flag}=");
     while let Some(arg) = it.next() {
-        if arg == FLAG {
-            let value = it.next().ok_or_else(|| SetupError::MissingArgValue {
-                arg: FLAG.to_owned(),
+        if arg == flag {
+            let v = it.next().ok_or_else(|| SetupError::MissingArgValue {
+                arg: flag.to_owned(),
             })?;
-            path = Some(PathBuf::from(value));
-        } else if let Some(value) = arg.strip_prefix("--admin-address-path=") {
-            path = Some(PathBuf::from(value));
+            value = Some(v.clone());
+        } else if let Some(v) = arg.strip_prefix(&prefix) {
+            value = Some(v.to_owned());
         } else {
             rest.push(arg.clone());
         }
     }
+    Ok((value, rest))
+}
+
+/// The name of the hot-restart channel's directory under the state directory.
+pub const CHANNEL_DIR: &str = "hot-restart";
+
+/// The node proxy's hot-restart channel (`shared/design.md` §1.15): a user's own
+/// `--socket-path` (taken out of `extra_args`: the agent passes it to every epoch, and its
+/// stand-ins bind its names), else `<state dir>/hot-restart/envoy`, files of mode 600 in a
+/// directory only the agent's user (or, when the agent is root and runs Envoy as another
+/// user, Envoy's) can enter. An abstract one only with `--allow-abstract-hot-restart-socket`.
+/// Makes the state directory private too. Without hot restart: Envoy's default, untouched.
+pub fn hot_restart_channel(
+    args: &RunArgs,
+    extra_args: Vec<String>,
+) -> Result<(SocketPath, Vec<String>), SetupError> {
+    let Some(state_dir) = args.state_dir.as_deref().filter(|_| args.hot_restart) else {
+        return Ok((SocketPath::envoy_default(), extra_args));
+    };
+    let envoy_user = args.run_as_uid.filter(|_| nix::unistd::geteuid().is_root());
+    // Envoy running as another user must traverse it to reach its channel's directory.
+    let state_mode = if envoy_user.is_some() { 0o711 } else { 0o700 };
+    private_dir("state directory", state_dir, state_mode, None, true)?;
+    let (given, rest) = take_flag(&extra_args, "--socket-path")?;
+    let path = match &given {
+        Some(text) => SocketPath::parse(text),
+        None => SocketPath::File(state_dir.join(CHANNEL_DIR).join("envoy")),
+    };
+    match &path {
+        SocketPath::Abstract(_) if !args.allow_abstract_hot_restart_socket => {
+            return Err(SetupError::AbstractChannel {
+                path: path.to_string(),
+            });
+        }
+        SocketPath::Abstract(_) => {}
+        SocketPath::File(prefix) => {
+            let dir = match prefix.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+                _ => PathBuf::from("."),
+            };
+            // Ours is made (and kept) private; a directory of the user's is only checked.
+            private_dir(
+                "hot-restart socket directory",
+                &dir,
+                0o700,
+                envoy_user,
+                given.is_none(),
+            )?;
+            let longest = format!(
+                "{}_udp_parent_{}",
+                prefix.display(),
+                u64::from(args.base_id.unwrap_or(u32::MAX)) * 10 + 2
+            );
+            if longest.len() > 107 {
+                return Err(SetupError::ChannelTooLong {
+                    path: prefix.clone(),
+                    longest,
+                });
+            }
+        }
+    }
     Ok((path, rest))
+}
+
+/// Makes sure `dir` can be trusted: a real directory (not a symlink), owned by the agent's user
+/// (or by `owner`, Envoy's), writable by nobody else. A missing one is made with `mode`; an
+/// existing one of ours, when `ours`, is set to `mode` (a kubelet's hostPath is created 0755)
+/// and given to `owner` (when the agent is root).
+fn private_dir(
+    what: &'static str,
+    dir: &Path,
+    mode: u32,
+    owner: Option<u32>,
+    ours: bool,
+) -> Result<(), SetupError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let fail = |why: String| SetupError::PrivateDir {
+        what,
+        dir: dir.to_owned(),
+        why,
+    };
+    let me = nix::unistd::geteuid().as_raw();
+    let meta = match std::fs::symlink_metadata(dir) {
+        Ok(meta) => meta,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(mode)
+                .create(dir)
+                .map_err(|e| fail(format!("cannot create it: {e}")))?;
+            std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?
+        }
+        Err(e) => return Err(fail(e.to_string())),
+    };
+    if meta.file_type().is_symlink() {
+        return Err(fail(
+            "is a symlink (it could lead anywhere): use a real directory".to_owned(),
+        ));
+    }
+    if !meta.is_dir() {
+        return Err(fail("is not a directory".to_owned()));
+    }
+    let expected = owner.unwrap_or(me);
+    let owned_by = |uid: u32| {
+        format!(
+            "is owned by uid {uid}, not by uid {expected}: only the user that runs the agent{} may own it",
+            if owner.is_some() {
+                " (Envoy's, --run-as-uid)"
+            } else {
+                ""
+            }
+        )
+    };
+    if !ours {
+        if meta.uid() != expected {
+            return Err(fail(owned_by(meta.uid())));
+        }
+        if meta.mode() & 0o022 != 0 {
+            return Err(fail(format!(
+                "is writable by others (mode {:o}): make it 0700",
+                meta.mode() & 0o7777
+            )));
+        }
+        return Ok(());
+    }
+    // Ours: made private, unless others could write it already (and plant what they like).
+    if meta.mode() & 0o022 != 0 {
+        return Err(fail(format!(
+            "is writable by others (mode {:o}): anything in it may be planted; make it 0700 \
+             (or remove it: the agent creates it)",
+            meta.mode() & 0o7777
+        )));
+    }
+    if meta.uid() != expected {
+        if me != 0 {
+            return Err(fail(owned_by(meta.uid())));
+        }
+        nix::unistd::chown(dir, Some(nix::unistd::Uid::from_raw(expected)), None)
+            .map_err(|e| fail(format!("cannot give it to uid {expected}: {e}")))?;
+    }
+    if meta.mode() & 0o7777 != mode {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| fail(format!("cannot make it {mode:o}: {e}")))?;
+    }
+    Ok(())
 }
 
 /// The proxy config for `args`.
@@ -300,6 +484,7 @@ pub fn proxy_config(
     admin: AdminAddress,
     extra_args: Vec<String>,
     runtime_dir: &Path,
+    socket_path: SocketPath,
 ) -> ProxyConfig {
     let mut config = ProxyConfig::new(binary, args.config_path.clone(), admin);
     config.log_level = args.proxy_log_level.clone();
@@ -333,6 +518,7 @@ pub fn proxy_config(
                 _ => Some(runtime_dir.to_path_buf()),
             },
             ephemeral_admin: None,
+            socket_path,
         }),
         _ => None,
     };

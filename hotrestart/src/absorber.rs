@@ -13,21 +13,21 @@
 //! `HotRestartMessage` whose `request` (field 1) or `reply` (field 2) holds a oneof; stats is
 //! field 3 in both. So a stats request starts `0a <len> 1a`, and the empty stats reply is
 //! `12 02 1a 00`: reply { stats {} }. The reply goes to the child's socket,
-//! `envoy_domain_socket_child_<base_id*10 + (parent_epoch + 1) % 3>`.
+//! `<socket path>_child_<base_id*10 + (parent_epoch + 1) % 3>`.
 //!
-//! Envoy names its sockets `@envoy_domain_socket_{parent,udp_parent}_<base_id*10 + epoch % 3>`
-//! and pads them with NULs to the full 108-byte `sun_path`, so the abstract name is the text
-//! plus NULs up to 107 bytes. The absorber must be dropped before an epoch that reuses the
+//! Envoy names its sockets `<socket path>_{parent,udp_parent}_<base_id*10 + epoch % 3>`
+//! (`SocketPath::address`): by default abstract (`@envoy_domain_socket_...`, padded with NULs
+//! to the full 108-byte `sun_path`), or files in a private directory. An abstract name is free
+//! once its holder is gone; a file stays behind a killed process, so it is taken over only once
+//! a connect to it is refused. The absorber must be dropped before an epoch that reuses the
 //! names starts (three epochs later), which single-flight handoffs guarantee.
 
 use std::os::fd::AsFd;
-use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 
-use tokio::task::JoinHandle;
+use envoy_agent_proxy::SocketPath;
 
-/// `sun_path` length on Linux, minus the leading NUL of an abstract name.
-const ABSTRACT_NAME_LEN: usize = 107;
+use tokio::task::JoinHandle;
 
 /// Reads and discards what a child sends to its dead parent; stops when dropped.
 #[derive(Debug)]
@@ -79,22 +79,43 @@ fn send_to(
     std.send_to_addr(bytes, to).map(|_| ())
 }
 
-fn name(base_id: u32, role: &str, epoch: u32) -> Vec<u8> {
-    let id = u64::from(base_id) * 10 + u64::from(epoch % 3);
-    let mut name = format!("envoy_domain_socket_{role}_{id}").into_bytes();
-    name.resize(ABSTRACT_NAME_LEN, 0);
-    name
+fn address(path: &SocketPath, base_id: u32, role: &str, epoch: u32) -> std::io::Result<SocketAddr> {
+    path.address(role, u64::from(base_id) * 10 + u64::from(epoch % 3))
+}
+
+/// Binds `addr`. A file socket that exists is taken over only once nobody answers at it: a
+/// connect refused means its Envoy is gone (the file stays behind a killed process); one
+/// that connects belongs to a living Envoy, and the bind fails as an abstract name's does.
+fn bind(addr: &SocketAddr) -> std::io::Result<UnixDatagram> {
+    if let Some(path) = addr.as_pathname() {
+        if std::fs::symlink_metadata(path).is_ok() {
+            let probe = UnixDatagram::unbound()?;
+            match probe.connect(path) {
+                Ok(()) => return Err(std::io::ErrorKind::AddrInUse.into()),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    std::fs::remove_file(path)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let socket = UnixDatagram::bind_addr(addr)?;
+        // As Envoy's own (`--socket-mode 600`): only the agent's user can send to it.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        return Ok(socket);
+    }
+    UnixDatagram::bind_addr(addr)
 }
 
 impl Absorber {
-    /// Binds the parent sockets of dead `parent_epoch` of family `base_id`.
-    pub fn bind(base_id: u32, parent_epoch: u32) -> std::io::Result<Absorber> {
+    /// Binds the parent sockets of dead `parent_epoch` of family `base_id`, whose channel is
+    /// at `path`.
+    pub fn bind(path: &SocketPath, base_id: u32, parent_epoch: u32) -> std::io::Result<Absorber> {
         let mut tasks = Vec::new();
         for (role, child_role) in [("parent", "child"), ("udp_parent", "udp_child")] {
-            let addr = SocketAddr::from_abstract_name(name(base_id, role, parent_epoch))?;
-            let child =
-                SocketAddr::from_abstract_name(name(base_id, child_role, parent_epoch + 1))?;
-            let socket = UnixDatagram::bind_addr(&addr)?;
+            let addr = address(path, base_id, role, parent_epoch)?;
+            let child = address(path, base_id, child_role, parent_epoch + 1)?;
+            let socket = bind(&addr)?;
             socket.set_nonblocking(true)?;
             let socket = tokio::net::UnixDatagram::from_std(socket)?;
             tasks.push(tokio::spawn(async move {
@@ -120,10 +141,17 @@ mod tests {
 
     #[test]
     fn names_are_padded_like_envoys() {
-        let n = name(5, "parent", 4);
+        use std::os::linux::net::SocketAddrExt;
+        let a = address(&SocketPath::envoy_default(), 5, "parent", 4).unwrap();
+        let n = a.as_abstract_name().unwrap();
         assert_eq!(n.len(), 107);
         assert!(n.starts_with(b"envoy_domain_socket_parent_51\0"));
         assert!(n[29..].iter().all(|b| *b == 0));
+        let a = address(&SocketPath::parse("/run/x/envoy"), 5, "udp_child", 5).unwrap();
+        assert_eq!(
+            a.as_pathname(),
+            Some(std::path::Path::new("/run/x/envoy_udp_child_52"))
+        );
     }
 
     #[test]
@@ -141,12 +169,37 @@ mod tests {
 
     #[tokio::test]
     async fn binds_and_absorbs() {
-        let absorber = Absorber::bind(4_000_001, 2).unwrap();
+        let path = SocketPath::envoy_default();
+        let absorber = Absorber::bind(&path, 4_000_001, 2).unwrap();
         let sender = UnixDatagram::unbound().unwrap();
-        let addr = SocketAddr::from_abstract_name(name(4_000_001, "parent", 2)).unwrap();
+        let addr = address(&path, 4_000_001, "parent", 2).unwrap();
         sender.send_to_addr(b"hello", &addr).unwrap();
         // A second bind of the same names fails while the absorber holds them.
-        assert!(Absorber::bind(4_000_001, 2).is_err());
+        assert!(Absorber::bind(&path, 4_000_001, 2).is_err());
+        drop(absorber);
+    }
+
+    #[tokio::test]
+    async fn a_file_channel_is_taken_over_only_from_a_dead_envoy() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = SocketPath::File(dir.path().join("envoy"));
+        let parent = dir.path().join("envoy_parent_70");
+        // A living Envoy's socket: left alone.
+        let live = UnixDatagram::bind(&parent).unwrap();
+        assert_eq!(
+            Absorber::bind(&path, 7, 0).unwrap_err().kind(),
+            std::io::ErrorKind::AddrInUse
+        );
+        // Its process is gone (the file stays): taken over, private.
+        drop(live);
+        let absorber = Absorber::bind(&path, 7, 0).unwrap();
+        let mode = std::fs::metadata(&parent).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        UnixDatagram::unbound()
+            .unwrap()
+            .send_to(b"hello", &parent)
+            .unwrap();
         drop(absorber);
     }
 }

@@ -35,6 +35,7 @@ fn config() -> Config {
         parent_shutdown_time: Duration::from_secs(2),
         admin_address_dir: None,
         ephemeral_admin: None,
+        socket_path: envoy_agent_proxy::SocketPath::envoy_default(),
     });
     let mut c = Config::new(proxy);
     c.identity = "pod-a-0000aaaa".to_owned();
@@ -149,6 +150,7 @@ fn heartbeat(identity: &str, state: NodeState, epoch: u32, host: &FakeHost) -> H
         restart_in_flight: false,
         cold_takeover_of: None,
         handover: None,
+        socket_path: String::new(),
     }
 }
 

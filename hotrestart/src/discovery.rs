@@ -154,6 +154,7 @@ mod tests {
             restart_in_flight: false,
             cold_takeover_of: None,
             handover: None,
+            socket_path: String::new(),
         }
     }
 
@@ -165,6 +166,7 @@ mod tests {
             base_id: 7,
             hot_restart_version: "11.104".to_owned(),
             uptime_current_epoch: "1s".to_owned(),
+            socket_path: envoy_agent_proxy::SocketPath::envoy_default(),
         })
     }
 

@@ -22,7 +22,7 @@ use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCach
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
     AdminClient, AdminError, EnvoyProcess, Exit, KeptConnection, ProxyConfig, ProxyError,
-    ServerInfo, Signal, XdsReading,
+    ServerInfo, Signal, SocketPath, XdsReading,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -184,6 +184,10 @@ pub trait Host: Send + Sync + 'static {
     /// Binds the hot-restart socket names of dead (or gone) `parent_epoch` and answers its
     /// child's requests. Fails while the parent still holds them.
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard>;
+    /// Where the family's hot-restart channel is (a child must use its parent's).
+    fn socket_path(&self) -> SocketPath;
+    /// The family's channel is at `path` from now on: the predecessor's, taken over.
+    fn use_socket_path(&self, path: SocketPath);
     /// Creates (`true`) or removes the readiness marker.
     fn set_marker(&self, present: bool) -> std::io::Result<()>;
     /// Whether the node has a state directory (cross-pod handoffs).
@@ -203,11 +207,13 @@ pub trait Host: Send + Sync + 'static {
     fn now_unix_ms(&self) -> u64;
 }
 
-/// Which family the host serves and where its admin answers (a cold handover switches both).
+/// Which family the host serves, where its admin answers (a cold handover switches both) and
+/// where its hot-restart channel is.
 #[derive(Debug, Clone)]
 struct Target {
     base_id: u32,
     admin: AdminClient,
+    socket_path: SocketPath,
 }
 
 /// The real world.
@@ -251,6 +257,7 @@ impl RealHost {
             target: Arc::new(Mutex::new(Target {
                 base_id,
                 admin: admin.clone(),
+                socket_path: configured_socket_path(&proxy),
             })),
             proxy,
             admin,
@@ -435,11 +442,21 @@ pub const KEPT_CONNECTION_RENEWAL: Duration = Duration::from_secs(5);
 /// Bound on a drain call.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The channel a new family of `proxy` gets (Envoy's default without hot restart settings).
+fn configured_socket_path(proxy: &ProxyConfig) -> SocketPath {
+    proxy
+        .hot_restart
+        .as_ref()
+        .map_or_else(SocketPath::envoy_default, |h| h.socket_path.clone())
+}
+
 impl Host for RealHost {
     async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
         let mut proxy = self.proxy.clone();
         if let Some(hot) = &mut proxy.hot_restart {
-            hot.base_id = self.base_id();
+            let target = self.target();
+            hot.base_id = target.base_id;
+            hot.socket_path = target.socket_path;
         }
         let admin_bound = self.admin_files().map(|files| files.expect(epoch));
         // The next LIVE checks are of this epoch, never over a connection to another.
@@ -493,8 +510,23 @@ impl Host for RealHost {
             false => None,
         };
         let mut target = self.target.lock().unwrap_or_else(|p| p.into_inner());
+        if target.base_id != base_id {
+            // Another family: the configured channel (a cold family is started on it).
+            target.socket_path = configured_socket_path(&self.proxy);
+        }
         target.base_id = base_id;
         target.admin = admin.unwrap_or_else(|| self.admin.clone());
+    }
+
+    fn socket_path(&self) -> SocketPath {
+        self.target().socket_path
+    }
+
+    fn use_socket_path(&self, path: SocketPath) {
+        self.target
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .socket_path = path;
     }
 
     fn cold_possible(&self) -> bool {
@@ -671,7 +703,9 @@ impl Host for RealHost {
     }
 
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {
-        crate::absorber::Absorber::bind(self.base_id(), parent_epoch).map(|a| Box::new(a) as Guard)
+        let target = self.target();
+        crate::absorber::Absorber::bind(&target.socket_path, target.base_id, parent_epoch)
+            .map(|a| Box::new(a) as Guard)
     }
 
     fn set_marker(&self, present: bool) -> std::io::Result<()> {

@@ -110,6 +110,10 @@ pub struct Heartbeat {
     /// How its newest family came to serve, when a handover started it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handover: Option<Handover>,
+    /// Its family's hot-restart channel (Envoy's `--socket-path`: `@name` or a path); empty
+    /// from agents that did not say (they used Envoy's default, `@envoy_domain_socket`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub socket_path: String,
 }
 
 /// How a family came to serve (in a heartbeat).
@@ -173,10 +177,11 @@ pub fn write(dir: &Path, heartbeat: &Heartbeat) -> std::io::Result<()> {
     let path = dir.join(file_name(&heartbeat.identity));
     // Atomic (readers see one whole heartbeat) but not synced: a heartbeat means something only
     // while this boot lasts, and two fsyncs every period cost more than a crash could lose.
-    match envoy_agent_proxy::replace_atomically(&path, &bytes) {
+    // 0600: what another user could read of it is none of its business.
+    match envoy_agent_proxy::replace_privately(&path, &bytes) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             std::fs::create_dir_all(dir)?;
-            envoy_agent_proxy::replace_atomically(&path, &bytes)
+            envoy_agent_proxy::replace_privately(&path, &bytes)
         }
         other => other,
     }
@@ -358,6 +363,8 @@ impl EpochLock {
             .create(true)
             .truncate(false)
             .write(true)
+            // Nobody else may open it: a lock another user can open, they can hold.
+            .mode(0o600)
             .custom_flags(nix::libc::O_NOFOLLOW)
             .open(&path)?;
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -376,6 +383,7 @@ impl EpochLock {
                 .create(true)
                 .truncate(false)
                 .write(true)
+                .mode(0o600)
                 .open(&path)?;
             match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
                 Ok(lock) => return Ok(EpochLock { _lock: lock }),
@@ -412,6 +420,7 @@ mod tests {
             restart_in_flight: false,
             cold_takeover_of: None,
             handover: None,
+            socket_path: String::new(),
         }
     }
 

@@ -753,6 +753,7 @@ impl<H: Host> Supervisor<H> {
         }
         self.family.handoff = self.handoff_info();
         self.family.retiring = self.retiring.infos();
+        self.family.socket_path = self.host.socket_path().to_string();
         let state = ProxyState {
             phase,
             since: self.phase_since.1,

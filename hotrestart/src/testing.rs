@@ -63,6 +63,8 @@ pub(crate) struct World {
     pub(crate) xds: String,
     /// How often [`Host::xds`] was asked.
     pub(crate) xds_asks: u32,
+    /// The family's hot-restart channel.
+    pub(crate) socket_path: envoy_agent_proxy::SocketPath,
     /// How long a LIVE check takes to answer (an Envoy busy initializing): the answer is
     /// what the admin port said when asked.
     pub(crate) live_check_delay: Duration,
@@ -149,6 +151,7 @@ impl Default for World {
             admin_bound_before_live: None,
             xds: String::new(),
             xds_asks: 0,
+            socket_path: envoy_agent_proxy::SocketPath::envoy_default(),
             live_check_delay: Duration::ZERO,
             live_checks_sent: Vec::new(),
             preflight_cached: false,
@@ -556,6 +559,7 @@ impl Host for FakeHost {
                     base_id,
                     hot_restart_version: version,
                     uptime_current_epoch: "0s".to_owned(),
+                    socket_path: envoy_agent_proxy::SocketPath::envoy_default(),
                 })
         })
     }
@@ -632,6 +636,14 @@ impl Host for FakeHost {
             reading.state = Some(state);
             Ok(reading)
         })
+    }
+
+    fn socket_path(&self) -> envoy_agent_proxy::SocketPath {
+        self.world().socket_path.clone()
+    }
+
+    fn use_socket_path(&self, path: envoy_agent_proxy::SocketPath) {
+        self.world().socket_path = path;
     }
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {

@@ -113,6 +113,8 @@ pub struct ServerInfo {
     pub hot_restart_version: String,
     /// Uptime of this epoch as Envoy prints it (e.g. `12s`).
     pub uptime_current_epoch: String,
+    /// Its hot-restart channel (`--socket-path`).
+    pub socket_path: crate::SocketPath,
 }
 
 impl ServerInfo {
@@ -134,6 +136,11 @@ impl ServerInfo {
             base_id,
             hot_restart_version: raw.hot_restart_version,
             uptime_current_epoch: raw.uptime_current_epoch,
+            socket_path: if raw.command_line_options.socket_path.is_empty() {
+                crate::SocketPath::envoy_default()
+            } else {
+                crate::SocketPath::parse(&raw.command_line_options.socket_path)
+            },
         })
     }
 }
@@ -155,6 +162,8 @@ struct RawOptions {
     // uint64 is a JSON string in proto3's JSON mapping.
     #[serde(default)]
     base_id: String,
+    #[serde(default)]
+    socket_path: String,
 }
 
 /// Which process answers on an admin address, from two of Envoy's gauges. `/server_info`

@@ -6,7 +6,7 @@
 
 use std::net::IpAddr;
 
-use crate::config::{AdminAddress, ProxyConfig};
+use crate::config::{AdminAddress, ProxyConfig, SocketPath};
 
 /// Envoy's log line as JSON: the format Istio passed as `--log-format` before moving it into
 /// the bootstrap. `%j` is Envoy's JSON-escaped message.
@@ -141,6 +141,16 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
         Some(hot) => {
             push("--restart-epoch", epoch.to_string());
             push("--base-id", hot.base_id.to_string());
+            match &hot.socket_path {
+                SocketPath::File(prefix) => {
+                    push("--socket-path", prefix.display().to_string());
+                    push("--socket-mode", "600".to_owned());
+                }
+                path if *path != SocketPath::envoy_default() => {
+                    push("--socket-path", path.to_string());
+                }
+                _ => {}
+            }
             push(
                 "--parent-shutdown-time-s",
                 hot.parent_shutdown_time.as_secs().to_string(),
@@ -391,6 +401,7 @@ mod tests {
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: None,
             ephemeral_admin: None,
+            socket_path: crate::config::SocketPath::envoy_default(),
         });
         let a = envoy_args(&c, 3).args;
         assert!(!a.contains(&"--disable-hot-restart".to_owned()));
@@ -401,6 +412,40 @@ mod tests {
     }
 
     #[test]
+    fn a_private_channel_is_a_file_socket_path_of_mode_600() {
+        let mut c = ProxyConfig::new(
+            "/usr/bin/envoy".into(),
+            "/etc/envoy.yaml".into(),
+            AdminAddress::Fixed(([127, 0, 0, 1], 9901).into()),
+        );
+        c.hot_restart = Some(HotRestart {
+            base_id: 42,
+            parent_shutdown_time: Duration::from_secs(60),
+            admin_address_dir: None,
+            ephemeral_admin: None,
+            socket_path: SocketPath::File("/var/run/envoy-agent/hot-restart/envoy".into()),
+        });
+        let a = envoy_args(&c, 1).args;
+        assert_eq!(
+            value(&a, "--socket-path"),
+            Some("/var/run/envoy-agent/hot-restart/envoy")
+        );
+        assert_eq!(value(&a, "--socket-mode"), Some("600"));
+        if let Some(hot) = &mut c.hot_restart {
+            hot.socket_path = SocketPath::envoy_default();
+        }
+        let a = envoy_args(&c, 1).args;
+        assert_eq!(value(&a, "--socket-path"), None, "Envoy's default");
+        if let Some(hot) = &mut c.hot_restart {
+            hot.socket_path = SocketPath::parse("@mine");
+        }
+        assert_eq!(
+            value(&envoy_args(&c, 1).args, "--socket-path"),
+            Some("@mine")
+        );
+    }
+
+    #[test]
     fn each_epoch_writes_its_admin_address_to_its_own_file_when_asked() {
         let mut c = config();
         c.hot_restart = Some(HotRestart {
@@ -408,6 +453,7 @@ mod tests {
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: Some(PathBuf::from("/run/agent")),
             ephemeral_admin: None,
+            socket_path: crate::config::SocketPath::envoy_default(),
         });
         assert_eq!(
             value(&envoy_args(&c, 3).args, "--admin-address-path"),
@@ -581,6 +627,7 @@ mod tests {
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: None,
             ephemeral_admin: None,
+            socket_path: crate::config::SocketPath::envoy_default(),
         });
         let refused = refused_extra_arg(&c).unwrap();
         assert_eq!(refused.flag, "--drain-time-s");

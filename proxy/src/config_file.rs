@@ -132,7 +132,7 @@ fn candidate_path(path: &Path) -> PathBuf {
 /// On failure the temp file is removed and `path` is untouched. The new file keeps the old
 /// file's permissions.
 pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
-    replace(path, contents, true)
+    replace(path, contents, true, 0o666)
 }
 
 /// Replaces `path` with `contents` as [`write_atomically`] does (readers see the old file or
@@ -140,10 +140,16 @@ pub fn write_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
 /// while this boot lasts (a heartbeat, a readiness marker), rewritten often, where two
 /// `fsync`s per write would cost more than a crash could lose.
 pub fn replace_atomically(path: &Path, contents: &[u8]) -> io::Result<()> {
-    replace(path, contents, false)
+    replace(path, contents, false, 0o666)
 }
 
-fn replace(path: &Path, contents: &[u8], durable: bool) -> io::Result<()> {
+/// [`replace_atomically`] for a file only the agent's user may read: created mode 0600 (an
+/// existing file keeps its mode).
+pub fn replace_privately(path: &Path, contents: &[u8]) -> io::Result<()> {
+    replace(path, contents, false, 0o600)
+}
+
+fn replace(path: &Path, contents: &[u8], durable: bool, mode: u32) -> io::Result<()> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let name = path
         .file_name()
@@ -158,7 +164,7 @@ fn replace(path: &Path, contents: &[u8], durable: bool) -> io::Result<()> {
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let result = write_then_rename(&tmp, path, &dir, contents, durable);
+    let result = write_then_rename(&tmp, path, &dir, contents, durable, mode);
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
@@ -171,11 +177,14 @@ fn write_then_rename(
     dir: &Path,
     contents: &[u8],
     durable: bool,
+    mode: u32,
 ) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
+        .mode(mode)
         .open(tmp)?;
     if let Ok(meta) = fs::metadata(path) {
         file.set_permissions(meta.permissions())?;

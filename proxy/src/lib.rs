@@ -53,12 +53,12 @@ mod sys;
 
 pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
-pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
-pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs};
+pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs, SocketPath};
 pub use config_file::{
-    replace_atomically, replace_config, validate_candidate, validate_candidate_cached,
-    write_atomically,
+    replace_atomically, replace_config, replace_privately, validate_candidate,
+    validate_candidate_cached, write_atomically,
 };
+pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
 pub use envoy::Envoy;
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};

@@ -324,6 +324,8 @@ pub struct FamilyState {
     /// After a cold handover: the old family's Envoy processes, draining until they are
     /// stopped (another base id than `base_id`).
     pub retiring: Vec<EpochInfo>,
+    /// The family's hot-restart channel (`--socket-path`; `@name` when abstract).
+    pub socket_path: String,
     /// The last hot restarts (and first starts), oldest first, at most [`HISTORY_KEPT`].
     pub handoffs: Vec<HandoffResult>,
     /// How the family's Envoy processes ended, oldest first, at most [`HISTORY_KEPT`].

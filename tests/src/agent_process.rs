@@ -46,6 +46,8 @@ pub struct AgentBuilder {
     wait_nothing: bool,
     /// Extra environment variables for the agent.
     env: Vec<(String, String)>,
+    /// Envoy arguments after the agent's `--`.
+    envoy_args: Vec<String>,
 }
 
 impl AgentBuilder {
@@ -95,6 +97,12 @@ impl AgentBuilder {
     pub fn no_wait(mut self) -> Self {
         self.wait_live = false;
         self.wait_nothing = true;
+        self
+    }
+
+    /// Adds Envoy arguments (after the agent's `--`).
+    pub fn envoy_args(mut self, args: &[&str]) -> Self {
+        self.envoy_args.extend(args.iter().map(|s| s.to_string()));
         self
     }
 
@@ -203,13 +211,15 @@ impl AgentBuilder {
                 command
                     .args(["--hot-restart", "--base-id", &p.base_id.to_string()])
                     .args(&self.args)
-                    .args(["--", "--concurrency", "1"]);
+                    .args(["--", "--concurrency", "1"])
+                    .args(&self.envoy_args);
             }
             None => {
                 command
                     .args(&self.args)
                     .args(["--", "--concurrency", "1", "--admin-address-path"])
-                    .arg(&admin_file);
+                    .arg(&admin_file)
+                    .args(&self.envoy_args);
             }
         }
         command
@@ -334,6 +344,7 @@ impl AgentProcess {
             default_status_address: false,
             wait_nothing: false,
             env: Vec::new(),
+            envoy_args: Vec::new(),
         }
     }
 

@@ -506,6 +506,7 @@ fn heartbeat(identity: &str, base_id: u32, epoch: u32, updated_unix_ms: u64) -> 
         restart_in_flight: false,
         cold_takeover_of: None,
         handover: None,
+        socket_path: String::new(),
     }
 }
 
@@ -566,12 +567,46 @@ async fn heartbeat_files_that_are_not_heartbeats_hang_and_fool_nothing() {
 ///     serves on; the agent never stops.
 #[tokio::test]
 async fn the_serving_epoch_killed_right_after_its_childs_live_is_survived() {
+    killed_right_after_live(&[], None).await;
+}
+
+/// The same with the user's own hot-restart channel (`-- --socket-path`, in a directory of
+/// theirs only they can enter): the stand-ins bind its names.
+#[tokio::test]
+async fn the_serving_epoch_killed_right_after_its_childs_live_is_survived_on_a_socket_path_of_ones_own()
+ {
+    let dir = envoy_agent_tests::TestDir::new();
+    let channel = dir.join("channel");
+    std::fs::create_dir(&channel).unwrap();
+    std::fs::set_permissions(
+        &channel,
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o700),
+    )
+    .unwrap();
+    let prefix = channel.join("envoy");
+    killed_right_after_live(&["--socket-path", prefix.to_str().unwrap()], Some(&channel)).await;
+}
+
+/// `channel`: the directory where the family's hot-restart sockets must be.
+async fn killed_right_after_live(envoy_args: &[&str], channel: Option<&std::path::Path>) {
     let mut agent = crate::agent()
         .hot_restart()
         .wrapper(POD)
         .args(FAST)
+        .envoy_args(envoy_args)
         .start()
         .await;
+    if let Some(dir) = channel {
+        let names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect();
+        assert!(
+            names.iter().any(|n| n.starts_with("envoy_parent_")),
+            "the family's sockets are in {}: {names:?}",
+            dir.display()
+        );
+    }
     let base_id = agent.ports.unwrap().base_id;
     let listener = std::net::SocketAddr::from(([127, 0, 0, 1], agent.ports.unwrap().listener_port));
     let load = Load::start(listener, "/", 2, 2);

@@ -18,6 +18,7 @@ mod hot_restart;
 mod manifests;
 mod preflight_cache;
 mod run;
+mod security;
 mod status;
 mod systemd;
 mod telemetry;

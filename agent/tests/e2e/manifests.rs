@@ -771,6 +771,11 @@ fn the_systemd_unit_uses_real_flags_and_leaves_stopping_envoy_to_the_agent() {
     assert_eq!(directive("CapabilityBoundingSet"), ["CAP_NET_BIND_SERVICE"]);
     assert_eq!(directive("NoNewPrivileges"), ["yes"]);
     assert_eq!(directive("ProtectSystem"), ["strict"]);
+    assert_eq!(
+        directive("StateDirectoryMode"),
+        ["0700"],
+        "the state dir (hot-restart channel, lock, heartbeats) is the agent's alone"
+    );
     // What the agent writes is in the directories systemd creates for User= (writable under
     // ProtectSystem=strict).
     for path_flag in ["--state-dir", "--ready-marker", "--grpc-address"] {

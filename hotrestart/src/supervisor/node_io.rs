@@ -138,6 +138,7 @@ impl<H: Host> Supervisor<H> {
                         HandoffKind::Hot => String::new(),
                     },
                 }),
+            socket_path: self.host.socket_path().to_string(),
         };
         if let Some((last, at)) = &mut self.heartbeat_written {
             let same = Heartbeat {

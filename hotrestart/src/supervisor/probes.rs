@@ -71,6 +71,23 @@ impl<H: Host> Supervisor<H> {
                     self.begin_first_cold(base_id, who, why);
                     return;
                 }
+                // A child must use its parent's channel: the predecessor's (an older agent's
+                // family may use Envoy's abstract default).
+                if let Ok(info) = &result {
+                    if info.socket_path != self.host.socket_path() {
+                        if info.socket_path.is_abstract() {
+                            tracing::warn!(
+                                event = "hot_restart_channel",
+                                socket_path = %info.socket_path,
+                                private = false,
+                                "the predecessor's family uses abstract hot-restart sockets, which every process on the node can reach: this family keeps them (a child must use its parent's) until its next cold handover"
+                            );
+                        } else {
+                            tracing::info!(event = "hot_restart_channel", socket_path = %info.socket_path, private = true, "the predecessor's hot-restart channel");
+                        }
+                        self.host.use_socket_path(info.socket_path.clone());
+                    }
+                }
                 tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
                 self.family.predecessor = Some(who.clone());
                 self.begin_first(

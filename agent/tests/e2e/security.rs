@@ -1,0 +1,219 @@
+//! Only the agent may use its Envoy's hot-restart channel: another user's process in the
+//! agent's network namespace (with hostNetwork, anything on the node) can neither take Envoy's
+//! listening sockets, nor stop it, nor hold the node's epoch lock (`shared/design.md` §1.15).
+//! The neighbour is `tests/intruder.py`, run as uid 65534.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use envoy_agent_tests::{AgentProcess, HotRestartPorts, Load, PATIENCE, eventually, process_alive};
+use nix::sys::signal::Signal;
+
+use crate::agent;
+
+/// Drain 1s, parent shutdown 2s.
+const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
+
+/// Runs the intruder as uid 65534 against the family of the agent in `dir` (see
+/// [`node_proxy`]); what it managed, as JSON. `hold_lock`: how long it holds the epoch lock if
+/// it gets it.
+async fn intruder(dir: PathBuf, ports: HotRestartPorts, hold_lock: Duration) -> serde_json::Value {
+    let output = tokio::time::timeout(
+        PATIENCE,
+        tokio::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg("/usr/bin/python3")
+            .arg(dir.join("intruder.py"))
+            .arg(ports.base_id.to_string())
+            .arg(ports.listener_port.to_string())
+            .arg(dir.join("state"))
+            .arg(hold_lock.as_secs_f64().to_string())
+            .output(),
+    )
+    .await
+    .expect("the intruder ends")
+    .expect("setpriv and /usr/bin/python3 run (util-linux, Debian's python3)");
+    assert!(
+        output.status.success(),
+        "intruder: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "intruder output {e}: {}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    })
+}
+
+/// A node proxy at its defaults, whose temp dir (private to root) is opened up as a node's
+/// /var/run is: only the agent's own files and directories stand in the neighbour's way.
+async fn node_proxy() -> AgentProcess {
+    let builder = agent().hot_restart();
+    open_up(builder.dir().path());
+    // Where another user can read it (the repository may sit in a private home).
+    let script = builder.dir().join("intruder.py");
+    std::fs::copy(
+        envoy_agent_tests::repo_root().join("tests/intruder.py"),
+        &script,
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    builder.args(FAST).start().await
+}
+
+fn open_up(dir: &Path) {
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn listener(agent: &AgentProcess) -> std::net::SocketAddr {
+    ([127, 0, 0, 1], agent.ports.unwrap().listener_port).into()
+}
+
+#[tokio::test]
+async fn a_neighbour_gets_no_listener_and_cannot_stop_envoy_or_hold_the_epoch_lock() {
+    let mut agent = node_proxy().await;
+    let envoy = agent.envoys()[0];
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    eventually("the load to be served", PATIENCE, || async {
+        (load.ok() > 20).then_some(())
+    })
+    .await;
+
+    let (dir, ports) = (agent.dir.path().to_owned(), agent.ports.unwrap());
+    let tried = intruder(dir.clone(), ports, Duration::ZERO).await;
+    assert_eq!(tried["uid"], 65534, "{tried}");
+    assert_eq!(tried["got_listener"], false, "no listening socket: {tried}");
+    assert_eq!(
+        tried["terminate_sent"], false,
+        "no Terminate reached Envoy: {tried}"
+    );
+    assert!(
+        tried["lock"].as_str().unwrap().starts_with("open:"),
+        "the epoch lock cannot even be opened: {tried}"
+    );
+    // A Terminate that got through would stop Envoy within milliseconds: watch a while.
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        assert!(process_alive(envoy), "envoy runs on");
+        assert!(agent.running(), "the agent runs on");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A hot restart while the neighbour tries to hold the lock.
+    let neighbour = tokio::spawn(intruder(dir, ports, Duration::from_secs(10)));
+    agent.signal(Signal::SIGHUP);
+    eventually("the hot restart", PATIENCE, || async {
+        agent
+            .events_with("handoff", "outcome", "live")
+            .iter()
+            .any(|e| e["first"] == false)
+            .then_some(())
+    })
+    .await;
+    let tried = neighbour.await.unwrap();
+    assert_ne!(tried["lock"], "HELD", "{tried}");
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert!(report.ok > 100, "{report:?}");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+#[tokio::test]
+async fn the_state_dir_and_the_channel_are_private_and_an_abstract_channel_is_refused() {
+    let mut node = node_proxy().await;
+    let state = node.dir.join("state");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&state), 0o700);
+    assert_eq!(mode(&state.join("hot-restart")), 0o700);
+    assert_eq!(mode(&state.join("epoch.lock")), 0o600);
+    let heartbeats: Vec<_> = std::fs::read_dir(&state)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("heartbeat-"))
+        .collect();
+    assert!(!heartbeats.is_empty());
+    for h in heartbeats {
+        assert_eq!(mode(&h.path()), 0o600, "{}", h.path().display());
+    }
+    let started = node
+        .events("hot_restart_channel")
+        .pop()
+        .expect("the channel is logged at start");
+    assert_eq!(started["private"], true, "{started}");
+    node.signal(Signal::SIGTERM);
+    assert_eq!(node.exit().await.code(), Some(0));
+
+    // Abstract names only on request.
+    let mut refused = agent()
+        .hot_restart()
+        .envoy_args(&["--socket-path", "@envoy_domain_socket"])
+        .no_wait()
+        .start()
+        .await;
+    assert_eq!(refused.exit().await.code(), Some(64));
+    assert!(
+        refused
+            .stderr()
+            .contains("--allow-abstract-hot-restart-socket"),
+        "{}",
+        refused.stderr()
+    );
+    // A state dir others can write is refused too.
+    let builder = agent().hot_restart();
+    let state = builder.dir().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut loose = builder.no_wait().start().await;
+    assert_eq!(loose.exit().await.code(), Some(64));
+    assert!(
+        loose.stderr().contains("state directory"),
+        "{}",
+        loose.stderr()
+    );
+}
+
+/// An upgrade from a family on Envoy's abstract names (a pod of an earlier release): the
+/// successor at its defaults takes over on the predecessor's names (a child must use its
+/// parent's), says so, and no request fails.
+#[tokio::test]
+async fn a_successor_takes_over_a_family_on_abstract_names_losing_no_request() {
+    let node = crate::cross_pod::Node::new();
+    let mut a = node
+        .pod("pod-a")
+        .args(&["--allow-abstract-hot-restart-socket"])
+        .envoy_args(&["--socket-path", "@envoy_domain_socket"])
+        .start()
+        .await;
+    let load = Load::start(node.listener(), "/", 2, 2);
+    eventually("the load to be served", PATIENCE, || async {
+        (load.ok() > 20).then_some(())
+    })
+    .await;
+    let mut b = node.pod("pod-b").start().await;
+    envoy_agent_tests::live_at(&node.admin(), 1).await;
+    let info = node.admin().server_info().await.unwrap();
+    assert_eq!(
+        info.socket_path,
+        envoy_agent_proxy::SocketPath::envoy_default(),
+        "the child uses its parent's names"
+    );
+    let inherited = b
+        .events_with("hot_restart_channel", "private", "false")
+        .pop()
+        .expect("the successor says it took over abstract names");
+    assert_eq!(
+        inherited["socket_path"], "@envoy_domain_socket",
+        "{inherited}"
+    );
+    let heartbeat = crate::cross_pod::heartbeat(&node.state_dir(), "pod-b").unwrap();
+    assert_eq!(heartbeat.socket_path, "@envoy_domain_socket");
+    a.signal_agent(Signal::SIGTERM);
+    assert_eq!(a.exit().await.code(), Some(0));
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    b.signal_agent(Signal::SIGTERM);
+    assert_eq!(b.exit().await.code(), Some(0));
+}
