@@ -86,7 +86,7 @@ fn address(path: &SocketPath, base_id: u32, role: &str, epoch: u32) -> std::io::
 /// Binds `addr`. A file socket that exists is taken over only once nobody answers at it: a
 /// connect refused means its Envoy is gone (the file stays behind a killed process); one
 /// that connects belongs to a living Envoy, and the bind fails as an abstract name's does.
-fn bind(addr: &SocketAddr) -> std::io::Result<UnixDatagram> {
+fn bind(addr: &SocketAddr, owner: Option<u32>) -> std::io::Result<UnixDatagram> {
     if let Some(path) = addr.as_pathname() {
         if std::fs::symlink_metadata(path).is_ok() {
             let probe = UnixDatagram::unbound()?;
@@ -102,6 +102,10 @@ fn bind(addr: &SocketAddr) -> std::io::Result<UnixDatagram> {
         // As Envoy's own (`--socket-mode 600`): only the agent's user can send to it.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        if let Some(uid) = owner {
+            // Envoy runs as another user: its child must be able to send to us.
+            nix::unistd::chown(path, Some(nix::unistd::Uid::from_raw(uid)), None)?;
+        }
         return Ok(socket);
     }
     UnixDatagram::bind_addr(addr)
@@ -109,13 +113,19 @@ fn bind(addr: &SocketAddr) -> std::io::Result<UnixDatagram> {
 
 impl Absorber {
     /// Binds the parent sockets of dead `parent_epoch` of family `base_id`, whose channel is
-    /// at `path`.
-    pub fn bind(path: &SocketPath, base_id: u32, parent_epoch: u32) -> std::io::Result<Absorber> {
+    /// at `path`; file sockets are given to `owner` (Envoy's uid, when it runs as another
+    /// user).
+    pub fn bind(
+        path: &SocketPath,
+        base_id: u32,
+        parent_epoch: u32,
+        owner: Option<u32>,
+    ) -> std::io::Result<Absorber> {
         let mut tasks = Vec::new();
         for (role, child_role) in [("parent", "child"), ("udp_parent", "udp_child")] {
             let addr = address(path, base_id, role, parent_epoch)?;
             let child = address(path, base_id, child_role, parent_epoch + 1)?;
-            let socket = bind(&addr)?;
+            let socket = bind(&addr, owner)?;
             socket.set_nonblocking(true)?;
             let socket = tokio::net::UnixDatagram::from_std(socket)?;
             tasks.push(tokio::spawn(async move {
@@ -170,12 +180,12 @@ mod tests {
     #[tokio::test]
     async fn binds_and_absorbs() {
         let path = SocketPath::envoy_default();
-        let absorber = Absorber::bind(&path, 4_000_001, 2).unwrap();
+        let absorber = Absorber::bind(&path, 4_000_001, 2, None).unwrap();
         let sender = UnixDatagram::unbound().unwrap();
         let addr = address(&path, 4_000_001, "parent", 2).unwrap();
         sender.send_to_addr(b"hello", &addr).unwrap();
         // A second bind of the same names fails while the absorber holds them.
-        assert!(Absorber::bind(&path, 4_000_001, 2).is_err());
+        assert!(Absorber::bind(&path, 4_000_001, 2, None).is_err());
         drop(absorber);
     }
 
@@ -188,12 +198,12 @@ mod tests {
         // A living Envoy's socket: left alone.
         let live = UnixDatagram::bind(&parent).unwrap();
         assert_eq!(
-            Absorber::bind(&path, 7, 0).unwrap_err().kind(),
+            Absorber::bind(&path, 7, 0, None).unwrap_err().kind(),
             std::io::ErrorKind::AddrInUse
         );
         // Its process is gone (the file stays): taken over, private.
         drop(live);
-        let absorber = Absorber::bind(&path, 7, 0).unwrap();
+        let absorber = Absorber::bind(&path, 7, 0, None).unwrap();
         let mode = std::fs::metadata(&parent).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         UnixDatagram::unbound()

@@ -704,7 +704,12 @@ impl Host for RealHost {
 
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {
         let target = self.target();
-        crate::absorber::Absorber::bind(&target.socket_path, target.base_id, parent_epoch)
+        let owner = self
+            .proxy
+            .run_as
+            .filter(|_| self.proxy.agent_is_root)
+            .map(|r| r.uid);
+        crate::absorber::Absorber::bind(&target.socket_path, target.base_id, parent_epoch, owner)
             .map(|a| Box::new(a) as Guard)
     }
 

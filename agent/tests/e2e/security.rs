@@ -143,6 +143,12 @@ async fn the_state_dir_and_the_channel_are_private_and_an_abstract_channel_is_re
         .pop()
         .expect("the channel is logged at start");
     assert_eq!(started["private"], true, "{started}");
+    // What a successor reads to find the family's channel.
+    let info = node.admin.server_info().await.unwrap();
+    assert_eq!(
+        info.socket_path,
+        envoy_agent_proxy::SocketPath::File(state.join("hot-restart").join("envoy"))
+    );
     node.signal(Signal::SIGTERM);
     assert_eq!(node.exit().await.code(), Some(0));
 

@@ -48,6 +48,10 @@ impl<H: Host> Supervisor<H> {
         match decision {
             Discovery::Fresh => {
                 tracing::info!("no live predecessor on this node: starting at epoch 0");
+                // A family of our own: our channel (not one a crashed family took over).
+                if let Some(hot) = &self.config.proxy.hot_restart {
+                    self.host.use_socket_path(hot.socket_path.clone());
+                }
                 self.begin_first(0, None, START_REASON.to_owned());
             }
             Discovery::TakeOver {
