@@ -110,6 +110,7 @@ pub async fn run(
 ) -> anyhow::Result<u8> {
     let grpc = grpc.unwrap_or_else(client::default_address);
     setup::check_mode(&args)?;
+    setup::raise_fd_limit();
     warn_about(&args);
     // Unique to this run, not only to this pid: every agent that is PID 1 of its container
     // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one

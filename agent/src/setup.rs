@@ -332,6 +332,45 @@ fn take_flag(args: &[String], flag: &str) -> Result<(Option<String>, Vec<String>
     Ok((value, rest))
 }
 
+/// Below this many descriptors the hard limit is worth a warning: a node proxy's clients, its
+/// Envoy's and the agent's own connections share it.
+const LOW_FD_LIMIT: u64 = 16_384;
+
+/// Raises the soft limit on open files to the hard one (as Go's runtime does at start): 1024,
+/// a common container default, is a limit a neighbour's idle connections can exhaust, after
+/// which the agent cannot open a socket to Envoy or a file. Envoy inherits it. Logged, with a
+/// warning when the hard limit is low; a failure only costs the raise.
+pub fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    let raised = if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).map(|()| hard)
+    } else {
+        Ok(soft)
+    };
+    match raised {
+        Ok(limit) if limit < LOW_FD_LIMIT => tracing::warn!(
+            event = "fd_limit",
+            soft = limit,
+            hard,
+            was = soft,
+            "the hard limit on open files is low ({hard}): raise it (LimitNOFILE=, the container runtime's nofile ulimit)"
+        ),
+        Ok(limit) => tracing::info!(
+            event = "fd_limit",
+            soft = limit,
+            hard,
+            was = soft,
+            "open-file limit"
+        ),
+        Err(e) => {
+            tracing::warn!(event = "fd_limit", soft, hard, error = %e, "cannot raise the open-file limit")
+        }
+    }
+}
+
 /// The name of the hot-restart channel's directory under the state directory.
 pub const CHANNEL_DIR: &str = "hot-restart";
 

@@ -67,9 +67,12 @@ async fn validate_bytes(
     let path = &config.config_path;
     let candidate = candidate_path(path);
     let write = (|| {
+        use std::os::unix::fs::OpenOptionsExt;
+        // 0600: the config may hold secrets, and a candidate is nobody else's business.
         let mut file = OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&candidate)?;
         file.write_all(bytes)?;
         file.sync_all()
@@ -249,6 +252,77 @@ mod tests {
         ("write_atomically", write_atomically),
         ("replace_atomically", replace_atomically),
     ];
+
+    #[test]
+    fn a_private_file_is_created_0600() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("heartbeat.json");
+        replace_privately(&path, b"{}").unwrap();
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+    }
+
+    /// An "envoy" that records the mode of the config it is asked to validate, and accepts it.
+    fn mode_recording_envoy(dir: &Path) -> (PathBuf, PathBuf) {
+        let seen = dir.join("seen-mode");
+        let bin = dir.join("envoy");
+        fs::write(
+            &bin,
+            format!(
+                "#!/bin/sh\nwhile [ \"$1\" != -c ]; do shift; done\nstat -c %a \"$2\" > {}\n",
+                seen.display()
+            ),
+        )
+        .unwrap();
+        fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+        (bin, seen)
+    }
+
+    #[tokio::test]
+    async fn a_validation_candidate_is_private() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bin, seen) = mode_recording_envoy(dir.path());
+        let config_path = dir.path().join("bootstrap.yaml");
+        fs::write(&config_path, "admin: {}\n").unwrap();
+        let config = crate::ProxyConfig::new(
+            bin,
+            config_path,
+            crate::AdminAddress::FromFile(dir.path().join("admin")),
+        );
+        validate_candidate(&config, b"secret: yes\n").await.unwrap();
+        assert_eq!(fs::read_to_string(&seen).unwrap().trim(), "600");
+    }
+
+    #[tokio::test]
+    async fn a_config_that_moves_the_admin_port_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bin, _) = mode_recording_envoy(dir.path());
+        let config_path = dir.path().join("bootstrap.yaml");
+        let config = crate::ProxyConfig::new(
+            bin,
+            config_path,
+            crate::AdminAddress::Fixed(([127, 0, 0, 1], 9901).into()),
+        );
+        let at = |port: u16| {
+            format!(
+                "admin: {{address: {{socket_address: {{address: 0.0.0.0, port_value: {port}}}}}}}\n"
+            )
+        };
+        validate_candidate(&config, at(9901).as_bytes())
+            .await
+            .unwrap();
+        let refused = validate_candidate(&config, at(9902).as_bytes())
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains("moves Envoy's admin address to 127.0.0.1:9902")
+                && refused.contains("127.0.0.1:9901"),
+            "{refused}"
+        );
+    }
 
     #[test]
     fn replaces_content_and_keeps_permissions() {

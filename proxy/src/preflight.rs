@@ -124,7 +124,29 @@ pub async fn validate(config: &ProxyConfig) -> Result<(), PreflightError> {
         duration_ms = took.as_secs_f64() * 1000.0,
         "envoy --mode validate ran"
     );
-    result
+    result.and_then(|()| admin_unchanged(config))
+}
+
+/// A config Envoy accepts may still move its admin port, which the agent (and, with hot
+/// restart, its watchdogs and a successor pod) reach Envoy at: a new epoch there would serve
+/// unseen, and be killed at the handoff deadline. Refused before anything starts. An address
+/// Envoy picks (port 0) or one that cannot be read here is left to Envoy.
+fn admin_unchanged(config: &ProxyConfig) -> Result<(), PreflightError> {
+    let crate::AdminAddress::Fixed(running) = &config.admin else {
+        return Ok(());
+    };
+    match crate::bootstrap::admin_address(&config.config_path) {
+        Ok(new) if new.port() != running.port() && new.port() != 0 => {
+            Err(PreflightError::Invalid {
+                path: config.config_path.clone(),
+                message: format!(
+                    "it moves Envoy's admin address to {new}, but the agent reaches Envoy at \
+                     {running} (as does every epoch's successor): restart the agent to move it"
+                ),
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 /// `envoy --hot-restart-version` of `binary` (Envoy prints it on stderr), e.g. `11.104`.

@@ -204,6 +204,39 @@ async fn a_bad_config_is_rejected_and_the_old_epoch_keeps_serving() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// A config Envoy accepts that moves the admin port: a new epoch there would serve where the
+/// agent does not look (and be killed at the handoff deadline, its parent gone). Refused
+/// before anything starts, saying why; the serving epoch serves on.
+#[tokio::test]
+async fn a_config_that_moves_the_admin_port_is_refused_and_the_old_epoch_keeps_serving() {
+    let mut agent = start(&["--watch-config"]).await;
+    let p = agent.ports.unwrap();
+    let path = agent.dir.join("bootstrap.yaml");
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    let elsewhere = envoy_agent_tests::free_port();
+    envoy_agent_proxy::write_atomically(
+        &path,
+        bootstrap_yaml_on(elsewhere, p.listener_port, "moved").as_bytes(),
+    )
+    .unwrap();
+    let rejected = agent.wait_event("handoff", "outcome", "rejected").await;
+    let reason = rejected["error"].as_str().unwrap();
+    assert!(
+        reason.contains("moves Envoy's admin address") && reason.contains(&elsewhere.to_string()),
+        "{reason}"
+    );
+    let info = agent.admin.server_info().await.unwrap();
+    assert_eq!((info.state, info.restart_epoch), (ServerState::Live, 0));
+    assert_eq!(agent.envoys().len(), 1, "nothing was started");
+    assert!(agent.running());
+    write_bootstrap(&agent, "back");
+    live_at(&agent.admin, 1).await;
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
 #[tokio::test]
 async fn a_sighup_storm_is_coalesced_without_a_third_generation() {
     let mut agent = start(&[]).await;

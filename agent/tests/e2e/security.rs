@@ -223,3 +223,41 @@ async fn a_successor_takes_over_a_family_on_abstract_names_losing_no_request() {
     b.signal_agent(Signal::SIGTERM);
     assert_eq!(b.exit().await.code(), Some(0));
 }
+
+/// A soft limit of 1024 open files (a common container default) is raised to the hard one at
+/// start, for the agent and the Envoy it starts: a neighbour's idle connections then need far
+/// more to exhaust it.
+#[tokio::test]
+async fn the_open_file_limit_is_raised_to_the_hard_limit() {
+    // (soft, hard) open-file limits of `pid`.
+    let limits = |pid: &str| {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with("Max open files"))
+            .unwrap()
+            .to_owned();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        (words[3].to_owned(), words[4].to_owned())
+    };
+    let (_, hard) = limits("self");
+    assert!(
+        hard.parse::<u64>().is_ok_and(|h| h > 1024),
+        "the test needs a hard limit above 1024, has {hard}"
+    );
+    let nofile = format!("--nofile=1024:{hard}");
+    let mut agent = agent()
+        .wrapper(&["prlimit", nofile.as_str(), "--"])
+        .start()
+        .await;
+    assert_eq!(limits(&agent.agent_pid().to_string()).0, hard);
+    assert_eq!(
+        limits(&agent.envoy_pid().to_string()).0,
+        hard,
+        "envoy inherits it"
+    );
+    let event = agent.events("fd_limit").pop().expect("the limit is logged");
+    assert_eq!(event["was"], 1024, "{event}");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
