@@ -585,7 +585,7 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
             Err(e) => failed("reopen-logs", &e),
         },
         C::UpdateConfig { file, reason } => {
-            let bootstrap = match std::fs::read(file) {
+            let bootstrap = match envoy_agent_proxy::read_config(file) {
                 Ok(b) => b,
                 Err(e) => {
                     eprintln!(

@@ -193,7 +193,7 @@ impl ConfigWatch {
                 let lull = (self.debounce / 10).min(EARLY_LULL);
                 self.settle(started, lull).await;
                 self.looked_early = true;
-                if let Ok(bytes) = std::fs::read(&self.path) {
+                if let Ok(bytes) = envoy_agent_proxy::read_config(&self.path) {
                     if Fingerprint::of(&bytes) != self.last {
                         return Some(Change::Settling(bytes));
                     }
@@ -301,7 +301,7 @@ struct Fingerprint {
 
 /// Reads `path`, following symlinks, into its fingerprint.
 fn read(path: &Path) -> std::io::Result<Fingerprint> {
-    std::fs::read(path).map(|bytes| Fingerprint::of(&bytes))
+    envoy_agent_proxy::read_config(path).map(|bytes| Fingerprint::of(&bytes))
 }
 
 impl Fingerprint {

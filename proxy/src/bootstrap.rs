@@ -73,10 +73,13 @@ struct SocketAddress {
 /// `::`) is reached on loopback of the same family. Port 0 means "Envoy picks": see
 /// [`crate::AdminAddress::FromFile`].
 pub fn admin_address(path: &Path) -> Result<SocketAddr, BootstrapError> {
-    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::Read {
+    let read = |source| BootstrapError::Read {
         path: path.to_owned(),
         source,
-    })?;
+    };
+    let bytes = crate::read_config(path).map_err(read)?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| read(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
     admin_address_from_str(path, &text)
 }
 

@@ -97,6 +97,56 @@ async fn validate_bytes(
     validated
 }
 
+/// The largest config file the agent reads. Envoy's bootstraps are far smaller; a symlink to
+/// `/dev/zero` must not grow the agent.
+pub(crate) const MAX_CONFIG_SIZE: u64 = 64 << 20;
+
+/// Reads a config file (following symlinks, as Envoy does): only a regular file of at most
+/// [`MAX_CONFIG_SIZE`] bytes, opened without blocking, so that a FIFO or a device in its
+/// place is refused, naming what it is, instead of hanging the agent.
+pub fn read_config(path: &Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    let kind = meta.file_type();
+    if !kind.is_file() {
+        let what = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_char_device() || kind.is_block_device() {
+            "a device"
+        } else if kind.is_dir() {
+            "a directory"
+        } else if kind.is_socket() {
+            "a socket"
+        } else {
+            "not a file"
+        };
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{what}, not a regular file"),
+        ));
+    }
+    let too_big = || {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("larger than {} MiB", MAX_CONFIG_SIZE >> 20),
+        )
+    };
+    if meta.len() > MAX_CONFIG_SIZE {
+        return Err(too_big());
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or_default());
+    file.take(MAX_CONFIG_SIZE + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_CONFIG_SIZE {
+        return Err(too_big());
+    }
+    Ok(bytes)
+}
+
 /// Replaces the config file at `path` with `bytes` atomically (off the async threads).
 pub async fn replace_config(path: &Path, bytes: Vec<u8>) -> Result<(), ProxyError> {
     let target = path.to_owned();
@@ -252,6 +302,30 @@ mod tests {
         ("write_atomically", write_atomically),
         ("replace_atomically", replace_atomically),
     ];
+
+    #[test]
+    fn only_a_regular_config_file_of_bounded_size_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bootstrap.yaml");
+        fs::write(&path, "admin: {}\n").unwrap();
+        assert_eq!(read_config(&path).unwrap(), b"admin: {}\n");
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // Without a writer: an open that blocked would hang this test.
+        let e = read_config(&fifo).unwrap_err().to_string();
+        assert!(e.contains("a FIFO"), "{e}");
+        let e = read_config(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(e.contains("a device"), "{e}");
+        let e = read_config(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("a directory"), "{e}");
+        let big = dir.path().join("big.yaml");
+        fs::File::create(&big)
+            .unwrap()
+            .set_len(MAX_CONFIG_SIZE + 1)
+            .unwrap();
+        let e = read_config(&big).unwrap_err().to_string();
+        assert!(e.contains("larger than"), "{e}");
+    }
 
     #[test]
     fn a_private_file_is_created_0600() {

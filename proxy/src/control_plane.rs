@@ -300,9 +300,6 @@ impl ConfigStatus {
 /// The dynamic config sources that [`fetch_wait_overlay`] can make wait.
 const WAITING_SOURCES: [&str; 2] = ["lds_config", "cds_config"];
 
-/// The largest bootstrap (or overlay) read to find its dynamic sources.
-const MAX_BOOTSTRAP: u64 = 64 << 20;
-
 /// An overlay that gives the bootstrap's LDS and CDS sources `initial_fetch_timeout: 0s`
 /// (wait for the control plane as long as it takes; the agent's handoff deadline bounds it),
 /// merged into `user_overlay` (the user's own `--config-yaml`, kept whole: Envoy takes one).
@@ -379,14 +376,7 @@ pub fn wait_for_config(args: &mut Vec<String>, bootstrap: &Path) -> bool {
 }
 
 fn read_bounded(path: &Path) -> Option<String> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut text = String::new();
-    file.take(MAX_BOOTSTRAP).read_to_string(&mut text).ok()?;
-    Some(text)
+    String::from_utf8(crate::read_config(path).ok()?).ok()
 }
 
 #[cfg(test)]

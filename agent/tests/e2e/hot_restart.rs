@@ -237,6 +237,52 @@ async fn a_config_that_moves_the_admin_port_is_refused_and_the_old_epoch_keeps_s
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// A FIFO or a device in the bootstrap's place (a mistake, or a neighbour's trick): the
+/// restart is refused naming what it is, nothing blocks or grows, and the agent stays
+/// responsive (readiness, a later restart, SIGTERM).
+#[tokio::test]
+async fn a_fifo_or_a_device_in_place_of_the_bootstrap_is_refused_without_hanging_the_agent() {
+    let mut agent = start(&[]).await;
+    let path = agent.dir.join("bootstrap.yaml");
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    let fifo = agent.dir.join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    for (i, (what, target)) in [
+        ("a FIFO", fifo.as_path()),
+        ("a device", std::path::Path::new("/dev/zero")),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let _ = std::fs::remove_file(&path);
+        std::os::unix::fs::symlink(target, &path).unwrap();
+        agent.signal(Signal::SIGHUP);
+        eventually("the restart to be refused", PATIENCE, || async {
+            (restarts(&agent, "rejected") == i + 1).then_some(())
+        })
+        .await;
+        let refused = agent
+            .events_with("handoff", "outcome", "rejected")
+            .pop()
+            .unwrap();
+        let reason = refused["error"].as_str().unwrap();
+        assert!(
+            reason.contains(what) && reason.contains("bootstrap.yaml"),
+            "{reason}"
+        );
+        let ready = http_get(agent.status(), "/healthz/ready").await.unwrap();
+        assert_eq!(ready.status, 200, "{}", ready.body);
+    }
+    let _ = std::fs::remove_file(&path);
+    write_bootstrap(&agent, "regular again");
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
 #[tokio::test]
 async fn a_sighup_storm_is_coalesced_without_a_third_generation() {
     let mut agent = start(&[]).await;

@@ -198,10 +198,11 @@ impl PairKey {
         let bytes = match bootstrap {
             Some(bytes) => bytes,
             None => {
-                read = std::fs::read(&config.config_path).map_err(|e| PreflightError::Read {
-                    path: config.config_path.clone(),
-                    message: e.to_string(),
-                })?;
+                read =
+                    crate::read_config(&config.config_path).map_err(|e| PreflightError::Read {
+                        path: config.config_path.clone(),
+                        message: e.to_string(),
+                    })?;
                 &read
             }
         };
