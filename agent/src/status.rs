@@ -100,17 +100,113 @@ impl StatusServer {
         self.addr
     }
 
-    /// Serves until `cancel` fires, then finishes the requests in flight.
+    /// Serves until `cancel` fires, then finishes the requests in flight (bounded).
+    ///
+    /// Bounded against a neighbour on the node (every process reaches 127.0.0.1 with
+    /// hostNetwork): at most [`MAX_CONNECTIONS`] at once, the oldest closed to make room for a
+    /// new one (so a flood of idle connections, however many, never keeps the kubelet's probe
+    /// out); a request's headers within [`HEADER_READ_TIMEOUT`]; a connection at most
+    /// [`MAX_CONNECTION_AGE`] long; HTTP/1 with hyper's size limits. An accept error (no
+    /// descriptors left, say) waits a moment: it never spins.
     pub async fn serve(self, agent: AgentHandle, cancel: CancellationToken) -> std::io::Result<()> {
+        use hyper_util::rt::{TokioIo, TokioTimer};
         tracing::info!(addr = %self.addr, "status server listening");
-        axum::serve(
-            self.listener,
-            router(agent).into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(cancel.cancelled_owned())
-        .await
+        let app = router(agent);
+        let live = std::sync::Arc::new(std::sync::Mutex::new(Live::default()));
+        let tracker = tokio_util::task::TaskTracker::new();
+        let mut http = hyper::server::conn::http1::Builder::new();
+        http.timer(TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT);
+        loop {
+            let accepted = tokio::select! {
+                () = cancel.cancelled() => break,
+                accepted = self.listener.accept() => accepted,
+            };
+            let (stream, peer) = match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "status server: cannot accept");
+                    tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                    continue;
+                }
+            };
+            let closing = cancel.child_token();
+            let id = lock(&live).admit(closing.clone(), peer);
+            let service = hyper_util::service::TowerToHyperService::new(
+                app.clone().layer(axum::Extension(ConnectInfo(peer))),
+            );
+            let connection = http.serve_connection(TokioIo::new(stream), service);
+            let live = live.clone();
+            tracker.spawn(async move {
+                let mut connection = std::pin::pin!(connection);
+                let ended = tokio::select! {
+                    r = connection.as_mut() => Some(r),
+                    () = closing.cancelled() => None,
+                    () = tokio::time::sleep(MAX_CONNECTION_AGE) => None,
+                };
+                if ended.is_none() {
+                    // Finish a request in flight, then close (bounded); an idle one closes now.
+                    connection.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(HEADER_READ_TIMEOUT, connection).await;
+                }
+                lock(&live).leave(id);
+            });
+        }
+        tracker.close();
+        let _ = tokio::time::timeout(HEADER_READ_TIMEOUT, tracker.wait()).await;
+        Ok(())
     }
 }
+
+/// The status server's open connections, oldest first.
+#[derive(Default)]
+struct Live {
+    next: u64,
+    open: std::collections::VecDeque<(u64, CancellationToken)>,
+    /// Whether connections are being closed for room (logged once per burst).
+    evicting: bool,
+}
+
+impl Live {
+    /// A new connection's id; the oldest is told to close when there is no room.
+    fn admit(&mut self, closing: CancellationToken, peer: SocketAddr) -> u64 {
+        if self.open.len() >= MAX_CONNECTIONS {
+            if let Some((_, oldest)) = self.open.pop_front() {
+                oldest.cancel();
+            }
+            if !self.evicting {
+                tracing::warn!(%peer, limit = MAX_CONNECTIONS, "status server: too many connections, closing the oldest");
+                self.evicting = true;
+            }
+        } else {
+            self.evicting = false;
+        }
+        self.next += 1;
+        self.open.push_back((self.next, closing));
+        self.next
+    }
+
+    fn leave(&mut self, id: u64) {
+        self.open.retain(|(i, _)| *i != id);
+    }
+}
+
+fn lock(live: &std::sync::Mutex<Live>) -> std::sync::MutexGuard<'_, Live> {
+    live.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The most connections the status server holds at once: far more than its clients (the
+/// kubelet's probes, a scraper, an operator) and far fewer than the agent's open files (it
+/// raises its soft limit to the hard one at start).
+pub const MAX_CONNECTIONS: usize = 256;
+/// How long a client may take to send a request's headers (or, on a kept-alive connection,
+/// the next request's).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a connection is kept, however busy.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
+/// The pause after a failed accept.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
 fn text(status: StatusCode, body: impl Into<String>) -> Response {
     let mut body = body.into();

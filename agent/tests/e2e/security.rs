@@ -261,3 +261,81 @@ async fn the_open_file_limit_is_raised_to_the_hard_limit() {
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
+
+/// A neighbour holding 1100 connections to the status server (idle, or half a request's
+/// headers) with the agent's open files at 1024: the agent holds at most a few hundred of
+/// them, closes the oldest for room and slow headers after their timeout; readiness keeps
+/// answering (ready), a hot restart works, nothing fails, the agent exits only when told.
+#[tokio::test]
+async fn a_connection_flood_to_the_status_server_is_held_off_and_the_node_proxy_serves_on() {
+    let builder = agent().hot_restart();
+    open_up(builder.dir().path());
+    let script = builder.dir().join("flood.py");
+    std::fs::copy(
+        envoy_agent_tests::repo_root().join("tests/flood.py"),
+        &script,
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut agent = builder
+        .wrapper(&["prlimit", "--nofile=1024:1024", "--"])
+        .args(FAST)
+        .start()
+        .await;
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    let status = agent.status();
+    let flood = tokio::process::Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg("/usr/bin/python3")
+        .arg(&script)
+        .arg(status.ip().to_string())
+        .arg(status.port().to_string())
+        .args(["1100", "12"])
+        .output();
+    let flood = tokio::spawn(flood);
+    // While it holds them: the probe is answered, and ready.
+    let until = Instant::now() + Duration::from_secs(8);
+    let mut answered = 0;
+    while Instant::now() < until {
+        let ready = tokio::time::timeout(
+            Duration::from_secs(2),
+            envoy_agent_tests::http_get(status, "/healthz/ready"),
+        )
+        .await;
+        if let Ok(Ok(r)) = ready {
+            assert_eq!(r.status, 200, "{}", r.body);
+            answered += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        answered >= 20,
+        "readiness answered {answered} times in 8 s of flood"
+    );
+    agent.signal(Signal::SIGHUP);
+    eventually("the hot restart", PATIENCE, || async {
+        agent
+            .events_with("handoff", "outcome", "live")
+            .iter()
+            .any(|e| e["first"] == false)
+            .then_some(())
+    })
+    .await;
+    let flooded = flood.await.unwrap().unwrap();
+    let result: serde_json::Value = serde_json::from_slice(&flooded.stdout)
+        .unwrap_or_else(|e| panic!("flood: {e}: {}", String::from_utf8_lossy(&flooded.stderr)));
+    assert!(result["opened"].as_u64().unwrap() > 1000, "{result}");
+    assert!(
+        result["closed_by_server"].as_u64().unwrap() > 800,
+        "the agent let go of them: {result}"
+    );
+    assert!(agent.running());
+    assert!(
+        !agent.stderr().contains("Too many open files"),
+        "the agent never ran out of descriptors"
+    );
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
