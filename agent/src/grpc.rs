@@ -85,7 +85,19 @@ pub struct Service {
     agent: AgentHandle,
     mode: pb::Mode,
     settings: pb::Settings,
+    /// `WatchStatus` streams open, at most [`MAX_WATCHERS`]: each holds a copy of the status
+    /// and a stream's buffers, and a client with a zero window never reads them.
+    watchers: Arc<tokio::sync::Semaphore>,
 }
+
+/// The most `WatchStatus` streams open at once, over every connection: controllers need a
+/// few; a client opening them by the hundred thousand (with a zero window) grew the agent to
+/// 2 GB.
+pub const MAX_WATCHERS: usize = 256;
+/// The most streams of one HTTP/2 connection at once.
+const MAX_STREAMS_PER_CONNECTION: u32 = 32;
+/// The pause after a failed accept (no descriptors left, say): an accept loop never spins.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 
 fn timestamp(t: SystemTime) -> Option<prost_types::Timestamp> {
     Some(prost_types::Timestamp::from(t))
@@ -489,6 +501,7 @@ impl Service {
             agent,
             mode,
             settings,
+            watchers: Arc::new(tokio::sync::Semaphore::new(MAX_WATCHERS)),
         }
     }
 
@@ -556,9 +569,16 @@ impl AgentService for Service {
         &self,
         _request: Request<pb::WatchStatusRequest>,
     ) -> Result<Response<Self::WatchStatusStream>, Status> {
+        let Ok(watching) = self.watchers.clone().try_acquire_owned() else {
+            return Err(Status::resource_exhausted(format!(
+                "{MAX_WATCHERS} WatchStatus streams are open already: close one, or use GetStatus"
+            )));
+        };
         let service = self.clone();
         let stream: StatusStream = Box::pin(
             tokio_stream::wrappers::WatchStream::new(self.agent.status()).map(move |status| {
+                // Held while the stream lives: dropped with it.
+                let _watching = &watching;
                 Ok(pb::WatchStatusResponse {
                     status: Some(service.status_now(&status)),
                 })
@@ -827,6 +847,7 @@ pub async fn serve(
         }
     };
     let router = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_v1alpha)
@@ -859,7 +880,7 @@ pub async fn serve(
                 tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "gRPC server listening");
                 router
                     .serve_with_incoming_shutdown(
-                        tokio_stream::wrappers::TcpListenerStream::new(listener),
+                        paced(tokio_stream::wrappers::TcpListenerStream::new(listener)),
                         cancel.cancelled_owned(),
                     )
                     .await
@@ -881,7 +902,7 @@ pub async fn serve(
             Box::pin(async move {
                 router
                     .serve_with_incoming_shutdown(
-                        tokio_stream::wrappers::UnixListenerStream::new(listener),
+                        paced(tokio_stream::wrappers::UnixListenerStream::new(listener)),
                         cancel.cancelled_owned(),
                     )
                     .await
@@ -927,9 +948,70 @@ async fn bind_when_free(
     }
 }
 
+/// The accepted connections of `incoming`; a failed accept is logged and followed by a pause,
+/// never handed on (a server that polls again at once spins while descriptors are out).
+fn paced<S, T>(incoming: S) -> impl tokio_stream::Stream<Item = Result<T, std::io::Error>>
+where
+    S: tokio_stream::Stream<Item = Result<T, std::io::Error>>,
+{
+    incoming
+        .then(|accepted| async move {
+            if let Err(e) = &accepted {
+                tracing::warn!(error = %e, "gRPC server: cannot accept");
+                tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+            }
+            accepted
+        })
+        .filter(Result::is_ok)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn watch_streams_are_bounded() {
+        let proxy = std::sync::Arc::new(crate::testing::FakeProxy::default());
+        let (_agent, handle) =
+            crate::agent::Agent::new(proxy, crate::agent::AgentConfig::default());
+        let service = Service::new(handle, pb::Mode::Sidecar, pb::Settings::default());
+        let mut open = Vec::new();
+        for _ in 0..MAX_WATCHERS {
+            let stream = service
+                .watch_status(Request::new(pb::WatchStatusRequest {}))
+                .await
+                .unwrap();
+            open.push(stream);
+        }
+        let refused = service
+            .watch_status(Request::new(pb::WatchStatusRequest {}))
+            .await
+            .err()
+            .expect("the stream past the cap is refused");
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        open.pop();
+        assert!(
+            service
+                .watch_status(Request::new(pb::WatchStatusRequest {}))
+                .await
+                .is_ok(),
+            "a closed stream frees its place"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_accept_pauses_and_is_not_handed_on() {
+        let incoming = tokio_stream::iter(vec![
+            Err(std::io::Error::from_raw_os_error(24)),
+            Ok(1),
+            Err(std::io::Error::from_raw_os_error(24)),
+            Ok(2),
+        ]);
+        let started = tokio::time::Instant::now();
+        let accepted: Vec<u32> = paced(incoming).map(|r| r.unwrap()).collect().await;
+        assert_eq!(accepted, [1, 2]);
+        assert!(started.elapsed() >= ACCEPT_ERROR_PAUSE * 2);
+    }
 
     /// The reflection services are built at their first request, not at start: their
     /// descriptor sets must build.
