@@ -432,10 +432,7 @@ pub fn hot_restart_channel(
     Ok((path, rest))
 }
 
-/// Makes sure `dir` can be trusted: a real directory (not a symlink), owned by the agent's user
-/// (or by `owner`, Envoy's), writable by nobody else. A missing one is made with `mode`; an
-/// existing one of ours, when `ours`, is set to `mode` (a kubelet's hostPath is created 0755)
-/// and given to `owner` (when the agent is root).
+/// [`crate::socket::trusted_dir`], as a setup error naming `what` the directory is.
 fn private_dir(
     what: &'static str,
     dir: &Path,
@@ -443,77 +440,11 @@ fn private_dir(
     owner: Option<u32>,
     ours: bool,
 ) -> Result<(), SetupError> {
-    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-    let fail = |why: String| SetupError::PrivateDir {
+    crate::socket::trusted_dir(dir, mode, owner, ours).map_err(|why| SetupError::PrivateDir {
         what,
         dir: dir.to_owned(),
         why,
-    };
-    let me = nix::unistd::geteuid().as_raw();
-    let meta = match std::fs::symlink_metadata(dir) {
-        Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(mode)
-                .create(dir)
-                .map_err(|e| fail(format!("cannot create it: {e}")))?;
-            std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?
-        }
-        Err(e) => return Err(fail(e.to_string())),
-    };
-    if meta.file_type().is_symlink() {
-        return Err(fail(
-            "is a symlink (it could lead anywhere): use a real directory".to_owned(),
-        ));
-    }
-    if !meta.is_dir() {
-        return Err(fail("is not a directory".to_owned()));
-    }
-    let expected = owner.unwrap_or(me);
-    let owned_by = |uid: u32| {
-        format!(
-            "is owned by uid {uid}, not by uid {expected}: only the user that runs the agent{} may own it",
-            if owner.is_some() {
-                " (Envoy's, --run-as-uid)"
-            } else {
-                ""
-            }
-        )
-    };
-    if !ours {
-        if meta.uid() != expected {
-            return Err(fail(owned_by(meta.uid())));
-        }
-        if meta.mode() & 0o022 != 0 {
-            return Err(fail(format!(
-                "is writable by others (mode {:o}): make it 0700",
-                meta.mode() & 0o7777
-            )));
-        }
-        return Ok(());
-    }
-    // Ours: made private, unless others could write it already (and plant what they like).
-    if meta.mode() & 0o022 != 0 {
-        return Err(fail(format!(
-            "is writable by others (mode {:o}): anything in it may be planted; make it 0700 \
-             (or remove it: the agent creates it)",
-            meta.mode() & 0o7777
-        )));
-    }
-    if meta.uid() != expected {
-        if me != 0 {
-            return Err(fail(owned_by(meta.uid())));
-        }
-        nix::unistd::chown(dir, Some(nix::unistd::Uid::from_raw(expected)), None)
-            .map_err(|e| fail(format!("cannot give it to uid {expected}: {e}")))?;
-    }
-    if meta.mode() & 0o7777 != mode {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
-            .map_err(|e| fail(format!("cannot make it {mode:o}: {e}")))?;
-    }
-    Ok(())
+    })
 }
 
 /// The proxy config for `args`.

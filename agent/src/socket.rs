@@ -10,7 +10,7 @@
 //! - **The socket**: bound under a umask of 0177, so it is 0600 from the first instant (a
 //!   chmod after bind would leave a window, and follow symlinks).
 
-use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
 use nix::sys::stat::{Mode, umask};
@@ -86,18 +86,34 @@ pub fn bind_private(path: &Path) -> Result<std::os::unix::net::UnixListener, Soc
 }
 
 fn private_dir(dir: &Path) -> Result<(), SocketError> {
-    let fail = |why: String| SocketError::Directory {
+    trusted_dir(dir, 0o700, None, false).map_err(|why| SocketError::Directory {
         dir: dir.to_owned(),
         why,
-    };
+    })
+}
+
+/// Makes sure `dir` can be trusted: a real directory (not a symlink), owned by the agent's user
+/// (or by `owner`, Envoy's), writable by nobody else. A missing one is made with `mode`; an
+/// existing one of ours, when `ours`, is set to `mode` (a kubelet's hostPath is created 0755)
+/// and given to `owner` (when the agent is root).
+pub(crate) fn trusted_dir(
+    dir: &Path,
+    mode: u32,
+    owner: Option<u32>,
+    ours: bool,
+) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let fail = |why: String| why;
+    let me = nix::unistd::geteuid().as_raw();
     let meta = match std::fs::symlink_metadata(dir) {
         Ok(meta) => meta,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return std::fs::DirBuilder::new()
+            std::fs::DirBuilder::new()
                 .recursive(true)
-                .mode(0o700)
+                .mode(mode)
                 .create(dir)
-                .map_err(|e| fail(format!("cannot create it: {e}")));
+                .map_err(|e| fail(format!("cannot create it: {e}")))?;
+            std::fs::symlink_metadata(dir).map_err(|e| fail(e.to_string()))?
         }
         Err(e) => return Err(fail(e.to_string())),
     };
@@ -109,18 +125,48 @@ fn private_dir(dir: &Path) -> Result<(), SocketError> {
     if !meta.is_dir() {
         return Err(fail("is not a directory".to_owned()));
     }
-    let me = nix::unistd::geteuid().as_raw();
-    if meta.uid() != me {
-        return Err(fail(format!(
-            "is owned by uid {}, not by the agent's user (uid {me})",
-            meta.uid()
-        )));
+    let expected = owner.unwrap_or(me);
+    let owned_by = |uid: u32| {
+        format!(
+            "is owned by uid {uid}, not by uid {expected}: only the user that runs the agent{} may own it",
+            if owner.is_some() {
+                " (Envoy's, --run-as-uid)"
+            } else {
+                ""
+            }
+        )
+    };
+    if !ours {
+        if meta.uid() != expected {
+            return Err(fail(owned_by(meta.uid())));
+        }
+        if meta.mode() & 0o022 != 0 {
+            return Err(fail(format!(
+                "is writable by others (mode {:o}): make it 0700",
+                meta.mode() & 0o7777
+            )));
+        }
+        return Ok(());
     }
+    // Ours: made private, unless others could write it already (and plant what they like).
     if meta.mode() & 0o022 != 0 {
         return Err(fail(format!(
-            "is writable by others (mode {:o}): make it 0700, or let the agent create a directory of its own below it",
+            "is writable by others (mode {:o}): anything in it may be planted; make it 0700 \
+             (or remove it: the agent creates it)",
             meta.mode() & 0o7777
         )));
+    }
+    if meta.uid() != expected {
+        if me != 0 {
+            return Err(fail(owned_by(meta.uid())));
+        }
+        nix::unistd::chown(dir, Some(nix::unistd::Uid::from_raw(expected)), None)
+            .map_err(|e| fail(format!("cannot give it to uid {expected}: {e}")))?;
+    }
+    if meta.mode() & 0o7777 != mode {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(|e| fail(format!("cannot make it {mode:o}: {e}")))?;
     }
     Ok(())
 }

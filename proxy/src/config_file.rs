@@ -99,7 +99,7 @@ async fn validate_bytes(
 
 /// The largest config file the agent reads. Envoy's bootstraps are far smaller; a symlink to
 /// `/dev/zero` must not grow the agent.
-pub(crate) const MAX_CONFIG_SIZE: u64 = 64 << 20;
+pub const MAX_CONFIG_SIZE: u64 = 64 << 20;
 
 /// Reads a config file (following symlinks, as Envoy does): only a regular file of at most
 /// [`MAX_CONFIG_SIZE`] bytes, opened without blocking, so that a FIFO or a device in its

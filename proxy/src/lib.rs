@@ -55,8 +55,8 @@ pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
 pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs, SocketPath};
 pub use config_file::{
-    read_config, replace_atomically, replace_config, replace_privately, validate_candidate,
-    validate_candidate_cached, write_atomically,
+    MAX_CONFIG_SIZE, read_config, replace_atomically, replace_config, replace_privately,
+    validate_candidate, validate_candidate_cached, write_atomically,
 };
 pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
 pub use envoy::Envoy;

@@ -245,7 +245,25 @@ pub fn bootstrap_waiting_for_xds(
     xds: SocketAddr,
 ) -> String {
     let mut yaml = bootstrap_yaml_on(admin_port, listener_port, body);
-    yaml.push_str(&format!(
+    yaml.push_str(&xds_cluster(xds));
+    yaml.push_str(
+        r#"node: { id: test, cluster: test }
+dynamic_resources:
+  cds_config:
+    resource_api_version: V3
+    initial_fetch_timeout: 3600s
+    api_config_source:
+      api_type: GRPC
+      transport_api_version: V3
+      grpc_services: [{ envoy_grpc: { cluster_name: xds } }]
+"#,
+    );
+    yaml
+}
+
+/// The static cluster `xds` (HTTP/2 to `xds`), as the last part of `static_resources`.
+fn xds_cluster(xds: SocketAddr) -> String {
+    format!(
         r#"  clusters:
   - name: xds
     type: STATIC
@@ -258,20 +276,10 @@ pub fn bootstrap_waiting_for_xds(
       endpoints:
       - lb_endpoints:
         - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
-node: {{ id: test, cluster: test }}
-dynamic_resources:
-  cds_config:
-    resource_api_version: V3
-    initial_fetch_timeout: 3600s
-    api_config_source:
-      api_type: GRPC
-      transport_api_version: V3
-      grpc_services: [{{ envoy_grpc: {{ cluster_name: xds }} }}]
 "#,
         ip = xds.ip(),
         port = xds.port()
-    ));
-    yaml
+    )
 }
 
 /// A static bootstrap whose listener (`hello` on `listener_port`, as [`bootstrap_yaml_on`]'s)
@@ -309,21 +317,8 @@ static_resources:
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: xds
-    type: STATIC
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-    load_assignment:
-      cluster_name: xds
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}
-"#,
-        ip = xds.ip(),
-        port = xds.port()
+{}"#,
+        xds_cluster(xds)
     )
 }
 

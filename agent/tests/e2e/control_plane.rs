@@ -12,6 +12,7 @@ use envoy_agent_tests::{
 use nix::sys::signal::Signal;
 
 use crate::agent;
+use crate::hot_restart::restarts;
 
 /// Long enough for Envoy to go LIVE through both default initial-fetch timeouts (CDS, then
 /// LDS: 30 s) and then some; only a broken test waits this long.
@@ -36,15 +37,6 @@ fn local(port: u16) -> std::net::SocketAddr {
 
 async fn readiness(agent: &AgentProcess) -> envoy_agent_tests::Response {
     http_get(agent.status(), "/healthz/ready").await.unwrap()
-}
-
-/// Hot restarts (not first starts) that ended with `outcome`.
-fn restarts(agent: &AgentProcess, outcome: &str) -> usize {
-    agent
-        .events_with("handoff", "outcome", outcome)
-        .iter()
-        .filter(|e| e["first"] == false)
-        .count()
 }
 
 /// A node proxy on its own ports whose bootstrap names only the control plane `cp`.

@@ -19,7 +19,7 @@ use envoy_agent_tests::live_at;
 const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
 
 /// How many hot restarts (not first starts) ended with `outcome`.
-fn restarts(agent: &AgentProcess, outcome: &str) -> usize {
+pub(crate) fn restarts(agent: &AgentProcess, outcome: &str) -> usize {
     agent
         .events_with("handoff", "outcome", outcome)
         .iter()

@@ -21,10 +21,7 @@ const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
 async fn intruder(dir: PathBuf, ports: HotRestartPorts, hold_lock: Duration) -> serde_json::Value {
     let output = tokio::time::timeout(
         PATIENCE,
-        tokio::process::Command::new("setpriv")
-            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
-            .arg("/usr/bin/python3")
-            .arg(dir.join("intruder.py"))
+        as_nobody(&dir.join("intruder.py"))
             .arg(ports.base_id.to_string())
             .arg(ports.listener_port.to_string())
             .arg(dir.join("state"))
@@ -47,19 +44,36 @@ async fn intruder(dir: PathBuf, ports: HotRestartPorts, hold_lock: Duration) -> 
     })
 }
 
+/// The Python script at `script`, run as uid 65534 (`setpriv`; Debian's python3, which any
+/// user can run).
+fn as_nobody(script: &Path) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new("setpriv");
+    command
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg("/usr/bin/python3")
+        .arg(script);
+    command
+}
+
+/// Copies the kit's script `name` where uid 65534 can read it (the repository may sit in a
+/// private home).
+fn share_script(dir: &Path, name: &str) -> PathBuf {
+    let script = dir.join(name);
+    std::fs::copy(
+        envoy_agent_tests::repo_root().join("tests").join(name),
+        &script,
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    script
+}
+
 /// A node proxy at its defaults, whose temp dir (private to root) is opened up as a node's
 /// /var/run is: only the agent's own files and directories stand in the neighbour's way.
 async fn node_proxy() -> AgentProcess {
     let builder = agent().hot_restart();
     open_up(builder.dir().path());
-    // Where another user can read it (the repository may sit in a private home).
-    let script = builder.dir().join("intruder.py");
-    std::fs::copy(
-        envoy_agent_tests::repo_root().join("tests/intruder.py"),
-        &script,
-    )
-    .unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    share_script(builder.dir().path(), "intruder.py");
     builder.args(FAST).start().await
 }
 
@@ -270,13 +284,7 @@ async fn the_open_file_limit_is_raised_to_the_hard_limit() {
 async fn a_connection_flood_to_the_status_server_is_held_off_and_the_node_proxy_serves_on() {
     let builder = agent().hot_restart();
     open_up(builder.dir().path());
-    let script = builder.dir().join("flood.py");
-    std::fs::copy(
-        envoy_agent_tests::repo_root().join("tests/flood.py"),
-        &script,
-    )
-    .unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let script = share_script(builder.dir().path(), "flood.py");
     let mut agent = builder
         .wrapper(&["prlimit", "--nofile=1024:1024", "--"])
         .args(FAST)
@@ -284,10 +292,7 @@ async fn a_connection_flood_to_the_status_server_is_held_off_and_the_node_proxy_
         .await;
     let load = Load::start(listener(&agent), "/", 2, 2);
     let status = agent.status();
-    let flood = tokio::process::Command::new("setpriv")
-        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
-        .arg("/usr/bin/python3")
-        .arg(&script)
+    let flood = as_nobody(&script)
         .arg(status.ip().to_string())
         .arg(status.port().to_string())
         .args(["1100", "12"])
