@@ -110,7 +110,6 @@ pub async fn run(
 ) -> anyhow::Result<u8> {
     let grpc = grpc.unwrap_or_else(client::default_address);
     setup::check_mode(&args)?;
-    setup::raise_fd_limit();
     warn_about(&args);
     // Unique to this run, not only to this pid: every agent that is PID 1 of its container
     // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one
@@ -161,6 +160,8 @@ pub async fn run(
     }
     let proxy = setup::proxy_config(&args, binary, admin, extra_args, &runtime_dir, socket_path);
     setup::check_extra_args(&proxy)?;
+    // Once the input is known good (a refusal is one line), before anything opens sockets.
+    setup::raise_fd_limit();
     let own_runtime_dir = args.hot_restart
         || matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
     if own_runtime_dir {

@@ -358,13 +358,14 @@ pub fn raise_fd_limit() {
             was = soft,
             "the hard limit on open files is low ({hard}): raise it (LimitNOFILE=, the container runtime's nofile ulimit)"
         ),
-        Ok(limit) => tracing::info!(
+        Ok(limit) if limit != soft => tracing::info!(
             event = "fd_limit",
             soft = limit,
             hard,
             was = soft,
-            "open-file limit"
+            "raised the open-file limit"
         ),
+        Ok(limit) => tracing::debug!(event = "fd_limit", soft = limit, hard, "open-file limit"),
         Err(e) => {
             tracing::warn!(event = "fd_limit", soft, hard, error = %e, "cannot raise the open-file limit")
         }
