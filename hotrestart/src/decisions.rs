@@ -267,6 +267,39 @@ async fn a_child_not_live_by_the_deadline_is_killed_with_sigkill_and_the_old_epo
     f.stop().await;
 }
 
+/// An agent that stalls (SIGSTOP, starvation) sees its deadline late, with only answers asked
+/// before it: the epoch may have gone LIVE meanwhile. Here every LIVE check takes 8 s to come
+/// back (what the admin said when asked), the epoch goes LIVE at 9 s, the deadline is 10 s.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_kills_only_after_a_live_check_sent_after_it_says_not_live() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    {
+        let mut w = f.host.world();
+        w.live_after = None;
+        w.live_check_delay = Duration::from_secs(8);
+    }
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let spawned = tokio::time::Instant::now();
+    tokio::time::sleep_until(spawned + Duration::from_secs(9)).await;
+    f.host.world().live(1);
+    assert_eq!(restart.await.unwrap(), Ok(1), "LIVE, not killed");
+    let w = f.host.world();
+    assert!(w.signals_to(1).is_empty(), "{:?}", w.signals_to(1));
+    assert!(
+        w.live_checks_sent
+            .iter()
+            .any(|(at, _)| *at >= spawned + Duration::from_secs(10)),
+        "a check was sent after the deadline: {:?}",
+        w.live_checks_sent
+    );
+    drop(w);
+    let family = f.handle.state().borrow().family.clone().unwrap();
+    assert!(family.wedges.is_empty(), "{:?}", family.wedges);
+    f.stop().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_admin_that_stops_answering_is_a_wedge_that_stops_the_family() {
     let f = start(FakeHost::default(), config());

@@ -137,13 +137,41 @@ pub(crate) struct ColdChild {
     pub(crate) base_id: u32,
     pub(crate) signals: tokio::sync::mpsc::UnboundedSender<envoy_agent_proxy::Signal>,
     pub(crate) started_at: Instant,
-    /// Killed at the deadline.
-    pub(crate) killed: bool,
 }
 
 impl Attempt {
     pub(crate) fn queued(&self) -> Duration {
         self.began - self.triggered.at
+    }
+}
+
+/// When a starting epoch (or a cold handover's new family) is given up. The deadline passing
+/// is not enough to kill it: a LIVE check sent after it must also find it not LIVE. An agent
+/// that stalled (stopped, starved, a long page fault) sees its timer fire late, when the epoch
+/// may have been LIVE and serving for seconds; the answers it had were asked before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Deadline {
+    /// Given up at this instant unless LIVE first.
+    At(Instant),
+    /// It passed; the last LIVE check goes out at or after this instant, and its "not LIVE"
+    /// (or no answer within the admin client's timeout) gives the epoch up.
+    Passed(Instant),
+    /// Given up: killed (SIGKILL).
+    Killed,
+}
+
+impl Deadline {
+    /// When the deadline needs the loop next: only while it has not passed.
+    pub(crate) fn wake(self) -> Option<Instant> {
+        match self {
+            Deadline::At(at) => Some(at),
+            Deadline::Passed(_) | Deadline::Killed => None,
+        }
+    }
+
+    /// Whether a "not LIVE" from a check sent at `sent` gives the epoch up.
+    pub(crate) fn gives_up(self, sent: Instant) -> bool {
+        matches!(self, Deadline::Passed(from) if sent >= from)
     }
 }
 
@@ -158,7 +186,7 @@ pub(crate) enum Handoff {
     Starting {
         attempt: Attempt,
         /// When it is given up (SIGKILL).
-        deadline: Instant,
+        deadline: Deadline,
     },
     /// The previous generation drains until its child terminates it; no new epoch may start.
     ParentDraining {
@@ -171,7 +199,7 @@ pub(crate) enum Handoff {
     /// A cold handover's new family starts beside the serving one.
     Cold {
         attempt: Attempt,
-        deadline: Instant,
+        deadline: Deadline,
         child: ColdChild,
     },
     /// After a cold handover: the old family (the supervisor's `retiring` books) drains until

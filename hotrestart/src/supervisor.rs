@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
-use crate::handoff::{Attempt, Handoff, Moment, Parent, Queue, Waiter};
+use crate::handoff::{Attempt, Deadline, Handoff, Moment, Parent, Queue, Waiter};
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};
@@ -149,6 +149,7 @@ enum Event {
     /// Is a cold handover's new family (its Envoy `pid`) LIVE?
     ColdLiveChecked {
         pid: u32,
+        sent: Instant,
         result: Result<Option<AdminState>, AdminError>,
     },
     PreFlight {
@@ -525,9 +526,9 @@ impl<H: Host> Supervisor<H> {
             Event::XdsRead { cold, result } => self.on_xds(cold, result),
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
-            Event::ColdLiveChecked { pid, result } => {
+            Event::ColdLiveChecked { pid, sent, result } => {
                 self.live.in_flight = false;
-                self.on_cold_live_check(pid, result);
+                self.on_cold_live_check(pid, sent, result);
             }
             Event::PreFlight {
                 epoch,
@@ -597,15 +598,13 @@ impl<H: Host> Supervisor<H> {
         consider(self.watchdog.wake());
         consider(self.xds.wake());
         match &self.handoff {
-            Handoff::Starting {
-                attempt, deadline, ..
-            } => {
-                let killed = self
+            Handoff::Starting { attempt, deadline } => {
+                let stopped = self
                     .epochs
                     .get(attempt.epoch)
                     .is_none_or(|c| c.stopped.is_some());
-                if !killed {
-                    consider(Some(*deadline));
+                if !stopped {
+                    consider(deadline.wake());
                 }
             }
             Handoff::ParentDraining {

@@ -350,3 +350,52 @@ async fn a_successor_pod_never_takes_over_while_the_control_plane_is_down() {
     b.signal_agent(Signal::SIGTERM);
     assert_eq!(b.exit().await.code(), Some(0));
 }
+
+/// An agent stalled (SIGSTOP here; starvation or a blocked thread alike) past its handoff
+/// deadline while the new epoch went LIVE and its parent exited: on waking, the late deadline
+/// must not kill the epoch that now serves alone. It asks again first.
+#[tokio::test]
+async fn an_agent_stalled_past_the_handoff_deadline_asks_again_before_it_kills() {
+    let ports = ports();
+    let cp = control_plane(ports.listener_port, "from xds").await;
+    let mut agent = node_proxy(&cp, ports, &["--handoff-deadline", "3s"]).await;
+    let load = Load::start(local(ports.listener_port), "/", 2, 2);
+    eventually("the load to be served", PATIENCE, || async {
+        (load.ok() > 20).then_some(())
+    })
+    .await;
+    // The new epoch waits for its config, so the agent can be stopped mid-handoff.
+    cp.hold_new_streams(true);
+    agent.signal(Signal::SIGHUP);
+    agent.wait_event("handoff_waiting", "epoch", "1").await;
+    let stopped = Instant::now();
+    agent.signal(Signal::SIGSTOP);
+    cp.hold_new_streams(false);
+    eventually("epoch 1 LIVE (asked of Envoy)", PATIENCE, || async {
+        let info = agent.admin.server_info().await.ok()?;
+        (info.restart_epoch == 1 && info.state == envoy_agent_proxy::ServerState::Live)
+            .then_some(())
+    })
+    .await;
+    // What is waited for here is time itself: the deadline (3 s) and the parent's shutdown
+    // (2 s after LIVE) both passed while the agent could not look.
+    tokio::time::sleep_until((stopped + Duration::from_secs(6)).into()).await;
+    agent.signal(Signal::SIGCONT);
+
+    eventually("the restart LIVE", PATIENCE, || async {
+        (restarts(&agent, "live") == 1).then_some(())
+    })
+    .await;
+    assert_eq!(
+        restarts(&agent, "timed_out"),
+        0,
+        "not killed at the late deadline"
+    );
+    assert!(agent.events("wedge").is_empty(), "no wedge");
+    let answer = http_get(local(ports.listener_port), "/").await.unwrap();
+    assert_eq!((answer.status, answer.body.as_str()), (200, "from xds"));
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}

@@ -117,13 +117,12 @@ impl<H: Host> Supervisor<H> {
                 attempt.spawned = Some(now);
                 self.handoff = Handoff::Cold {
                     attempt,
-                    deadline: now + self.config.handoff_deadline,
+                    deadline: Deadline::At(now + self.config.handoff_deadline),
                     child: ColdChild {
                         pid,
                         base_id,
                         signals: spawned.signals,
                         started_at: now,
-                        killed: false,
                     },
                 };
                 self.live_hint = LiveHint::Blind;
@@ -140,23 +139,31 @@ impl<H: Host> Supervisor<H> {
         self.live.in_flight = true;
         let call = self.host.cold_live_check(base_id);
         let events = self.events_tx.clone();
+        let sent = Instant::now();
         tokio::spawn(async move {
             let result = call.await;
-            let _ = events.send(Event::ColdLiveChecked { pid, result });
+            let _ = events.send(Event::ColdLiveChecked { pid, sent, result });
         });
     }
 
     pub(super) fn on_cold_live_check(
         &mut self,
         pid: u32,
+        sent: Instant,
         result: Result<Option<AdminState>, AdminError>,
     ) {
-        let Handoff::Cold { child, attempt, .. } = &self.handoff else {
+        let Handoff::Cold {
+            child,
+            attempt,
+            deadline,
+        } = &self.handoff
+        else {
             return;
         };
-        if child.pid != pid || child.killed {
+        if child.pid != pid || *deadline == Deadline::Killed {
             return;
         }
+        let deadline = *deadline;
         let spawned = attempt.spawned;
         let live = match &result {
             // Epoch 0 of a process no older than the one we started (a stale address file
@@ -171,6 +178,11 @@ impl<H: Host> Supervisor<H> {
         };
         if live {
             self.go_cold_live();
+        } else if deadline.gives_up(sent) {
+            self.give_up_cold();
+        } else if matches!(deadline, Deadline::Passed(_)) {
+            // Asked before the deadline passed: ask again, now.
+            self.live.next = Some(Instant::now());
         } else {
             self.live_missed = Some(Instant::now());
             let since = spawned.map_or(Duration::ZERO, |s| s.elapsed());
@@ -262,20 +274,22 @@ impl<H: Host> Supervisor<H> {
 
     /// The new family's Envoy exited before it was LIVE: the old family serves on.
     pub(super) fn on_cold_exit(&mut self, result: Result<Exit, ProxyError>) {
-        let Handoff::Cold { attempt, child, .. } =
-            std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::Cold {
+            attempt, deadline, ..
+        } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
         self.live = Probing::default();
         self.lock = None;
-        if child.killed && !attempt.waiting_for_config.is_empty() && !attempt.first {
+        let killed = deadline == Deadline::Killed;
+        if killed && !attempt.waiting_for_config.is_empty() && !attempt.first {
             let waiting = attempt.waiting_for_config.clone();
             self.config_wait_ended(attempt, &waiting);
             self.flush_pending_drains();
             return;
         }
-        let (outcome, message) = if child.killed {
+        let (outcome, message) = if killed {
             (
                 Outcome::TimedOut,
                 format!(
@@ -424,7 +438,6 @@ impl<H: Host> Supervisor<H> {
     /// The cold handover's timers: the new family's deadline, the old family's retirement.
     pub(super) fn cold_timers(&mut self, now: Instant) {
         let grace = self.config.proxy.stop_grace;
-        let deadline = self.config.handoff_deadline;
         if let Handoff::Retiring {
             until,
             kill_at,
@@ -446,20 +459,17 @@ impl<H: Host> Supervisor<H> {
         }
         let signal = match &mut self.handoff {
             Handoff::Cold {
-                deadline: at,
-                child,
-                attempt,
-            } if now >= *at && !child.killed => {
-                child.killed = true;
-                let _ = child.signals.send(Signal::SIGKILL);
-                // Waiting for its control plane is no wedge (see `control_plane`).
-                if attempt.waiting_for_config.is_empty() {
-                    let message = format!(
-                        "the new family (base id {}) was not LIVE within the handoff deadline \
-                         ({deadline:?}); killed it, the serving family keeps serving",
-                        child.base_id
-                    );
-                    self.record_wedge(WedgeReason::HandoffDeadline, message);
+                deadline, child, ..
+            } => {
+                if let Deadline::At(at) = *deadline {
+                    if now >= at {
+                        // Fresh facts first (see `Deadline`).
+                        *deadline = Deadline::Passed(now);
+                        let (base_id, pid) = (child.base_id, child.pid);
+                        if !self.live.in_flight {
+                            self.cold_live_check(base_id, pid);
+                        }
+                    }
                 }
                 return;
             }
@@ -494,11 +504,36 @@ impl<H: Host> Supervisor<H> {
     /// When the cold handover's timers are due next.
     pub(super) fn cold_wake(&self) -> Option<Instant> {
         match &self.handoff {
-            Handoff::Cold {
-                deadline, child, ..
-            } if !child.killed => Some(*deadline),
+            Handoff::Cold { deadline, .. } => deadline.wake(),
             Handoff::Retiring { until, kill_at, .. } => Some(kill_at.unwrap_or(*until)),
             _ => None,
+        }
+    }
+}
+
+impl<H: Host> Supervisor<H> {
+    /// The new family was not LIVE by the deadline, confirmed by a LIVE check sent after it:
+    /// killed (SIGKILL); the old family serves on.
+    fn give_up_cold(&mut self) {
+        let deadline = self.config.handoff_deadline;
+        let Handoff::Cold {
+            deadline: state,
+            child,
+            attempt,
+        } = &mut self.handoff
+        else {
+            return;
+        };
+        *state = Deadline::Killed;
+        let _ = child.signals.send(Signal::SIGKILL);
+        // Waiting for its control plane is no wedge (see `control_plane`).
+        if attempt.waiting_for_config.is_empty() {
+            let message = format!(
+                "the new family (base id {}) was not LIVE within the handoff deadline \
+                 ({deadline:?}); killed it, the serving family keeps serving",
+                child.base_id
+            );
+            self.record_wedge(WedgeReason::HandoffDeadline, message);
         }
     }
 }

@@ -143,7 +143,7 @@ impl<H: Host> Supervisor<H> {
                 attempt.spawned = Some(now);
                 self.handoff = Handoff::Starting {
                     attempt,
-                    deadline: now + self.config.handoff_deadline,
+                    deadline: Deadline::At(now + self.config.handoff_deadline),
                 };
                 self.begin_live_checks(now);
                 self.schedule_xds(now);
@@ -367,6 +367,29 @@ impl<H: Host> Supervisor<H> {
         self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
     }
 
+    /// The starting epoch was not LIVE by the deadline, confirmed by a LIVE check sent after
+    /// it: killed.
+    pub(super) fn give_up_starting(&mut self) {
+        let Handoff::Starting { attempt, deadline } = &mut self.handoff else {
+            return;
+        };
+        let epoch = attempt.epoch;
+        *deadline = Deadline::Killed;
+        let waiting = !attempt.waiting_for_config.is_empty();
+        // SIGKILL, not SIGTERM: Envoy's SIGTERM handler also terminates its parent, which is
+        // the epoch still serving (seen on 1.40).
+        self.epochs
+            .signal(epoch, Signal::SIGKILL, Some(Stop::Deadline));
+        if !waiting {
+            let message = format!(
+                "epoch {epoch} not LIVE within the handoff deadline ({:?}); killed it \
+                 (SIGKILL), the serving epoch keeps serving",
+                self.config.handoff_deadline
+            );
+            self.record_wedge(WedgeReason::HandoffDeadline, message);
+        }
+    }
+
     pub(super) fn queue_retry_at(&self) -> Instant {
         // Immediately the first time; then at the lock's retry pace; never within a back-off.
         let at = match self.queue.waiting_for {
@@ -387,21 +410,17 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn handoff_timers(&mut self, now: Instant) {
         match &self.handoff {
             Handoff::Starting {
-                attempt, deadline, ..
-            } if now >= *deadline => {
+                attempt,
+                deadline: Deadline::At(at),
+            } if now >= *at => {
                 let epoch = attempt.epoch;
                 if self.epochs.get(epoch).is_some_and(|c| c.stopped.is_none()) {
-                    // SIGKILL, not SIGTERM: Envoy's SIGTERM handler also terminates its
-                    // parent, which is the epoch still serving (seen on 1.40).
-                    self.epochs
-                        .signal(epoch, Signal::SIGKILL, Some(Stop::Deadline));
-                    if attempt.waiting_for_config.is_empty() {
-                        let message = format!(
-                            "epoch {epoch} not LIVE within the handoff deadline ({:?}); killed \
-                             it (SIGKILL), the serving epoch keeps serving",
-                            self.config.handoff_deadline
-                        );
-                        self.record_wedge(WedgeReason::HandoffDeadline, message);
+                    // Fresh facts first (see `Deadline`): a check in flight was sent before.
+                    if let Handoff::Starting { deadline, .. } = &mut self.handoff {
+                        *deadline = Deadline::Passed(now);
+                    }
+                    if !self.live.in_flight {
+                        self.live_check(epoch);
                     }
                 }
             }

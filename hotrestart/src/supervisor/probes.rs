@@ -364,8 +364,17 @@ impl<H: Host> Supervisor<H> {
             }
             _ => false,
         };
+        let deadline = match &self.handoff {
+            Handoff::Starting { deadline, .. } => *deadline,
+            _ => return,
+        };
         if ours {
             self.go_live(epoch);
+        } else if deadline.gives_up(sent) {
+            self.give_up_starting();
+        } else if matches!(deadline, Deadline::Passed(_)) {
+            // Asked before the deadline passed: ask again, now.
+            self.live.next = Some(Instant::now());
         } else {
             // Envoy answered "not LIVE" before this moment (and after `sent`).
             let now = Instant::now();
