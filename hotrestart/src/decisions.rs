@@ -301,6 +301,71 @@ async fn a_deadline_kills_only_after_a_live_check_sent_after_it_says_not_live() 
     f.stop().await;
 }
 
+/// Past the deadline, a LIVE check the agent could not even send (out of descriptors) is no
+/// "not LIVE": the epoch is not killed on no facts, and is taken once it answers LIVE.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_never_kills_on_a_check_the_agent_could_not_send() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().live_after = None;
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    f.host.world().admin = Admin::AgentOutOfFiles;
+    // Twice the handoff deadline.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(f.host.world().signals_to(1).is_empty());
+    f.host.world().live(1);
+    assert_eq!(restart.await.unwrap(), Ok(1));
+    f.stop().await;
+}
+
+/// The agent out of descriptors (a neighbour's connection flood) cannot ask Envoy anything:
+/// that says nothing of Envoy, and is no wedge however long it lasts. Envoy's own silence is
+/// still seen once the agent can ask again.
+#[tokio::test(start_paused = true)]
+async fn the_agent_out_of_descriptors_is_never_taken_for_a_silent_envoy() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().admin = Admin::AgentOutOfFiles;
+    // Six times the unresponsive deadline.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    {
+        let s = f.handle.state().borrow().clone();
+        assert_eq!(s.phase, ProxyPhase::Serving);
+        assert!(s.family.unwrap().wedges.is_empty());
+        assert!(f.host.world().alive(0));
+    }
+    f.host.world().admin = Admin::Silent;
+    let (ended, _) = f.ended().await;
+    assert!(
+        matches!(
+            ended,
+            Ended::Wedged {
+                reason: WedgeReason::AdminUnresponsive,
+                ..
+            }
+        ),
+        "{ended:?}"
+    );
+}
+
+/// A watchdog answer that arrives late (asked before the deadline, failed after it: what a
+/// stalled agent sees on waking) is not the fresh fact a wedge needs.
+#[tokio::test(start_paused = true)]
+async fn a_late_failure_of_a_check_sent_before_the_deadline_is_no_wedge() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    // The unresponsive deadline is 5 s: this check fails 8 s after it was sent.
+    f.host.world().admin = Admin::SilentFor(Duration::from_secs(8));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    f.host.world().live(0);
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let s = f.handle.state().borrow().clone();
+    assert_eq!(s.phase, ProxyPhase::Serving);
+    assert!(s.family.unwrap().wedges.is_empty());
+    f.stop().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_admin_that_stops_answering_is_a_wedge_that_stops_the_family() {
     let f = start(FakeHost::default(), config());

@@ -123,6 +123,8 @@ enum Event {
     /// A probe's answer: `Some` when an epoch newer than the probe's own answers.
     Probed {
         probe: Probe,
+        /// When it was sent: an answer is a fact of that moment, not of when it arrived.
+        sent: Instant,
         result: Result<Option<AdminState>, AdminError>,
     },
     /// Where does our first epoch start?
@@ -512,7 +514,11 @@ impl<H: Host> Supervisor<H> {
             }
             Event::Command(command) => self.on_command(command),
             Event::Exited { epoch, pid, result } => self.on_exit(epoch, pid, result),
-            Event::Probed { probe, result } => self.on_probe(probe, result),
+            Event::Probed {
+                probe,
+                sent,
+                result,
+            } => self.on_probe(probe, sent, result),
             Event::Discovered(result) => self.on_discovery(result),
             Event::LiveChecked {
                 epoch,

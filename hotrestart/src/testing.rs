@@ -26,6 +26,10 @@ pub(crate) enum Admin {
     Refused,
     /// Something accepts and never answers (a stopped Envoy).
     Silent,
+    /// ... and the caller gives up after this long (an answer that comes late).
+    SilentFor(Duration),
+    /// The agent cannot even open a connection: it is out of descriptors (EMFILE).
+    AgentOutOfFiles,
     /// An Envoy at this epoch and state, of this base id, up this long.
     Answers {
         epoch: u32,
@@ -311,6 +315,19 @@ async fn answer(
                 timeout: Duration::from_secs(2),
             })
         }
+        Admin::SilentFor(timeout) => {
+            tokio::time::sleep(timeout).await;
+            Err(AdminError::Timeout {
+                addr,
+                endpoint: endpoint.to_owned(),
+                timeout,
+            })
+        }
+        Admin::AgentOutOfFiles => Err(AdminError::Connect {
+            addr,
+            endpoint: endpoint.to_owned(),
+            source: std::io::Error::from_raw_os_error(nix::libc::EMFILE),
+        }),
         Admin::Answers {
             epoch,
             state,

@@ -81,6 +81,28 @@ pub enum AdminError {
     },
 }
 
+impl AdminError {
+    /// Whether the call failed for want of the agent's own resources (file descriptors,
+    /// memory, local ports, buffer space) before anything reached Envoy: such an error says
+    /// nothing of Envoy, and must never be taken for Envoy being silent.
+    pub fn is_local_resource(&self) -> bool {
+        use nix::errno::Errno;
+        let AdminError::Connect { source, .. } = self else {
+            return false;
+        };
+        source.raw_os_error().is_some_and(|code| {
+            matches!(
+                Errno::from_raw(code),
+                Errno::EMFILE
+                    | Errno::ENFILE
+                    | Errno::ENOMEM
+                    | Errno::ENOBUFS
+                    | Errno::EADDRNOTAVAIL
+            )
+        })
+    }
+}
+
 /// Envoy's server state, from `/server_info`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]

@@ -176,13 +176,19 @@ impl<H: Host> Supervisor<H> {
             }
             _ => false,
         };
+        let unknown = matches!(&result, Err(e) if e.is_local_resource());
         if live {
             self.go_cold_live();
-        } else if deadline.gives_up(sent) {
+        } else if deadline.gives_up(sent) && !unknown {
             self.give_up_cold();
         } else if matches!(deadline, Deadline::Passed(_)) {
-            // Asked before the deadline passed: ask again, now.
-            self.live.next = Some(Instant::now());
+            // Asked before the deadline passed (ask again now), or not asked at all (soon).
+            let gap = if unknown {
+                LIVE_POLL_UNBOUND
+            } else {
+                Duration::ZERO
+            };
+            self.live.next = Some(Instant::now() + gap);
         } else {
             self.live_missed = Some(Instant::now());
             let since = spawned.map_or(Duration::ZERO, |s| s.elapsed());

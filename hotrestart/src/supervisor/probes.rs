@@ -164,9 +164,14 @@ impl<H: Host> Supervisor<H> {
         let kept = matches!(probe, Probe::Watchdog) && self.family.successor_starting.is_none();
         let call = self.host.newer_epoch(ours, kept);
         let events = self.events_tx.clone();
+        let sent = Instant::now();
         tokio::spawn(async move {
             let result = call.await;
-            let _ = events.send(Event::Probed { probe, result });
+            let _ = events.send(Event::Probed {
+                probe,
+                sent,
+                result,
+            });
         });
     }
 
@@ -205,12 +210,13 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn on_probe(
         &mut self,
         probe: Probe,
+        sent: Instant,
         result: Result<Option<AdminState>, AdminError>,
     ) {
         match probe {
             Probe::Watchdog => {
                 self.watchdog.in_flight = false;
-                self.on_watchdog(result);
+                self.on_watchdog(sent, result);
             }
             Probe::Successor(reply) => {
                 let ours = self.newest_live.or(self.epochs.newest().map(|c| c.epoch));
@@ -368,13 +374,20 @@ impl<H: Host> Supervisor<H> {
             Handoff::Starting { deadline, .. } => *deadline,
             _ => return,
         };
+        // No answer for want of the agent's own descriptors says nothing of the epoch.
+        let unknown = matches!(&result, Err(e) if e.is_local_resource());
         if ours {
             self.go_live(epoch);
-        } else if deadline.gives_up(sent) {
+        } else if deadline.gives_up(sent) && !unknown {
             self.give_up_starting();
         } else if matches!(deadline, Deadline::Passed(_)) {
-            // Asked before the deadline passed: ask again, now.
-            self.live.next = Some(Instant::now());
+            // Asked before the deadline passed (ask again now), or not asked at all (soon).
+            let gap = if unknown {
+                LIVE_POLL_UNBOUND
+            } else {
+                Duration::ZERO
+            };
+            self.live.next = Some(Instant::now() + gap);
         } else {
             // Envoy answered "not LIVE" before this moment (and after `sent`).
             let now = Instant::now();
@@ -401,7 +414,11 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    pub(super) fn on_watchdog(&mut self, result: Result<Option<AdminState>, AdminError>) {
+    pub(super) fn on_watchdog(
+        &mut self,
+        sent: Instant,
+        result: Result<Option<AdminState>, AdminError>,
+    ) {
         if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
             return;
         }
@@ -434,10 +451,20 @@ impl<H: Host> Supervisor<H> {
                         .push("recover the admin listener".to_owned(), None, now);
                 }
             }
+            Err(e) if e.is_local_resource() => {
+                // The agent could not even try (no descriptor, no memory, no local port):
+                // nothing is known of Envoy. Silence counts only from calls that reached it.
+                tracing::error!(event = "agent_resources", error = %e, "the agent itself is out of a resource: cannot check envoy's admin (not counted as envoy being silent)");
+            }
             Err(e) => {
                 let silent = now - self.admin_ok;
                 tracing::warn!(error = %e, silent_for = ?silent, "envoy admin not answering");
-                if silent >= self.config.admin_unresponsive_deadline {
+                // Only a call sent once the deadline had passed decides: one sent before it
+                // and answered late (the agent stalled, or was starved) is not the fresh fact a
+                // wedge, which stops the family, needs.
+                if sent.saturating_duration_since(self.admin_ok)
+                    >= self.config.admin_unresponsive_deadline
+                {
                     let message = format!(
                         "envoy admin silent for {silent:?} (deadline {:?}): {e}",
                         self.config.admin_unresponsive_deadline
