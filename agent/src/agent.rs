@@ -171,6 +171,10 @@ pub enum ExitPath {
     },
     /// The termination drain duration passed.
     DrainTimeElapsed,
+    /// The shutdown's drain request never reached Envoy (refused, or the agent could not send
+    /// it: its admin silent, the agent out of descriptors), asked again until the deadline:
+    /// Envoy was stopped without a drain.
+    DrainFailed,
     /// Exit-on-zero: nothing it counts was left active.
     ZeroActive(Counting),
     /// Exit-on-zero: connections (or requests) remained when the deadline passed.
@@ -210,6 +214,9 @@ impl fmt::Display for ExitPath {
             ExitPath::StartFailed { code } => write!(f, "envoy failed to start (exit {code})"),
             ExitPath::Wedged { reason } => write!(f, "wedged ({reason})"),
             ExitPath::DrainTimeElapsed => f.write_str("termination drain duration elapsed"),
+            ExitPath::DrainFailed => {
+                f.write_str("envoy never accepted the drain request: stopped without a drain")
+            }
             ExitPath::ZeroActive(what) => write!(f, "no active {what} left"),
             ExitPath::DrainDeadline(what) => {
                 write!(
@@ -249,6 +256,8 @@ impl ExitPath {
             | ExitPath::CrashLoop { code } => code,
             ExitPath::Wedged { .. } => envoy_agent_proxy::EXIT_WEDGED,
             ExitPath::ProxyFailed => EXIT_SOFTWARE,
+            // Stopped as asked, but not gracefully: no success to report.
+            ExitPath::DrainFailed => 1,
             _ => 0,
         }
     }
@@ -261,6 +270,7 @@ impl ExitPath {
             ExitPath::StartFailed { .. } => "start_failed",
             ExitPath::Wedged { .. } => "wedged",
             ExitPath::DrainTimeElapsed => "drain_time_elapsed",
+            ExitPath::DrainFailed => "drain_failed",
             ExitPath::ZeroActive(Counting::Connections) => "zero_connections",
             ExitPath::ZeroActive(Counting::Requests) => "zero_requests",
             ExitPath::DrainDeadline(_) => "drain_deadline",
@@ -718,7 +728,7 @@ struct Shutdown {
     reason: DrainReason,
     /// When the drain call goes out (after the delay).
     drain_at: Instant,
-    drain_sent: bool,
+    drain: DrainAsk,
     /// Exit-on-zero: counting starts here.
     count_from: Instant,
     next_count: Instant,
@@ -731,6 +741,22 @@ struct Shutdown {
     /// What the status says of this drain.
     progress: DrainProgress,
 }
+
+/// Where the shutdown's drain request to Envoy is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum DrainAsk {
+    /// It goes out at the shutdown's `drain_at`.
+    Due,
+    /// Out, not answered yet.
+    InFlight,
+    /// Envoy drains.
+    Accepted,
+    /// It failed (`error`): asked again at `retry_at`, until the deadline.
+    Failed { error: String, retry_at: Instant },
+}
+
+/// How soon a failed drain request is sent again.
+const DRAIN_RETRY: Duration = Duration::from_secs(1);
 
 /// The agent's mode: one enum, never flags that must agree.
 #[derive(Debug)]
@@ -1030,18 +1056,28 @@ impl<P: Proxy> Agent<P> {
                             stop_now = Some(ExitPath::HandoverTimedOut);
                         }
                         Mode::ShuttingDown(s) => {
-                            if !s.drain_sent && s.drain_at <= now {
-                                s.drain_sent = true;
+                            let ask = match &s.drain {
+                                DrainAsk::Due => s.drain_at <= now,
+                                DrainAsk::Failed { retry_at, .. } => *retry_at <= now,
+                                DrainAsk::InFlight | DrainAsk::Accepted => false,
+                            };
+                            if ask && drain_call.is_none() {
+                                s.drain = DrainAsk::InFlight;
                                 drain_call = Some(self.drain_future(DrainOptions::default()));
                             }
                             if s.deadline.is_some_and(|d| d <= now) {
-                                // Never claim anything remained unless it was counted.
-                                stop_now = Some(match (self.config.exit_on_zero, s.last_count) {
-                                    (Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
+                                // Never claim a drain that Envoy did not accept, nor that
+                                // anything remained unless it was counted.
+                                stop_now = Some(match (&s.drain, self.config.exit_on_zero, s.last_count) {
+                                    (DrainAsk::Due | DrainAsk::InFlight | DrainAsk::Failed { .. }, ..) => {
+                                        tracing::error!(event = "drain_failed", error = ?s.drain, "envoy never accepted the drain request: stopping it without a drain");
+                                        ExitPath::DrainFailed
+                                    }
+                                    (_, Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
                                     _ => ExitPath::DrainTimeElapsed,
                                 });
                             } else if self.config.exit_on_zero.is_some()
-                                && s.drain_sent
+                                && s.drain != DrainAsk::Due
                                 && s.count_from <= now
                                 && s.next_count <= now
                                 && count_call.is_none()
@@ -1058,7 +1094,16 @@ impl<P: Proxy> Agent<P> {
                     drain_call = None;
                     match &result {
                         Ok(()) => tracing::info!(event = "drain_accepted", "envoy is draining its listeners"),
-                        Err(e) => tracing::warn!(error = %e, "drain request failed"),
+                        Err(e) => tracing::warn!(event = "drain_request_failed", error = %e, "drain request failed"),
+                    }
+                    if let Mode::ShuttingDown(s) = &mut mode {
+                        s.drain = match &result {
+                            Ok(()) => DrainAsk::Accepted,
+                            Err(e) => DrainAsk::Failed {
+                                error: e.to_string(),
+                                retry_at: Instant::now() + DRAIN_RETRY,
+                            },
+                        };
                     }
                     for reply in drain_replies.drain(..) {
                         let _ = reply.send(result.as_ref().map(|_| ()).map_err(|e| AgentError::DrainFailed(e.to_string())));
@@ -1212,7 +1257,7 @@ impl<P: Proxy> Agent<P> {
             Mode::ShuttingDown(s) => AgentState::Draining {
                 since: now,
                 reason: s.reason,
-                phase: if s.drain_sent || s.drain_at <= Instant::now() {
+                phase: if s.drain != DrainAsk::Due || s.drain_at <= Instant::now() {
                     DrainPhase::Draining
                 } else {
                     DrainPhase::Delay
@@ -1299,7 +1344,7 @@ impl<P: Proxy> Agent<P> {
         Shutdown {
             reason,
             drain_at,
-            drain_sent: false,
+            drain: DrainAsk::Due,
             count_from: drain_at + self.config.minimum_drain_duration,
             next_count: drain_at + self.config.minimum_drain_duration,
             deadline: self.drain_deadline().map(|d| drain_at + d),
@@ -1325,10 +1370,12 @@ impl<P: Proxy> Agent<P> {
             Mode::ShuttingDown(s) => {
                 let mut wake = s.deadline;
                 let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
-                if !s.drain_sent {
-                    consider(s.drain_at);
+                match &s.drain {
+                    DrainAsk::Due => consider(s.drain_at),
+                    DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
+                    DrainAsk::InFlight | DrainAsk::Accepted => {}
                 }
-                if self.config.exit_on_zero.is_some() && s.drain_sent && !counting {
+                if self.config.exit_on_zero.is_some() && s.drain != DrainAsk::Due && !counting {
                     consider(s.next_count.max(s.count_from));
                 }
                 wake
@@ -1749,7 +1796,49 @@ mod tests {
         let h = start(proxy, config());
         h.signal(Intent::Terminate).await;
         let (exit, proxy, started) = h.exit().await;
+        // Never answered, so never accepted: the exit says so rather than claim a drain.
+        assert_eq!(exit.path, ExitPath::DrainFailed);
+        assert_eq!(exit.path.code(), 1);
+        assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_drain_request_is_sent_again_until_envoy_accepts_it() {
+        let proxy = FakeProxy {
+            drain_failures: std::sync::Mutex::new(2),
+            ..FakeProxy::default()
+        };
+        let h = start(proxy, config());
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
         assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+        assert_eq!(exit.path.code(), 0);
+        let drains = without_successor(proxy.calls())
+            .iter()
+            .filter(|c| matches!(c, Call::Drain { .. }))
+            .count();
+        assert_eq!(drains, 3, "{:?}", proxy.calls());
+        assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_request_that_always_fails_is_reported_as_such() {
+        let proxy = FakeProxy {
+            drain_failures: std::sync::Mutex::new(u32::MAX),
+            ..FakeProxy::default()
+        };
+        let h = start(proxy, config());
+        h.signal(Intent::Terminate).await;
+        let (exit, proxy, started) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainFailed);
+        assert_eq!(exit.path.name(), "drain_failed");
+        assert_eq!(exit.path.code(), 1);
+        // Sent again each second until the deadline (5 s).
+        let drains = without_successor(proxy.calls())
+            .iter()
+            .filter(|c| matches!(c, Call::Drain { .. }))
+            .count();
+        assert!(drains >= 4, "{:?}", proxy.calls());
         assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
     }
 

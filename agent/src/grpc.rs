@@ -186,6 +186,7 @@ fn exit_path(path: ExitPath) -> pb::ExitPath {
         ExitPath::StartFailed { .. } => pb::ExitPath::StartFailed,
         ExitPath::Wedged { .. } => pb::ExitPath::Wedged,
         ExitPath::DrainTimeElapsed => pb::ExitPath::DrainTimeElapsed,
+        ExitPath::DrainFailed => pb::ExitPath::DrainFailed,
         ExitPath::ZeroActive(Counting::Connections) => pb::ExitPath::ZeroConnections,
         ExitPath::ZeroActive(Counting::Requests) => pb::ExitPath::ZeroRequests,
         ExitPath::DrainDeadline(_) => pb::ExitPath::DrainDeadline,

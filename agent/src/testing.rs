@@ -29,6 +29,9 @@ pub(crate) struct FakeProxy {
     pub(crate) exit_code: Mutex<Option<i32>>,
     pub(crate) exit_now: Notify,
     pub(crate) hang_drain: bool,
+    /// How many drain requests fail (as an admin call the agent could not make) before one
+    /// is accepted.
+    pub(crate) drain_failures: Mutex<u32>,
     /// What `successor` answers.
     pub(crate) successor: Mutex<Option<String>>,
     pub(crate) state: watch::Sender<ProxyState>,
@@ -45,6 +48,7 @@ impl Default for FakeProxy {
             exit_code: Mutex::default(),
             exit_now: Notify::new(),
             hang_drain: false,
+            drain_failures: Mutex::default(),
             successor: Mutex::default(),
             state: watch::Sender::new(ProxyState::starting()),
             runs: Mutex::default(),
@@ -184,6 +188,11 @@ impl Proxy for FakeProxy {
         });
         if self.hang_drain {
             std::future::pending::<()>().await;
+        }
+        let mut failures = self.drain_failures.lock().unwrap();
+        if *failures > 0 {
+            *failures -= 1;
+            return Err(ProxyError::NotRunning);
         }
         Ok(())
     }

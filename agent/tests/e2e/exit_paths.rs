@@ -368,6 +368,9 @@ async fn exit_on_zero_requests_waits_for_a_slow_request_then_exits(mode: Mode) {
     assert_eq!(exit["counting"], "requests", "{exit}");
 }
 
+/// An Envoy whose admin never answers cannot be asked to drain: the agent asks again until
+/// the deadline, then stops it, and reports the drain as failed (before, it reported
+/// `drain_time_elapsed` and 0, a drain that never happened).
 async fn an_unresponsive_envoy_admin_does_not_hold_the_exit(mode: Mode) {
     for exit_on_zero in [
         &[][..],
@@ -386,7 +389,14 @@ async fn an_unresponsive_envoy_admin_does_not_hold_the_exit(mode: Mode) {
         // A stopped Envoy accepts admin connections (the kernel does) but never answers.
         kill(Pid::from_raw(envoy as i32), Signal::SIGSTOP).unwrap();
         agent.signal(Signal::SIGTERM);
-        assert_eq!(agent.exit().await.code(), Some(0), "{exit_on_zero:?}");
+        // It never drained: the exit says so (code 1), not that the drain time elapsed.
+        assert_eq!(agent.exit().await.code(), Some(1), "{exit_on_zero:?}");
+        let exit = agent.wait_event("exit", "exit_path", "drain_failed").await;
+        assert_eq!(exit["code"], 1, "{exit}");
+        assert!(
+            !agent.events("drain_failed").is_empty(),
+            "{exit_on_zero:?}: the failed drain is logged"
+        );
         assert!(
             !process_alive(envoy),
             "{exit_on_zero:?}: the stopped envoy was killed"
