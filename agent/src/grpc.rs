@@ -5,9 +5,11 @@
 //! The service holds handles only: every decision stays with the agent or supervisor actor.
 //! `Stop` is the agent's SIGTERM path ([`AgentHandle::stop`]), `ReopenLogs` its SIGUSR1
 //! ([`AgentHandle::reopen_logs`]). `WatchStatus` streams read the actor's `watch` channel, so a
-//! slow watcher skips to the latest state and costs the actor nothing. Mutating RPCs from a
-//! non-loopback TCP peer are refused (PERMISSION_DENIED) unless `--grpc-allow-remote`; a Unix
-//! socket is guarded by its mode. Reflection is built at its first request (decoding its
+//! slow watcher skips to the latest state and costs the actor nothing. Over TCP, mutating RPCs
+//! are taken only from a loopback peer whose socket the kernel says belongs to the agent's own
+//! user, root or a `--grpc-allow-uid` ([`crate::peer`]; with hostNetwork every process of the
+//! node shares the loopback), else refused (PERMISSION_DENIED), unless `--grpc-allow-remote`; a
+//! Unix socket is guarded by its mode (0600). Reading RPCs are open to any peer. Reflection is built at its first request (decoding its
 //! descriptor sets is most of the agent's heap, and most agents are never asked).
 //!
 //! # The status message
@@ -157,6 +159,7 @@ pub fn settings(
         ready_marker: args.ready_marker.as_deref().map(path),
         watch_config: args.watch_config,
         grpc_allow_remote: args.grpc_allow_remote,
+        grpc_allow_uids: args.grpc_allow_uids.clone(),
     }
 }
 
@@ -511,17 +514,42 @@ impl Service {
         status_message(status, self.mode, &self.settings, admin)
     }
 
-    fn check_mutation<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        match request.remote_addr() {
-            Some(peer)
-                if !peer.ip().to_canonical().is_loopback() && !self.settings.grpc_allow_remote =>
-            {
-                tracing::warn!(%peer, "refused a mutating gRPC call from a non-loopback peer");
+    /// Whether the caller may change anything. A Unix socket is guarded by its mode (0600).
+    /// Over TCP: a loopback peer whose socket (per the kernel's socket table) belongs to the
+    /// agent's own user, root or an allowed uid; anyone with `--grpc-allow-remote`.
+    async fn check_mutation<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let (Some(peer), Some(local)) = (request.remote_addr(), request.local_addr()) else {
+            return Ok(());
+        };
+        if self.settings.grpc_allow_remote {
+            return Ok(());
+        }
+        if !peer.ip().to_canonical().is_loopback() {
+            tracing::warn!(event = "grpc_refused", %peer, "refused a mutating gRPC call from a non-loopback peer");
+            return Err(Status::permission_denied(format!(
+                "{peer} is not a loopback peer (the agent allows mutating calls from loopback only; see --grpc-allow-remote)"
+            )));
+        }
+        let owner = tokio::task::spawn_blocking(move || crate::peer::owner(peer, local))
+            .await
+            .map_err(|e| Status::internal(format!("cannot look up the peer: {e}")))?;
+        let own = nix::unistd::geteuid().as_raw();
+        match owner {
+            Ok(uid) if uid == own || uid == 0 || self.settings.grpc_allow_uids.contains(&uid) => {
+                Ok(())
+            }
+            Ok(uid) => {
+                tracing::warn!(event = "grpc_refused", %peer, uid, "refused a mutating gRPC call from another user's process");
                 Err(Status::permission_denied(format!(
-                    "{peer} is not a loopback peer (the agent allows mutating calls from loopback only; see --grpc-allow-remote)"
+                    "{peer} belongs to uid {uid}: over TCP the agent takes mutating calls only from its own user (uid {own}), root, or a --grpc-allow-uid"
                 )))
             }
-            _ => Ok(()),
+            Err(e) => {
+                tracing::warn!(event = "grpc_refused", %peer, error = %e, "refused a mutating gRPC call: its owner is unknown");
+                Err(Status::permission_denied(format!(
+                    "cannot tell who calls from {peer}: {e}"
+                )))
+            }
         }
     }
 }
@@ -592,7 +620,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::DrainResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         let r = request.into_inner();
         let options = DrainOptions {
             inbound_only: Some(r.inbound_only),
@@ -609,7 +637,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::DrainNowRequest>,
     ) -> Result<Response<pb::DrainNowResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         self.agent.drain_now(Via::Grpc).await.map_err(agent_error)?;
         Ok(Response::new(pb::DrainNowResponse {}))
     }
@@ -618,7 +646,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::DisableDrainingRequest>,
     ) -> Result<Response<pb::DisableDrainingResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         self.agent.disable_draining().await.map_err(agent_error)?;
         Ok(Response::new(pb::DisableDrainingResponse {}))
     }
@@ -627,7 +655,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::StopRequest>,
     ) -> Result<Response<pb::StopResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         // Already exiting is fine: the request is satisfied, as for QuitQuitQuit.
         let _ = self.agent.stop().await;
         Ok(Response::new(pb::StopResponse {}))
@@ -637,7 +665,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::QuitQuitQuitRequest>,
     ) -> Result<Response<pb::QuitQuitQuitResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         // Already exiting is fine: the request is satisfied.
         let _ = self.agent.quit(Via::Grpc).await;
         Ok(Response::new(pb::QuitQuitQuitResponse {}))
@@ -647,7 +675,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::ReopenLogsRequest>,
     ) -> Result<Response<pb::ReopenLogsResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         let signalled = self.agent.reopen_logs().await.map_err(agent_error)?;
         tracing::info!(
             event = "reopen_logs",
@@ -663,7 +691,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::HotRestartRequest>,
     ) -> Result<Response<pb::HotRestartResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         let reason = request.into_inner().reason;
         self.agent
             .hot_restart(format!("grpc: {reason}"))
@@ -676,7 +704,7 @@ impl AgentService for Service {
         &self,
         request: Request<pb::UpdateConfigRequest>,
     ) -> Result<Response<pb::UpdateConfigResponse>, Status> {
-        self.check_mutation(&request)?;
+        self.check_mutation(&request).await?;
         let r = request.into_inner();
         let applied = self
             .agent

@@ -41,6 +41,7 @@ pub mod crash;
 pub mod duration;
 pub mod grpc;
 pub mod notify;
+pub mod peer;
 pub mod setup;
 pub mod signal;
 pub mod socket;

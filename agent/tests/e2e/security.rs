@@ -344,3 +344,70 @@ async fn a_connection_flood_to_the_status_server_is_held_off_and_the_node_proxy_
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
+
+/// TCP gRPC on loopback is every process of the node (with hostNetwork, every pod's too):
+/// another user's `update-config` (which could serve any file Envoy can read) is refused, its
+/// `status` answered; the agent's own user (root here) may change the config.
+#[tokio::test]
+async fn over_loopback_tcp_only_the_agents_own_user_may_change_anything() {
+    let port = envoy_agent_tests::free_port();
+    let builder = agent().hot_restart();
+    open_up(builder.dir().path());
+    let dir = builder.dir().path().to_owned();
+    let grpc = format!("127.0.0.1:{port}");
+    let mut agent = builder
+        .args(FAST)
+        .args(&["--grpc-address", &grpc])
+        .start()
+        .await;
+    // The binary and a valid bootstrap where uid 65534 can read them.
+    let binary = dir.join("envoy-agent");
+    std::fs::copy(crate::AGENT, &binary).unwrap();
+    std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let candidate = dir.join("candidate.yaml");
+    std::fs::copy(dir.join("bootstrap.yaml"), &candidate).unwrap();
+    std::fs::set_permissions(&candidate, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let candidate = candidate.to_str().unwrap().to_owned();
+    let as_nobody = |args: &[&str]| {
+        let mut command = tokio::process::Command::new("setpriv");
+        command
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(&binary)
+            .args(["--grpc-address", &grpc])
+            .args(args)
+            .stdin(std::process::Stdio::null());
+        async move {
+            tokio::time::timeout(PATIENCE, command.output())
+                .await
+                .expect("the client ends")
+                .expect("setpriv runs (util-linux)")
+        }
+    };
+
+    let denied = as_nobody(&["update-config", &candidate]).await;
+    let err = String::from_utf8_lossy(&denied.stderr);
+    assert_eq!(denied.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("PermissionDenied") && err.contains("uid 65534"),
+        "{err}"
+    );
+    let refused = agent.wait_event("grpc_refused", "uid", "65534").await;
+    assert_eq!(refused["uid"], 65534, "{refused}");
+    assert_eq!(
+        crate::hot_restart::restarts(&agent, "live"),
+        0,
+        "nothing restarted"
+    );
+
+    let status = as_nobody(&["status"]).await;
+    assert!(
+        status.status.success(),
+        "reading is open: {}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+
+    let (code, out, err) = crate::grpc::cli(&agent, &["update-config", &candidate]).await;
+    assert_eq!(code, 0, "the agent's own user may: {out}{err}");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
