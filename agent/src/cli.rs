@@ -312,20 +312,22 @@ pub struct RunArgs {
 
     /// Accept mutating gRPC calls from any TCP peer: other hosts, and every user of this
     /// machine. Without it, over TCP only a loopback peer whose socket belongs to the agent's
-    /// own user, root or a --grpc-allow-uid may call them (with hostNetwork, every process of
-    /// the node shares the loopback).
+    /// own user, root or a --control-allow-uid may call them (with hostNetwork, every process
+    /// of the node shares the loopback).
     #[arg(long, env = "ENVOY_AGENT_GRPC_ALLOW_REMOTE")]
     pub grpc_allow_remote: bool,
 
-    /// Also accept mutating gRPC calls from loopback TCP peers whose socket belongs to this
-    /// uid (a controller running as another user); repeat or separate with commas.
+    /// Also accept changes from loopback TCP peers whose socket belongs to this uid (a
+    /// controller running as another user): mutating gRPC calls, and with --hot-restart the
+    /// status server's POST /drain and /quitquitquit. The agent's own user and root always
+    /// may. Repeat, or separate with commas.
     #[arg(
-        long = "grpc-allow-uid",
-        env = "ENVOY_AGENT_GRPC_ALLOW_UIDS",
+        long = "control-allow-uid",
+        env = "ENVOY_AGENT_CONTROL_ALLOW_UIDS",
         value_delimiter = ',',
         value_name = "UID"
     )]
-    pub grpc_allow_uids: Vec<u32>,
+    pub control_allow_uids: Vec<u32>,
 
     /// Write the status server's bound address to this file (useful with port 0).
     #[arg(long, env = "ENVOY_AGENT_STATUS_ADDRESS_FILE")]

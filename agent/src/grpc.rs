@@ -7,7 +7,7 @@
 //! ([`AgentHandle::reopen_logs`]). `WatchStatus` streams read the actor's `watch` channel, so a
 //! slow watcher skips to the latest state and costs the actor nothing. Over TCP, mutating RPCs
 //! are taken only from a loopback peer whose socket the kernel says belongs to the agent's own
-//! user, root or a `--grpc-allow-uid` ([`crate::peer`]; with hostNetwork every process of the
+//! user, root or a `--control-allow-uid` ([`crate::peer`]; with hostNetwork every process of the
 //! node shares the loopback), else refused (PERMISSION_DENIED), unless `--grpc-allow-remote`; a
 //! Unix socket is guarded by its mode (0600). Reading RPCs are open to any peer. Reflection is built at its first request (decoding its
 //! descriptor sets is most of the agent's heap, and most agents are never asked).
@@ -159,7 +159,7 @@ pub fn settings(
         ready_marker: args.ready_marker.as_deref().map(path),
         watch_config: args.watch_config,
         grpc_allow_remote: args.grpc_allow_remote,
-        grpc_allow_uids: args.grpc_allow_uids.clone(),
+        control_allow_uids: args.control_allow_uids.clone(),
     }
 }
 
@@ -530,27 +530,13 @@ impl Service {
                 "{peer} is not a loopback peer (the agent allows mutating calls from loopback only; see --grpc-allow-remote)"
             )));
         }
-        let owner = tokio::task::spawn_blocking(move || crate::peer::owner(peer, local))
-            .await
-            .map_err(|e| Status::internal(format!("cannot look up the peer: {e}")))?;
-        let own = nix::unistd::geteuid().as_raw();
-        match owner {
-            Ok(uid) if uid == own || uid == 0 || self.settings.grpc_allow_uids.contains(&uid) => {
-                Ok(())
-            }
-            Ok(uid) => {
-                tracing::warn!(event = "grpc_refused", %peer, uid, "refused a mutating gRPC call from another user's process");
-                Err(Status::permission_denied(format!(
-                    "{peer} belongs to uid {uid}: over TCP the agent takes mutating calls only from its own user (uid {own}), root, or a --grpc-allow-uid"
-                )))
-            }
-            Err(e) => {
-                tracing::warn!(event = "grpc_refused", %peer, error = %e, "refused a mutating gRPC call: its owner is unknown");
-                Err(Status::permission_denied(format!(
-                    "cannot tell who calls from {peer}: {e}"
-                )))
-            }
-        }
+        let callers = crate::peer::Callers {
+            uids: self.settings.control_allow_uids.clone(),
+        };
+        callers.check(peer, local).await.map_err(|refusal| {
+            tracing::warn!(event = "grpc_refused", %peer, uid = refusal.uid(), error = %refusal, "refused a mutating gRPC call");
+            Status::permission_denied(refusal.to_string())
+        })
     }
 }
 

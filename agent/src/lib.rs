@@ -236,6 +236,10 @@ async fn serve<P: Proxy>(
         Err(e) => return Err(SetupError::from(e).into()),
     };
     let status_file = args.status_address_file.clone();
+    // A node proxy's loopback is the node's (hostNetwork): its changes need the caller's uid.
+    let callers = node_proxy.then(|| peer::Callers {
+        uids: args.control_allow_uids.clone(),
+    });
     tracker.spawn({
         let (cancel, handle, addr) = (cancel.clone(), handle.clone(), args.status_address);
         async move {
@@ -245,6 +249,10 @@ async fn serve<P: Proxy>(
                     Some(server) => server,
                     None => return,
                 },
+            };
+            let server = match callers {
+                Some(callers) => server.check_callers(callers),
+                None => server,
             };
             if let Some(path) = &status_file {
                 // Atomic, not synced: it names a port of this process, meaningless after a

@@ -35,6 +35,69 @@ pub enum PeerError {
     },
 }
 
+/// Who may change the agent over loopback TCP, besides its own user and root.
+#[derive(Debug, Clone, Default)]
+pub struct Callers {
+    /// The uids also allowed (`--control-allow-uid`).
+    pub uids: Vec<u32>,
+}
+
+/// Why a loopback caller may not change anything.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// Its socket belongs to another user.
+    #[error(
+        "{peer} belongs to uid {uid}: over TCP the agent takes changes only from its own user (uid {own}), root, or a --control-allow-uid"
+    )]
+    OtherUser {
+        /// The caller's address.
+        peer: SocketAddr,
+        /// Its socket's owner.
+        uid: u32,
+        /// The agent's.
+        own: u32,
+    },
+    /// Its owner could not be learnt.
+    #[error("cannot tell who calls from {peer}: {source}")]
+    Unknown {
+        /// The caller's address.
+        peer: SocketAddr,
+        /// Why.
+        source: PeerError,
+    },
+}
+
+impl Refusal {
+    /// The caller's uid, when known.
+    pub fn uid(&self) -> Option<u32> {
+        match self {
+            Refusal::OtherUser { uid, .. } => Some(*uid),
+            Refusal::Unknown { .. } => None,
+        }
+    }
+}
+
+impl Callers {
+    /// Whether the loopback TCP peer at `peer`, connected to our `local`, may change the
+    /// agent: its socket belongs to the agent's own user, root or an allowed uid.
+    pub async fn check(&self, peer: SocketAddr, local: SocketAddr) -> Result<(), Refusal> {
+        let owner = tokio::task::spawn_blocking(move || owner(peer, local))
+            .await
+            .unwrap_or_else(|e| {
+                Err(PeerError::Read {
+                    path: TABLES.join(", "),
+                    source: std::io::Error::other(e.to_string()),
+                })
+            });
+        let own = nix::unistd::geteuid().as_raw();
+        match owner {
+            Ok(uid) if uid == own || uid == 0 || self.uids.contains(&uid) => Ok(()),
+            Ok(uid) => Err(Refusal::OtherUser { peer, uid, own }),
+            Err(source) => Err(Refusal::Unknown { peer, source }),
+        }
+    }
+}
+
 /// The tables searched, IPv4's first.
 const TABLES: [&str; 2] = ["/proc/net/tcp", "/proc/net/tcp6"];
 

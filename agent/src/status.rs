@@ -8,7 +8,11 @@
 //! | `/stats/prometheus` | GET | anyone | the agent's own metrics, then Envoy's Prometheus stats |
 //!
 //! Mutating endpoints answer 405 to other methods and 403 to non-loopback peers, whatever
-//! address the server binds. The server stays up through the drain (readiness answers 503,
+//! address the server binds. In node-proxy mode ([`StatusServer::check_callers`]) the
+//! loopback is the node's (hostNetwork): they also answer 403 to a peer whose socket belongs
+//! to another user than the agent's, root or a `--control-allow-uid` ([`crate::peer`]). A
+//! sidecar's loopback is its pod's, where an app container's `POST /quitquitquit` at the end
+//! of a Job is the point. The server stays up through the drain (readiness answers 503,
 //! `/quitquitquit` still works) and stops only when the agent has exited.
 //!
 //! Routes come from [`router`], so they are tested without a socket.
@@ -63,6 +67,15 @@ pub fn router(agent: AgentHandle) -> Router {
 pub struct StatusServer {
     listener: TcpListener,
     addr: SocketAddr,
+    callers: Option<crate::peer::Callers>,
+}
+
+/// Who may call a connection's mutating endpoints beyond loopback: its local address (to find
+/// the peer's socket) and the rule, when callers are checked.
+#[derive(Debug, Clone)]
+struct Guard {
+    local: SocketAddr,
+    callers: crate::peer::Callers,
 }
 
 impl StatusServer {
@@ -74,7 +87,18 @@ impl StatusServer {
         let addr = listener
             .local_addr()
             .map_err(|source| BindError { addr, source })?;
-        Ok(StatusServer { listener, addr })
+        Ok(StatusServer {
+            listener,
+            addr,
+            callers: None,
+        })
+    }
+
+    /// Mutating endpoints also check the owner of the caller's socket: only the agent's own
+    /// user, root and `callers` may (a node proxy's loopback is every process of the node).
+    pub fn check_callers(mut self, callers: crate::peer::Callers) -> Self {
+        self.callers = Some(callers);
+        self
     }
 
     /// Binds `addr` once it is free, trying again every half second; `None` when `cancel`
@@ -132,8 +156,14 @@ impl StatusServer {
             };
             let closing = cancel.child_token();
             let id = lock(&live).admit(closing.clone(), peer);
+            let guard = self.callers.clone().map(|callers| Guard {
+                local: stream.local_addr().unwrap_or(self.addr),
+                callers,
+            });
             let service = hyper_util::service::TowerToHyperService::new(
-                app.clone().layer(axum::Extension(ConnectInfo(peer))),
+                app.clone()
+                    .layer(axum::Extension(guard))
+                    .layer(axum::Extension(ConnectInfo(peer))),
             );
             let connection = http.serve_connection(TokioIo::new(stream), service);
             let live = live.clone();
@@ -227,13 +257,23 @@ fn is_loopback(ip: IpAddr) -> bool {
 /// cross-site request (a web page on the node can POST to 127.0.0.1 without a preflight; a
 /// browser says so with `Origin`, or `Sec-Fetch-Site` other than `none`/`same-origin`). curl,
 /// the kubelet's exec probes and the agent's own client send neither.
-fn forbidden(peer: SocketAddr, headers: &axum::http::HeaderMap) -> Option<Response> {
+async fn forbidden(
+    peer: SocketAddr,
+    guard: Option<axum::Extension<Option<Guard>>>,
+    headers: &axum::http::HeaderMap,
+) -> Option<Response> {
     if !is_loopback(peer.ip()) {
         tracing::warn!(%peer, "refused a mutating request from a non-loopback peer");
         return Some(text(
             StatusCode::FORBIDDEN,
             "forbidden: only loopback peers may do this",
         ));
+    }
+    if let Some(axum::Extension(Some(guard))) = guard {
+        if let Err(refusal) = guard.callers.check(peer, guard.local).await {
+            tracing::warn!(event = "status_refused", %peer, uid = refusal.uid(), error = %refusal, "refused a mutating request");
+            return Some(text(StatusCode::FORBIDDEN, format!("forbidden: {refusal}")));
+        }
     }
     let fetch_site = headers
         .get("sec-fetch-site")
@@ -330,9 +370,10 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
 async fn drain(
     State(agent): State<AgentHandle>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    guard: Option<axum::Extension<Option<Guard>>>,
     headers: axum::http::HeaderMap,
 ) -> Response {
-    if let Some(response) = forbidden(peer, &headers) {
+    if let Some(response) = forbidden(peer, guard, &headers).await {
         return response;
     }
     tracing::info!(%peer, "POST /drain");
@@ -345,9 +386,10 @@ async fn drain(
 async fn quit(
     State(agent): State<AgentHandle>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    guard: Option<axum::Extension<Option<Guard>>>,
     headers: axum::http::HeaderMap,
 ) -> Response {
-    if let Some(response) = forbidden(peer, &headers) {
+    if let Some(response) = forbidden(peer, guard, &headers).await {
         return response;
     }
     tracing::info!(%peer, "POST /quitquitquit");

@@ -406,8 +406,50 @@ async fn over_loopback_tcp_only_the_agents_own_user_may_change_anything() {
         String::from_utf8_lossy(&status.stderr)
     );
 
+    // The status server's changes alike: a node proxy's loopback is the node's.
+    for path in ["/drain", "/quitquitquit"] {
+        assert_eq!(post_as_nobody(agent.status(), path).await, 403, "{path}");
+    }
+    agent.wait_event("status_refused", "uid", "65534").await;
+    assert!(agent.running(), "refused: nothing happened");
+
     let (code, out, err) = crate::grpc::cli(&agent, &["update-config", &candidate]).await;
     assert_eq!(code, 0, "the agent's own user may: {out}{err}");
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+/// A sidecar's loopback is its pod's: an app container of another user ending a Job with
+/// `POST /quitquitquit` is what that endpoint is for (Istio's pattern), and it still works.
+#[tokio::test]
+async fn a_sidecars_quitquitquit_is_open_to_its_pods_other_users() {
+    let builder = agent();
+    open_up(builder.dir().path());
+    let mut agent = builder.start().await;
+    assert_eq!(post_as_nobody(agent.status(), "/quitquitquit").await, 200);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    agent.wait_event("exit", "exit_path", "quitquitquit").await;
+}
+
+/// `POST http://addr/path` from uid 65534 (Debian's python3); the HTTP status.
+async fn post_as_nobody(addr: std::net::SocketAddr, path: &str) -> u16 {
+    let script = format!(
+        "import urllib.request, urllib.error\n\
+         try:\n    r = urllib.request.urlopen(urllib.request.Request('http://{addr}{path}', method='POST'), timeout=20)\n    print(r.status)\n\
+         except urllib.error.HTTPError as e:\n    print(e.code)\n"
+    );
+    let output = tokio::time::timeout(
+        PATIENCE,
+        tokio::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .args(["/usr/bin/python3", "-c", &script])
+            .output(),
+    )
+    .await
+    .expect("the request ends")
+    .expect("setpriv and /usr/bin/python3 run");
+    String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("no status: {}", String::from_utf8_lossy(&output.stderr)))
 }
