@@ -893,11 +893,18 @@ pub async fn serve(
                     },
                 };
                 tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "gRPC server listening");
+                let connections = crate::connections::Connections::new("grpc");
+                let held = cancel.clone();
+                let incoming = paced(tokio_stream::wrappers::TcpListenerStream::new(listener)).map(
+                    move |accepted| {
+                        accepted.map(|io| {
+                            let peer = io.peer_addr().ok();
+                            Held::new(io, connections.admit(&held, peer))
+                        })
+                    },
+                );
                 router
-                    .serve_with_incoming_shutdown(
-                        paced(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-                        cancel.cancelled_owned(),
-                    )
+                    .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                     .await
                     .map_err(|e| e.to_string())
             })
@@ -914,12 +921,15 @@ pub async fn serve(
                 })
                 .map_err(|e| fail(e.to_string()))?;
             tracing::info!(path = %path.display(), "gRPC server listening");
+            let connections = crate::connections::Connections::new("grpc");
+            let held = cancel.clone();
             Box::pin(async move {
+                let incoming = paced(tokio_stream::wrappers::UnixListenerStream::new(listener))
+                    .map(move |accepted| {
+                        accepted.map(|io| Held::new(io, connections.admit(&held, None)))
+                    });
                 router
-                    .serve_with_incoming_shutdown(
-                        paced(tokio_stream::wrappers::UnixListenerStream::new(listener)),
-                        cancel.cancelled_owned(),
-                    )
+                    .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
                     .await
                     .map_err(|e| e.to_string())
             })
@@ -978,6 +988,77 @@ where
             accepted
         })
         .filter(Result::is_ok)
+}
+
+/// A gRPC connection that ends once its place is needed for a newer one
+/// ([`crate::connections`]): the server reads EOF, writes fail, and hyper drops it.
+struct Held<T> {
+    io: T,
+    closed: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    _admitted: crate::connections::Admitted,
+}
+
+impl<T> Held<T> {
+    fn new(io: T, admitted: crate::connections::Admitted) -> Self {
+        Held {
+            io,
+            closed: Box::pin(admitted.closing.clone().cancelled_owned()),
+            _admitted: admitted,
+        }
+    }
+
+    fn is_closed(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        self.closed.as_mut().poll(cx).is_ready()
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Held<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        if self.is_closed(cx) {
+            // End of stream.
+            return std::task::Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Held<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if self.is_closed(cx) {
+            return std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionAborted.into()));
+        }
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for Held<T> {
+    type ConnectInfo = T::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
 }
 
 #[cfg(test)]

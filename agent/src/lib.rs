@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 pub mod agent;
 pub mod cli;
 pub mod client;
+mod connections;
 pub mod crash;
 pub mod duration;
 pub mod grpc;

@@ -136,7 +136,7 @@ impl StatusServer {
         use hyper_util::rt::{TokioIo, TokioTimer};
         tracing::info!(addr = %self.addr, "status server listening");
         let app = router(agent);
-        let live = std::sync::Arc::new(std::sync::Mutex::new(Live::default()));
+        let connections = crate::connections::Connections::new("status");
         let tracker = tokio_util::task::TaskTracker::new();
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(TokioTimer::new())
@@ -154,8 +154,7 @@ impl StatusServer {
                     continue;
                 }
             };
-            let closing = cancel.child_token();
-            let id = lock(&live).admit(closing.clone(), peer);
+            let admitted = connections.admit(&cancel, Some(peer));
             let guard = self.callers.clone().map(|callers| Guard {
                 local: stream.local_addr().unwrap_or(self.addr),
                 callers,
@@ -166,12 +165,11 @@ impl StatusServer {
                     .layer(axum::Extension(ConnectInfo(peer))),
             );
             let connection = http.serve_connection(TokioIo::new(stream), service);
-            let live = live.clone();
             tracker.spawn(async move {
                 let mut connection = std::pin::pin!(connection);
                 let ended = tokio::select! {
                     r = connection.as_mut() => Some(r),
-                    () = closing.cancelled() => None,
+                    () = admitted.closing.cancelled() => None,
                     () = tokio::time::sleep(MAX_CONNECTION_AGE) => None,
                 };
                 if ended.is_none() {
@@ -179,7 +177,7 @@ impl StatusServer {
                     connection.as_mut().graceful_shutdown();
                     let _ = tokio::time::timeout(HEADER_READ_TIMEOUT, connection).await;
                 }
-                lock(&live).leave(id);
+                drop(admitted);
             });
         }
         tracker.close();
@@ -188,48 +186,8 @@ impl StatusServer {
     }
 }
 
-/// The status server's open connections, oldest first.
-#[derive(Default)]
-struct Live {
-    next: u64,
-    open: std::collections::VecDeque<(u64, CancellationToken)>,
-    /// Whether connections are being closed for room (logged once per burst).
-    evicting: bool,
-}
-
-impl Live {
-    /// A new connection's id; the oldest is told to close when there is no room.
-    fn admit(&mut self, closing: CancellationToken, peer: SocketAddr) -> u64 {
-        if self.open.len() >= MAX_CONNECTIONS {
-            if let Some((_, oldest)) = self.open.pop_front() {
-                oldest.cancel();
-            }
-            if !self.evicting {
-                tracing::warn!(%peer, limit = MAX_CONNECTIONS, "status server: too many connections, closing the oldest");
-                self.evicting = true;
-            }
-        } else {
-            self.evicting = false;
-        }
-        self.next += 1;
-        self.open.push_back((self.next, closing));
-        self.next
-    }
-
-    fn leave(&mut self, id: u64) {
-        self.open.retain(|(i, _)| *i != id);
-    }
-}
-
-fn lock(live: &std::sync::Mutex<Live>) -> std::sync::MutexGuard<'_, Live> {
-    live.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// The most connections the status server holds at once: far more than its clients (the
-/// kubelet's probes, a scraper, an operator) and far fewer than the agent's open files (it
-/// raises its soft limit to the hard one at start).
-pub const MAX_CONNECTIONS: usize = 256;
+/// The most connections the status server holds at once (see [`crate::connections`]).
+pub const MAX_CONNECTIONS: usize = crate::connections::MAX_CONNECTIONS;
 /// How long a client may take to send a request's headers (or, on a kept-alive connection,
 /// the next request's).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);

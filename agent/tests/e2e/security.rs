@@ -345,6 +345,65 @@ async fn a_connection_flood_to_the_status_server_is_held_off_and_the_node_proxy_
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// The same flood against TCP gRPC: the agent holds at most its bound of connections (the
+/// oldest closed for room), never runs out of descriptors, and keeps answering.
+#[tokio::test]
+async fn a_connection_flood_to_tcp_grpc_is_held_off_and_the_node_proxy_serves_on() {
+    let port = envoy_agent_tests::free_port();
+    let builder = agent().hot_restart();
+    open_up(builder.dir().path());
+    let script = share_script(builder.dir().path(), "flood.py");
+    let mut agent = builder
+        .wrapper(&["prlimit", "--nofile=1024:1024", "--"])
+        .args(FAST)
+        .args(&["--grpc-address", &format!("127.0.0.1:{port}")])
+        .start()
+        .await;
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    let flood = as_nobody(&script)
+        .arg("127.0.0.1")
+        .arg(port.to_string())
+        .args(["1100", "12"])
+        .output();
+    let flood = tokio::spawn(flood);
+    // While it holds them: GetStatus is answered.
+    let until = Instant::now() + Duration::from_secs(8);
+    let mut answered = 0;
+    while Instant::now() < until {
+        let (code, out, _) = crate::grpc::cli(&agent, &["status", "--json"]).await;
+        if code == 0 && out.contains("\"newest_live_epoch\"") {
+            answered += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        answered >= 10,
+        "GetStatus answered {answered} times in 8 s of flood"
+    );
+    agent.signal(Signal::SIGHUP);
+    eventually("the hot restart", PATIENCE, || async {
+        (crate::hot_restart::restarts(&agent, "live") == 1).then_some(())
+    })
+    .await;
+    let flooded = flood.await.unwrap().unwrap();
+    let result: serde_json::Value = serde_json::from_slice(&flooded.stdout)
+        .unwrap_or_else(|e| panic!("flood: {e}: {}", String::from_utf8_lossy(&flooded.stderr)));
+    assert!(result["opened"].as_u64().unwrap() > 1000, "{result}");
+    assert!(
+        result["closed_by_server"].as_u64().unwrap() > 800,
+        "the agent let go of them: {result}"
+    );
+    assert!(agent.running());
+    assert!(
+        !agent.stderr().contains("Too many open files"),
+        "the agent never ran out of descriptors"
+    );
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
 /// TCP gRPC on loopback is every process of the node (with hostNetwork, every pod's too):
 /// another user's `update-config` (which could serve any file Envoy can read) is refused, its
 /// `status` answered; the agent's own user (root here) may change the config.
