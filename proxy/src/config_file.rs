@@ -148,9 +148,25 @@ pub fn read_config(path: &Path) -> io::Result<Vec<u8>> {
 }
 
 /// Replaces the config file at `path` with `bytes` atomically (off the async threads).
+///
+/// Through symlinks: the file written is the one `path` resolves to, so a ConfigMap's layout
+/// (`bootstrap.yaml -> ..data/bootstrap.yaml`, `..data -> ..<timestamp>`) stays whole. Writing
+/// over `path` itself would replace the first symlink with a plain file, and every later
+/// ConfigMap update (the kubelet swaps `..data`) would never reach it.
 pub async fn replace_config(path: &Path, bytes: Vec<u8>) -> Result<(), ProxyError> {
     let target = path.to_owned();
-    let result = tokio::task::spawn_blocking(move || write_atomically(&target, &bytes)).await;
+    let result = tokio::task::spawn_blocking(move || {
+        let real = match fs::canonicalize(&target) {
+            Ok(real) => real,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => target.clone(),
+            Err(e) => return Err(e),
+        };
+        if real != target {
+            tracing::info!(path = %target.display(), target = %real.display(), "the config is a symlink: writing the file it points to");
+        }
+        write_atomically(&real, &bytes)
+    })
+    .await;
     let source = match result {
         Ok(Ok(())) => return Ok(()),
         Ok(Err(e)) => e,
@@ -352,6 +368,40 @@ mod tests {
         .unwrap();
         fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
         (bin, seen)
+    }
+
+    #[tokio::test]
+    async fn a_config_behind_configmap_symlinks_is_written_through_them() {
+        use std::os::unix::fs::symlink;
+        // The kubelet's layout: bootstrap.yaml -> ..data/bootstrap.yaml, ..data -> ..v1.
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        fs::create_dir(d.join("..v1")).unwrap();
+        fs::write(d.join("..v1/bootstrap.yaml"), "one\n").unwrap();
+        symlink("..v1", d.join("..data")).unwrap();
+        symlink("..data/bootstrap.yaml", d.join("bootstrap.yaml")).unwrap();
+        let path = d.join("bootstrap.yaml");
+
+        replace_config(&path, b"two\n".to_vec()).await.unwrap();
+        assert!(
+            fs::symlink_metadata(&path)
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert!(
+            fs::symlink_metadata(d.join("..data"))
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(fs::read_to_string(&path).unwrap(), "two\n");
+        // The next ConfigMap update still reaches the path.
+        fs::create_dir(d.join("..v2")).unwrap();
+        fs::write(d.join("..v2/bootstrap.yaml"), "three\n").unwrap();
+        symlink("..v2", d.join("..data_tmp")).unwrap();
+        fs::rename(d.join("..data_tmp"), d.join("..data")).unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap(), "three\n");
     }
 
     #[tokio::test]

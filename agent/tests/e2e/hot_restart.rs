@@ -149,6 +149,55 @@ async fn a_configmap_symlink_swap_triggers_a_restart() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// `UpdateConfig` on a bootstrap behind a ConfigMap's symlinks writes the file they point to:
+/// the layout stays, and the ConfigMap's next update (a `..data` swap) still applies.
+#[tokio::test]
+async fn update_config_keeps_a_configmaps_symlinks_and_its_next_update_applies() {
+    let builder = agent().hot_restart();
+    let p = builder.ports().unwrap();
+    let config = builder.dir().join("config");
+    let version = |name: &str, body: &str| {
+        std::fs::create_dir_all(config.join(name)).unwrap();
+        std::fs::write(
+            config.join(name).join("bootstrap.yaml"),
+            bootstrap_yaml_on(p.admin_port, p.listener_port, body),
+        )
+        .unwrap();
+    };
+    version("..v1", "one");
+    std::os::unix::fs::symlink("..v1", config.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/bootstrap.yaml", config.join("bootstrap.yaml")).unwrap();
+    let mut agent = builder
+        .bootstrap_path(config.join("bootstrap.yaml"))
+        .args(FAST)
+        .args(&["--watch-config"])
+        .start()
+        .await;
+
+    let update = agent.dir.join("update.yaml");
+    std::fs::write(
+        &update,
+        bootstrap_yaml_on(p.admin_port, p.listener_port, "two"),
+    )
+    .unwrap();
+    let (code, out, err) =
+        crate::grpc::cli(&agent, &["update-config", update.to_str().unwrap()]).await;
+    assert_eq!(code, 0, "{out}{err}");
+    live_at(&agent.admin, 1).await;
+    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "two");
+    let link = std::fs::symlink_metadata(config.join("bootstrap.yaml")).unwrap();
+    assert!(link.file_type().is_symlink(), "the layout stays");
+    one_generation(&agent).await;
+
+    version("..v2", "three");
+    std::os::unix::fs::symlink("..v2", config.join("..data_tmp")).unwrap();
+    std::fs::rename(config.join("..data_tmp"), config.join("..data")).unwrap();
+    live_at(&agent.admin, 2).await;
+    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "three");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
 #[tokio::test]
 async fn a_bad_config_is_rejected_and_the_old_epoch_keeps_serving() {
     let mut agent = start(&[]).await;
