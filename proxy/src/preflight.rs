@@ -15,6 +15,11 @@ pub mod cache;
 
 /// Bound on one pre-flight command (`--mode validate` takes ~50 ms; a broken binary may hang).
 pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long its output is still read once it has exited: what it wrote is in the pipe by
+/// then; only a process it left behind (a wrapper's child) keeps the pipe open longer.
+const OUTPUT_GRACE: Duration = Duration::from_millis(200);
+/// The most of its output kept (the end of it: Envoy's reason comes last).
+const OUTPUT_KEPT: usize = 64 * 1024;
 
 /// Why a pre-flight check failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -66,21 +71,70 @@ async fn run(binary: &Path, args: &[String], what: &'static str) -> Result<Outpu
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(true);
-    let child = spawner::spawn(command)
+    let mut child = spawner::spawn(command)
         .await
         .map_err(|e| fail(e.to_string()))?;
     let pid = child.id().unwrap_or_default();
-    let output = tokio::time::timeout(PREFLIGHT_TIMEOUT, child.wait_with_output()).await;
+    // Read beside the wait, and the wait decides: the pipes' end may come much later than
+    // the exit (a wrapper whose child inherited them), and the answer is the exit's.
+    let stdout = Tail::read(child.stdout.take());
+    let stderr = Tail::read(child.stderr.take());
+    let status = tokio::time::timeout(PREFLIGHT_TIMEOUT, child.wait()).await;
     spawner::release(pid);
-    let output = output
+    let status = status
         .map_err(|_| fail(format!("no answer within {PREFLIGHT_TIMEOUT:?}")))?
         .map_err(|e| fail(e.to_string()))?;
-    let mut text = String::from_utf8_lossy(&output.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&output.stderr));
+    let mut text = stdout.take().await;
+    text.push_str(&stderr.take().await);
     Ok(Output {
-        success: output.status.success(),
+        success: status.success(),
         text,
     })
+}
+
+/// The end of what a pipe carries, read by a task of its own.
+struct Tail {
+    kept: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    reader: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Tail {
+    fn read(pipe: Option<impl tokio::io::AsyncRead + Unpin + Send + 'static>) -> Self {
+        let kept = std::sync::Arc::<std::sync::Mutex<Vec<u8>>>::default();
+        let reader = pipe.map(|mut pipe| {
+            let kept = kept.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut buf = [0u8; 8192];
+                while let Ok(n @ 1..) = pipe.read(&mut buf).await {
+                    let mut kept = kept
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    kept.extend_from_slice(&buf[..n]);
+                    let excess = kept.len().saturating_sub(OUTPUT_KEPT);
+                    kept.drain(..excess);
+                }
+            })
+        });
+        Tail { kept, reader }
+    }
+
+    /// What was read by the end of the pipe, or by [`OUTPUT_GRACE`] from now.
+    async fn take(self) -> String {
+        if let Some(mut reader) = self.reader {
+            if tokio::time::timeout(OUTPUT_GRACE, &mut reader)
+                .await
+                .is_err()
+            {
+                reader.abort();
+            }
+        }
+        let kept = self
+            .kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        String::from_utf8_lossy(&kept).into_owned()
+    }
 }
 
 /// `envoy --mode validate` on `config`'s bootstrap, with its extra arguments (they may shape
@@ -171,4 +225,49 @@ pub async fn hot_restart_version(binary: &Path) -> Result<String, PreflightError
 fn last_lines(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// An "envoy" (a wrapper script, as some images ship) that answers, exits, and leaves a
+    /// child holding its output pipes open for longer than the pre-flight's bound.
+    #[tokio::test]
+    async fn a_check_is_answered_at_the_exit_not_when_the_pipes_close() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("envoy");
+        std::fs::write(&bin, "#!/bin/sh\necho 11.104 >&2\nsleep 60 &\nexit 0\n").unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let version = tokio::time::timeout(Duration::from_secs(10), hot_restart_version(&bin))
+            .await
+            .expect("answered once the script exited, not at the pre-flight's bound");
+        assert_eq!(version.unwrap(), "11.104");
+    }
+
+    #[tokio::test]
+    async fn only_the_end_of_a_long_output_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("envoy");
+        std::fs::write(
+            &bin,
+            "#!/bin/sh\nhead -c 300000 /dev/zero | tr '\\0' x\necho\necho the reason >&2\nexit 1\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let output = run(&bin, &[], "test").await.unwrap();
+        assert!(!output.success);
+        assert!(
+            output.text.len() <= 2 * OUTPUT_KEPT,
+            "{}",
+            output.text.len()
+        );
+        assert!(
+            output.text.ends_with("the reason\n"),
+            "{}",
+            &output.text[output.text.len() - 40..]
+        );
+    }
 }
