@@ -747,16 +747,42 @@ struct Shutdown {
 enum DrainAsk {
     /// It goes out at the shutdown's `drain_at`.
     Due,
-    /// Out, not answered yet.
-    InFlight,
+    /// Out since `since`, not answered yet; `failed`: the last attempt's error, if this is
+    /// a retry.
+    InFlight {
+        since: Instant,
+        failed: Option<String>,
+    },
     /// Envoy drains.
     Accepted,
     /// It failed (`error`): asked again at `retry_at`, until the deadline.
     Failed { error: String, retry_at: Instant },
 }
 
-/// How soon a failed drain request is sent again.
+/// How soon a failed drain request is sent again; and how long one may go unanswered before
+/// the shutdown, ending meanwhile, reports that Envoy never accepted a drain.
 const DRAIN_RETRY: Duration = Duration::from_secs(1);
+
+impl DrainAsk {
+    /// At the deadline, `now`: why Envoy is stopped without having accepted a drain, if it
+    /// was asked and failed. A request just sent (a zero termination drain duration) is no
+    /// failure: it is unanswered, not refused.
+    fn failure(&self, now: Instant) -> Option<String> {
+        match self {
+            DrainAsk::Due | DrainAsk::Accepted => None,
+            DrainAsk::Failed { error, .. }
+            | DrainAsk::InFlight {
+                failed: Some(error),
+                ..
+            } => Some(error.clone()),
+            DrainAsk::InFlight {
+                since,
+                failed: None,
+            } => (now.saturating_duration_since(*since) >= DRAIN_RETRY)
+                .then(|| format!("no answer for {:?}", now.saturating_duration_since(*since))),
+        }
+    }
+}
 
 /// The agent's mode: one enum, never flags that must agree.
 #[derive(Debug)]
@@ -1059,21 +1085,25 @@ impl<P: Proxy> Agent<P> {
                             let ask = match &s.drain {
                                 DrainAsk::Due => s.drain_at <= now,
                                 DrainAsk::Failed { retry_at, .. } => *retry_at <= now,
-                                DrainAsk::InFlight | DrainAsk::Accepted => false,
+                                DrainAsk::InFlight { .. } | DrainAsk::Accepted => false,
                             };
                             if ask && drain_call.is_none() {
-                                s.drain = DrainAsk::InFlight;
+                                let failed = match &s.drain {
+                                    DrainAsk::Failed { error, .. } => Some(error.clone()),
+                                    _ => None,
+                                };
+                                s.drain = DrainAsk::InFlight { since: now, failed };
                                 drain_call = Some(self.drain_future(DrainOptions::default()));
                             }
                             if s.deadline.is_some_and(|d| d <= now) {
                                 // Never claim a drain that Envoy did not accept, nor that
                                 // anything remained unless it was counted.
-                                stop_now = Some(match (&s.drain, self.config.exit_on_zero, s.last_count) {
-                                    (DrainAsk::Due | DrainAsk::InFlight | DrainAsk::Failed { .. }, ..) => {
-                                        tracing::error!(event = "drain_failed", error = ?s.drain, "envoy never accepted the drain request: stopping it without a drain");
+                                stop_now = Some(match (s.drain.failure(now), self.config.exit_on_zero, s.last_count) {
+                                    (Some(error), ..) => {
+                                        tracing::error!(event = "drain_failed", %error, "envoy never accepted the drain request: stopping it without a drain");
                                         ExitPath::DrainFailed
                                     }
-                                    (_, Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
+                                    (None, Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
                                     _ => ExitPath::DrainTimeElapsed,
                                 });
                             } else if self.config.exit_on_zero.is_some()
@@ -1373,7 +1403,7 @@ impl<P: Proxy> Agent<P> {
                 match &s.drain {
                     DrainAsk::Due => consider(s.drain_at),
                     DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
-                    DrainAsk::InFlight | DrainAsk::Accepted => {}
+                    DrainAsk::InFlight { .. } | DrainAsk::Accepted => {}
                 }
                 if self.config.exit_on_zero.is_some() && s.drain != DrainAsk::Due && !counting {
                     consider(s.next_count.max(s.count_from));
@@ -1800,6 +1830,23 @@ mod tests {
         assert_eq!(exit.path, ExitPath::DrainFailed);
         assert_eq!(exit.path.code(), 1);
         assert_eq!((proxy.stopped_at().unwrap() - started).as_secs(), 5);
+    }
+
+    /// A zero termination drain duration stops Envoy as the drain request goes out: it is
+    /// unanswered, not refused, and the exit says the drain time elapsed (code 0).
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_request_just_sent_at_the_deadline_is_no_failure() {
+        let mut c = config();
+        c.termination_drain_duration = Duration::ZERO;
+        let proxy = FakeProxy {
+            hang_drain: true,
+            ..FakeProxy::default()
+        };
+        let h = start(proxy, c);
+        h.signal(Intent::Terminate).await;
+        let (exit, _, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+        assert_eq!(exit.path.code(), 0);
     }
 
     #[tokio::test(start_paused = true)]
