@@ -186,7 +186,8 @@ impl StatusServer {
     }
 }
 
-/// The most connections the status server holds at once (see [`crate::connections`]).
+/// The most connections the status server holds at once: far more than its clients, far fewer
+/// than the agent's open files; the oldest is closed to make room for a new one.
 pub const MAX_CONNECTIONS: usize = crate::connections::MAX_CONNECTIONS;
 /// How long a client may take to send a request's headers (or, on a kept-alive connection,
 /// the next request's).

@@ -115,22 +115,24 @@ pub trait Host: Send + Sync + 'static {
     /// family). `Ok(None)`: epoch `ours` or an older one answers, and its readiness decides
     /// nothing, so it is not asked (one request, not two). `ours` `None`: any epoch is newer.
     ///
-    /// `kept`: the epoch is asked over the connection the last such call kept while epoch
-    /// `ours` answered it, renewed every [`KEPT_CONNECTION_RENEWAL`] (the watchdog's steady
-    /// checks: a TCP handshake and teardown a second cost more than the question). A kept
-    /// connection reaches the process that accepted it, so a takeover is seen over it only
-    /// once it is renewed: no `kept` while a takeover is expected.
+    /// `kept`: asked over the connection the last such call kept while epoch `ours` answered
+    /// it (`/ready` only: its process is known), renewed every [`KEPT_CONNECTION_RENEWAL`]
+    /// (`/server_info` on a new one: who answers now). The watchdog's steady checks: a TCP
+    /// handshake and teardown a second cost more than the question, and neither question
+    /// costs Envoy more on a large config. A kept connection reaches the process that accepted
+    /// it, so a takeover is seen over it only once it is renewed: no `kept` while a takeover
+    /// is expected.
     fn newer_epoch(
         &self,
         ours: Option<u32>,
         kept: bool,
     ) -> Task<Result<Option<AdminState>, AdminError>>;
     /// Whether the admin address answers LIVE, and who: `None` while it is not LIVE. Asked
-    /// every millisecond or so while an epoch starts: the cheapest answer first. `kept`: the
-    /// starting epoch is known to hold the address (its admin listener is bound), so the
-    /// connection of the previous such check, kept while the answer was "not LIVE", is asked
-    /// again (until the next spawn).
-    fn live_check(&self, kept: bool) -> Task<Result<Option<AdminState>, AdminError>>;
+    /// every few milliseconds while an epoch starts. `bound`: this epoch is known to hold the
+    /// address (its admin listener was bound after its parent's was shut), so `/ready` alone
+    /// answers, over the connection of the previous such check of that epoch, kept while the
+    /// answer was "not LIVE". Otherwise `/server_info` says who answers, in which state.
+    fn live_check(&self, bound: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>>;
     /// What whoever answers on the family's admin address has of its control plane (its epoch
     /// and xDS counters), bounded. Envoy visits every stat to answer: asked while readiness
     /// waits for a config, while a new epoch's start is long, and rarely otherwise.
@@ -426,7 +428,7 @@ fn supervised(process: EnvoyProcess, admin_bound: Option<oneshot::Receiver<()>>)
 }
 
 /// Whether `admin` answers LIVE, and who (it may still be the parent's admin, or another
-/// pod's): one connection, `/ready` first.
+/// pod's): `/server_info`, one connection.
 async fn live(admin: &AdminClient) -> Result<Option<AdminState>, AdminError> {
     admin.live_state().await
 }
@@ -581,8 +583,8 @@ impl Host for RealHost {
         let admin = self.target().admin;
         let slot = self.kept.clone();
         Box::pin(async move {
-            if let Some(ours) = ours {
-                let epoch = if kept {
+            let state = match ours {
+                Some(ours) if kept => {
                     // Taken out for the call (at most one watchdog check is in flight); put
                     // back only while our epoch answers on it.
                     let (epoch, mut connection) =
@@ -590,40 +592,34 @@ impl Host for RealHost {
                     if epoch != ours {
                         connection = KeptConnection::default();
                     }
-                    let stats = admin
-                        .epoch_stats_kept(&mut connection, KEPT_CONNECTION_RENEWAL)
+                    let state = admin
+                        .state_kept(&mut connection, KEPT_CONNECTION_RENEWAL)
                         .await?;
-                    if stats.epoch == ours {
+                    if state.epoch == ours {
                         *slot.lock().unwrap_or_else(|p| p.into_inner()) = (ours, connection);
                     }
-                    stats.epoch
-                } else {
-                    admin.epoch_stats().await?.epoch
-                };
-                if epoch <= ours {
-                    return Ok(None);
+                    state
                 }
-            }
-            // Newer: who, and whether LIVE, over one connection (the first answer's process
-            // may have handed the address on meanwhile).
-            admin.admin_state().await.map(Some)
+                _ => admin.admin_state().await?,
+            };
+            Ok(Some(state).filter(|s| ours.is_none_or(|ours| s.epoch > ours)))
         })
     }
 
-    fn live_check(&self, kept: bool) -> Task<Result<Option<AdminState>, AdminError>> {
+    fn live_check(&self, bound: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>> {
         // A hot-restart epoch binds the configured address, also after a cold family's first
         // epoch answered on an ephemeral one.
         let admin = self.admin.clone();
-        if !kept {
+        let Some(epoch) = bound else {
             return Box::pin(async move { live(&admin).await });
-        }
+        };
         let slot = self.live_kept.clone();
         Box::pin(async move {
             // Taken out for the call (one LIVE check is in flight at a time); it comes back
             // holding a connection only after a "not LIVE".
             let mut connection =
                 std::mem::take(&mut *slot.lock().unwrap_or_else(|p| p.into_inner()));
-            let answer = admin.live_state_kept(&mut connection).await;
+            let answer = admin.live_state_kept(&mut connection, epoch).await;
             *slot.lock().unwrap_or_else(|p| p.into_inner()) = connection;
             answer
         })

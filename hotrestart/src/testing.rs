@@ -621,11 +621,11 @@ impl Host for FakeHost {
         })
     }
 
-    fn live_check(&self, kept: bool) -> Task<Result<Option<AdminState>, AdminError>> {
+    fn live_check(&self, bound: Option<u32>) -> Task<Result<Option<AdminState>, AdminError>> {
         let (admin, delay) = {
             let mut w = self.world();
             w.admin_calls.2 += 1;
-            w.live_checks_sent.push((Instant::now(), kept));
+            w.live_checks_sent.push((Instant::now(), bound.is_some()));
             (w.admin.clone(), w.live_check_delay)
         };
         Box::pin(async move {

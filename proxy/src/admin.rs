@@ -4,8 +4,13 @@
 //! body) by the client's timeout: a drain POST that hangs is how Istio lost pods (#50596).
 //! Every call checks the status code, and every error names the address and the endpoint.
 //! The exceptions are questions asked over and over of one process (the watchdog's every
-//! second, [`AdminClient::epoch_stats_kept`]; a starting epoch's LIVE checks,
+//! second, [`AdminClient::state_kept`]; a starting epoch's LIVE checks,
 //! [`AdminClient::live_state_kept`]), which may reuse a [`KeptConnection`].
+//!
+//! What the periodic questions ask costs Envoy the same on any config: `/ready` on a
+//! connection whose process is known, `/server_info` when it must be learnt. Never
+//! `/stats?filter=` there: Envoy visits every stat to answer one (0.4–0.9 s of its main thread
+//! at ~570k stats, and the main thread also applies xDS and serves the admin API).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -188,61 +193,37 @@ struct RawOptions {
     socket_path: String,
 }
 
-/// Which process answers on an admin address, from two of Envoy's gauges. `/server_info`
-/// says it too, but its node section lists every extension (~120 KiB in Envoy 1.40, several
-/// ms of Envoy's main thread per call): too much for a watchdog or for polling an Envoy that is
-/// starting. The `server.state` gauge is no substitute for `/ready`: it reads 0 (LIVE) until
-/// the first stats flush, seconds into an Envoy's start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct EpochStats {
-    /// `server.hot_restart_epoch`: the answering process's `--restart-epoch`.
-    pub epoch: u32,
-    /// `server.uptime`: since the first epoch of a hot-restart chain (a child takes its
-    /// parent's over), so the answering process's own uptime only at a fresh epoch 0.
-    pub uptime: Option<Duration>,
-}
-
-/// The stats filter behind [`EpochStats`].
-pub const EPOCH_STATS_FILTER: &str = r"^server\.(hot_restart_epoch|uptime)$";
-
-impl EpochStats {
-    /// Parses the text of `/stats?filter=^server\.(hot_restart_epoch|uptime)$`.
-    pub fn parse(text: &str) -> Result<EpochStats, String> {
-        let mut epoch = None;
-        let mut uptime = None;
-        for line in text.lines() {
-            let Some((name, value)) = line.split_once(':') else {
-                continue;
-            };
-            let value = value.trim();
-            match name.trim() {
-                "server.hot_restart_epoch" => {
-                    epoch = Some(value.parse().map_err(|e| format!("{name}: {e}"))?);
-                }
-                "server.uptime" => {
-                    uptime = value.parse().ok().map(Duration::from_secs);
-                }
-                _ => {}
-            }
-        }
-        match epoch {
-            Some(epoch) => Ok(EpochStats { epoch, uptime }),
-            None => Err(format!(
-                "no server.hot_restart_epoch in {:?}",
-                text.chars().take(200).collect::<String>()
-            )),
+impl ServerInfo {
+    /// Which epoch this is, in which state, up how long.
+    pub fn admin_state(&self) -> AdminState {
+        AdminState {
+            epoch: self.restart_epoch,
+            state: self.state,
+            uptime: parse_uptime(&self.uptime_current_epoch),
         }
     }
 }
 
+/// Envoy's uptime as `/server_info` prints it: a protobuf Duration in JSON (`12s`, `0.5s`).
+fn parse_uptime(text: &str) -> Option<Duration> {
+    let seconds: f64 = text.strip_suffix('s')?.parse().ok()?;
+    Duration::try_from_secs_f64(seconds).ok()
+}
+
 /// Which epoch answers on an admin address, and its state.
+///
+/// Asked of Envoy only in ways whose cost does not grow with its config: `/server_info` (its
+/// node section lists every extension, ~120 KiB, the same for any config) when the process
+/// behind an address must be learnt, `/ready` (a word) on a connection whose process is known.
+/// `/stats?filter=` is never asked for it: Envoy visits every stat to answer (0.4–0.9 s of its
+/// main thread at ~570k stats).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdminState {
     /// The answering process's `--restart-epoch`.
     pub epoch: u32,
-    /// Its state, from `/ready`.
+    /// Its state.
     pub state: ServerState,
-    /// See [`EpochStats::uptime`].
+    /// This process's own uptime (`uptime_current_epoch`), when it was asked.
     pub uptime: Option<Duration>,
 }
 
@@ -377,176 +358,146 @@ impl AdminClient {
         }
     }
 
-    /// Which process answers (see [`EpochStats`]).
-    pub async fn epoch_stats(&self) -> Result<EpochStats, AdminError> {
-        let text = self.stats(EPOCH_STATS_FILTER, false).await?;
-        EpochStats::parse(&text).map_err(|e| self.decode("/stats", e))
-    }
-
-    /// [`AdminClient::epoch_stats`] over `kept`'s connection when it has one to this address
-    /// younger than `renew`, else over a new one that `kept` then keeps. A kept connection that
-    /// broke (Envoy closed it) is replaced within the call; one that does not answer is a
-    /// timeout, as a new one would be, and is not kept.
+    /// [`AdminClient::admin_state`] over `kept`'s connection when it has one to this address
+    /// younger than `renew` (then a `/ready` on it: the process behind it was learnt when it
+    /// was opened), else over a new one that `kept` then keeps. A kept connection that broke
+    /// (Envoy closed it) is replaced within the call; one that does not answer is a timeout,
+    /// as a new one would be, and is not kept.
     ///
     /// Why renew at all: a kept connection goes on reaching the process that accepted it.
     /// Tried with Envoy 1.40: after epoch 1 took the admin address over, a connection opened to
-    /// epoch 0 before went on answering `server.hot_restart_epoch: 0` (for 2 s, 40 requests)
-    /// while every new connection answered 1. So a takeover, or a listener lost while Envoy
-    /// lives, is seen over a kept connection only once it is renewed.
-    pub async fn epoch_stats_kept(
+    /// epoch 0 before went on answering for epoch 0 (for 2 s, 40 requests) while every new
+    /// connection reached epoch 1. So a takeover, or a listener lost while Envoy lives, is seen
+    /// over a kept connection only once it is renewed.
+    pub async fn state_kept(
         &self,
         kept: &mut KeptConnection,
         renew: Duration,
-    ) -> Result<EpochStats, AdminError> {
-        let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
+    ) -> Result<AdminState, AdminError> {
         let reusable = kept
             .connection
             .take()
-            .filter(|(c, opened)| c.addr == self.addr && opened.elapsed() < renew);
+            .filter(|k| k.connection.addr == self.addr && k.opened.elapsed() < renew);
         let exchange = async {
-            let answered = match reusable {
-                Some((mut connection, opened)) => match connection.get(&endpoint).await {
-                    Ok(answer) => Some((connection, opened, answer)),
-                    // Closed by Envoy since (an idle timeout, a drain): not an answer.
-                    Err(_) => None,
-                },
-                None => None,
-            };
-            let (connection, opened, (status, body)) = match answered {
-                Some(answered) => answered,
-                None => {
-                    let mut connection = self.connect(&endpoint).await?;
-                    let answer = connection.get(&endpoint).await?;
-                    (connection, std::time::Instant::now(), answer)
+            if let Some(mut k) = reusable {
+                if let Ok((status, body)) = k.connection.get("/ready").await {
+                    let state = self.ready_state(status, &body)?;
+                    let answer = AdminState {
+                        epoch: k.epoch,
+                        state,
+                        uptime: None,
+                    };
+                    kept.connection = Some(k);
+                    return Ok(answer);
                 }
-            };
-            if status != StatusCode::OK {
-                return Err(self.status(&endpoint, status, &body));
+                // Closed by Envoy since (an idle timeout, a drain): not an answer.
             }
-            let stats = EpochStats::parse(&String::from_utf8_lossy(&body))
-                .map_err(|e| self.decode("/stats", e))?;
-            kept.connection = Some((connection, opened));
-            Ok(stats)
+            let mut connection = self.connect("/server_info").await?;
+            let answer = self.server_info_on(&mut connection).await?.admin_state();
+            kept.connection = Some(Kept {
+                connection,
+                opened: std::time::Instant::now(),
+                epoch: answer.epoch,
+            });
+            Ok(answer)
         };
-        match tokio::time::timeout(self.timeout, exchange).await {
-            Ok(result) => result,
-            Err(_) => Err(AdminError::Timeout {
-                addr: self.addr,
-                endpoint,
-                timeout: self.timeout,
-            }),
-        }
+        self.bounded("/ready", exchange).await
     }
 
-    /// Which epoch answers and its state: the epoch first, then `/ready`. The admin address
-    /// passes from a parent to its child once (the child shuts the parent's down, then binds
-    /// its own), so the state comes from that epoch or a newer one, never an older one.
-    ///
-    /// Both questions go over one connection, so one process answers both (and it costs one
-    /// connection, not two). The watchdog asks [`AdminClient::epoch_stats`] alone, and this
-    /// only when a newer epoch than its own answers.
+    /// Which epoch answers, its state and uptime: `/server_info` on a new connection.
     pub async fn admin_state(&self) -> Result<AdminState, AdminError> {
-        let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
-        let exchange = async {
-            let mut connection = self.connect(&endpoint).await?;
-            let (status, body) = connection.get(&endpoint).await?;
-            if status != StatusCode::OK {
-                return Err(self.status(&endpoint, status, &body));
-            }
-            let text = String::from_utf8_lossy(&body);
-            let stats = EpochStats::parse(&text).map_err(|e| self.decode("/stats", e))?;
-            // A connection Envoy closed after the first answer (`Connection: close` while it
-            // drains) cannot carry the second: ask on a new one.
-            let (status, body) = match connection.get("/ready").await {
-                Ok(answer) => answer,
-                Err(_) => self.connect("/ready").await?.get("/ready").await?,
-            };
-            let state = match status {
-                StatusCode::OK => ServerState::Live,
-                StatusCode::SERVICE_UNAVAILABLE => {
-                    ServerState::from_ready(String::from_utf8_lossy(&body).trim())
-                }
-                status => return Err(self.status("/ready", status, &body)),
-            };
-            Ok(AdminState {
-                epoch: stats.epoch,
-                state,
-                uptime: stats.uptime,
-            })
-        };
-        match tokio::time::timeout(self.timeout, exchange).await {
-            Ok(result) => result,
-            Err(_) => Err(AdminError::Timeout {
-                addr: self.addr,
-                endpoint,
-                timeout: self.timeout,
-            }),
-        }
+        Ok(self.server_info().await?.admin_state())
     }
 
-    /// Whether the admin answers LIVE, and then who: `/ready` first (it costs Envoy next to
-    /// nothing, and is all a starting epoch's frequent checks need while it is not LIVE), then
-    /// the epoch, over the same connection, so one process answers both. Should that
-    /// connection not carry the second question, [`AdminClient::admin_state`] asks anew (the
-    /// epoch first: the state is then never an older process's).
+    /// Whether the admin answers LIVE, and then who: `/server_info` on a new connection (for
+    /// an address whose process is not known; see [`AdminClient::live_state_kept`]).
     pub async fn live_state(&self) -> Result<Option<AdminState>, AdminError> {
-        self.live_state_kept(&mut KeptConnection::default()).await
+        let state = self.admin_state().await?;
+        Ok(Some(state).filter(|s| s.state == ServerState::Live))
     }
 
-    /// [`AdminClient::live_state`] over `kept`'s connection to this address when it has one
-    /// (replaced within the call if Envoy closed it), else over a new one that `kept` then
-    /// keeps while the answer is "not LIVE". For the frequent checks of an epoch that is known
-    /// to hold the address (its admin listener is bound): a question on an open connection
-    /// costs a starting Envoy's main thread less than an accept, a connection and its teardown.
+    /// Whether `epoch`, known to hold this address (its admin listener was bound after its
+    /// parent's was shut), answers LIVE: `/ready` over `kept`'s connection when it was opened to
+    /// that epoch (replaced within the call if Envoy closed it), else over a new one that
+    /// `kept` then keeps while the answer is "not LIVE". A question on an open connection costs
+    /// a starting Envoy's main thread less than an accept, a connection and its teardown.
     pub async fn live_state_kept(
         &self,
         kept: &mut KeptConnection,
+        epoch: u32,
     ) -> Result<Option<AdminState>, AdminError> {
-        let reusable = kept.connection.take().filter(|(c, _)| c.addr == self.addr);
+        let reusable = kept
+            .connection
+            .take()
+            .filter(|k| k.connection.addr == self.addr && k.epoch == epoch);
         let exchange = async {
             let answered = match reusable {
-                Some((mut connection, opened)) => match connection.get("/ready").await {
-                    Ok(answer) => Some((connection, opened, answer)),
+                Some(mut k) => match k.connection.get("/ready").await {
+                    Ok(answer) => Some((k, answer)),
                     Err(_) => None,
                 },
                 None => None,
             };
-            let (mut connection, opened, (status, body)) = match answered {
+            let (k, (status, body)) = match answered {
                 Some(answered) => answered,
                 None => {
                     let mut connection = self.connect("/ready").await?;
                     let answer = connection.get("/ready").await?;
-                    (connection, std::time::Instant::now(), answer)
+                    let k = Kept {
+                        connection,
+                        opened: std::time::Instant::now(),
+                        epoch,
+                    };
+                    (k, answer)
                 }
             };
-            match status {
-                StatusCode::OK => {}
-                StatusCode::SERVICE_UNAVAILABLE => {
-                    kept.connection = Some((connection, opened));
-                    return Ok(None);
+            match self.ready_state(status, &body)? {
+                ServerState::Live => Ok(Some(AdminState {
+                    epoch,
+                    state: ServerState::Live,
+                    uptime: None,
+                })),
+                _ => {
+                    kept.connection = Some(k);
+                    Ok(None)
                 }
-                status => return Err(self.status("/ready", status, &body)),
             }
-            let endpoint = format!("/stats?filter={}", percent_encode(EPOCH_STATS_FILTER));
-            let Ok((status, body)) = connection.get(&endpoint).await else {
-                return Ok(Some(self.admin_state().await?).filter(|s| s.state == ServerState::Live));
-            };
-            if status != StatusCode::OK {
-                return Err(self.status(&endpoint, status, &body));
-            }
-            let stats = EpochStats::parse(&String::from_utf8_lossy(&body))
-                .map_err(|e| self.decode("/stats", e))?;
-            Ok(Some(AdminState {
-                epoch: stats.epoch,
-                state: ServerState::Live,
-                uptime: stats.uptime,
-            }))
         };
+        self.bounded("/ready", exchange).await
+    }
+
+    /// `/server_info` on `connection`.
+    async fn server_info_on(&self, connection: &mut Connection) -> Result<ServerInfo, AdminError> {
+        let endpoint = "/server_info";
+        let (status, body) = connection.get(endpoint).await?;
+        if status != StatusCode::OK {
+            return Err(self.status(endpoint, status, &body));
+        }
+        ServerInfo::parse(&body).map_err(|e| self.decode(endpoint, e))
+    }
+
+    /// The state a `/ready` answer says: 200 is LIVE, 503 names the state.
+    fn ready_state(&self, status: StatusCode, body: &[u8]) -> Result<ServerState, AdminError> {
+        match status {
+            StatusCode::OK => Ok(ServerState::Live),
+            StatusCode::SERVICE_UNAVAILABLE => Ok(ServerState::from_ready(
+                String::from_utf8_lossy(body).trim(),
+            )),
+            status => Err(self.status("/ready", status, body)),
+        }
+    }
+
+    /// `exchange`, bounded by the client's timeout.
+    async fn bounded<T>(
+        &self,
+        endpoint: &str,
+        exchange: impl std::future::Future<Output = Result<T, AdminError>>,
+    ) -> Result<T, AdminError> {
         match tokio::time::timeout(self.timeout, exchange).await {
             Ok(result) => result,
             Err(_) => Err(AdminError::Timeout {
                 addr: self.addr,
-                endpoint: "/ready".to_owned(),
+                endpoint: endpoint.to_owned(),
                 timeout: self.timeout,
             }),
         }
@@ -718,17 +669,27 @@ impl AdminClient {
     }
 }
 
-/// A connection to an admin address kept between calls of
-/// [`AdminClient::epoch_stats_kept`] or [`AdminClient::live_state_kept`] (none at first).
+/// A connection to an admin address kept between calls of [`AdminClient::state_kept`] or
+/// [`AdminClient::live_state_kept`] (none at first), with the epoch of the process behind it.
 /// Dropping it closes the connection.
 #[derive(Default)]
 pub struct KeptConnection {
-    connection: Option<(Connection, std::time::Instant)>,
+    connection: Option<Kept>,
+}
+
+struct Kept {
+    connection: Connection,
+    opened: std::time::Instant,
+    /// The epoch of the process that accepted it.
+    epoch: u32,
 }
 
 impl std::fmt::Debug for KeptConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kept = self.connection.as_ref().map(|(c, opened)| (c.addr, opened));
+        let kept = self
+            .connection
+            .as_ref()
+            .map(|k| (k.connection.addr, k.opened, k.epoch));
         f.debug_struct("KeptConnection")
             .field("connection", &kept)
             .finish()
@@ -815,34 +776,31 @@ mod tests {
     }
 
     #[test]
-    fn epoch_stats_parse_envoys_text() {
-        let s =
-            EpochStats::parse("server.hot_restart_epoch: 3\nserver.state: 0\nserver.uptime: 12\n")
-                .unwrap();
-        assert_eq!(
-            s,
-            EpochStats {
-                epoch: 3,
-                uptime: Some(Duration::from_secs(12)),
-            }
-        );
-        assert_eq!(
-            EpochStats::parse("server.hot_restart_epoch: 0")
-                .unwrap()
-                .uptime,
-            None
-        );
-        assert!(EpochStats::parse("server.state: 0\n").is_err());
-        assert!(EpochStats::parse("server.hot_restart_epoch: x").is_err());
-        assert!(EpochStats::parse("").is_err());
+    fn server_info_uptime_parses_as_envoy_prints_it() {
+        assert_eq!(parse_uptime("12s"), Some(Duration::from_secs(12)));
+        assert_eq!(parse_uptime("0.500s"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_uptime(""), None);
+        assert_eq!(parse_uptime("12"), None);
+        assert_eq!(parse_uptime("-1s"), None);
     }
 
-    /// A fake admin on port 0 answering `/ready` with `ready` (status, body) and the epoch
-    /// stats with `epoch`, keeping connections alive; counts the connections it accepted.
-    async fn fake_admin(
-        ready: (u16, &'static str),
-        epoch: u32,
-    ) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU32>) {
+    /// What a fake admin was asked.
+    #[derive(Default)]
+    struct Asked {
+        connections: std::sync::atomic::AtomicU32,
+        /// `/stats` requests: never from the periodic questions.
+        stats: std::sync::atomic::AtomicU32,
+    }
+
+    impl Asked {
+        fn connections(&self) -> u32 {
+            self.connections.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    /// A fake admin on port 0 answering `/ready` with `ready` (status, body) and
+    /// `/server_info` as epoch `epoch` in that state, keeping connections alive.
+    async fn fake_admin(ready: (u16, &'static str), epoch: u32) -> (SocketAddr, Arc<Asked>) {
         fake_admin_closing(ready, epoch, usize::MAX).await
     }
 
@@ -851,16 +809,17 @@ mod tests {
         ready: (u16, &'static str),
         epoch: u32,
         answers: usize,
-    ) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicU32>) {
-        use std::sync::atomic::{AtomicU32, Ordering};
+    ) -> (SocketAddr, Arc<Asked>) {
+        use std::sync::atomic::Ordering;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let accepted = std::sync::Arc::new(AtomicU32::new(0));
-        let count = accepted.clone();
+        let asked = Arc::new(Asked::default());
+        let count = asked.clone();
         tokio::spawn(async move {
             while let Ok((mut stream, _)) = listener.accept().await {
-                count.fetch_add(1, Ordering::SeqCst);
+                count.connections.fetch_add(1, Ordering::SeqCst);
+                let count = count.clone();
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 1024];
@@ -879,11 +838,21 @@ mod tests {
                             (ready.0, ready.1.to_owned())
                         } else if head.starts_with("GET /hot_restart_version ") {
                             (200, "11.104\n".to_owned())
-                        } else {
+                        } else if head.starts_with("GET /server_info ") {
+                            let state = match ready.0 {
+                                200 => "LIVE",
+                                503 => ready.1.trim(),
+                                _ => "",
+                            };
                             (
-                                200,
-                                format!("server.hot_restart_epoch: {epoch}\nserver.uptime: 9\n"),
+                                if state.is_empty() { 500 } else { 200 },
+                                format!(
+                                    r#"{{"version":"x","state":"{state}","hot_restart_version":"11.104","uptime_current_epoch":"9s","command_line_options":{{"restart_epoch":{epoch},"base_id":"7"}}}}"#
+                                ),
                             )
+                        } else {
+                            count.stats.fetch_add(1, Ordering::SeqCst);
+                            (404, String::new())
                         };
                         let answer = format!(
                             "HTTP/1.1 {status} X\r\ncontent-length: {}\r\n\r\n{body}",
@@ -897,13 +866,14 @@ mod tests {
                 });
             }
         });
-        (addr, accepted)
+        (addr, asked)
     }
 
+    use std::sync::Arc;
+
     #[tokio::test]
-    async fn live_state_asks_ready_then_the_epoch_over_one_connection() {
-        use std::sync::atomic::Ordering;
-        let (addr, accepted) = fake_admin((200, "LIVE\n"), 3).await;
+    async fn live_state_asks_server_info_once() {
+        let (addr, asked) = fake_admin((200, "LIVE\n"), 3).await;
         let live = AdminClient::new(addr).live_state().await.unwrap();
         assert_eq!(
             live,
@@ -913,86 +883,100 @@ mod tests {
                 uptime: Some(Duration::from_secs(9)),
             })
         );
-        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection");
+        assert_eq!(asked.connections(), 1, "one connection");
 
-        let (addr, accepted) = fake_admin((503, "INITIALIZING\n"), 4).await;
+        let (addr, asked) = fake_admin((503, "INITIALIZING\n"), 4).await;
         assert_eq!(AdminClient::new(addr).live_state().await.unwrap(), None);
-        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        assert_eq!(asked.connections(), 1);
 
         let (addr, _) = fake_admin((500, "boom"), 4).await;
         let err = AdminClient::new(addr).live_state().await.unwrap_err();
-        assert!(err.to_string().contains("/ready"), "{err}");
+        assert!(err.to_string().contains("/server_info"), "{err}");
     }
 
     #[tokio::test]
     async fn the_watchdogs_question_keeps_its_connection_until_renewal() {
         use std::sync::atomic::Ordering;
         let hour = Duration::from_secs(3600);
-        let (addr, accepted) = fake_admin((200, "LIVE\n"), 3).await;
+        let (addr, asked) = fake_admin((200, "LIVE\n"), 3).await;
         let client = AdminClient::new(addr);
         let mut kept = KeptConnection::default();
+        let first = client.state_kept(&mut kept, hour).await.unwrap();
+        assert_eq!(
+            first.uptime,
+            Some(Duration::from_secs(9)),
+            "from /server_info"
+        );
         for _ in 0..3 {
-            let stats = client.epoch_stats_kept(&mut kept, hour).await.unwrap();
-            assert_eq!(stats.epoch, 3);
+            let state = client.state_kept(&mut kept, hour).await.unwrap();
+            assert_eq!((state.epoch, state.state), (3, ServerState::Live));
+            assert_eq!(state.uptime, None, "from /ready on the kept connection");
         }
-        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection, kept");
+        assert_eq!(asked.connections(), 1, "one connection, kept");
         // Due for renewal: a new connection each time.
         for _ in 0..2 {
-            client
-                .epoch_stats_kept(&mut kept, Duration::ZERO)
-                .await
-                .unwrap();
+            client.state_kept(&mut kept, Duration::ZERO).await.unwrap();
         }
-        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        assert_eq!(asked.connections(), 3);
+        assert_eq!(asked.stats.load(Ordering::SeqCst), 0, "no stat is visited");
 
         // Another address (a cold family's admin): never the connection kept for the first.
-        let (other, other_accepted) = fake_admin((200, "LIVE\n"), 7).await;
-        let stats = client
-            .at(other)
-            .epoch_stats_kept(&mut kept, hour)
-            .await
-            .unwrap();
-        assert_eq!(stats.epoch, 7);
-        assert_eq!(other_accepted.load(Ordering::SeqCst), 1);
+        let (other, other_asked) = fake_admin((200, "LIVE\n"), 7).await;
+        let state = client.at(other).state_kept(&mut kept, hour).await.unwrap();
+        assert_eq!(state.epoch, 7);
+        assert_eq!(other_asked.connections(), 1);
+
+        // A draining Envoy answers 503: still its epoch, in that state.
+        let (addr, _) = fake_admin((503, "DRAINING\n"), 2).await;
+        let client = AdminClient::new(addr);
+        let mut kept = KeptConnection::default();
+        for _ in 0..2 {
+            let state = client.state_kept(&mut kept, hour).await.unwrap();
+            assert_eq!((state.epoch, state.state), (2, ServerState::Draining));
+        }
 
         // Envoy closes connections after one answer: each question still gets one.
-        let (addr, accepted) = fake_admin_closing((200, "LIVE\n"), 5, 1).await;
+        let (addr, asked) = fake_admin_closing((200, "LIVE\n"), 5, 1).await;
         let client = AdminClient::new(addr);
         let mut kept = KeptConnection::default();
         for _ in 0..3 {
-            let stats = client.epoch_stats_kept(&mut kept, hour).await.unwrap();
-            assert_eq!(stats.epoch, 5);
+            let state = client.state_kept(&mut kept, hour).await.unwrap();
+            assert_eq!(state.epoch, 5);
         }
-        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        assert_eq!(asked.connections(), 3);
     }
 
     #[tokio::test]
     async fn live_checks_keep_their_connection_until_live() {
         use std::sync::atomic::Ordering;
-        let (addr, accepted) = fake_admin((503, "INITIALIZING\n"), 4).await;
+        let (addr, asked) = fake_admin((503, "INITIALIZING\n"), 4).await;
         let client = AdminClient::new(addr);
         let mut kept = KeptConnection::default();
         for _ in 0..3 {
-            assert_eq!(client.live_state_kept(&mut kept).await.unwrap(), None);
+            assert_eq!(client.live_state_kept(&mut kept, 4).await.unwrap(), None);
         }
-        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection, kept");
+        assert_eq!(asked.connections(), 1, "one connection, kept");
+        // Kept for epoch 4: a check of epoch 5 (the next restart's) never reuses it.
+        assert_eq!(client.live_state_kept(&mut kept, 5).await.unwrap(), None);
+        assert_eq!(asked.connections(), 2);
+        assert_eq!(asked.stats.load(Ordering::SeqCst), 0, "no stat is visited");
 
         // LIVE: answered, and the connection is not kept (the checks are over).
-        let (addr, accepted) = fake_admin((200, "LIVE\n"), 4).await;
+        let (addr, asked) = fake_admin((200, "LIVE\n"), 4).await;
         let client = AdminClient::new(addr);
         for _ in 0..2 {
-            let live = client.live_state_kept(&mut kept).await.unwrap();
+            let live = client.live_state_kept(&mut kept, 4).await.unwrap();
             assert_eq!(live.map(|s| s.epoch), Some(4));
         }
-        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(asked.connections(), 2);
 
         // Envoy closing each connection after one answer: every check still answered.
-        let (addr, accepted) = fake_admin_closing((503, "INITIALIZING\n"), 4, 1).await;
+        let (addr, asked) = fake_admin_closing((503, "INITIALIZING\n"), 4, 1).await;
         let client = AdminClient::new(addr);
         for _ in 0..3 {
-            assert_eq!(client.live_state_kept(&mut kept).await.unwrap(), None);
+            assert_eq!(client.live_state_kept(&mut kept, 4).await.unwrap(), None);
         }
-        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        assert_eq!(asked.connections(), 3);
     }
 
     #[tokio::test]

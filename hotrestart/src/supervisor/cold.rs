@@ -455,7 +455,7 @@ impl<H: Host> Supervisor<H> {
                 // Asked beside the loop; the answer sets the next look.
                 *kill_at = Some(now + STOP_BACKSTOP);
                 // `live_check` asks the configured address.
-                let call = self.host.live_check(false);
+                let call = self.host.live_check(None);
                 let events = self.events_tx.clone();
                 tokio::spawn(async move {
                     let _ = events.send(Event::ForeignAdmin(call.await));

@@ -194,7 +194,7 @@ impl<H: Host> Supervisor<H> {
         // can share a connection.
         let call = self
             .host
-            .live_check(matches!(self.live_hint, LiveHint::Bound(_)));
+            .live_check(matches!(self.live_hint, LiveHint::Bound(_)).then_some(epoch));
         let events = self.events_tx.clone();
         let sent = Instant::now();
         tokio::spawn(async move {
