@@ -1657,6 +1657,27 @@ async fn a_static_bootstrap_is_ready_at_live_and_its_stats_are_read_once() {
     f.stop().await;
 }
 
+/// On a large config a reading takes Envoy most of a second (it visits every stat): the
+/// steady readings (for the status) then take at most 1/100 of its main thread.
+#[tokio::test(start_paused = true)]
+async fn a_costly_control_plane_reading_is_asked_less_often() {
+    let host = FakeHost::default();
+    {
+        let mut w = host.world();
+        w.xds = XDS_RECEIVED.to_owned();
+        w.xds_delay = Duration::from_secs(1);
+    }
+    let f = start(host, config());
+    f.serving_at(0).await;
+    f.until("ready", |s| s.ready().is_ok()).await;
+    let before = f.host.world().xds_asks;
+    tokio::time::sleep(Duration::from_secs(1000)).await;
+    let asked = f.host.world().xds_asks - before;
+    // Every 10 s at a cost of nothing; every 100 s (plus the 1 s it takes) at 1 s.
+    assert!((9..=11).contains(&asked), "asked {asked} times in 1000 s");
+    f.stop().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_new_epoch_waiting_for_its_control_plane_is_no_wedge_and_its_restart_is_retried() {
     let host = FakeHost::default();

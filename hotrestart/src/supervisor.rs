@@ -141,6 +141,8 @@ enum Event {
     /// `cold`: of a cold handover's new family.
     XdsRead {
         cold: bool,
+        /// How long it took to answer (Envoy visits every stat).
+        took: Duration,
         result: Result<envoy_agent_proxy::XdsReading, AdminError>,
     },
     /// Epoch `epoch`'s admin listener is bound.
@@ -296,6 +298,8 @@ pub(crate) struct Supervisor<H: Host> {
     config_status: envoy_agent_proxy::ConfigStatus,
     /// When the control plane is read next.
     xds: Probing,
+    /// How long the last reading took: the next ones are paced by it.
+    xds_cost: Duration,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -362,6 +366,7 @@ impl<H: Host> Supervisor<H> {
             cold_takeover_of: None,
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
             xds: Probing::default(),
+            xds_cost: Duration::ZERO,
         }
     }
 
@@ -529,7 +534,10 @@ impl<H: Host> Supervisor<H> {
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
-            Event::XdsRead { cold, result } => self.on_xds(cold, result),
+            Event::XdsRead { cold, took, result } => {
+                self.xds_cost = took;
+                self.on_xds(cold, result);
+            }
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, sent, result } => {

@@ -67,6 +67,8 @@ pub(crate) struct World {
     pub(crate) xds: String,
     /// How often [`Host::xds`] was asked.
     pub(crate) xds_asks: u32,
+    /// How long a reading takes (Envoy visits every stat: long on a large config).
+    pub(crate) xds_delay: Duration,
     /// The family's hot-restart channel.
     pub(crate) socket_path: envoy_agent_proxy::SocketPath,
     /// How long a LIVE check takes to answer (an Envoy busy initializing): the answer is
@@ -155,6 +157,7 @@ impl Default for World {
             admin_bound_before_live: None,
             xds: String::new(),
             xds_asks: 0,
+            xds_delay: Duration::ZERO,
             socket_path: envoy_agent_proxy::SocketPath::envoy_default(),
             live_check_delay: Duration::ZERO,
             live_checks_sent: Vec::new(),
@@ -636,16 +639,17 @@ impl Host for FakeHost {
     }
 
     fn xds(&self, cold: Option<u32>) -> Task<Result<envoy_agent_proxy::XdsReading, AdminError>> {
-        let (admin, xds) = {
+        let (admin, xds, delay) = {
             let mut w = self.world();
             w.xds_asks += 1;
             let admin = match cold {
                 Some(_) => w.cold_admin.clone(),
                 None => w.target().clone(),
             };
-            (admin, w.xds.clone())
+            (admin, w.xds.clone(), w.xds_delay)
         };
         Box::pin(async move {
+            tokio::time::sleep(delay).await;
             let (epoch, state, _, _, _) = answer(admin, "/stats").await?;
             let mut reading = envoy_agent_proxy::XdsReading::parse(&format!(
                 "{xds}\nserver.hot_restart_epoch: {epoch}\n"

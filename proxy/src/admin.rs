@@ -108,6 +108,19 @@ impl AdminError {
     }
 }
 
+/// The pause before asking again a question whose answer took `took`, so that asking it
+/// takes at most `1/share` of Envoy's main thread (on a large config a `/stats?filter=` takes
+/// Envoy most of a second to answer: it visits every stat), and never less than `base`.
+pub fn paced(base: Duration, took: Duration, share: u32) -> Duration {
+    base.max(took.saturating_mul(share))
+}
+
+/// The share of Envoy's main thread a question asked while something waits on its answer
+/// (a drain's count, readiness waiting for the control plane) may take at most: 1/20.
+pub const BUSY_SHARE: u32 = 20;
+/// ... and one asked only for the status: 1/100.
+pub const IDLE_SHARE: u32 = 100;
+
 /// Envoy's server state, from `/server_info`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
@@ -773,6 +786,24 @@ mod tests {
         };
         assert_eq!(d.endpoint(), "/drain_listeners?graceful&skip_exit");
         assert_eq!(DrainListeners::default().endpoint(), "/drain_listeners");
+    }
+
+    #[test]
+    fn a_costly_question_is_asked_less_often() {
+        let base = Duration::from_millis(50);
+        assert_eq!(paced(base, Duration::from_millis(1), BUSY_SHARE), base);
+        assert_eq!(
+            paced(base, Duration::from_millis(800), BUSY_SHARE),
+            Duration::from_secs(16)
+        );
+        assert_eq!(
+            paced(
+                Duration::from_secs(10),
+                Duration::from_millis(800),
+                IDLE_SHARE
+            ),
+            Duration::from_secs(80)
+        );
     }
 
     #[test]

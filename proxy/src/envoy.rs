@@ -97,16 +97,21 @@ impl Envoy {
     /// rarely after; never again for a static bootstrap), publishing what changed. Never
     /// resolves.
     async fn watch_config(&self, client: AdminClient) {
+        use crate::admin::{BUSY_SHARE, IDLE_SHARE, paced};
         loop {
-            let wait = match client.xds().await {
+            let asked = std::time::Instant::now();
+            let answer = client.xds().await;
+            // Envoy visits every stat to answer: on a large config, less often.
+            let took = asked.elapsed();
+            let wait = match answer {
                 Ok(reading) => {
                     let mut next = Some(CONFIG_POLL);
                     self.state.send_if_modified(|s| {
                         let changed = s.config.observe(0, &reading, SystemTime::now());
                         next = match &s.config {
                             crate::ConfigStatus::Static => None,
-                            c if c.waiting() => Some(CONFIG_POLL),
-                            _ => Some(CONFIG_POLL_STEADY),
+                            c if c.waiting() => Some(paced(CONFIG_POLL, took, BUSY_SHARE)),
+                            _ => Some(paced(CONFIG_POLL_STEADY, took, IDLE_SHARE)),
                         };
                         if changed {
                             s.config.log_change();
@@ -120,7 +125,7 @@ impl Envoy {
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot read envoy's control plane stats");
-                    CONFIG_POLL
+                    paced(CONFIG_POLL, took, BUSY_SHARE)
                 }
             };
             tokio::time::sleep(wait).await;
