@@ -876,7 +876,7 @@ impl<P: Proxy> Agent<P> {
         let mut successor_call: Pending<Option<String>> = None;
         let mut drain_call: Pending<Result<(), ProxyError>> = None;
         let mut drain_replies: Vec<Reply<()>> = Vec::new();
-        let mut count_call: Pending<Result<u64, DrainError>> = None;
+        let mut count_call: Pending<(Result<u64, DrainError>, Duration)> = None;
         let mut drain_started: Option<Instant> = None;
         let mut quit_replies: Vec<Reply<()>> = Vec::new();
         let mut proxy_state_open = true;
@@ -1113,7 +1113,11 @@ impl<P: Proxy> Agent<P> {
                                 && count_call.is_none()
                             {
                                 s.next_count = now + self.config.poll_interval;
-                                count_call = Some(self.count_future());
+                                let count = self.count_future();
+                                count_call = Some(Box::pin(async move {
+                                    let asked = Instant::now();
+                                    (count.await, asked.elapsed())
+                                }));
                             }
                         }
                         _ => {}
@@ -1140,9 +1144,15 @@ impl<P: Proxy> Agent<P> {
                     }
                 }
 
-                count = settle(&mut count_call) => {
+                (count, took) = settle(&mut count_call) => {
                     count_call = None;
                     if let (Mode::ShuttingDown(s), Some(what)) = (&mut mode, self.config.exit_on_zero) {
+                        // A count from Envoy's stats makes it visit every stat (most of a
+                        // second on a large config): at most 1/20 of its main thread.
+                        let asked = Instant::now().checked_sub(took).unwrap_or_else(Instant::now);
+                        s.next_count = s.next_count.max(
+                            asked + envoy_agent_proxy::admin::paced(self.config.poll_interval, took, envoy_agent_proxy::admin::BUSY_SHARE),
+                        );
                         match count {
                             // A parent epoch still drains its own connections, which the count
                             // may not show: zero means zero only once it is gone.
@@ -1491,6 +1501,22 @@ impl<P: Proxy> Agent<P> {
             .map(|a| AdminClient::new(a).with_timeout(self.config.stats_timeout));
         let exclusions = self.config.exclusions.clone();
         let what = self.config.exit_on_zero.unwrap_or(Counting::Connections);
+        // Connections from the kernel: nothing asked of Envoy's main thread.
+        if what == Counting::Connections && exclusions.by_port_only() {
+            let pids: Vec<u32> = self
+                .proxy
+                .state()
+                .borrow()
+                .epochs
+                .iter()
+                .map(|e| e.pid)
+                .collect();
+            let admin_port = admin.as_ref().map(|a| a.addr().port());
+            return Box::pin(async move {
+                envoy_agent_drain::active_connections_from_kernel(pids, admin_port, &exclusions)
+                    .await
+            });
+        }
         Box::pin(async move {
             let admin = admin.ok_or(DrainError::AdminUnknown)?;
             envoy_agent_drain::active(&admin, what, &exclusions).await
@@ -1905,6 +1931,41 @@ mod tests {
             stopped >= Duration::from_secs(5) && stopped < Duration::from_secs(6),
             "{stopped:?}"
         );
+    }
+
+    /// A count that takes Envoy a second (its stats, on a large config) is asked at most every
+    /// 20 s: 1/20 of its main thread.
+    #[tokio::test(start_paused = true)]
+    async fn a_costly_count_is_asked_less_often() {
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = calls.clone();
+        let counter: Counter = Arc::new(move || {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok(5)
+            })
+        });
+        let mut c = config();
+        c.exit_on_zero = Some(Counting::Connections);
+        c.termination_drain_duration = Duration::from_secs(65);
+        let proxy = Arc::new(FakeProxy::default());
+        let (agent, handle) = Agent::new(proxy.clone(), c);
+        let agent = agent.with_counter(counter);
+        let (intents, source) = mpsc::channel(4);
+        let h = Harness {
+            proxy,
+            handle,
+            intents,
+            task: tokio::spawn(agent.run(source)),
+            started: Instant::now(),
+        };
+        h.signal(Intent::Terminate).await;
+        let (exit, _, _) = h.exit().await;
+        assert_eq!(exit.path, ExitPath::DrainDeadline(Counting::Connections));
+        // From the minimum drain (5 s) to the deadline (65 s): at 0, 20, 40 and 60 s.
+        let n = calls.load(std::sync::atomic::Ordering::SeqCst);
+        assert!((3..=4).contains(&n), "counted {n} times");
     }
 
     /// A counter answering from a script: one count per call, then the last one forever.

@@ -7,12 +7,12 @@
 //! hostNetwork, every process of the node (and every hostNetwork pod) shares this loopback:
 //! the address alone says nothing of who is calling.
 //!
-//! The tables are read line by line (one can be megabytes on a busy node), on a blocking
-//! thread: the caller runs it with `spawn_blocking`.
+//! The tables are read line by line ([`socket_table`]; one can be megabytes on a busy node), on
+//! a blocking thread.
 
-use std::io::BufRead;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::path::Path;
+use std::net::SocketAddr;
+
+use envoy_agent_proxy::socket_table;
 
 /// Why the peer's owner is not known.
 #[derive(Debug, thiserror::Error)]
@@ -85,7 +85,7 @@ impl Callers {
             .await
             .unwrap_or_else(|e| {
                 Err(PeerError::Read {
-                    path: TABLES.join(", "),
+                    path: "/proc/net/tcp".to_owned(),
                     source: std::io::Error::other(e.to_string()),
                 })
             });
@@ -98,69 +98,22 @@ impl Callers {
     }
 }
 
-/// The tables searched, IPv4's first.
-const TABLES: [&str; 2] = ["/proc/net/tcp", "/proc/net/tcp6"];
-
-/// The uid that owns the socket at `peer` connected to `local` (ours).
+/// The uid that owns the socket at `peer` connected to `local` (ours), in the agent's own
+/// network namespace.
 pub fn owner(peer: SocketAddr, local: SocketAddr) -> Result<u32, PeerError> {
-    owner_in(&TABLES.map(Path::new), peer, local)
-}
-
-fn owner_in(tables: &[&Path], peer: SocketAddr, local: SocketAddr) -> Result<u32, PeerError> {
     let (peer, local) = (canonical(peer), canonical(local));
-    for table in tables {
-        let read = |source| PeerError::Read {
-            path: table.display().to_string(),
-            source,
-        };
-        let file = match std::fs::File::open(table) {
-            Ok(f) => f,
-            // A kernel without IPv6 has no tcp6 table.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(read(e)),
-        };
-        // Skips the header line.
-        for line in std::io::BufReader::new(file).lines().skip(1) {
-            let line = line.map_err(read)?;
-            if let Some(uid) = entry_owner(&line, peer, local) {
-                return Ok(uid);
-            }
+    let mut owner = None;
+    socket_table::scan(None, |e| {
+        if e.local == peer && e.remote == local {
+            owner = Some(e.uid);
         }
-    }
-    Err(PeerError::NotFound { peer, local })
-}
-
-/// The uid of a table line whose local address is `peer` and remote address is `local`.
-fn entry_owner(line: &str, peer: SocketAddr, local: SocketAddr) -> Option<u32> {
-    // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid ...
-    let mut fields = line.split_whitespace();
-    let ours = parse_address(fields.nth(1)?)?;
-    let theirs = parse_address(fields.next()?)?;
-    if ours != peer || theirs != local {
-        return None;
-    }
-    fields.nth(4)?.parse().ok()
-}
-
-/// `0100007F:1F90` (IPv4) or 32 hex digits `:port` (IPv6): the address as the kernel prints
-/// it, each 32-bit word in the machine's byte order, the port in hex.
-fn parse_address(text: &str) -> Option<SocketAddr> {
-    let (ip, port) = text.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    // A word's bytes as they are in memory: the address's bytes, in order.
-    let bytes = |hex: &str| u32::from_str_radix(hex, 16).ok().map(u32::to_ne_bytes);
-    let ip = match ip.len() {
-        8 => IpAddr::V4(Ipv4Addr::from(bytes(ip)?)),
-        32 => {
-            let mut octets = [0u8; 16];
-            for (i, chunk) in octets.chunks_mut(4).enumerate() {
-                chunk.copy_from_slice(&bytes(ip.get(i * 8..i * 8 + 8)?)?);
-            }
-            IpAddr::V6(Ipv6Addr::from(octets))
-        }
-        _ => return None,
-    };
-    Some(canonical(SocketAddr::new(ip, port)))
+        owner.is_none()
+    })
+    .map_err(|e| PeerError::Read {
+        path: e.path.display().to_string(),
+        source: e.source,
+    })?;
+    owner.ok_or(PeerError::NotFound { peer, local })
 }
 
 /// An IPv4-mapped IPv6 address as IPv4: a dual-stack socket's view of an IPv4 peer.
@@ -171,26 +124,6 @@ fn canonical(addr: SocketAddr) -> SocketAddr {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn addresses_parse_as_the_kernel_prints_them() {
-        // As printed on little-endian x86_64.
-        assert_eq!(
-            parse_address("0100007F:1F90"),
-            Some("127.0.0.1:8080".parse().unwrap())
-        );
-        assert_eq!(
-            parse_address("00000000000000000000000001000000:0050"),
-            Some("[::1]:80".parse().unwrap())
-        );
-        assert_eq!(
-            parse_address("0000000000000000FFFF00000100007F:0050"),
-            Some("127.0.0.1:80".parse().unwrap()),
-            "IPv4-mapped"
-        );
-        assert_eq!(parse_address("0100007F"), None);
-        assert_eq!(parse_address("zz00007F:0050"), None);
-    }
 
     #[test]
     fn the_peer_end_of_a_real_loopback_connection_is_ours() {

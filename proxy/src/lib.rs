@@ -47,6 +47,7 @@ mod envoy;
 pub mod preflight;
 mod process;
 pub mod reaper;
+pub mod socket_table;
 mod spawner;
 pub mod state;
 mod sys;
