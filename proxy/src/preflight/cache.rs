@@ -12,7 +12,11 @@
 //!   arguments (`--config-yaml` overlays included). Whatever changes any of these is another
 //!   pair and is validated again. Outside the key: the environment, DNS, and files named in
 //!   other fields (a runtime directory, a file-based xDS `path`); such a change is seen when
-//!   Envoy starts, exactly as without the cache.
+//!   Envoy starts, exactly as without the cache. The bootstrap's part of the digest (its
+//!   bytes' digest and the names it names) is kept from the last parse while the file's
+//!   identity stays the same: a restart with nothing changed reads and walks nothing (on a
+//!   large bootstrap, most of a hit's time), and still looks at every named file. The walk
+//!   keeps only the names (no tree of the document).
 //! - **Verdicts.** A pair is *good* when `--mode validate` accepted it or an epoch reached LIVE
 //!   with it (the stronger proof: it replaces a rejection). It is *rejected* when Envoy refused
 //!   it; the rejection is answered again, with Envoy's words, without another exec, until the
@@ -106,6 +110,23 @@ impl ConfigDigest {
         extra_args: &[String],
         identity: impl Fn(&Path) -> Option<FileId>,
     ) -> ConfigDigest {
+        Parsed::of(extension, bytes, extra_args).digest(identity)
+    }
+}
+
+/// What a config's digest takes from its bytes: their own digest and the files they name.
+/// The costly part (on a large bootstrap, reading and walking megabytes), kept from the last
+/// parse while the bootstrap file's identity stays the same ([`PairKey::of`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Parsed {
+    /// SHA-256 of the extension, the bytes and the extra arguments.
+    base: [u8; 32],
+    /// The files named in `filename` fields, sorted, without repeats.
+    named: Vec<PathBuf>,
+}
+
+impl Parsed {
+    fn of(extension: &str, bytes: &[u8], extra_args: &[String]) -> Parsed {
         use ring::digest::{Context, SHA256};
         let mut ctx = Context::new(&SHA256);
         // Lengths before variable parts: no two different inputs run together alike.
@@ -134,9 +155,21 @@ impl ConfigDigest {
         }
         named.sort();
         named.dedup();
-        ctx.update(&(named.len() as u64).to_le_bytes());
-        for name in &named {
-            part(&mut ctx, name.as_os_str().as_encoded_bytes());
+        let mut base = [0; 32];
+        base.copy_from_slice(ctx.finish().as_ref());
+        Parsed { base, named }
+    }
+
+    /// The digest, with the named files' identities as `identity` finds them now.
+    fn digest(&self, identity: impl Fn(&Path) -> Option<FileId>) -> ConfigDigest {
+        use ring::digest::{Context, SHA256};
+        let mut ctx = Context::new(&SHA256);
+        ctx.update(&self.base);
+        ctx.update(&(self.named.len() as u64).to_le_bytes());
+        for name in &self.named {
+            let bytes = name.as_os_str().as_encoded_bytes();
+            ctx.update(&(bytes.len() as u64).to_le_bytes());
+            ctx.update(bytes);
             match identity(name) {
                 Some(id) => {
                     ctx.update(&[1]);
@@ -153,28 +186,185 @@ impl ConfigDigest {
 
 /// Every string value of a `filename` key anywhere in a YAML (or JSON) document. A document
 /// that does not parse names nothing (Envoy will reject it; its bytes are in the key anyway).
+/// Walked as it is read, keeping only the names: no tree of the document is built.
 fn filenames_in(document: &[u8], out: &mut Vec<PathBuf>) {
-    fn walk(value: &serde_yaml::Value, out: &mut Vec<PathBuf>) {
-        match value {
-            serde_yaml::Value::Mapping(map) => {
-                for (k, v) in map {
-                    match (k.as_str(), v) {
-                        (Some("filename"), serde_yaml::Value::String(s)) if !s.is_empty() => {
-                            out.push(PathBuf::from(s));
-                        }
-                        _ => walk(v, out),
-                    }
-                }
-            }
-            serde_yaml::Value::Sequence(items) => items.iter().for_each(|v| walk(v, out)),
-            serde_yaml::Value::Tagged(tagged) => walk(&tagged.value, out),
-            _ => {}
+    use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+    /// Collects into `out` while walking one value.
+    struct Walk<'a>(&'a mut Vec<PathBuf>);
+
+    impl<'de> DeserializeSeed<'de> for Walk<'_> {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
         }
     }
-    if let Ok(value) = serde_yaml::from_slice::<serde_yaml::Value>(document) {
-        walk(&value, out);
+
+    impl<'de> Visitor<'de> for Walk<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("any value")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<Key>()? {
+                match key {
+                    Key::Filename => {
+                        if let Name(Some(name)) = map.next_value::<Name>()? {
+                            self.0.push(PathBuf::from(name));
+                        }
+                    }
+                    Key::Other => map.next_value_seed(Walk(&mut *self.0))?,
+                }
+            }
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            while seq.next_element_seed(Walk(&mut *self.0))?.is_some() {}
+            Ok(())
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_none<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+        fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<(), A::Error> {
+            // A YAML tag (`!name value`): walk the value.
+            let (IgnoredAny, variant) = data.variant::<IgnoredAny>()?;
+            serde::de::VariantAccess::newtype_variant_seed(variant, Walk(self.0))
+        }
     }
+
+    /// A map key: `filename`, or anything else (not kept).
+    enum Key {
+        Filename,
+        Other,
+    }
+
+    impl<'de> serde::Deserialize<'de> for Key {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+            struct KeyVisitor;
+            impl<'de> Visitor<'de> for KeyVisitor {
+                type Value = Key;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a key")
+                }
+                fn visit_str<E>(self, s: &str) -> Result<Key, E> {
+                    Ok(if s == "filename" {
+                        Key::Filename
+                    } else {
+                        Key::Other
+                    })
+                }
+                fn visit_bool<E>(self, _: bool) -> Result<Key, E> {
+                    Ok(Key::Other)
+                }
+                fn visit_i64<E>(self, _: i64) -> Result<Key, E> {
+                    Ok(Key::Other)
+                }
+                fn visit_u64<E>(self, _: u64) -> Result<Key, E> {
+                    Ok(Key::Other)
+                }
+                fn visit_f64<E>(self, _: f64) -> Result<Key, E> {
+                    Ok(Key::Other)
+                }
+                fn visit_unit<E>(self) -> Result<Key, E> {
+                    Ok(Key::Other)
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Key, A::Error> {
+                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    Ok(Key::Other)
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Key, A::Error> {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    Ok(Key::Other)
+                }
+            }
+            d.deserialize_any(KeyVisitor)
+        }
+    }
+
+    /// A `filename` value: a non-empty string is a name; anything else is walked past.
+    struct Name(Option<String>);
+
+    impl<'de> serde::Deserialize<'de> for Name {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Name, D::Error> {
+            struct NameVisitor;
+            impl<'de> Visitor<'de> for NameVisitor {
+                type Value = Name;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a file name")
+                }
+                fn visit_str<E>(self, s: &str) -> Result<Name, E> {
+                    Ok(Name((!s.is_empty()).then(|| s.to_owned())))
+                }
+                fn visit_bool<E>(self, _: bool) -> Result<Name, E> {
+                    Ok(Name(None))
+                }
+                fn visit_i64<E>(self, _: i64) -> Result<Name, E> {
+                    Ok(Name(None))
+                }
+                fn visit_u64<E>(self, _: u64) -> Result<Name, E> {
+                    Ok(Name(None))
+                }
+                fn visit_f64<E>(self, _: f64) -> Result<Name, E> {
+                    Ok(Name(None))
+                }
+                fn visit_unit<E>(self) -> Result<Name, E> {
+                    Ok(Name(None))
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Name, A::Error> {
+                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    Ok(Name(None))
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Name, A::Error> {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    Ok(Name(None))
+                }
+            }
+            d.deserialize_any(NameVisitor)
+        }
+    }
+
+    let mut found = Vec::new();
+    for document in serde_yaml::Deserializer::from_slice(document) {
+        if Walk(&mut found).deserialize(document).is_err() {
+            // Names nothing, as a document that does not parse.
+            return;
+        }
+    }
+    out.append(&mut found);
 }
+
+/// The last parse of the bootstrap file, kept while the file's identity, its extension and the
+/// extra arguments stay the same: a restart with nothing changed then reads and walks nothing
+/// (on a large bootstrap that was most of a cache hit's time, and of the agent's memory).
+struct Memo {
+    path: PathBuf,
+    file: FileId,
+    extra_args: Vec<String>,
+    parsed: Parsed,
+}
+
+static MEMO: Mutex<Option<Memo>> = Mutex::new(None);
 
 /// A (binary, config) pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -194,27 +384,48 @@ impl PairKey {
             what: "a look at the binary",
             message: e.to_string(),
         })?;
-        let read;
-        let bytes = match bootstrap {
-            Some(bytes) => bytes,
-            None => {
-                read =
-                    crate::read_config(&config.config_path).map_err(|e| PreflightError::Read {
-                        path: config.config_path.clone(),
-                        message: e.to_string(),
-                    })?;
-                &read
-            }
-        };
         let extension = config
             .config_path
             .extension()
             .map(|e| e.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let config = ConfigDigest::of(&extension, bytes, &config.extra_args, |p| {
-            FileId::of(p).ok()
+        let identity = |p: &Path| FileId::of(p).ok();
+        if let Some(bytes) = bootstrap {
+            let config = Parsed::of(&extension, bytes, &config.extra_args).digest(identity);
+            return Ok(PairKey { binary, config });
+        }
+        let read = |e: std::io::Error| PreflightError::Read {
+            path: config.config_path.clone(),
+            message: e.to_string(),
+        };
+        let file = FileId::of(&config.config_path).map_err(read)?;
+        let mut memo = MEMO
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let known = memo.as_ref().filter(|m| {
+            m.file == file && m.path == config.config_path && m.extra_args == config.extra_args
         });
-        Ok(PairKey { binary, config })
+        let parsed = match known {
+            Some(m) => m.parsed.clone(),
+            None => {
+                let bytes = crate::read_config(&config.config_path).map_err(read)?;
+                let parsed = Parsed::of(&extension, &bytes, &config.extra_args);
+                // The identity read before the bytes: a write in between changes it again,
+                // and the next look parses anew.
+                *memo = Some(Memo {
+                    path: config.config_path.clone(),
+                    file,
+                    extra_args: config.extra_args.clone(),
+                    parsed: parsed.clone(),
+                });
+                parsed
+            }
+        };
+        drop(memo);
+        Ok(PairKey {
+            binary,
+            config: parsed.digest(identity),
+        })
     }
 }
 
@@ -503,6 +714,56 @@ mod tests {
         let mut none = Vec::new();
         filenames_in(b"{ not yaml: [", &mut none);
         assert!(none.is_empty());
+    }
+
+    #[test]
+    fn filenames_are_found_in_yaml_with_tags_anchors_and_many_documents() {
+        let mut out = Vec::new();
+        filenames_in(
+            b"a: &cert {filename: /certs/a.pem}\nb: *cert\nc: !tagged {filename: /t}\nd:\n  - filename: ''\n  - {filename: [1, 2]}\n---\nfilename: /second\n",
+            &mut out,
+        );
+        out.sort();
+        out.dedup();
+        assert_eq!(
+            out,
+            [
+                PathBuf::from("/certs/a.pem"),
+                PathBuf::from("/second"),
+                PathBuf::from("/t")
+            ]
+        );
+    }
+
+    #[test]
+    fn the_key_of_an_unchanged_bootstrap_is_kept_and_still_follows_named_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let cert = dir.path().join("cert.pem");
+        std::fs::write(&cert, "one").unwrap();
+        let bootstrap = dir.path().join("bootstrap.yaml");
+        let doc = |n: u32| format!("n: {n}\nsecret: {{filename: {}}}\n", cert.display());
+        std::fs::write(&bootstrap, doc(1)).unwrap();
+        let config = crate::ProxyConfig::new(
+            dir.path().join("envoy"),
+            bootstrap.clone(),
+            crate::AdminAddress::FromFile(dir.path().join("admin")),
+        );
+        std::fs::write(dir.path().join("envoy"), "").unwrap();
+        let first = PairKey::of(&config, None).unwrap();
+        assert_eq!(first, PairKey::of(&config, None).unwrap());
+        assert_eq!(
+            first,
+            PairKey::of(&config, Some(doc(1).as_bytes())).unwrap(),
+            "the same as from the bytes"
+        );
+        // A named file replaced: another key, though the bootstrap is the same file.
+        std::fs::write(dir.path().join("cert.new"), "two").unwrap();
+        std::fs::rename(dir.path().join("cert.new"), &cert).unwrap();
+        let replaced = PairKey::of(&config, None).unwrap();
+        assert_ne!(first, replaced);
+        // The bootstrap rewritten: another key.
+        std::fs::write(&bootstrap, doc(2)).unwrap();
+        assert_ne!(replaced, PairKey::of(&config, None).unwrap());
     }
 
     #[test]
