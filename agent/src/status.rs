@@ -366,7 +366,7 @@ async fn prometheus(State(agent): State<AgentHandle>) -> Response {
     let envoy = match agent.admin() {
         Some(admin) => admin
             .with_timeout(ENVOY_CALL_TIMEOUT)
-            .prometheus_stats()
+            .prometheus_stream()
             .await
             .map_err(|e| e.to_string()),
         None => Err("envoy admin address unknown".to_owned()),
@@ -377,21 +377,77 @@ async fn prometheus(State(agent): State<AgentHandle>) -> Response {
         "# HELP envoy_agent_envoy_stats_up Whether Envoy's stats could be read for this scrape.\n\
          # TYPE envoy_agent_envoy_stats_up gauge\nenvoy_agent_envoy_stats_up {up}"
     );
-    match envoy {
-        Ok(stats) => body.push_str(&String::from_utf8_lossy(&stats)),
+    let envoy = match envoy {
+        Ok(stats) => Some(stats),
         Err(e) => {
             let _ = writeln!(body, "# envoy stats unavailable: {}", e.replace('\n', " "));
+            None
         }
-    }
+    };
+    let scrape = Scrape {
+        head: Some(body.into()),
+        envoy,
+        deadline: Box::pin(tokio::time::sleep(ENVOY_STATS_BODY_TIMEOUT)),
+    };
     (
         StatusCode::OK,
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        body,
+        axum::body::Body::new(scrape),
     )
         .into_response()
+}
+
+/// How long Envoy's stats may take to arrive, whole (tens of MiB on a large config).
+const ENVOY_STATS_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A scrape's answer: the agent's own metrics, then Envoy's passed on as they arrive (on a
+/// large config tens of MiB, never held whole by the agent), within a bound.
+struct Scrape {
+    head: Option<axum::body::Bytes>,
+    envoy: Option<envoy_agent_proxy::admin::StreamedBody>,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl hyper::body::Body for Scrape {
+    type Data = axum::body::Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<axum::body::Bytes>, std::io::Error>>>
+    {
+        use std::task::Poll;
+        let this = self.get_mut();
+        if let Some(head) = this.head.take() {
+            return Poll::Ready(Some(Ok(hyper::body::Frame::data(head))));
+        }
+        let Some(envoy) = this.envoy.as_mut() else {
+            return Poll::Ready(None);
+        };
+        if this.deadline.as_mut().poll(cx).is_ready() {
+            this.envoy = None;
+            return Poll::Ready(Some(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "envoy's stats did not arrive in time",
+            ))));
+        }
+        match std::pin::Pin::new(envoy).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+            Poll::Ready(Some(Err(e))) => {
+                this.envoy = None;
+                Poll::Ready(Some(Err(std::io::Error::other(e))))
+            }
+            Poll::Ready(None) => {
+                this.envoy = None;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 /// The agent's own metrics in Prometheus text format.

@@ -547,6 +547,31 @@ impl AdminClient {
         self.call_ok(Method::GET, "/stats/prometheus").await
     }
 
+    /// `GET /stats/prometheus`, its body passed on as it arrives: on a large config it is
+    /// tens of MiB, never to be held whole. The answer's head comes within the client's
+    /// timeout; the body is the caller's to bound.
+    pub async fn prometheus_stream(&self) -> Result<StreamedBody, AdminError> {
+        let endpoint = "/stats/prometheus";
+        let exchange = async {
+            let mut connection = self.connect(endpoint).await?;
+            let response = connection.send(Method::GET, endpoint).await?;
+            if response.status() != StatusCode::OK {
+                let status = response.status();
+                let body = Limited::new(response.into_body(), 4096)
+                    .collect()
+                    .await
+                    .map(http_body_util::Collected::to_bytes)
+                    .unwrap_or_default();
+                return Err(self.status(endpoint, status, &body));
+            }
+            Ok(StreamedBody {
+                body: response.into_body(),
+                _connection: connection,
+            })
+        };
+        self.bounded(endpoint, exchange).await
+    }
+
     /// `POST /drain_listeners?...`.
     pub async fn drain_listeners(&self, options: DrainListeners) -> Result<(), AdminError> {
         self.call_ok(Method::POST, &options.endpoint()).await?;
@@ -709,6 +734,31 @@ impl std::fmt::Debug for KeptConnection {
     }
 }
 
+/// An answer's body as it arrives from Envoy (see [`AdminClient::prometheus_stream`]),
+/// holding its connection.
+pub struct StreamedBody {
+    body: hyper::body::Incoming,
+    _connection: Connection,
+}
+
+impl std::fmt::Debug for StreamedBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamedBody").finish_non_exhaustive()
+    }
+}
+
+impl hyper::body::Body for StreamedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+}
+
 /// One connection to the admin API, for one request after another.
 struct Connection {
     addr: SocketAddr,
@@ -720,11 +770,12 @@ impl Connection {
         self.request(Method::GET, endpoint).await
     }
 
-    async fn request(
+    /// Sends a request; the answer's head, its body still to come.
+    async fn send(
         &mut self,
         method: Method,
         endpoint: &str,
-    ) -> Result<(StatusCode, Bytes), AdminError> {
+    ) -> Result<http::Response<hyper::body::Incoming>, AdminError> {
         let http = |message: String| AdminError::Http {
             addr: self.addr,
             endpoint: endpoint.to_owned(),
@@ -740,11 +791,24 @@ impl Connection {
             .header(http::header::HOST, self.addr.to_string())
             .body(Empty::<Bytes>::new())
             .map_err(|e| http(format!("building request: {e}")))?;
-        let response = self
-            .sender
+        self.sender
             .send_request(request)
             .await
-            .map_err(|e| http(format!("request: {e}")))?;
+            .map_err(|e| http(format!("request: {e}")))
+    }
+
+    async fn request(
+        &mut self,
+        method: Method,
+        endpoint: &str,
+    ) -> Result<(StatusCode, Bytes), AdminError> {
+        let response = self.send(method, endpoint).await?;
+        let addr = self.addr;
+        let http = |message: String| AdminError::Http {
+            addr,
+            endpoint: endpoint.to_owned(),
+            message,
+        };
         let status = response.status();
         let body = Limited::new(response.into_body(), MAX_BODY)
             .collect()
