@@ -84,11 +84,36 @@ pub fn admin_address(path: &Path) -> Result<SocketAddr, BootstrapError> {
 }
 
 /// The admin address in bootstrap `text` (YAML or JSON); `path` names it in errors.
+///
+/// In bounded memory on a large bootstrap: JSON is read as it is parsed (nothing but the admin
+/// section is kept), and of YAML only the top-level `admin:` section is parsed when there is
+/// one (the YAML parser holds a document's every event: tens of MiB for thousands of
+/// clusters). The whole document is parsed only when that finds no address (flow style, an
+/// alias), so that a broken bootstrap is still named as such.
 pub fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, BootstrapError> {
-    let bootstrap: Bootstrap = serde_yaml::from_str(text).map_err(|e| BootstrapError::Parse {
-        path: path.to_owned(),
-        message: e.to_string(),
-    })?;
+    let found = |b: &Bootstrap| {
+        b.admin
+            .as_ref()
+            .and_then(|a| a.address.as_ref())
+            .is_some_and(|a| a.socket_address.is_some())
+    };
+    let json = text
+        .trim_start()
+        .starts_with('{')
+        .then(|| serde_json::from_str::<Bootstrap>(text).ok())
+        .flatten();
+    let section = || {
+        top_level_section(text, "admin")
+            .and_then(|s| serde_yaml::from_str::<Bootstrap>(s).ok())
+            .filter(found)
+    };
+    let bootstrap = match json.filter(found).or_else(section) {
+        Some(b) => b,
+        None => serde_yaml::from_str(text).map_err(|e| BootstrapError::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?,
+    };
     let socket = bootstrap
         .admin
         .and_then(|a| a.address)
@@ -110,6 +135,25 @@ pub fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, Boo
         ip => ip,
     };
     Ok(SocketAddr::new(ip, socket.port_value))
+}
+
+/// The lines of a YAML document's top-level `key:` block: the key's line and those after it
+/// that are indented, blank or comments, up to the next top-level line.
+fn top_level_section<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    let mut offset = 0;
+    let mut start = None;
+    for line in text.split_inclusive('\n') {
+        let top = line.starts_with(|c: char| !c.is_whitespace() && c != '#');
+        match start {
+            None if top && line.strip_prefix(key).is_some_and(|r| r.starts_with(':')) => {
+                start = Some(offset);
+            }
+            Some(s) if top => return text.get(s..offset),
+            _ => {}
+        }
+        offset += line.len();
+    }
+    start.and_then(|s| text.get(s..))
 }
 
 #[cfg(test)]
@@ -157,6 +201,36 @@ mod tests {
         assert!(err.to_string().contains("b.yaml"), "{err}");
         let err = parse("admin: {address: {pipe: {path: /tmp/admin}}}").unwrap_err();
         assert!(matches!(err, BootstrapError::NoAdmin { .. }), "{err}");
+    }
+
+    #[test]
+    fn only_the_admin_section_of_a_yaml_bootstrap_is_needed() {
+        let yaml = "# a comment\nnode: {id: x}\nadmin:\n  # inside\n\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 7}\nstatic_resources:\n  clusters: []\n";
+        assert_eq!(
+            top_level_section(yaml, "admin"),
+            Some(
+                "admin:\n  # inside\n\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 7}\n"
+            )
+        );
+        assert_eq!(parse(yaml).unwrap().port(), 7);
+        assert_eq!(top_level_section("administrator: 1\n", "admin"), None);
+        // At the end of the document, and an alias the section alone cannot resolve.
+        assert_eq!(
+            parse("x: 1\nadmin: {address: {socket_address: {address: 127.0.0.1, port_value: 8}}}")
+                .unwrap()
+                .port(),
+            8
+        );
+        let aliased = "a: &admin {address: {socket_address: {address: 127.0.0.1, port_value: 9}}}\nadmin: *admin\n";
+        assert_eq!(parse(aliased).unwrap().port(), 9);
+    }
+
+    #[test]
+    fn a_document_broken_outside_its_admin_section_is_left_to_envoy() {
+        // The address is found; Envoy refuses the rest at its start, with its own reason,
+        // which the agent reports (exit: Envoy's, or a pre-flight's rejection).
+        let yaml = "admin:\n  address:\n    socket_address: {address: 127.0.0.1, port_value: 7}\nstatic_resources: [unclosed\n";
+        assert_eq!(parse(yaml).unwrap().port(), 7);
     }
 
     #[test]

@@ -15,8 +15,8 @@
 //!   Envoy starts, exactly as without the cache. The bootstrap's part of the digest (its
 //!   bytes' digest and the names it names) is kept from the last parse while the file's
 //!   identity stays the same: a restart with nothing changed reads and walks nothing (on a
-//!   large bootstrap, most of a hit's time), and still looks at every named file. The walk
-//!   keeps only the names (no tree of the document).
+//!   large bootstrap, most of a hit's time), and still looks at every named file. The names are
+//!   found by a scan of the text (no parse of the document: bounded memory at any size).
 //! - **Verdicts.** A pair is *good* when `--mode validate` accepted it or an epoch reached LIVE
 //!   with it (the stronger proof: it replaces a rejection). It is *rejected* when Envoy refused
 //!   it; the rejection is answered again, with Envoy's words, without another exec, until the
@@ -184,174 +184,72 @@ impl Parsed {
     }
 }
 
-/// Every string value of a `filename` key anywhere in a YAML (or JSON) document. A document
-/// that does not parse names nothing (Envoy will reject it; its bytes are in the key anyway).
-/// Walked as it is read, keeping only the names: no tree of the document is built.
+/// Every value of a `filename` key anywhere in a YAML (or JSON) document: a quoted string, or
+/// in YAML a plain one. Found by a scan of the text, in one pass and no memory beyond the
+/// names: a YAML parser holds a document's every event (tens of MiB for a bootstrap of
+/// thousands of clusters). What the scan does not resolve (a `filename: *alias`) names a file
+/// that is not there: a stable part of the key, as a missing file is.
 fn filenames_in(document: &[u8], out: &mut Vec<PathBuf>) {
-    use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-
-    /// Collects into `out` while walking one value.
-    struct Walk<'a>(&'a mut Vec<PathBuf>);
-
-    impl<'de> DeserializeSeed<'de> for Walk<'_> {
-        type Value = ();
-        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-            d.deserialize_any(self)
+    const KEY: &[u8] = b"filename";
+    let json = document.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let mut at = 0;
+    while let Some(found) = find(&document[at..], KEY) {
+        let start = at + found;
+        at = start + KEY.len();
+        // A key of its own: not the end of `my_filename`, nor the start of `filenames`.
+        let before = start.checked_sub(1).map(|i| document[i]);
+        if before.is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') {
+            continue;
         }
-    }
-
-    impl<'de> Visitor<'de> for Walk<'_> {
-        type Value = ();
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("any value")
+        let mut rest = &document[at..];
+        if let Some(r) = rest.strip_prefix(b"\"").or_else(|| rest.strip_prefix(b"'")) {
+            rest = r;
         }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-            while let Some(key) = map.next_key::<Key>()? {
-                match key {
-                    Key::Filename => {
-                        if let Name(Some(name)) = map.next_value::<Name>()? {
-                            self.0.push(PathBuf::from(name));
-                        }
-                    }
-                    Key::Other => map.next_value_seed(Walk(&mut *self.0))?,
-                }
+        let rest = trim_start(rest);
+        let Some(rest) = rest.strip_prefix(b":") else {
+            continue;
+        };
+        let rest = trim_start(rest);
+        let value = match rest.first() {
+            Some(q @ (b'"' | b'\'')) => rest[1..]
+                .iter()
+                .position(|b| b == q || *b == b'\n')
+                .filter(|end| rest[1 + end] == *q)
+                .map(|end| &rest[1..1 + end]),
+            // A plain YAML scalar, to the end of its line or flow item.
+            Some(b) if !json && !b"[{&*!|>#,\n".contains(b) => {
+                let end = rest
+                    .iter()
+                    .position(|b| b"\n,}]#".contains(b))
+                    .unwrap_or(rest.len());
+                Some(trim_end(&rest[..end]))
             }
-            Ok(())
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-            while seq.next_element_seed(Walk(&mut *self.0))?.is_some() {}
-            Ok(())
-        }
-        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-            Ok(())
-        }
-        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-            Ok(())
-        }
-        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-            Ok(())
-        }
-        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-            Ok(())
-        }
-        fn visit_str<E>(self, _: &str) -> Result<(), E> {
-            Ok(())
-        }
-        fn visit_unit<E>(self) -> Result<(), E> {
-            Ok(())
-        }
-        fn visit_none<E>(self) -> Result<(), E> {
-            Ok(())
-        }
-        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-            d.deserialize_any(self)
-        }
-        fn visit_enum<A: serde::de::EnumAccess<'de>>(self, data: A) -> Result<(), A::Error> {
-            // A YAML tag (`!name value`): walk the value.
-            let (IgnoredAny, variant) = data.variant::<IgnoredAny>()?;
-            serde::de::VariantAccess::newtype_variant_seed(variant, Walk(self.0))
+            _ => None,
+        };
+        if let Some(name) = value.filter(|v| !v.is_empty()) {
+            out.push(PathBuf::from(String::from_utf8_lossy(name).into_owned()));
         }
     }
+}
 
-    /// A map key: `filename`, or anything else (not kept).
-    enum Key {
-        Filename,
-        Other,
-    }
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
 
-    impl<'de> serde::Deserialize<'de> for Key {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
-            struct KeyVisitor;
-            impl<'de> Visitor<'de> for KeyVisitor {
-                type Value = Key;
-                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                    f.write_str("a key")
-                }
-                fn visit_str<E>(self, s: &str) -> Result<Key, E> {
-                    Ok(if s == "filename" {
-                        Key::Filename
-                    } else {
-                        Key::Other
-                    })
-                }
-                fn visit_bool<E>(self, _: bool) -> Result<Key, E> {
-                    Ok(Key::Other)
-                }
-                fn visit_i64<E>(self, _: i64) -> Result<Key, E> {
-                    Ok(Key::Other)
-                }
-                fn visit_u64<E>(self, _: u64) -> Result<Key, E> {
-                    Ok(Key::Other)
-                }
-                fn visit_f64<E>(self, _: f64) -> Result<Key, E> {
-                    Ok(Key::Other)
-                }
-                fn visit_unit<E>(self) -> Result<Key, E> {
-                    Ok(Key::Other)
-                }
-                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Key, A::Error> {
-                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                    Ok(Key::Other)
-                }
-                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Key, A::Error> {
-                    while seq.next_element::<IgnoredAny>()?.is_some() {}
-                    Ok(Key::Other)
-                }
-            }
-            d.deserialize_any(KeyVisitor)
-        }
-    }
+fn trim_start(bytes: &[u8]) -> &[u8] {
+    let skip = bytes
+        .iter()
+        .position(|b| *b != b' ' && *b != b'\t')
+        .unwrap_or(bytes.len());
+    &bytes[skip..]
+}
 
-    /// A `filename` value: a non-empty string is a name; anything else is walked past.
-    struct Name(Option<String>);
-
-    impl<'de> serde::Deserialize<'de> for Name {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Name, D::Error> {
-            struct NameVisitor;
-            impl<'de> Visitor<'de> for NameVisitor {
-                type Value = Name;
-                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                    f.write_str("a file name")
-                }
-                fn visit_str<E>(self, s: &str) -> Result<Name, E> {
-                    Ok(Name((!s.is_empty()).then(|| s.to_owned())))
-                }
-                fn visit_bool<E>(self, _: bool) -> Result<Name, E> {
-                    Ok(Name(None))
-                }
-                fn visit_i64<E>(self, _: i64) -> Result<Name, E> {
-                    Ok(Name(None))
-                }
-                fn visit_u64<E>(self, _: u64) -> Result<Name, E> {
-                    Ok(Name(None))
-                }
-                fn visit_f64<E>(self, _: f64) -> Result<Name, E> {
-                    Ok(Name(None))
-                }
-                fn visit_unit<E>(self) -> Result<Name, E> {
-                    Ok(Name(None))
-                }
-                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Name, A::Error> {
-                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                    Ok(Name(None))
-                }
-                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Name, A::Error> {
-                    while seq.next_element::<IgnoredAny>()?.is_some() {}
-                    Ok(Name(None))
-                }
-            }
-            d.deserialize_any(NameVisitor)
-        }
-    }
-
-    let mut found = Vec::new();
-    for document in serde_yaml::Deserializer::from_slice(document) {
-        if Walk(&mut found).deserialize(document).is_err() {
-            // Names nothing, as a document that does not parse.
-            return;
-        }
-    }
-    out.append(&mut found);
+fn trim_end(bytes: &[u8]) -> &[u8] {
+    let keep = bytes
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(0, |i| i + 1);
+    &bytes[..keep]
 }
 
 /// The last parse of the bootstrap file, kept while the file's identity, its extension and the
