@@ -2,11 +2,22 @@
 # Runs the benchmarks (release builds, the real Envoy): prints a table, and writes the JSON report
 # and the timeline SVG to target/bench/ (report.json, timeline.svg). Takes ~5 minutes after the release build (~5 more from clean).
 # Extra arguments go to envoy-agent-bench (e.g. --restarts 5, or --json/--svg elsewhere).
+#
+# scripts/bench.sh --scale [ARGS]: instead, the scale benchmark (bench/scale.py): what the agent
+# costs Envoy on a large static config (300 listeners, 5000 clusters) versus a 10x smaller one
+# (idle CPU, RSS, hot-restart LIVE latency, pre-flight, a drain's load). Builds only the release
+# agent; writes target/bench/scale.json; ARGS go to scale.py (e.g. --only large, --idle-s 10).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "${ENVOY_PATH:-}" ]; then
   ENVOY_PATH="$(scripts/install-envoy.sh)"
   export ENVOY_PATH
+fi
+if [ "${1:-}" = "--scale" ]; then
+  shift
+  cargo build --locked --release -p envoy-agent
+  mkdir -p target/bench
+  exec python3 bench/scale.py --agent target/release/envoy-agent --envoy "$ENVOY_PATH" --json target/bench/scale.json "$@"
 fi
 cargo build --locked --release -p envoy-agent -p envoy-agent-bench
 mkdir -p target/bench
