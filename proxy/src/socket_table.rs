@@ -49,15 +49,165 @@ fn tables(pid: Option<u32>) -> [PathBuf; 2] {
     [base.join("tcp"), base.join("tcp6")]
 }
 
-/// Calls `each` with every socket of the namespace `pid` is in (the agent's: `None`), until it
-/// says `false`. A kernel without IPv6 has no `tcp6`: that table is skipped.
+/// Calls `each` with every socket a process holds (sockets in `TIME_WAIT` or orphaned, with
+/// no inode, are left out) in the namespace `pid` is in (the agent's: `None`), until it says
+/// `false`.
+///
+/// Asked of the kernel over netlink (`sock_diag`, as `ss` does) in the agent's own namespace,
+/// which is its Envoy's: the kernel leaves out the `TIME_WAIT` sockets a busy node has tens of
+/// thousands of, and answers in binary. Where that cannot be had (no `inet_diag` in the
+/// kernel, a namespace of another process's), from the text tables in `/proc`. A kernel
+/// without IPv6 has no `tcp6`: that table is skipped.
 pub fn scan(pid: Option<u32>, mut each: impl FnMut(&Entry) -> bool) -> Result<(), TableError> {
+    let own = pid.is_none_or(same_netns);
+    if own {
+        match diag::scan(&mut each) {
+            Ok(()) => return Ok(()),
+            Err(e) => tracing::debug!(error = %e, "sock_diag: reading /proc instead"),
+        }
+    }
     for table in tables(pid) {
-        if !scan_file(&table, &mut each)? {
+        if !scan_file(&table, &mut |e: &Entry| e.inode == 0 || each(e))? {
             return Ok(());
         }
     }
     Ok(())
+}
+
+/// Whether process `pid` is in the agent's network namespace.
+fn same_netns(pid: u32) -> bool {
+    let ns = |path: String| std::fs::read_link(path).ok();
+    let ours = ns("/proc/self/ns/net".to_owned());
+    ours.is_some() && ours == ns(format!("/proc/{pid}/ns/net"))
+}
+
+/// The kernel's socket diagnostics over netlink (`NETLINK_SOCK_DIAG`, `inet_diag`): a dump of
+/// the TCP sockets of one address family in the given states, one message per socket.
+mod diag {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+    use nix::sys::socket::{
+        AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType, recv, sendto,
+        socket,
+    };
+
+    use super::Entry;
+
+    const SOCK_DIAG_BY_FAMILY: u16 = 20;
+    const NLM_F_REQUEST: u16 = 0x1;
+    const NLM_F_DUMP: u16 = 0x300;
+    const NLMSG_ERROR: u16 = 2;
+    const NLMSG_DONE: u16 = 3;
+    const IPPROTO_TCP: u8 = 6;
+    const AF_INET: u8 = 2;
+    const AF_INET6: u8 = 10;
+    const TCP_TIME_WAIT: u32 = 6;
+    /// Every state but `TIME_WAIT` (no process holds such a socket).
+    const STATES: u32 = 0xFFF & !(1 << TCP_TIME_WAIT);
+    /// `struct nlmsghdr`.
+    const HEADER: usize = 16;
+    /// `struct inet_diag_msg`.
+    const MESSAGE: usize = 72;
+
+    pub(super) fn scan(each: &mut impl FnMut(&Entry) -> bool) -> std::io::Result<()> {
+        let fd = socket(
+            AddressFamily::Netlink,
+            SockType::Datagram,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkSockDiag,
+        )?;
+        for family in [AF_INET, AF_INET6] {
+            if !dump(&fd, family, each)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One family's dump; `false` once `each` said to stop.
+    fn dump(
+        fd: &std::os::fd::OwnedFd,
+        family: u8,
+        each: &mut impl FnMut(&Entry) -> bool,
+    ) -> std::io::Result<bool> {
+        use std::os::fd::AsRawFd;
+        // struct nlmsghdr, then struct inet_diag_req_v2 (the socket id left zero: all).
+        let mut request = Vec::with_capacity(HEADER + 56);
+        request.extend_from_slice(&((HEADER + 56) as u32).to_ne_bytes());
+        request.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        request.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+        request.extend_from_slice(&1u32.to_ne_bytes());
+        request.extend_from_slice(&0u32.to_ne_bytes());
+        request.extend_from_slice(&[family, IPPROTO_TCP, 0, 0]);
+        request.extend_from_slice(&STATES.to_ne_bytes());
+        request.extend_from_slice(&[0u8; 48]);
+        sendto(
+            fd.as_raw_fd(),
+            &request,
+            &NetlinkAddr::new(0, 0),
+            MsgFlags::empty(),
+        )?;
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut go_on = true;
+        loop {
+            let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+            if n == 0 {
+                return Ok(go_on);
+            }
+            let mut at = 0;
+            while at + HEADER <= n {
+                let word = |i: usize| {
+                    buf.get(i..i + 4)
+                        .map_or(0, |b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+                };
+                let len = word(at) as usize;
+                let kind = u16::from_ne_bytes([buf[at + 4], buf[at + 5]]);
+                if len < HEADER || at + len > n {
+                    return Err(std::io::Error::other("sock_diag: a truncated message"));
+                }
+                match kind {
+                    NLMSG_DONE => return Ok(go_on),
+                    NLMSG_ERROR => {
+                        let errno = i32::from_ne_bytes(word(at + HEADER).to_ne_bytes());
+                        return Err(std::io::Error::from_raw_os_error(-errno));
+                    }
+                    SOCK_DIAG_BY_FAMILY if go_on && len >= HEADER + MESSAGE => {
+                        if let Some(entry) = parse(&buf[at + HEADER..at + len]) {
+                            if entry.inode != 0 {
+                                go_on = each(&entry);
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                // Messages are aligned to 4 bytes.
+                at += (len + 3) & !3;
+            }
+        }
+    }
+
+    /// A `struct inet_diag_msg`.
+    fn parse(m: &[u8]) -> Option<Entry> {
+        let word = |i: usize| m.get(i..i + 4).map(|b| [b[0], b[1], b[2], b[3]]);
+        let port = |i: usize| m.get(i..i + 2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+        let ip = |i: usize| -> Option<IpAddr> {
+            match *m.first()? {
+                AF_INET => Some(IpAddr::V4(Ipv4Addr::from(word(i)?))),
+                AF_INET6 => {
+                    let b: [u8; 16] = m.get(i..i + 16)?.try_into().ok()?;
+                    Some(IpAddr::V6(Ipv6Addr::from(b)).to_canonical())
+                }
+                _ => None,
+            }
+        };
+        Some(Entry {
+            local: SocketAddr::new(ip(8)?, port(4)?),
+            remote: SocketAddr::new(ip(24)?, port(6)?),
+            state: *m.get(1)?,
+            uid: u32::from_ne_bytes(word(64)?),
+            inode: u64::from(u32::from_ne_bytes(word(68)?)),
+        })
+    }
 }
 
 fn scan_file(table: &Path, each: &mut impl FnMut(&Entry) -> bool) -> Result<bool, TableError> {
@@ -216,8 +366,46 @@ mod tests {
         assert_eq!(parse_line("  sl  local_address rem_address   st"), None);
     }
 
+    /// Tests that open sockets of this process, one at a time (a count sees them all).
+    static SOCKETS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    #[test]
+    fn netlink_and_proc_see_the_same_sockets() {
+        let _one = SOCKETS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _client = std::net::TcpStream::connect(addr).unwrap();
+        let (_server, peer) = listener.accept().unwrap();
+        let mut by_netlink = Vec::new();
+        diag::scan(&mut |e: &Entry| {
+            by_netlink.push(*e);
+            true
+        })
+        .expect("sock_diag answers (inet_diag in the kernel)");
+        let mut by_proc = Vec::new();
+        for table in tables(None) {
+            scan_file(&table, &mut |e: &Entry| {
+                by_proc.push(*e);
+                true
+            })
+            .unwrap();
+        }
+        for wanted in [(addr, None), (peer, Some(addr))] {
+            let matching =
+                |e: &&Entry| e.local == wanted.0 && wanted.1.is_none_or(|r| e.remote == r);
+            let n = by_netlink.iter().find(matching).copied();
+            assert!(n.is_some(), "{wanted:?} over netlink");
+            assert_eq!(n, by_proc.iter().find(matching).copied(), "{wanted:?}");
+        }
+    }
+
     #[test]
     fn this_process_s_connections_on_its_listener_are_counted() {
+        let _one = SOCKETS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let clients: Vec<_> = (0..3)
