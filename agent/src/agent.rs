@@ -759,6 +759,9 @@ enum DrainAsk {
     Failed { error: String, retry_at: Instant },
 }
 
+/// The share of a core a drain's count from the kernel's socket table may take of the agent.
+const KERNEL_COUNT_SHARE: u32 = 4;
+
 /// How soon a failed drain request is sent again; and how long one may go unanswered before
 /// the shutdown, ending meanwhile, reports that Envoy never accepted a drain.
 const DRAIN_RETRY: Duration = Duration::from_secs(1);
@@ -876,7 +879,7 @@ impl<P: Proxy> Agent<P> {
         let mut successor_call: Pending<Option<String>> = None;
         let mut drain_call: Pending<Result<(), ProxyError>> = None;
         let mut drain_replies: Vec<Reply<()>> = Vec::new();
-        let mut count_call: Pending<(Result<u64, DrainError>, Duration)> = None;
+        let mut count_call: Pending<(Result<u64, DrainError>, Duration, u32)> = None;
         let mut drain_started: Option<Instant> = None;
         let mut quit_replies: Vec<Reply<()>> = Vec::new();
         let mut proxy_state_open = true;
@@ -1114,9 +1117,17 @@ impl<P: Proxy> Agent<P> {
                             {
                                 s.next_count = now + self.config.poll_interval;
                                 let count = self.count_future();
+                                // Whose time a count takes: Envoy's main thread (its stats: at
+                                // most 1/20 of it), or the agent's own (the kernel's table: at
+                                // most a quarter of a core).
+                                let share = if self.counts_from_kernel() {
+                                    KERNEL_COUNT_SHARE
+                                } else {
+                                    envoy_agent_proxy::admin::BUSY_SHARE
+                                };
                                 count_call = Some(Box::pin(async move {
                                     let asked = Instant::now();
-                                    (count.await, asked.elapsed())
+                                    (count.await, asked.elapsed(), share)
                                 }));
                             }
                         }
@@ -1144,14 +1155,14 @@ impl<P: Proxy> Agent<P> {
                     }
                 }
 
-                (count, took) = settle(&mut count_call) => {
+                (count, took, share) = settle(&mut count_call) => {
                     count_call = None;
                     if let (Mode::ShuttingDown(s), Some(what)) = (&mut mode, self.config.exit_on_zero) {
                         // A count from Envoy's stats makes it visit every stat (most of a
-                        // second on a large config): at most 1/20 of its main thread.
+                        // second on a large config): paced by what it took.
                         let asked = Instant::now().checked_sub(took).unwrap_or_else(Instant::now);
                         s.next_count = s.next_count.max(
-                            asked + envoy_agent_proxy::admin::paced(self.config.poll_interval, took, envoy_agent_proxy::admin::BUSY_SHARE),
+                            asked + envoy_agent_proxy::admin::paced(self.config.poll_interval, took, share),
                         );
                         match count {
                             // A parent epoch still drains its own connections, which the count
@@ -1491,6 +1502,14 @@ impl<P: Proxy> Agent<P> {
         Box::pin(async move { proxy.drain(options).await })
     }
 
+    /// Whether exit-on-zero counts from the kernel's socket table (connections, excluded by
+    /// port only) rather than Envoy's stats.
+    fn counts_from_kernel(&self) -> bool {
+        self.counter.is_none()
+            && self.config.exit_on_zero == Some(Counting::Connections)
+            && self.config.exclusions.by_port_only()
+    }
+
     fn count_future(&self) -> Pin<Box<dyn Future<Output = Result<u64, DrainError>> + Send>> {
         if let Some(counter) = &self.counter {
             return counter();
@@ -1502,7 +1521,7 @@ impl<P: Proxy> Agent<P> {
         let exclusions = self.config.exclusions.clone();
         let what = self.config.exit_on_zero.unwrap_or(Counting::Connections);
         // Connections from the kernel: nothing asked of Envoy's main thread.
-        if what == Counting::Connections && exclusions.by_port_only() {
+        if self.counts_from_kernel() {
             let pids: Vec<u32> = self
                 .proxy
                 .state()
