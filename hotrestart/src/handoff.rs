@@ -169,10 +169,31 @@ impl Deadline {
         }
     }
 
-    /// Whether a "not LIVE" from a check sent at `sent` gives the epoch up.
-    pub(crate) fn gives_up(self, sent: Instant) -> bool {
-        matches!(self, Deadline::Passed(from) if sent >= from)
+    /// What an answer that did not find the epoch LIVE, to a check sent at `sent`, means:
+    /// `unknown` when the agent could not even ask (its own descriptors, memory), which says
+    /// nothing of the epoch either way.
+    pub(crate) fn after_not_live(self, sent: Instant, unknown: bool) -> NotLive {
+        match self {
+            Deadline::Passed(from) if sent >= from && !unknown => NotLive::GiveUp,
+            Deadline::Passed(_) if unknown => {
+                NotLive::AskAgainIn(crate::supervisor::LIVE_POLL_UNBOUND)
+            }
+            // Asked before the deadline passed: ask again, now.
+            Deadline::Passed(_) => NotLive::AskAgainIn(Duration::ZERO),
+            Deadline::At(_) | Deadline::Killed => NotLive::Poll,
+        }
     }
+}
+
+/// What to do after a LIVE check that did not find the starting epoch LIVE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NotLive {
+    /// The deadline passed before the check was sent: kill it.
+    GiveUp,
+    /// The deadline passed: the last check is asked again after this long.
+    AskAgainIn(Duration),
+    /// Before the deadline: the usual pace of LIVE checks.
+    Poll,
 }
 
 /// Where the handoff is.

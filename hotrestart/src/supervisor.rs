@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
-use crate::handoff::{Attempt, Deadline, Handoff, Moment, Parent, Queue, Waiter};
+use crate::handoff::{Attempt, Deadline, Handoff, Moment, NotLive, Parent, Queue, Waiter};
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};

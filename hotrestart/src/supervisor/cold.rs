@@ -179,20 +179,16 @@ impl<H: Host> Supervisor<H> {
         let unknown = matches!(&result, Err(e) if e.is_local_resource());
         if live {
             self.go_cold_live();
-        } else if deadline.gives_up(sent) && !unknown {
-            self.give_up_cold();
-        } else if matches!(deadline, Deadline::Passed(_)) {
-            // Asked before the deadline passed (ask again now), or not asked at all (soon).
-            let gap = if unknown {
-                LIVE_POLL_UNBOUND
-            } else {
-                Duration::ZERO
-            };
-            self.live.next = Some(Instant::now() + gap);
-        } else {
-            self.live_missed = Some(Instant::now());
-            let since = spawned.map_or(Duration::ZERO, |s| s.elapsed());
-            self.live.next = Some(Instant::now() + self.live_poll_gap(since));
+            return;
+        }
+        match deadline.after_not_live(sent, unknown) {
+            NotLive::GiveUp => self.give_up_cold(),
+            NotLive::AskAgainIn(gap) => self.live.next = Some(Instant::now() + gap),
+            NotLive::Poll => {
+                self.live_missed = Some(Instant::now());
+                let since = spawned.map_or(Duration::ZERO, |s| s.elapsed());
+                self.live.next = Some(Instant::now() + self.live_poll_gap(since));
+            }
         }
     }
 

@@ -378,39 +378,35 @@ impl<H: Host> Supervisor<H> {
         let unknown = matches!(&result, Err(e) if e.is_local_resource());
         if ours {
             self.go_live(epoch);
-        } else if deadline.gives_up(sent) && !unknown {
-            self.give_up_starting();
-        } else if matches!(deadline, Deadline::Passed(_)) {
-            // Asked before the deadline passed (ask again now), or not asked at all (soon).
-            let gap = if unknown {
-                LIVE_POLL_UNBOUND
-            } else {
-                Duration::ZERO
-            };
-            self.live.next = Some(Instant::now() + gap);
-        } else {
-            // Envoy answered "not LIVE" before this moment (and after `sent`).
-            let now = Instant::now();
-            self.live_missed = Some(now);
-            let since = self
-                .handoff
-                .attempt()
-                .and_then(|a| a.spawned)
-                .map_or(Duration::ZERO, |s| s.elapsed());
-            // A late "not yet" from the starting epoch's own admin (its listener is bound)
-            // comes from a main thread busy initializing: it turns LIVE at the end of that
-            // work, maybe just after answering. Ask again at once, not a gap later: one check
-            // is in flight at a time, so Envoy is asked no faster than it answers. Only while
-            // LIVE is near (an epoch waiting for xDS is asked less and less often).
-            let busy = matches!(self.live_hint, LiveHint::Bound(at) if at.elapsed() < LIVE_NEAR_BOUND)
-                && matches!(result, Ok(None))
-                && now - sent >= LIVE_POLL_FAST * 2;
-            let gap = if busy {
-                Duration::ZERO
-            } else {
-                self.live_poll_gap(since)
-            };
-            self.live.next = Some(now + gap);
+            return;
+        }
+        match deadline.after_not_live(sent, unknown) {
+            NotLive::GiveUp => self.give_up_starting(),
+            NotLive::AskAgainIn(gap) => self.live.next = Some(Instant::now() + gap),
+            NotLive::Poll => {
+                // Envoy answered "not LIVE" before this moment (and after `sent`).
+                let now = Instant::now();
+                self.live_missed = Some(now);
+                let since = self
+                    .handoff
+                    .attempt()
+                    .and_then(|a| a.spawned)
+                    .map_or(Duration::ZERO, |s| s.elapsed());
+                // A late "not yet" from the starting epoch's own admin (its listener is bound)
+                // comes from a main thread busy initializing: it turns LIVE at the end of that
+                // work, maybe just after answering. Ask again at once, not a gap later: one check
+                // is in flight at a time, so Envoy is asked no faster than it answers. Only while
+                // LIVE is near (an epoch waiting for xDS is asked less and less often).
+                let busy = matches!(self.live_hint, LiveHint::Bound(at) if at.elapsed() < LIVE_NEAR_BOUND)
+                    && matches!(result, Ok(None))
+                    && now - sent >= LIVE_POLL_FAST * 2;
+                let gap = if busy {
+                    Duration::ZERO
+                } else {
+                    self.live_poll_gap(since)
+                };
+                self.live.next = Some(now + gap);
+            }
         }
     }
 
