@@ -45,8 +45,12 @@
 //!   makes the watchdog look at the admin port often, and its Envoy answering at a newer epoch
 //!   is a handover: marker removed, ours drain until the successor terminates them. A stop
 //!   asks [`SupervisorHandle::successor`] first (fresh facts).
-//! - **Watchdogs**: the handoff deadline; the serving epoch's admin API silent (not refused:
-//!   that is a lost listener, recovered by a restart) for longer than its deadline: a wedge.
+//! - **Watchdogs**: the handoff deadline (it kills only once a LIVE check sent after it says
+//!   "not LIVE": a stalled agent's late timer must not kill an epoch that went LIVE
+//!   meanwhile); the serving epoch's admin API silent (not refused: that is a lost listener,
+//!   recovered by a restart) for longer than its deadline, by a check sent after it: a wedge.
+//!   An admin call the agent itself could not make (no descriptor, no memory) is no fact of
+//!   Envoy's and counts for neither.
 //!   The steady check (every second) is `/ready` over an admin connection the host keeps and
 //!   renews every [`host::KEPT_CONNECTION_RENEWAL`] with a `/server_info` (who answers): a
 //!   kept connection reaches the process that accepted it, so what it cannot see (a
