@@ -65,7 +65,12 @@ async fn a_killed_serving_envoy_is_replaced_in_place_and_the_crash_reported(mode
     // A fresh family at epoch 0 in node-proxy mode; epoch 0 always in sidecar mode.
     assert_eq!(after.newest_live_epoch, Some(0));
     if matches!(mode, Mode::NodeProxy) {
-        assert!(agent.marker_present(), "the readiness marker is back");
+        // The marker follows LIVE once the fresh family's config is known (a reading of its
+        // stats, milliseconds after LIVE): waited for, not raced.
+        eventually("the readiness marker is back", PATIENCE, || async {
+            agent.marker_present().then_some(())
+        })
+        .await;
     }
 
     // It serves: a sidecar's Envoy picked new ports, so ask the agent where its admin is.
