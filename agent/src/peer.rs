@@ -1,5 +1,6 @@
 //! Who calls over loopback TCP: the owner (uid) of the peer's socket, from the kernel's socket
-//! table of the agent's network namespace (`/proc/net/tcp` and `/proc/net/tcp6`).
+//! table of the agent's network namespace (`sock_diag` over netlink; `/proc/net/tcp{,6}` where
+//! that cannot be had).
 //!
 //! Both ends of a loopback connection are in that table: the peer's end is the entry whose
 //! local address is the peer's and whose remote address is ours. The kernel records which uid
@@ -7,8 +8,8 @@
 //! hostNetwork, every process of the node (and every hostNetwork pod) shares this loopback:
 //! the address alone says nothing of who is calling.
 //!
-//! The tables are read line by line ([`socket_table`]; one can be megabytes on a busy node), on
-//! a blocking thread.
+//! The table is read by [`socket_table`] (it can hold tens of thousands of sockets on a busy
+//! node), on a blocking thread.
 
 use std::net::SocketAddr;
 

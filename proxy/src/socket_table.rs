@@ -1,5 +1,6 @@
-//! The kernel's TCP socket table of a network namespace (`/proc/<pid>/net/tcp` and `tcp6`;
-//! `/proc/net/...` for the agent's own), read line by line.
+//! The kernel's TCP socket table of a network namespace: over netlink (`sock_diag`) for the
+//! agent's own, which is its Envoy's; else the text tables (`/proc/<pid>/net/tcp` and `tcp6`),
+//! read line by line.
 //!
 //! What it is for: facts only the kernel has, at a cost that does not depend on Envoy's config
 //! and never touches Envoy's main thread: who owns a loopback peer's socket (the agent's
