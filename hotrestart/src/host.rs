@@ -313,7 +313,7 @@ impl RealHost {
             .get_or_init(|| {
                 AdminFiles::watch(self.admin_address_dir()?)
                     .inspect_err(|e| {
-                        tracing::warn!(error = %e, "no admin address hint: LIVE is polled for");
+                        tracing::warn!(error = %e, "no admin address hint: a starting epoch is asked whether it is LIVE every 50 ms");
                     })
                     .ok()
             })

@@ -36,22 +36,18 @@ mod handoffs;
 mod node_io;
 mod probes;
 
-/// How often a starting epoch's admin is asked whether it is LIVE, at most (before LIVE is
-/// expected, and when it is long overdue).
-pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
-/// ... and at least: around the time LIVE is expected (so it is seen within ~1 ms).
-pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
-/// How long after a starting epoch's admin listener is bound LIVE is checked every
-/// millisecond before the checks slow down: a static config's epoch is LIVE within some tens of
-/// milliseconds of binding it (a backoff from the start added ~0.5 ms to seeing it).
-pub(crate) const LIVE_NEAR_BOUND: Duration = Duration::from_millis(100);
-/// How long an epoch is expected to take from spawn to LIVE before any has been seen.
-pub(crate) const EXPECTED_START: Duration = Duration::from_millis(100);
-/// How often a starting epoch is asked whether it is LIVE while its admin listener is not bound
-/// yet (the sign is expected; this only covers a sign that never comes).
+/// How often a starting epoch is asked whether it is LIVE before its admin listener is bound
+/// (the sign): the address may still be its parent's, and LIVE does not come before the sign.
+/// This only covers a sign that never comes (no admin address file).
 pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_millis(50);
-/// Spawn-to-LIVE times kept to expect the next one.
-const STARTS_KEPT: usize = 3;
+/// After the sign: the starting epoch's own admin is asked this often (one question in flight
+/// at a time, `/ready` on a kept connection: the same cost at any config size) ...
+pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
+/// ... for this long after the sign (a static config of 5000 clusters is LIVE ~2.5 s after it) ...
+pub(crate) const LIVE_NEAR_BOUND: Duration = Duration::from_secs(5);
+/// ... then this often (an epoch waiting for its control plane); also how soon discovery looks
+/// again once the running version is known.
+pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
 /// How often the serving epoch's admin is checked by the watchdog.
 pub(crate) const WATCHDOG_POLL: Duration = Duration::from_secs(1);
 /// ... while a successor pod is starting (its takeover is seen that much sooner).
@@ -213,15 +209,15 @@ struct Probing {
     in_flight: bool,
 }
 
-/// What the starting epoch's LIVE checks go by.
+/// Whose admin the starting epoch's LIVE checks reach, which sets their pace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LiveHint {
-    /// No sign will come: the time recent starts took.
-    Blind,
-    /// The sign (its admin listener bound) is expected and has not come.
-    Unbound,
-    /// Its admin listener was bound then: LIVE follows within milliseconds.
-    Bound(Instant),
+enum LiveSign {
+    /// Its admin listener is not known to be bound (and may never be known to be): the
+    /// configured address may still be the parent's.
+    Awaited,
+    /// Its own admin answers since then (a hot restart's child bound the listener; a cold
+    /// family's checks go to its own address from its spawn): LIVE is near.
+    Seen(Instant),
 }
 
 impl Probing {
@@ -257,8 +253,6 @@ pub(crate) struct Supervisor<H: Host> {
     version: String,
     /// Whether `--hot-restart-version` is being asked.
     version_asked: bool,
-    /// Spawn-to-LIVE times of our latest epochs: when the next is expected to be LIVE.
-    starts: std::collections::VecDeque<Duration>,
     /// When the latest LIVE check that found the starting epoch not LIVE yet was sent: Envoy
     /// became LIVE after it, so it bounds how late the supervisor saw LIVE.
     live_missed: Option<Instant>,
@@ -268,8 +262,8 @@ pub(crate) struct Supervisor<H: Host> {
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
     live: Probing,
-    /// What tells the starting epoch's LIVE checks when to come close.
-    live_hint: LiveHint,
+    /// What paces the starting epoch's LIVE checks.
+    live_sign: LiveSign,
     watchdog: Probing,
     admin_ok: Instant,
     /// Drains asked for while a handoff settles; applied once it has.
@@ -342,13 +336,12 @@ impl<H: Host> Supervisor<H> {
             queue: Queue::default(),
             version: String::new(),
             version_asked: false,
-            starts: std::collections::VecDeque::new(),
             live_missed: None,
             newest_live: None,
             lock: None,
             stand_ins: Vec::new(),
             live: Probing::default(),
-            live_hint: LiveHint::Blind,
+            live_sign: LiveSign::Awaited,
             watchdog: Probing::default(),
             admin_ok: now,
             pending_drains: Vec::new(),
@@ -408,7 +401,6 @@ impl<H: Host> Supervisor<H> {
             last_handoff,
             ..
         } = self.family;
-        let starts = self.starts;
         let mut fresh = Supervisor::new(
             self.config,
             self.base_id,
@@ -421,7 +413,6 @@ impl<H: Host> Supervisor<H> {
         fresh.family.handoffs = handoffs;
         fresh.family.wedges = wedges;
         fresh.family.last_handoff = last_handoff;
-        fresh.starts = starts;
         fresh
     }
 
@@ -449,24 +440,15 @@ impl<H: Host> Supervisor<H> {
             }
         }
         self.publish();
-        // Whether the last tick ran without a sleep (see below).
-        let mut ticked_at_once = false;
         loop {
             if let Some(ended) = self.finished() {
                 return ended;
             }
             let wake = self.next_wake();
             // What an event made due at once (a restart just queued, a LIVE check wanted now)
-            // runs now: the timer rounds a deadline up to its next millisecond, so sleeping
-            // until now would add up to ~1 ms to a handoff, each time. Never twice in a row,
-            // so that work a tick leaves due cannot keep the events from being heard.
-            if !ticked_at_once && wake.is_some_and(|w| w <= Instant::now()) {
-                ticked_at_once = true;
-                self.handle(Event::Tick).await;
-                self.publish();
-                continue;
-            }
-            ticked_at_once = false;
+            // runs now, after any event already waiting: the timer rounds a deadline up to its
+            // next millisecond, so sleeping until now would add up to ~1 ms to each handoff.
+            let due = wake.is_some_and(|w| w <= Instant::now());
             let event = tokio::select! {
                 biased;
                 () = abort.cancelled(), if !self.aborted => Event::Abort,
@@ -481,6 +463,7 @@ impl<H: Host> Supervisor<H> {
                         continue;
                     }
                 },
+                () = std::future::ready(()), if due => Event::Tick,
                 () = sleep_until(wake) => Event::Tick,
             };
             self.handle(event).await;

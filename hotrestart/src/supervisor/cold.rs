@@ -125,7 +125,8 @@ impl<H: Host> Supervisor<H> {
                         started_at: now,
                     },
                 };
-                self.live_hint = LiveHint::Blind;
+                // Its checks go to its own address (from its file): no parent to spare.
+                self.live_sign = LiveSign::Seen(now);
                 self.begin_live_checks(now);
             }
             Err(e) => {
@@ -153,9 +154,7 @@ impl<H: Host> Supervisor<H> {
         result: Result<Option<AdminState>, AdminError>,
     ) {
         let Handoff::Cold {
-            child,
-            attempt,
-            deadline,
+            child, deadline, ..
         } = &self.handoff
         else {
             return;
@@ -164,7 +163,6 @@ impl<H: Host> Supervisor<H> {
             return;
         }
         let deadline = *deadline;
-        let spawned = attempt.spawned;
         let live = match &result {
             // Epoch 0 of a process no older than the one we started (a stale address file
             // could name another).
@@ -186,8 +184,7 @@ impl<H: Host> Supervisor<H> {
             NotLive::AskAgainIn(gap) => self.live.next = Some(Instant::now() + gap),
             NotLive::Poll => {
                 self.live_missed = Some(Instant::now());
-                let since = spawned.map_or(Duration::ZERO, |s| s.elapsed());
-                self.live.next = Some(Instant::now() + self.live_poll_gap(since));
+                self.live.next = Some(Instant::now() + self.live_poll_gap());
             }
         }
     }

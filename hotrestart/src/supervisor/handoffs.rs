@@ -124,18 +124,15 @@ impl<H: Host> Supervisor<H> {
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
-                self.live_hint = match spawned.admin_bound {
-                    Some(bound) => {
-                        let events = self.events_tx.clone();
-                        tokio::spawn(async move {
-                            if bound.await.is_ok() {
-                                let _ = events.send(Event::AdminBound(epoch));
-                            }
-                        });
-                        LiveHint::Unbound
-                    }
-                    None => LiveHint::Blind,
-                };
+                self.live_sign = LiveSign::Awaited;
+                if let Some(bound) = spawned.admin_bound {
+                    let events = self.events_tx.clone();
+                    tokio::spawn(async move {
+                        if bound.await.is_ok() {
+                            let _ = events.send(Event::AdminBound(epoch));
+                        }
+                    });
+                }
                 let pid = spawned.pid;
                 self.watch_exit(epoch, pid, spawned.exit);
                 tracing::info!(event = "epoch_starting", epoch, pid, "epoch starting");
@@ -164,12 +161,12 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// A new Envoy was spawned at `now`: its LIVE checks begin (by `live_hint`), and the
+    /// A new Envoy was spawned at `now`: its LIVE checks begin (paced by `live_sign`), and the
     /// heartbeat says so.
     pub(super) fn begin_live_checks(&mut self, now: Instant) {
         self.live_missed = None;
         self.live = Probing {
-            next: Some(now + self.live_poll_gap(Duration::ZERO)),
+            next: Some(now + self.live_poll_gap()),
             in_flight: false,
         };
         self.write_heartbeat();
@@ -189,33 +186,21 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    /// How long until the next LIVE check of an epoch spawned `since` ago: every millisecond
-    /// once its admin listener is bound (for [`LIVE_NEAR_BOUND`], then slowing down, as LIVE is
-    /// long in coming: an xDS config to fetch), rarely before. Without that sign: sparse until
-    /// LIVE is near (three quarters of the shortest recent start), every millisecond around it,
-    /// slowing down again once the start is long overdue (a config grown much bigger).
-    pub(super) fn live_poll_gap(&self, since: Duration) -> Duration {
-        match self.live_hint {
-            LiveHint::Unbound => return LIVE_POLL_UNBOUND,
-            LiveHint::Bound(at) => {
-                let slow = at.elapsed().saturating_sub(LIVE_NEAR_BOUND);
-                return (LIVE_POLL_FAST + slow / 32).min(LIVE_POLL);
-            }
-            LiveHint::Blind => {}
+    /// How long from a "not LIVE" answer to the next LIVE check: rarely until the sign, then
+    /// every millisecond while LIVE is near, and every [`LIVE_POLL`] after that (a config to
+    /// fetch from a control plane).
+    pub(super) fn live_poll_gap(&self) -> Duration {
+        match self.live_sign {
+            LiveSign::Awaited => LIVE_POLL_UNBOUND,
+            LiveSign::Seen(at) if at.elapsed() < LIVE_NEAR_BOUND => LIVE_POLL_FAST,
+            LiveSign::Seen(_) => LIVE_POLL,
         }
-        let expected = self.starts.iter().min().copied().unwrap_or(EXPECTED_START);
-        let near = expected * 3 / 4;
-        if since < near {
-            return (near - since).clamp(LIVE_POLL_FAST, LIVE_POLL);
-        }
-        let overdue = since.saturating_sub(expected * 2);
-        (LIVE_POLL_FAST + overdue / 16).min(LIVE_POLL)
     }
 
     /// The starting epoch's admin listener is bound: LIVE is near, look now and closely.
     pub(super) fn on_admin_bound(&mut self, epoch: u32) {
         if self.handoff.attempt().is_none_or(|a| a.epoch != epoch)
-            || self.live_hint != LiveHint::Unbound
+            || self.live_sign != LiveSign::Awaited
         {
             return;
         }
@@ -225,7 +210,7 @@ impl<H: Host> Supervisor<H> {
             since_spawn = ?self.handoff.attempt().and_then(|a| a.spawned).map(|s| s.elapsed()),
             "the starting epoch's admin listener is bound: LIVE is near"
         );
-        self.live_hint = LiveHint::Bound(now);
+        self.live_sign = LiveSign::Seen(now);
         if !self.live.in_flight {
             self.live.next = Some(now);
         }
@@ -239,12 +224,6 @@ impl<H: Host> Supervisor<H> {
             return;
         };
         self.live = Probing::default();
-        if let Some(spawned) = attempt.spawned {
-            if self.starts.len() >= STARTS_KEPT {
-                self.starts.pop_front();
-            }
-            self.starts.push_back(spawned.elapsed());
-        }
         attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
         self.host.passed_live(&attempt.checked);
         // Its admin is on the configured address (after a cold family's ephemeral one).

@@ -194,7 +194,7 @@ impl<H: Host> Supervisor<H> {
         // can share a connection.
         let call = self
             .host
-            .live_check(matches!(self.live_hint, LiveHint::Bound(_)).then_some(epoch));
+            .live_check(matches!(self.live_sign, LiveSign::Seen(_)).then_some(epoch));
         let events = self.events_tx.clone();
         let sent = Instant::now();
         tokio::spawn(async move {
@@ -387,25 +387,7 @@ impl<H: Host> Supervisor<H> {
                 // Envoy answered "not LIVE" before this moment (and after `sent`).
                 let now = Instant::now();
                 self.live_missed = Some(now);
-                let since = self
-                    .handoff
-                    .attempt()
-                    .and_then(|a| a.spawned)
-                    .map_or(Duration::ZERO, |s| s.elapsed());
-                // A late "not yet" from the starting epoch's own admin (its listener is bound)
-                // comes from a main thread busy initializing: it turns LIVE at the end of that
-                // work, maybe just after answering. Ask again at once, not a gap later: one check
-                // is in flight at a time, so Envoy is asked no faster than it answers. Only while
-                // LIVE is near (an epoch waiting for xDS is asked less and less often).
-                let busy = matches!(self.live_hint, LiveHint::Bound(at) if at.elapsed() < LIVE_NEAR_BOUND)
-                    && matches!(result, Ok(None))
-                    && now - sent >= LIVE_POLL_FAST * 2;
-                let gap = if busy {
-                    Duration::ZERO
-                } else {
-                    self.live_poll_gap(since)
-                };
-                self.live.next = Some(now + gap);
+                self.live.next = Some(now + self.live_poll_gap());
             }
         }
     }
