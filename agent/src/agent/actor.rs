@@ -1,0 +1,1113 @@
+//! The agent's actor: one task that owns the [`Mode`] and turns every [`Event`] into a
+//! transition.
+//!
+//! Each turn of the loop publishes the status, waits for the next event (the proxy's run
+//! ending, its state changing, an intent, a command, an answer to a call the mode has out, or
+//! the mode's own timer) and handles it. A mode owns its in-flight work (the successor
+//! question while deciding, the shutdown's drain and counts, a drain request's call and its
+//! waiting replies), so leaving a mode drops that work, closing its connections. How a
+//! request to stop (SIGTERM, SIGINT, gRPC `Stop`, quit) maps to a transition in each mode is
+//! one function, [`on_stop`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use envoy_agent_drain::{Counting, DrainError};
+use envoy_agent_proxy::{
+    AdminClient, DrainOptions, Ended, Proxy, ProxyError, ProxyPhase, ProxyState, RestartError,
+};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::Agent;
+use super::handle::{AgentError, Command, Reply};
+use super::shutdown::{Answer, Counted, Pending, Shutdown, Step, settle};
+use super::state::{AgentConfig, AgentExit, AgentState, DrainPhase, DrainReason, ExitPath, Via};
+use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
+use crate::signal::{Intent, IntentSource};
+
+/// Bound on asking the proxy whether a successor takes over (it asks the admin API).
+const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The share of a core a drain's count from the kernel's socket table may take of the agent.
+const KERNEL_COUNT_SHARE: u32 = 4;
+
+/// Why nothing runs while the agent recovers from a crash.
+const RECOVERING: &str = "no envoy runs: the agent is recovering from a crash";
+
+type Call<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// What the next SIGTERM does while the agent runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OnSignal {
+    /// Hand over or drain gracefully.
+    Drain,
+    /// Stop at once (draining was disabled).
+    StopAtOnce,
+}
+
+/// The agent's mode: one enum, never flags that must agree. Each variant owns the work it
+/// has out.
+pub(super) enum Mode {
+    /// Envoy runs (starting or LIVE).
+    Running(OnSignal),
+    /// A drain request was accepted (or is being asked): Envoy drains and keeps running; the
+    /// next SIGTERM stops.
+    Drained {
+        reason: DrainReason,
+        /// The latest drain request, while it is out.
+        request: Pending<Result<(), ProxyError>>,
+        /// Its callers, answered with its result.
+        replies: Vec<Reply<()>>,
+    },
+    /// A stop is coming: asking the proxy whether a successor pod takes over.
+    Deciding {
+        intent: Intent,
+        successor: Call<Option<String>>,
+    },
+    /// The graceful shutdown: delay, drain, wait.
+    ShuttingDown(Box<Shutdown>),
+    /// A successor pod takes over: waiting for it to terminate our Envoy.
+    HandingOver { successor: String, until: Instant },
+    /// The proxy was told to stop; waiting for it to end.
+    Stopping(ExitPath),
+    /// Crash recovery: the proxy's run ended in a crash; it runs again at `next_at`.
+    Recovering {
+        attempt: u32,
+        next_at: Instant,
+        /// `next_at` on the wall clock, for the status.
+        restart_at: SystemTime,
+        /// What a SIGTERM would have done once the proxy runs again.
+        on_signal: OnSignal,
+    },
+}
+
+/// A request to stop, from wherever it came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum StopAsk {
+    /// SIGTERM or SIGINT.
+    Signal(Intent),
+    /// gRPC `Stop`: the SIGTERM path, for a controller.
+    Stop,
+    /// `/quitquitquit`, gRPC `QuitQuitQuit`: no drain.
+    Quit(Via),
+}
+
+/// What a [`StopAsk`] does in a mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Transition {
+    /// Ask whether a successor pod takes over, then hand over or drain.
+    Decide(Intent),
+    /// Stop Envoy now, by this path.
+    StopNow(ExitPath),
+    /// Nothing changes (why, for the log).
+    Stay(&'static str),
+}
+
+/// How a request to stop maps to a transition in `mode`. A second SIGTERM or SIGINT during a
+/// drain, a decision or a handover stops at once: that is how an operator (or the kubelet,
+/// at its grace period) insists. A second gRPC `Stop` does not: a controller that repeats a
+/// call it saw time out must not cut the drain it started; it is answered, and nothing
+/// changes.
+pub(super) fn on_stop(mode: &Mode, ask: StopAsk) -> Transition {
+    match (ask, mode) {
+        (_, Mode::Stopping(_)) => Transition::Stay("already stopping"),
+        (StopAsk::Quit(via), _) => Transition::StopNow(ExitPath::QuitQuitQuit(via)),
+        (_, Mode::Recovering { .. }) => Transition::StopNow(ExitPath::StoppedWhileRecovering),
+        (
+            StopAsk::Signal(_),
+            Mode::ShuttingDown(_) | Mode::Deciding { .. } | Mode::HandingOver { .. },
+        ) => Transition::StopNow(ExitPath::SecondSignal),
+        (
+            StopAsk::Stop,
+            Mode::ShuttingDown(_) | Mode::Deciding { .. } | Mode::HandingOver { .. },
+        ) => Transition::Stay("already on the way out"),
+        (_, Mode::Drained { .. } | Mode::Running(OnSignal::StopAtOnce)) => {
+            Transition::StopNow(ExitPath::SignalAfterDrain)
+        }
+        (StopAsk::Signal(intent), Mode::Running(OnSignal::Drain)) => Transition::Decide(intent),
+        (StopAsk::Stop, Mode::Running(OnSignal::Drain)) => Transition::Decide(Intent::Terminate),
+    }
+}
+
+/// What happened, one at a time.
+enum Event {
+    /// The proxy's run ended (by itself, or as asked).
+    RunEnded(Result<Ended, ProxyError>),
+    /// The proxy's state changed; `open: false`: it is ending.
+    ProxyChanged { open: bool },
+    /// A signal's intent; none: the source is closed.
+    Intent(Option<Intent>),
+    /// A handle's command; none: every handle is gone.
+    Command(Option<Command>),
+    /// The proxy's answer whether a successor pod takes over.
+    Successor(Option<String>),
+    /// Envoy's answer to a drain request.
+    DrainAnswered(Result<(), ProxyError>),
+    /// An exit-on-zero count.
+    Counted(Counted),
+    /// The mode's timer.
+    Tick,
+}
+
+/// How the loop ended: the proxy's run, and the crash-loop's verdict if it gave up.
+struct End {
+    result: Result<Ended, ProxyError>,
+    gave_up: Option<ExitPath>,
+}
+
+/// Which inputs still deliver (a closed one is no longer listened to).
+struct Open {
+    intents: bool,
+    commands: bool,
+    proxy_state: bool,
+}
+
+pub(super) struct Actor<P, I> {
+    agent: Agent<P>,
+    intents: I,
+    /// Cancelled once the agent decides to stop: the proxy stops every Envoy.
+    abort: CancellationToken,
+    proxy_state: watch::Receiver<ProxyState>,
+    crash_loop: CrashLoop,
+    /// When the first drain (or stop) began, for the exit's metric.
+    drain_started: Option<Instant>,
+    open: Open,
+    /// The proxy's run; while recovering from a crash, a stand-in that ends only when the
+    /// agent stops.
+    run: Call<Result<Ended, ProxyError>>,
+    mode: Mode,
+}
+
+impl<P: Proxy, I: IntentSource> Actor<P, I> {
+    pub(super) fn new(agent: Agent<P>, intents: I) -> Self {
+        let abort = CancellationToken::new();
+        let run = proxy_run(&agent.proxy, &abort);
+        Actor {
+            proxy_state: agent.proxy.state(),
+            crash_loop: CrashLoop::new(agent.config.crash_recovery),
+            agent,
+            intents,
+            abort,
+            drain_started: None,
+            open: Open {
+                intents: true,
+                commands: true,
+                proxy_state: true,
+            },
+            run,
+            mode: Mode::Running(OnSignal::Drain),
+        }
+    }
+
+    /// Runs until the proxy has ended and every Envoy has been reaped.
+    pub(super) async fn run(mut self) -> AgentExit {
+        let end = loop {
+            self.publish();
+            let event = self.next_event().await;
+            if let Some(end) = self.handle(event) {
+                break end;
+            }
+        };
+        self.finish(end)
+    }
+
+    async fn next_event(&mut self) -> Event {
+        let wake = self.next_wake();
+        tokio::select! {
+            result = &mut self.run => Event::RunEnded(result),
+            changed = self.proxy_state.changed(), if self.open.proxy_state => {
+                Event::ProxyChanged { open: changed.is_ok() }
+            }
+            intent = self.intents.next(), if self.open.intents => Event::Intent(intent),
+            command = self.agent.commands.recv(), if self.open.commands => Event::Command(command),
+            event = mode_work(&mut self.mode) => event,
+            () = sleep_until(wake) => Event::Tick,
+        }
+    }
+
+    /// The next moment the mode (or the crash streak) has something to do on its own.
+    fn next_wake(&self) -> Option<Instant> {
+        let mode = match &self.mode {
+            Mode::HandingOver { until, .. } => Some(*until),
+            Mode::Recovering { next_at, .. } => Some(*next_at),
+            Mode::ShuttingDown(s) => s.next_wake(),
+            _ => None,
+        };
+        earliest(mode, self.crash_loop.streak_ends_at())
+    }
+
+    /// Applies `event`; the end of the loop when the proxy's run is over for good.
+    fn handle(&mut self, event: Event) -> Option<End> {
+        match event {
+            Event::RunEnded(result) => return self.on_run_ended(result),
+            // Closed: the proxy is ending; only its run's end is left to see.
+            Event::ProxyChanged { open } => self.open.proxy_state = open,
+            Event::Intent(None) => self.open.intents = false,
+            Event::Intent(Some(intent @ (Intent::Terminate | Intent::Interrupt))) => {
+                self.ask_to_stop(StopAsk::Signal(intent));
+            }
+            Event::Intent(Some(Intent::ReopenLogs)) => self.on_sigusr1(),
+            Event::Intent(Some(Intent::Reload)) => self.on_sighup(),
+            Event::Command(None) => self.open.commands = false,
+            Event::Command(Some(command)) => self.on_command(command),
+            Event::Successor(successor) => self.on_successor(successor),
+            Event::DrainAnswered(result) => self.on_drain_answered(result),
+            Event::Counted(counted) => self.on_counted(counted),
+            Event::Tick => self.on_tick(),
+        }
+        self.follow_handover();
+        None
+    }
+
+    fn on_run_ended(&mut self, result: Result<Ended, ProxyError>) -> Option<End> {
+        // Only an end the agent did not ask for, while it ran the proxy.
+        let crash = match (&self.mode, &result) {
+            (Mode::Running(_), Ok(ended)) => self.crash_loop.on_end(ended, Instant::now()),
+            _ => None,
+        };
+        let Some(crash) = crash else {
+            return Some(End {
+                result,
+                gave_up: None,
+            });
+        };
+        self.report_crash(&crash);
+        match (crash.action, &self.mode) {
+            (CrashAction::Restart { attempt, backoff }, Mode::Running(on_signal)) => {
+                self.mode = Mode::Recovering {
+                    attempt,
+                    next_at: Instant::now() + backoff,
+                    restart_at: SystemTime::now() + backoff,
+                    on_signal: *on_signal,
+                };
+                self.run = stopped_run(&self.abort);
+                None
+            }
+            _ => Some(End {
+                result,
+                gave_up: Some(ExitPath::CrashLoop { code: crash.code }),
+            }),
+        }
+    }
+
+    /// Applies what a request to stop does in the current mode.
+    fn ask_to_stop(&mut self, ask: StopAsk) {
+        match on_stop(&self.mode, ask) {
+            Transition::Stay(why) => tracing::info!(?ask, "{why}"),
+            Transition::StopNow(path) => self.stop(path),
+            Transition::Decide(intent) => {
+                tracing::info!(
+                    signal = intent.signal_name(),
+                    "stopping: is a successor pod taking over?"
+                );
+                self.drain_started.get_or_insert_with(Instant::now);
+                self.mode = Mode::Deciding {
+                    intent,
+                    successor: self.successor_call(),
+                };
+            }
+        }
+    }
+
+    /// Stops Envoy by `path`: in-flight calls are moot (dropping them closes their
+    /// connections); a drain request's callers hear that it is done with.
+    fn stop(&mut self, path: ExitPath) {
+        if matches!(self.mode, Mode::Stopping(_)) {
+            return;
+        }
+        tracing::info!(
+            event = "stopping",
+            exit_path = path.name(),
+            counting = path.counting().map(Counting::name),
+            at_unix_ms = unix_ms(),
+            "stopping envoy: {path}"
+        );
+        if let Mode::Drained { replies, .. } =
+            std::mem::replace(&mut self.mode, Mode::Stopping(path))
+        {
+            for reply in replies {
+                let _ = reply.send(Ok(()));
+            }
+        }
+        self.abort.cancel();
+    }
+
+    fn begin_shutdown(&mut self, reason: DrainReason) {
+        let config = &self.agent.config;
+        tracing::info!(
+            %reason,
+            drain_delay = ?config.drain_delay,
+            termination_drain_duration = ?config.termination_drain_duration,
+            exit_on_zero = config.exit_on_zero.map(Counting::name),
+            "shutting down: draining envoy"
+        );
+        self.mode = Mode::ShuttingDown(Box::new(Shutdown::begin(
+            config,
+            reason,
+            Instant::now(),
+            SystemTime::now(),
+        )));
+    }
+
+    fn on_sigusr1(&mut self) {
+        if matches!(self.mode, Mode::Recovering { .. }) {
+            tracing::info!("SIGUSR1: no envoy runs (recovering from a crash)");
+            return;
+        }
+        self.spawn_reply(None, |p| async move {
+            let n = p.reopen_logs().await;
+            match &n {
+                Ok(n) => tracing::info!(envoys = n, "SIGUSR1: asked envoy to reopen its logs"),
+                Err(e) => tracing::warn!(error = %e, "cannot forward SIGUSR1 to envoy"),
+            }
+            n.map_err(AgentError::Config)
+        });
+    }
+
+    fn on_sighup(&mut self) {
+        match self.mode {
+            Mode::Running(_) => self.spawn_reply(None, |p| async move {
+                let r = p.hot_restart("SIGHUP".to_owned()).await;
+                if let Err(RestartError::Unsupported) = &r {
+                    tracing::warn!("SIGHUP ignored: hot restart is off");
+                }
+                r.map_err(AgentError::Restart)
+            }),
+            Mode::Recovering { .. } => {
+                tracing::warn!("SIGHUP ignored: no envoy runs (recovering from a crash)");
+            }
+            _ => tracing::warn!("SIGHUP ignored: the agent is draining or stopping"),
+        }
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::Quit { via, reply } => {
+                self.ask_to_stop(StopAsk::Quit(via));
+                // Once the stop has begun.
+                let _ = reply.send(Ok(()));
+            }
+            Command::Stop { reply } => {
+                self.ask_to_stop(StopAsk::Stop);
+                let _ = reply.send(Ok(()));
+            }
+            Command::DisableDraining { reply } => {
+                if let Mode::Running(on_signal) | Mode::Recovering { on_signal, .. } =
+                    &mut self.mode
+                {
+                    tracing::info!("draining disabled: the next SIGTERM stops envoy at once");
+                    *on_signal = OnSignal::StopAtOnce;
+                }
+                let _ = reply.send(Ok(()));
+            }
+            Command::Drain {
+                options,
+                via,
+                reply,
+            } => self.on_drain_request(options, via, reply),
+            Command::HotRestart { reason, reply } => {
+                // After a drain request the proxy refuses on its own (or has no hot restart
+                // at all); on the way out, the agent refuses.
+                if matches!(self.mode, Mode::Running(_) | Mode::Drained { .. }) {
+                    self.spawn_reply(Some(reply), |p| async move {
+                        p.hot_restart(reason).await.map_err(AgentError::Restart)
+                    });
+                } else {
+                    let _ = reply.send(Err(AgentError::Restart(refusal(&self.mode))));
+                }
+            }
+            Command::UpdateConfig {
+                config,
+                reason,
+                reply,
+            } => {
+                if matches!(self.mode, Mode::Running(_)) {
+                    self.spawn_reply(Some(reply), |p| async move {
+                        p.update_config(config, reason)
+                            .await
+                            .map_err(AgentError::Config)
+                    });
+                } else {
+                    let _ = reply.send(Err(AgentError::Restart(refusal(&self.mode))));
+                }
+            }
+            Command::ReopenLogs { reply } => {
+                if matches!(self.mode, Mode::Recovering { .. }) {
+                    let _ = reply.send(Ok(0));
+                } else {
+                    self.spawn_reply(Some(reply), |p| async move {
+                        p.reopen_logs().await.map_err(AgentError::Config)
+                    });
+                }
+            }
+        }
+    }
+
+    fn on_drain_request(&mut self, options: DrainOptions, via: Via, reply: Reply<()>) {
+        let call = drain_call(&self.agent.proxy, options);
+        match &mut self.mode {
+            Mode::Running(_) => {
+                let reason = DrainReason::Request(via);
+                tracing::info!(%reason, skip_exit = options.skip_exit, "draining on request: envoy keeps running, the next SIGTERM stops it");
+                self.drain_started.get_or_insert_with(Instant::now);
+                self.mode = Mode::Drained {
+                    reason,
+                    request: Some(call),
+                    replies: vec![reply],
+                };
+            }
+            // Asked again: the latest request's answer goes to every caller.
+            Mode::Drained {
+                request, replies, ..
+            } => {
+                *request = Some(call);
+                replies.push(reply);
+            }
+            Mode::Recovering { .. } => {
+                let _ = reply.send(Err(AgentError::DrainFailed(RECOVERING.to_owned())));
+            }
+            // Already draining, handing over or stopping: nothing more to ask.
+            _ => {
+                let _ = reply.send(Ok(()));
+            }
+        }
+    }
+
+    fn on_successor(&mut self, successor: Option<String>) {
+        let Mode::Deciding { intent, .. } = self.mode else {
+            return;
+        };
+        match successor {
+            Some(successor) => {
+                let bound = self.agent.config.handover_timeout;
+                tracing::info!(event = "handing_over", %successor, ?bound,
+                    "a successor pod takes over: waiting for its envoy to terminate ours");
+                self.mode = Mode::HandingOver {
+                    successor,
+                    until: Instant::now() + bound,
+                };
+            }
+            None => self.begin_shutdown(DrainReason::Signal(intent)),
+        }
+    }
+
+    fn on_drain_answered(&mut self, result: Result<(), ProxyError>) {
+        match &result {
+            Ok(()) => {
+                tracing::info!(event = "drain_accepted", "envoy is draining its listeners")
+            }
+            Err(e) => {
+                tracing::warn!(event = "drain_request_failed", error = %e, "drain request failed")
+            }
+        }
+        match &mut self.mode {
+            Mode::ShuttingDown(s) => s.drain_answered(&result, Instant::now()),
+            Mode::Drained { replies, .. } => {
+                for reply in replies.drain(..) {
+                    let _ = reply.send(
+                        result
+                            .as_ref()
+                            .map(|_| ())
+                            .map_err(|e| AgentError::DrainFailed(e.to_string())),
+                    );
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_counted(&mut self, counted: Counted) {
+        let parent_draining = self.proxy_state.borrow().parent_draining();
+        let Mode::ShuttingDown(s) = &mut self.mode else {
+            return;
+        };
+        if let Some(path) = s.counted(counted, parent_draining, Instant::now()) {
+            self.stop(path);
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let now = Instant::now();
+        match &self.mode {
+            Mode::Recovering {
+                attempt,
+                next_at,
+                on_signal,
+                ..
+            } if *next_at <= now => {
+                tracing::info!(
+                    event = "envoy_restarting",
+                    attempt = *attempt,
+                    "recovering from a crash: starting envoy again"
+                );
+                self.mode = Mode::Running(*on_signal);
+                self.run = proxy_run(&self.agent.proxy, &self.abort);
+            }
+            Mode::HandingOver { until, successor } if *until <= now => {
+                tracing::error!(%successor, bound = ?self.agent.config.handover_timeout, "the successor did not terminate our envoy in time; stopping it");
+                self.stop(ExitPath::HandoverTimedOut);
+            }
+            Mode::ShuttingDown(_) => self.drive_shutdown(now),
+            _ => {}
+        }
+    }
+
+    /// Does what the shutdown's clock says is due at `now`.
+    fn drive_shutdown(&mut self, now: Instant) {
+        loop {
+            let Mode::ShuttingDown(s) = &self.mode else {
+                return;
+            };
+            match s.poll(now) {
+                Step::Wait(_) => return,
+                Step::SendDrain => {
+                    let call = drain_call(&self.agent.proxy, DrainOptions::default());
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.drain_sent(now, call);
+                    }
+                }
+                Step::Count => {
+                    let call = self.count_call();
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.count_sent(now, call);
+                    }
+                }
+                Step::Stop(path) => {
+                    if path == ExitPath::DrainFailed {
+                        let error = s.drain_failure(now).unwrap_or_default();
+                        tracing::error!(event = "drain_failed", %error, "envoy never accepted the drain request: stopping it without a drain");
+                    }
+                    self.stop(path);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A handover ends when our Envoy is gone, or falls back to our own drain when the
+    /// successor went away without taking over.
+    fn follow_handover(&mut self) {
+        let Mode::HandingOver { successor, .. } = &self.mode else {
+            return;
+        };
+        let (gone, abandoned) = {
+            let state = self.proxy_state.borrow();
+            (
+                state.phase == ProxyPhase::HandedOver && state.epochs.is_empty(),
+                state.phase == ProxyPhase::Serving
+                    && state
+                        .family
+                        .as_ref()
+                        .is_none_or(|f| f.successor_starting.is_none()),
+            )
+        };
+        if gone {
+            tracing::info!(%successor, "our envoy was terminated by the successor's");
+            self.stop(ExitPath::HandedOver);
+        } else if abandoned {
+            tracing::warn!(%successor, "the successor is gone without taking over: draining our own envoy");
+            self.begin_shutdown(DrainReason::Signal(Intent::Terminate));
+        }
+    }
+
+    /// Publishes the agent's state, derived from its mode and the proxy's state, when it
+    /// changed.
+    fn publish(&mut self) {
+        let proxy = self.proxy_state.borrow_and_update();
+        self.crash_loop.observe(proxy.serving(), Instant::now());
+        let now = SystemTime::now();
+        let state = match &self.mode {
+            Mode::Recovering {
+                attempt,
+                restart_at,
+                ..
+            } => AgentState::Recovering {
+                since: now,
+                attempt: *attempt,
+                restart_at: *restart_at,
+            },
+            Mode::Stopping(path) => AgentState::Exiting {
+                since: now,
+                path: *path,
+            },
+            Mode::ShuttingDown(s) => AgentState::Draining {
+                since: now,
+                reason: s.reason(),
+                phase: s.phase(Instant::now()),
+            },
+            Mode::Deciding { intent, .. } => AgentState::Draining {
+                since: now,
+                reason: DrainReason::Signal(*intent),
+                phase: DrainPhase::Deciding,
+            },
+            Mode::HandingOver { successor, .. } => AgentState::HandingOver {
+                since: now,
+                successor: successor.clone(),
+            },
+            Mode::Drained { reason, .. } => AgentState::Draining {
+                since: now,
+                reason: *reason,
+                phase: DrainPhase::Draining,
+            },
+            Mode::Running(_) => match proxy.phase {
+                ProxyPhase::Serving => AgentState::Live { since: now },
+                ProxyPhase::HandedOver => AgentState::HandedOver {
+                    since: now,
+                    successor: proxy
+                        .family
+                        .as_ref()
+                        .and_then(|f| f.handed_over_to.clone())
+                        .unwrap_or_default(),
+                },
+                _ => AgentState::Starting { since: now },
+            },
+        };
+        let drain = match &self.mode {
+            Mode::ShuttingDown(s) => Some(s.progress().clone()),
+            _ => None,
+        };
+        let crashes = self.crash_loop.crashes();
+        self.agent.status.send_if_modified(|s| {
+            let mut changed = false;
+            if !s.agent.same_kind(&state) {
+                tracing::info!(event = "agent_state", state = %state, "agent state");
+                s.agent = state;
+                changed = true;
+            }
+            if s.proxy != *proxy {
+                s.proxy = proxy.clone();
+                changed = true;
+            }
+            if s.drain != drain {
+                s.drain = drain;
+                changed = true;
+            }
+            if s.crashes != *crashes {
+                s.crashes = crashes.clone();
+                changed = true;
+            }
+            changed
+        });
+    }
+
+    /// The exit, once the proxy's run is over and every Envoy reaped.
+    fn finish(self, end: End) -> AgentExit {
+        let agent = &self.agent;
+        agent.proxy.cleanup();
+        let stopping = match self.mode {
+            Mode::Stopping(path) => Some(path),
+            _ => None,
+        };
+        let (path, ended, error) = match end.result {
+            Err(e) => {
+                tracing::error!(error = %e, "envoy could not be run");
+                (ExitPath::ProxyFailed, None, Some(e))
+            }
+            Ok(ended) => {
+                let path = match (&ended, stopping.or(end.gave_up)) {
+                    (_, Some(path @ ExitPath::CrashLoop { .. })) => path,
+                    (Ended::Stopped { .. }, Some(path)) => path,
+                    (Ended::Stopped { .. }, None) => ExitPath::ProxyStopped,
+                    (Ended::Exited(exit), _) => ExitPath::ProxyExited { code: exit.code() },
+                    (Ended::Lost { .. }, _) => ExitPath::ProxyLost { code: ended.code() },
+                    (Ended::StartFailed { .. }, _) => ExitPath::StartFailed { code: ended.code() },
+                    (Ended::Wedged { reason, .. }, _) => ExitPath::Wedged { reason: *reason },
+                };
+                log_ended(&ended);
+                (path, Some(ended), None)
+            }
+        };
+        let final_state = AgentState::Exiting {
+            since: SystemTime::now(),
+            path,
+        };
+        tracing::info!(event = "agent_state", state = %final_state, "agent state");
+        agent.status.send_modify(|s| {
+            s.agent = final_state;
+            s.proxy = agent.proxy.state().borrow().clone();
+            s.drain = None;
+            s.crashes = self.crash_loop.crashes().clone();
+        });
+        agent
+            .metrics
+            .exit(path.name(), self.drain_started.map(|t| t.elapsed()));
+        AgentExit { path, ended, error }
+    }
+
+    /// Logs and counts a crash and what the agent does about it.
+    fn report_crash(&self, crash: &Crash) {
+        let crashes: &Crashes = self.crash_loop.crashes();
+        let (epoch, pid) = crash.process.unzip();
+        let limit = crashes.recovery.map_or(0, |r| r.limit);
+        let what = match crash.action {
+            CrashAction::Restart { attempt, backoff } => format!(
+                "starting it again in {backoff:?} (restart {attempt} of at most {limit} in a row)"
+            ),
+            CrashAction::GiveUp => {
+                format!("{limit} restarts in a row did not help: giving up")
+            }
+        };
+        let (attempt, backoff_ms) = match crash.action {
+            CrashAction::Restart { attempt, backoff } => {
+                (Some(attempt), Some(backoff.as_millis() as u64))
+            }
+            CrashAction::GiveUp => (None, None),
+        };
+        tracing::error!(
+            event = "envoy_crashed",
+            kind = crash.kind.as_str(),
+            code = crash.code,
+            signal = crash.signal,
+            epoch,
+            pid,
+            ran_for_ms = crash.ran_for.map(|d| d.as_millis() as u64),
+            action = crash.action.as_str(),
+            attempt,
+            backoff_ms,
+            consecutive = crashes.consecutive,
+            limit,
+            "envoy crashed (exit {}): {what}; the end of its stderr:\n{}",
+            crash.code,
+            crash.stderr_tail
+        );
+        self.agent
+            .metrics
+            .crash(crash.kind.as_str(), crash.action.as_str());
+    }
+
+    fn successor_call(&self) -> Call<Option<String>> {
+        let proxy = self.agent.proxy.clone();
+        Box::pin(async move {
+            tokio::time::timeout(SUCCESSOR_TIMEOUT, proxy.successor())
+                .await
+                .unwrap_or_else(|_| {
+                    tracing::warn!(bound = ?SUCCESSOR_TIMEOUT, "no answer whether a successor takes over: draining");
+                    None
+                })
+        })
+    }
+
+    /// Whether exit-on-zero counts from the kernel's socket table (connections, excluded by
+    /// port only) rather than Envoy's stats.
+    fn counts_from_kernel(&self) -> bool {
+        let config = &self.agent.config;
+        self.agent.counter.is_none()
+            && config.exit_on_zero == Some(Counting::Connections)
+            && config.exclusions.by_port_only()
+    }
+
+    /// One exit-on-zero count, with what it took and the share of a core it may take: Envoy's
+    /// main thread for a count from its stats (at most 1/20 of it), the agent's own for one
+    /// from the kernel's table (at most a quarter of a core).
+    fn count_call(&self) -> Call<Counted> {
+        let share = if self.counts_from_kernel() {
+            KERNEL_COUNT_SHARE
+        } else {
+            envoy_agent_proxy::admin::BUSY_SHARE
+        };
+        let count = self.count_future();
+        Box::pin(async move {
+            let asked = Instant::now();
+            let count = count.await;
+            Counted {
+                count,
+                took: asked.elapsed(),
+                share,
+            }
+        })
+    }
+
+    fn count_future(&self) -> Call<Result<u64, DrainError>> {
+        if let Some(counter) = &self.agent.counter {
+            return counter();
+        }
+        let config: &AgentConfig = &self.agent.config;
+        let admin = self
+            .agent
+            .proxy
+            .admin_address()
+            .map(|a| AdminClient::new(a).with_timeout(config.stats_timeout));
+        let exclusions = config.exclusions.clone();
+        let what = config.exit_on_zero.unwrap_or(Counting::Connections);
+        // Connections from the kernel: nothing asked of Envoy's main thread.
+        if self.counts_from_kernel() {
+            let pids: Vec<u32> = self
+                .agent
+                .proxy
+                .state()
+                .borrow()
+                .epochs
+                .iter()
+                .map(|e| e.pid)
+                .collect();
+            let admin_port = admin.as_ref().map(|a| a.addr().port());
+            return Box::pin(async move {
+                envoy_agent_drain::active_connections_from_kernel(pids, admin_port, &exclusions)
+                    .await
+            });
+        }
+        Box::pin(async move {
+            let admin = admin.ok_or(DrainError::AdminUnknown)?;
+            envoy_agent_drain::active(&admin, what, &exclusions).await
+        })
+    }
+
+    /// Runs a proxy call beside the loop and answers `reply` with its result.
+    fn spawn_reply<T, F, Fut>(&self, reply: Option<Reply<T>>, call: F)
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<P>) -> Fut,
+        Fut: Future<Output = Result<T, AgentError>> + Send + 'static,
+    {
+        let future = call(self.agent.proxy.clone());
+        tokio::spawn(async move {
+            let result = future.await;
+            if let Some(reply) = reply {
+                let _ = reply.send(result);
+            }
+        });
+    }
+}
+
+/// The work `mode` has out: its next answer; never when it has none.
+async fn mode_work(mode: &mut Mode) -> Event {
+    match mode {
+        Mode::Deciding { successor, .. } => Event::Successor(successor.await),
+        Mode::Drained { request, .. } => Event::DrainAnswered(settle(request).await),
+        Mode::ShuttingDown(s) => match s.answer().await {
+            Answer::Drain(result) => Event::DrainAnswered(result),
+            Answer::Count(counted) => Event::Counted(counted),
+        },
+        _ => std::future::pending().await,
+    }
+}
+
+fn proxy_run<P: Proxy>(
+    proxy: &Arc<P>,
+    abort: &CancellationToken,
+) -> Call<Result<Ended, ProxyError>> {
+    let (proxy, abort) = (proxy.clone(), abort.clone());
+    Box::pin(async move { proxy.run(abort).await })
+}
+
+/// While nothing runs (a crash back-off): ends as a stopped run once the agent stops.
+fn stopped_run(abort: &CancellationToken) -> Call<Result<Ended, ProxyError>> {
+    let abort = abort.clone();
+    Box::pin(async move {
+        abort.cancelled().await;
+        Ok(Ended::Stopped { last: None })
+    })
+}
+
+fn drain_call<P: Proxy>(proxy: &Arc<P>, options: DrainOptions) -> Call<Result<(), ProxyError>> {
+    let proxy = proxy.clone();
+    Box::pin(async move { proxy.drain(options).await })
+}
+
+/// Why a hot restart or config update is refused in `mode`.
+fn refusal(mode: &Mode) -> RestartError {
+    RestartError::Refused(match mode {
+        Mode::Recovering { .. } => RECOVERING.to_owned(),
+        _ => "the agent is draining or stopping".to_owned(),
+    })
+}
+
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn log_ended(ended: &Ended) {
+    use std::os::unix::process::ExitStatusExt;
+    match ended {
+        Ended::Stopped { last: Some(exit) } => {
+            tracing::info!(pid = exit.pid, code = exit.code(), ran_for = ?exit.ran_for, "envoy stopped");
+        }
+        Ended::Stopped { last: None } => tracing::info!("every envoy stopped"),
+        Ended::Exited(exit) if exit.code() == 0 => {
+            tracing::info!(pid = exit.pid, ran_for = ?exit.ran_for, "envoy exited");
+        }
+        Ended::Exited(exit) | Ended::Lost { exit, .. } => {
+            let code = exit.code();
+            let hint = match exit.status.signal() {
+                Some(9) => " (SIGKILL: it may have been OOM-killed)",
+                _ => "",
+            };
+            tracing::error!(
+                pid = exit.pid,
+                code,
+                ran_for = ?exit.ran_for,
+                "envoy exited with code {code}{hint}; the end of its stderr:\n{}",
+                exit.stderr_tail.trim_end()
+            );
+        }
+        Ended::StartFailed { code, message } => {
+            tracing::error!(code, error = %message, "envoy failed to start");
+        }
+        Ended::Wedged { reason, message } => {
+            tracing::error!(%reason, error = %message, "wedged");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deciding() -> Mode {
+        Mode::Deciding {
+            intent: Intent::Terminate,
+            successor: Box::pin(std::future::pending()),
+        }
+    }
+
+    fn modes() -> Vec<(&'static str, Mode)> {
+        let now = Instant::now();
+        vec![
+            ("running", Mode::Running(OnSignal::Drain)),
+            ("running, no drain", Mode::Running(OnSignal::StopAtOnce)),
+            (
+                "drained",
+                Mode::Drained {
+                    reason: DrainReason::Request(Via::Grpc),
+                    request: None,
+                    replies: Vec::new(),
+                },
+            ),
+            ("deciding", deciding()),
+            (
+                "shutting down",
+                Mode::ShuttingDown(Box::new(Shutdown::begin(
+                    &AgentConfig::default(),
+                    DrainReason::Signal(Intent::Terminate),
+                    now,
+                    SystemTime::now(),
+                ))),
+            ),
+            (
+                "handing over",
+                Mode::HandingOver {
+                    successor: "pod-b".to_owned(),
+                    until: now,
+                },
+            ),
+            ("stopping", Mode::Stopping(ExitPath::SecondSignal)),
+            (
+                "recovering",
+                Mode::Recovering {
+                    attempt: 1,
+                    next_at: now,
+                    restart_at: SystemTime::now(),
+                    on_signal: OnSignal::Drain,
+                },
+            ),
+        ]
+    }
+
+    /// The whole table: each request to stop in each mode.
+    #[tokio::test(start_paused = true)]
+    async fn each_request_to_stop_in_each_mode() {
+        use ExitPath::*;
+        use Transition::*;
+        let sigterm = StopAsk::Signal(Intent::Terminate);
+        let sigint = StopAsk::Signal(Intent::Interrupt);
+        let quit = StopAsk::Quit(Via::Http);
+        let expected: Vec<(&str, [Transition; 4])> = vec![
+            (
+                "running",
+                [
+                    Decide(Intent::Terminate),
+                    Decide(Intent::Interrupt),
+                    Decide(Intent::Terminate),
+                    StopNow(QuitQuitQuit(Via::Http)),
+                ],
+            ),
+            (
+                "running, no drain",
+                [
+                    StopNow(SignalAfterDrain),
+                    StopNow(SignalAfterDrain),
+                    StopNow(SignalAfterDrain),
+                    StopNow(QuitQuitQuit(Via::Http)),
+                ],
+            ),
+            (
+                "drained",
+                [
+                    StopNow(SignalAfterDrain),
+                    StopNow(SignalAfterDrain),
+                    StopNow(SignalAfterDrain),
+                    StopNow(QuitQuitQuit(Via::Http)),
+                ],
+            ),
+            (
+                "deciding",
+                [
+                    StopNow(SecondSignal),
+                    StopNow(SecondSignal),
+                    Stay("already on the way out"),
+                    StopNow(QuitQuitQuit(Via::Http)),
+                ],
+            ),
+            (
+                "shutting down",
+                [
+                    StopNow(SecondSignal),
+                    StopNow(SecondSignal),
+                    Stay("already on the way out"),
+                    StopNow(QuitQuitQuit(Via::Http)),
+                ],
+            ),
+            (
+                "handing over",
+                [
+                    StopNow(SecondSignal),
+                    StopNow(SecondSignal),
+                    Stay("already on the way out"),
+                    StopNow(QuitQuitQuit(Via::Http)),
+                ],
+            ),
+            ("stopping", [Stay("already stopping"); 4]),
+            (
+                "recovering",
+                [
+                    StopNow(StoppedWhileRecovering),
+                    StopNow(StoppedWhileRecovering),
+                    StopNow(StoppedWhileRecovering),
+                    StopNow(QuitQuitQuit(Via::Http)),
+                ],
+            ),
+        ];
+        let modes = modes();
+        assert_eq!(modes.len(), expected.len());
+        for ((name, mode), (expected_name, transitions)) in modes.iter().zip(expected) {
+            assert_eq!(*name, expected_name);
+            for (ask, want) in [sigterm, sigint, StopAsk::Stop, quit]
+                .into_iter()
+                .zip(transitions)
+            {
+                assert_eq!(on_stop(mode, ask), want, "{ask:?} while {name}");
+            }
+        }
+    }
+}

@@ -1,0 +1,468 @@
+//! The shutdown drain's clock: one [`Shutdown`] per graceful shutdown (SIGTERM, SIGINT, gRPC
+//! `Stop` with no successor pod taking over), holding the whole deadline rule and the calls it
+//! has out.
+//!
+//! Its life, from the signal: the drain delay (readiness is off, Envoy still serves); the
+//! drain request, sent again each [`DRAIN_RETRY`] until Envoy accepts it; in exit-on-zero mode,
+//! counts from the minimum drain duration on, paced by their cost; the stop, at zero, at the
+//! deadline, or when counting fails too often. [`Shutdown::poll`] says what is due at an
+//! instant; the actor makes the calls and reports them back ([`Shutdown::drain_sent`],
+//! [`Shutdown::count_sent`]) and their answers ([`Shutdown::drain_answered`],
+//! [`Shutdown::counted`]). Dropping a `Shutdown` drops its calls (their connections close).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, SystemTime};
+
+use envoy_agent_drain::{Counting, DrainError};
+use envoy_agent_proxy::ProxyError;
+use tokio::time::Instant;
+
+use super::state::{AgentConfig, DrainPhase, DrainProgress, DrainReason, ExitPath};
+
+/// A call beside the loop, if one is out.
+pub(super) type Pending<T> = Option<Pin<Box<dyn Future<Output = T> + Send>>>;
+
+/// Awaits the future in `slot` and empties it, or never when there is none.
+pub(super) async fn settle<T>(slot: &mut Pending<T>) -> T {
+    let value = match slot {
+        Some(future) => future.await,
+        None => std::future::pending().await,
+    };
+    *slot = None;
+    value
+}
+
+/// How soon a failed drain request is sent again; and how long one may go unanswered before
+/// the shutdown, ending meanwhile, reports that Envoy never accepted a drain.
+pub(super) const DRAIN_RETRY: Duration = Duration::from_secs(1);
+
+/// A count's answer: the count, how long it took, and the share of a core it may take
+/// (its cadence is stretched to keep to that share).
+pub(super) struct Counted {
+    pub(super) count: Result<u64, DrainError>,
+    pub(super) took: Duration,
+    pub(super) share: u32,
+}
+
+/// What is due at an instant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Step {
+    /// Send the drain request.
+    SendDrain,
+    /// Count what exit-on-zero counts.
+    Count,
+    /// Stop Envoy: the drain is over, by this path.
+    Stop(ExitPath),
+    /// Nothing before this instant (none: before an answer comes).
+    Wait(Option<Instant>),
+}
+
+/// An answer to one of the shutdown's calls.
+pub(super) enum Answer {
+    Drain(Result<(), ProxyError>),
+    Count(Counted),
+}
+
+/// Where the shutdown's drain request to Envoy is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum DrainAsk {
+    /// It goes out at the shutdown's `drain_at`.
+    Due,
+    /// Out since `since`, not answered yet; `failed`: the last attempt's error, if this is
+    /// a retry.
+    InFlight {
+        since: Instant,
+        failed: Option<String>,
+    },
+    /// Envoy drains.
+    Accepted,
+    /// It failed (`error`): asked again at `retry_at`, until the deadline.
+    Failed { error: String, retry_at: Instant },
+}
+
+impl DrainAsk {
+    /// At the deadline, `now`: why Envoy is stopped without having accepted a drain, if it
+    /// was asked and failed. A request just sent (a zero termination drain duration) is no
+    /// failure: it is unanswered, not refused.
+    fn failure(&self, now: Instant) -> Option<String> {
+        match self {
+            DrainAsk::Due | DrainAsk::Accepted => None,
+            DrainAsk::Failed { error, .. }
+            | DrainAsk::InFlight {
+                failed: Some(error),
+                ..
+            } => Some(error.clone()),
+            DrainAsk::InFlight {
+                since,
+                failed: None,
+            } => (now.saturating_duration_since(*since) >= DRAIN_RETRY)
+                .then(|| format!("no answer for {:?}", now.saturating_duration_since(*since))),
+        }
+    }
+}
+
+/// A shutdown drain under way.
+pub(super) struct Shutdown {
+    reason: DrainReason,
+    /// When the drain request goes out (after the delay).
+    drain_at: Instant,
+    drain: DrainAsk,
+    /// Exit-on-zero: what it counts; none without.
+    counting: Option<Counting>,
+    /// Exit-on-zero: counting starts here (the minimum drain duration after `drain_at`).
+    count_from: Instant,
+    next_count: Instant,
+    poll_interval: Duration,
+    /// When Envoy is stopped at the latest; none in exit-on-zero mode when the termination
+    /// drain duration is not longer than the minimum (Istio's: count until zero, no cap).
+    deadline: Option<Instant>,
+    stats_errors: u32,
+    stats_error_budget: u32,
+    /// The last count, if one succeeded.
+    last_count: Option<u64>,
+    /// What the status says of this drain.
+    progress: DrainProgress,
+    drain_call: Pending<Result<(), ProxyError>>,
+    count_call: Pending<Counted>,
+}
+
+impl Shutdown {
+    /// A shutdown for `reason`, begun at `now` (`wall`: the same on the wall clock).
+    pub(super) fn begin(
+        config: &AgentConfig,
+        reason: DrainReason,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Shutdown {
+        let drain_at = now + config.drain_delay;
+        let count_from = drain_at + config.minimum_drain_duration;
+        let deadline = config.drain_deadline();
+        Shutdown {
+            reason,
+            drain_at,
+            drain: DrainAsk::Due,
+            counting: config.exit_on_zero,
+            count_from,
+            next_count: count_from,
+            poll_interval: config.poll_interval,
+            deadline: deadline.map(|d| drain_at + d),
+            stats_errors: 0,
+            stats_error_budget: config.stats_error_budget,
+            last_count: None,
+            progress: DrainProgress {
+                reason,
+                started: wall,
+                deadline: deadline.map(|d| wall + config.drain_delay + d),
+                counting: config.exit_on_zero,
+                last_count: None,
+            },
+            drain_call: None,
+            count_call: None,
+        }
+    }
+
+    pub(super) fn reason(&self) -> DrainReason {
+        self.reason
+    }
+
+    pub(super) fn progress(&self) -> &DrainProgress {
+        &self.progress
+    }
+
+    /// Where the drain is at `now`: still in its delay until the request goes out.
+    pub(super) fn phase(&self, now: Instant) -> DrainPhase {
+        if self.drain != DrainAsk::Due || self.drain_at <= now {
+            DrainPhase::Draining
+        } else {
+            DrainPhase::Delay
+        }
+    }
+
+    /// What is due at `now`. The drain request goes out before a deadline at the same
+    /// instant is judged, so that a zero termination drain duration stops on a request just
+    /// sent (unanswered, not failed).
+    pub(super) fn poll(&self, now: Instant) -> Step {
+        let drain_due = self.drain_call.is_none()
+            && match &self.drain {
+                DrainAsk::Due => self.drain_at <= now,
+                DrainAsk::Failed { retry_at, .. } => *retry_at <= now,
+                DrainAsk::InFlight { .. } | DrainAsk::Accepted => false,
+            };
+        if drain_due {
+            return Step::SendDrain;
+        }
+        if self.deadline.is_some_and(|d| d <= now) {
+            // Never claim a drain that Envoy did not accept, nor that anything remained
+            // unless it was counted.
+            return Step::Stop(
+                match (self.drain.failure(now), self.counting, self.last_count) {
+                    (Some(_), ..) => ExitPath::DrainFailed,
+                    (None, Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
+                    _ => ExitPath::DrainTimeElapsed,
+                },
+            );
+        }
+        if self.counting.is_some()
+            && self.drain != DrainAsk::Due
+            && self.count_call.is_none()
+            && self.count_from.max(self.next_count) <= now
+        {
+            return Step::Count;
+        }
+        Step::Wait(self.next_wake())
+    }
+
+    /// Why Envoy never accepted a drain, as judged at `now` (for [`ExitPath::DrainFailed`]).
+    pub(super) fn drain_failure(&self, now: Instant) -> Option<String> {
+        self.drain.failure(now)
+    }
+
+    /// The next instant something is due on its own (none: only an answer moves it on).
+    pub(super) fn next_wake(&self) -> Option<Instant> {
+        let mut wake = self.deadline;
+        let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
+        match &self.drain {
+            DrainAsk::Due => consider(self.drain_at),
+            DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
+            DrainAsk::InFlight { .. } | DrainAsk::Accepted => {}
+        }
+        if self.counting.is_some() && self.drain != DrainAsk::Due && self.count_call.is_none() {
+            consider(self.next_count.max(self.count_from));
+        }
+        wake
+    }
+
+    /// The drain request went out at `now` as `call`.
+    pub(super) fn drain_sent(
+        &mut self,
+        now: Instant,
+        call: Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>>,
+    ) {
+        let failed = match &self.drain {
+            DrainAsk::Failed { error, .. } => Some(error.clone()),
+            _ => None,
+        };
+        self.drain = DrainAsk::InFlight { since: now, failed };
+        self.drain_call = Some(call);
+    }
+
+    /// A count went out at `now` as `call`.
+    pub(super) fn count_sent(
+        &mut self,
+        now: Instant,
+        call: Pin<Box<dyn Future<Output = Counted> + Send>>,
+    ) {
+        self.next_count = now + self.poll_interval;
+        self.count_call = Some(call);
+    }
+
+    /// The next answer to a call that is out; never when none is.
+    pub(super) async fn answer(&mut self) -> Answer {
+        tokio::select! {
+            result = settle(&mut self.drain_call) => Answer::Drain(result),
+            counted = settle(&mut self.count_call) => Answer::Count(counted),
+        }
+    }
+
+    /// Envoy answered the drain request at `now`.
+    pub(super) fn drain_answered(&mut self, result: &Result<(), ProxyError>, now: Instant) {
+        self.drain = match result {
+            Ok(()) => DrainAsk::Accepted,
+            Err(e) => DrainAsk::Failed {
+                error: e.to_string(),
+                retry_at: now + DRAIN_RETRY,
+            },
+        };
+    }
+
+    /// A count came back at `now`; `parent_draining`: a hot-restart parent still drains its
+    /// own connections, which the count may not show (zero means zero only once it is gone).
+    /// The exit path when the wait is over.
+    pub(super) fn counted(
+        &mut self,
+        counted: Counted,
+        parent_draining: bool,
+        now: Instant,
+    ) -> Option<ExitPath> {
+        let what = self.counting?;
+        // A count from Envoy's stats makes it visit every stat (most of a second on a large
+        // config): paced by what it took.
+        let asked = now.checked_sub(counted.took).unwrap_or(now);
+        self.next_count = self.next_count.max(
+            asked
+                + envoy_agent_proxy::admin::paced(self.poll_interval, counted.took, counted.share),
+        );
+        match counted.count {
+            Ok(0) if !parent_draining => Some(ExitPath::ZeroActive(what)),
+            Ok(n) => {
+                self.stats_errors = 0;
+                self.last_count = Some(n);
+                self.progress.last_count = Some((n, SystemTime::now()));
+                match what {
+                    Counting::Connections => tracing::debug!(
+                        event = "active_connections",
+                        active_connections = n,
+                        "waiting for zero"
+                    ),
+                    Counting::Requests => tracing::debug!(
+                        event = "active_requests",
+                        active_requests = n,
+                        "waiting for zero"
+                    ),
+                }
+                None
+            }
+            Err(e) => {
+                self.stats_errors += 1;
+                tracing::warn!(
+                    error = %e,
+                    errors = self.stats_errors,
+                    budget = self.stats_error_budget,
+                    "cannot count active {what}"
+                );
+                (self.stats_errors >= self.stats_error_budget)
+                    .then_some(ExitPath::StatsUnavailable(what))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::signal::Intent;
+
+    const SIGTERM: DrainReason = DrainReason::Signal(Intent::Terminate);
+
+    fn begin(config: &AgentConfig) -> (Shutdown, Instant) {
+        let now = Instant::now();
+        (
+            Shutdown::begin(config, SIGTERM, now, SystemTime::now()),
+            now,
+        )
+    }
+
+    fn never<T: Send + 'static>() -> Pin<Box<dyn Future<Output = T> + Send>> {
+        Box::pin(std::future::pending())
+    }
+
+    /// The drain request goes out at `now` and Envoy answers `result`.
+    async fn drain(s: &mut Shutdown, now: Instant, result: Result<(), ProxyError>) {
+        s.drain_sent(now, Box::pin(std::future::ready(result)));
+        let Answer::Drain(result) = s.answer().await else {
+            panic!("a count answered")
+        };
+        s.drain_answered(&result, now);
+    }
+
+    fn counted(count: Result<u64, DrainError>) -> Counted {
+        Counted {
+            count,
+            took: Duration::ZERO,
+            share: 20,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_goes_out_after_the_delay_and_the_deadline_follows_the_termination_drain() {
+        let config = AgentConfig {
+            drain_delay: Duration::from_secs(3),
+            ..AgentConfig::default()
+        };
+        let (mut s, t0) = begin(&config);
+        assert_eq!(s.poll(t0), Step::Wait(Some(t0 + Duration::from_secs(3))));
+        assert_eq!(s.phase(t0), DrainPhase::Delay);
+        let at = t0 + Duration::from_secs(3);
+        assert_eq!(s.poll(at), Step::SendDrain);
+        drain(&mut s, at, Ok(())).await;
+        assert_eq!(s.phase(at), DrainPhase::Draining);
+        // The deadline: the delay plus the termination drain duration.
+        assert_eq!(s.poll(at), Step::Wait(Some(at + Duration::from_secs(5))));
+        assert_eq!(
+            s.poll(at + Duration::from_secs(5)),
+            Step::Stop(ExitPath::DrainTimeElapsed)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exit_on_zero_without_a_longer_termination_drain_has_no_deadline() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Connections),
+            ..AgentConfig::default()
+        };
+        assert_eq!(config.drain_deadline(), None);
+        let (mut s, t0) = begin(&config);
+        drain(&mut s, t0, Ok(())).await;
+        // Counting starts at the minimum drain duration, and nothing else ever comes.
+        let from = t0 + config.minimum_drain_duration;
+        assert_eq!(s.poll(t0), Step::Wait(Some(from)));
+        let late = from + Duration::from_secs(3600);
+        assert_eq!(s.poll(late), Step::Count);
+        s.count_sent(late, never());
+        assert_eq!(s.poll(late), Step::Wait(None));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_count_of_zero_stops_only_once_no_parent_drains() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Requests),
+            termination_drain_duration: Duration::from_secs(60),
+            ..AgentConfig::default()
+        };
+        let (mut s, t0) = begin(&config);
+        assert_eq!(s.counted(counted(Ok(0)), true, t0), None);
+        assert_eq!(
+            s.counted(counted(Ok(0)), false, t0),
+            Some(ExitPath::ZeroActive(Counting::Requests))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_deadline_names_what_was_counted_and_a_drain_never_accepted() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Connections),
+            termination_drain_duration: Duration::from_secs(60),
+            ..AgentConfig::default()
+        };
+        let end = Duration::from_secs(60);
+        let (mut s, t0) = begin(&config);
+        drain(&mut s, t0, Ok(())).await;
+        assert_eq!(
+            s.poll(t0 + end),
+            Step::Stop(ExitPath::DrainTimeElapsed),
+            "nothing counted: no claim of what remained"
+        );
+        assert_eq!(s.counted(counted(Ok(3)), false, t0), None);
+        assert_eq!(
+            s.poll(t0 + end),
+            Step::Stop(ExitPath::DrainDeadline(Counting::Connections))
+        );
+
+        let (mut s, t0) = begin(&config);
+        drain(&mut s, t0, Err(ProxyError::NotRunning)).await;
+        assert_eq!(s.poll(t0 + DRAIN_RETRY), Step::SendDrain, "asked again");
+        assert_eq!(s.poll(t0 + end), Step::SendDrain);
+        s.drain_sent(t0 + end, never());
+        assert_eq!(s.poll(t0 + end), Step::Stop(ExitPath::DrainFailed));
+        assert!(s.drain_failure(t0 + end).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn counting_fails_the_wait_after_the_error_budget() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Connections),
+            stats_error_budget: 2,
+            ..AgentConfig::default()
+        };
+        let (mut s, t0) = begin(&config);
+        assert_eq!(
+            s.counted(counted(Err(DrainError::AdminUnknown)), false, t0),
+            None
+        );
+        assert_eq!(
+            s.counted(counted(Err(DrainError::AdminUnknown)), false, t0),
+            Some(ExitPath::StatsUnavailable(Counting::Connections))
+        );
+    }
+}
