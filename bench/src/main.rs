@@ -4,6 +4,9 @@
 //! scripts/bench.sh            # release builds; 10 restarts of each kind
 //! envoy-agent-bench --restarts 1 --load-ms 1000 --json report.json --svg timeline.svg
 //! ```
+//!
+//! `--help` lists the flags. A bad command line exits 64 (`EX_USAGE`, as `envoy-agent` does),
+//! not clap's 2.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -23,6 +26,8 @@ const EXIT_USAGE: u8 = 64;
     // scripts/bench.sh passes its own --json and --svg before the caller's arguments, which
     // may name them again: the last one wins.
     args_override_self = true,
+    // So that `--restarts -1` is refused as a bad value of --restarts, not as an unknown flag -1.
+    allow_negative_numbers = true,
     after_help = "Envoy: $ENVOY_PATH, else the one scripts/install-envoy.sh installs.\n\
                   Exit status: 0 done; 64 a bad command line (as envoy-agent); 70 the runtime \
                   could not start; 74 a report file not written. A step that fails panics."
@@ -84,17 +89,18 @@ fn default_agent() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("envoy-agent"))
 }
 
+/// --help is not an error; a bad flag or value is, with the agent's usage code rather than
+/// clap's 2.
+fn parse_error_exit_code(e: &clap::Error) -> u8 {
+    if e.use_stderr() { EXIT_USAGE } else { 0 }
+}
+
 fn main() -> std::process::ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();
-            // --help is not an error; a bad flag or value is, with the agent's usage code.
-            return if e.use_stderr() {
-                std::process::ExitCode::from(EXIT_USAGE)
-            } else {
-                std::process::ExitCode::SUCCESS
-            };
+            return std::process::ExitCode::from(parse_error_exit_code(&e));
         }
     };
     let config = cli.config();
@@ -128,3 +134,4 @@ fn main() -> std::process::ExitCode {
     }
     std::process::ExitCode::SUCCESS
 }
+
