@@ -135,3 +135,177 @@ fn main() -> std::process::ExitCode {
     std::process::ExitCode::SUCCESS
 }
 
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+    use clap::error::ErrorKind;
+
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("envoy-agent-bench").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn the_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn no_arguments_give_the_defaults() {
+        let cli = parse(&[]).unwrap();
+        assert_eq!(cli.json, None);
+        assert_eq!(cli.svg, None);
+        let config = cli.config();
+        assert_eq!(config.agent, default_agent());
+        assert!(config.agent.ends_with("envoy-agent"), "{config:?}");
+        assert_eq!(config.restarts, 10);
+        assert_eq!(config.load_per_restart, Duration::from_secs(4));
+        assert_eq!(config.workers, 4);
+        assert_eq!(config.grpc_calls, 2000);
+        assert_eq!(config.samples, 10);
+    }
+
+    #[test]
+    fn every_flag_is_read() {
+        let cli = parse(&[
+            "--agent",
+            "/opt/envoy-agent",
+            "--restarts",
+            "1",
+            "--load-ms",
+            "1500",
+            "--workers",
+            "2",
+            "--grpc-calls",
+            "50",
+            "--samples",
+            "3",
+            "--json",
+            "r.json",
+            "--svg",
+            "t.svg",
+        ])
+        .unwrap();
+        assert_eq!(cli.json, Some(PathBuf::from("r.json")));
+        assert_eq!(cli.svg, Some(PathBuf::from("t.svg")));
+        let config = cli.config();
+        assert_eq!(config.agent, PathBuf::from("/opt/envoy-agent"));
+        assert_eq!(config.restarts, 1);
+        assert_eq!(config.load_per_restart, Duration::from_millis(1500));
+        assert_eq!(config.workers, 2);
+        assert_eq!(config.grpc_calls, 50);
+        assert_eq!(config.samples, 3);
+    }
+
+    #[test]
+    fn each_flag_alone_changes_only_itself() {
+        let defaults = parse(&[]).unwrap().config();
+        let changed = |args: &[&str]| parse(args).unwrap().config();
+        let c = changed(&["--restarts", "3"]);
+        assert_eq!((c.restarts, c.samples), (3, defaults.samples));
+        let c = changed(&["--load-ms", "0"]);
+        assert_eq!(c.load_per_restart, Duration::ZERO);
+        assert_eq!(c.restarts, defaults.restarts);
+        let c = changed(&["--workers", "8"]);
+        assert_eq!((c.workers, c.grpc_calls), (8, defaults.grpc_calls));
+        let c = changed(&["--grpc-calls", "7"]);
+        assert_eq!((c.grpc_calls, c.workers), (7, defaults.workers));
+        let c = changed(&["--samples", "1"]);
+        assert_eq!((c.samples, c.restarts), (1, defaults.restarts));
+        let c = changed(&["--agent", "envoy-agent"]);
+        assert_eq!(c.agent, PathBuf::from("envoy-agent"));
+        assert_eq!(c.load_per_restart, defaults.load_per_restart);
+        let cli = parse(&["--json", "r.json"]).unwrap();
+        assert_eq!((cli.json, cli.svg), (Some(PathBuf::from("r.json")), None));
+        let cli = parse(&["--svg", "t.svg"]).unwrap();
+        assert_eq!((cli.json, cli.svg), (None, Some(PathBuf::from("t.svg"))));
+    }
+
+    #[test]
+    fn the_last_of_a_repeated_flag_wins() {
+        // As scripts/bench.sh calls it, with the caller's own --json.
+        let cli = parse(&[
+            "--json",
+            "target/bench/report.json",
+            "--svg",
+            "target/bench/timeline.svg",
+            "--restarts",
+            "5",
+            "--json",
+            "/tmp/r.json",
+        ])
+        .unwrap();
+        assert_eq!(cli.json, Some(PathBuf::from("/tmp/r.json")));
+        assert_eq!(cli.svg, Some(PathBuf::from("target/bench/timeline.svg")));
+        assert_eq!(cli.restarts, 5);
+        assert_eq!(
+            parse(&["--restarts", "1", "--restarts", "2"])
+                .unwrap()
+                .restarts,
+            2
+        );
+    }
+
+    #[test]
+    fn a_bad_value_is_refused_naming_the_flag() {
+        for (flag, value) in [
+            ("--restarts", "x"),
+            ("--restarts", "-1"),
+            ("--load-ms", "1s"),
+            ("--workers", "many"),
+            ("--grpc-calls", "1e3"),
+            ("--samples", ""),
+        ] {
+            let e = parse(&[flag, value]).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                ErrorKind::ValueValidation,
+                "{flag} {value:?}: {e}"
+            );
+            assert!(e.to_string().contains(flag), "{flag} {value:?}: {e}");
+            assert_eq!(parse_error_exit_code(&e), EXIT_USAGE);
+        }
+    }
+
+    #[test]
+    fn a_missing_value_is_refused_naming_the_flag() {
+        let e = parse(&["--restarts"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidValue, "{e}");
+        assert!(e.to_string().contains("--restarts"), "{e}");
+        assert_eq!(parse_error_exit_code(&e), EXIT_USAGE);
+    }
+
+    #[test]
+    fn an_unknown_flag_is_refused_naming_it() {
+        let e = parse(&["--restart", "3"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::UnknownArgument, "{e}");
+        assert!(e.to_string().contains("--restart"), "{e}");
+        assert_eq!(parse_error_exit_code(&e), EXIT_USAGE);
+        let e = parse(&["3"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::UnknownArgument, "{e}");
+    }
+
+    #[test]
+    fn help_is_displayed_and_exits_0() {
+        for flag in ["--help", "-h"] {
+            let e = parse(&[flag]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::DisplayHelp, "{e}");
+            assert_eq!(parse_error_exit_code(&e), 0);
+            let help = e.to_string();
+            for documented in [
+                "--agent",
+                "--restarts",
+                "--load-ms",
+                "--workers",
+                "--grpc-calls",
+                "--samples",
+                "--json",
+                "--svg",
+                "64",
+            ] {
+                assert!(help.contains(documented), "{documented}: {help}");
+            }
+        }
+    }
+}
