@@ -2,7 +2,8 @@
 //! on any UTF-8 text (flags and environment variables are text).
 //!
 //! Besides "no panic": for text made only of `<integer><unit>` parts (`1m30s`, `250ms`) adding
-//! up to at most a day, the result must be exact (the parser computes in `f64`).
+//! up to at most a day, each unit once and largest first, the result must be exact; text with a
+//! sign or an exponent must be refused.
 #![no_main]
 
 use std::time::Duration;
@@ -14,6 +15,10 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let parsed = envoy_agent::duration::parse_duration(text);
+    // No sign, no exponent: a refusal, never a guess.
+    if text.contains(['+', '-', 'e', 'E']) {
+        assert!(parsed.is_err(), "{text:?} accepted as {parsed:?}");
+    }
     if let Some(exact) = exact_nanos(text.trim()) {
         assert_eq!(
             parsed,
@@ -23,7 +28,8 @@ fuzz_target!(|data: &[u8]| {
     }
 });
 
-/// `Some(nanoseconds)` when `s` is one or more `<digits><ms|s|m|h>` parts, each number at most
+/// `Some(nanoseconds)` when `s` is one or more `<digits><h|m|s|ms>` parts (each unit once, in
+/// that order), each number at most
 /// 9 digits, totalling at most a day; `None` for anything else (not checked).
 fn exact_nanos(s: &str) -> Option<u64> {
     if s.is_empty() {
@@ -31,6 +37,7 @@ fn exact_nanos(s: &str) -> Option<u64> {
     }
     let mut total: u64 = 0;
     let mut rest = s;
+    let mut previous = u64::MAX;
     while !rest.is_empty() {
         let digits = rest.find(|c: char| !c.is_ascii_digit())?;
         if digits == 0 || digits > 9 {
@@ -48,6 +55,11 @@ fn exact_nanos(s: &str) -> Option<u64> {
             "h" => 3_600_000_000_000,
             _ => return None,
         };
+        // Each unit once, largest first: anything else is refused, not summed.
+        if scale >= previous {
+            return None;
+        }
+        previous = scale;
         total = total.checked_add(number.checked_mul(scale)?)?;
         if total > 86_400_000_000_000 {
             return None;

@@ -38,7 +38,10 @@ pub enum BootstrapError {
         path: PathBuf,
     },
     /// The admin address is not an IP and port.
-    #[error("bootstrap {path}: admin address {address:?} is not an IP address")]
+    #[error(
+        "bootstrap {path}: admin address {address:?} is not an IP address (IPv4 or IPv6, \
+         without brackets: 127.0.0.1, ::1)"
+    )]
     BadAddress {
         /// The bootstrap.
         path: PathBuf,
@@ -121,9 +124,9 @@ pub fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, Boo
         .ok_or_else(|| BootstrapError::NoAdmin {
             path: path.to_owned(),
         })?;
+    // As Envoy takes it: an IP, IPv6 without brackets (Envoy refuses `[::1]`).
     let ip: IpAddr = socket
         .address
-        .trim_matches(|c| c == '[' || c == ']')
         .parse()
         .map_err(|_| BootstrapError::BadAddress {
             path: path.to_owned(),
@@ -239,5 +242,20 @@ mod tests {
         assert!(matches!(err, BootstrapError::Parse { .. }), "{err}");
         let err = parse("admin: {address: {socket_address: {address: envoy.local}}}").unwrap_err();
         assert!(matches!(err, BootstrapError::BadAddress { .. }), "{err}");
+    }
+
+    /// Found by fuzzing: brackets were stripped from both ends, any number of them. Envoy
+    /// 1.40 refuses a bracketed address (`malformed IP address: [::1]`); so does the agent,
+    /// saying what it takes.
+    #[test]
+    fn a_bracketed_address_is_refused_as_envoy_refuses_it() {
+        for address in ["'[::1]'", "'[[::1'", "']127.0.0.1['", "'[127.0.0.1]'"] {
+            let yaml = format!(
+                "admin: {{address: {{socket_address: {{address: {address}, port_value: 1}}}}}}"
+            );
+            let err = parse(&yaml).unwrap_err();
+            assert!(matches!(err, BootstrapError::BadAddress { .. }), "{err}");
+            assert!(err.to_string().contains("without brackets"), "{err}");
+        }
     }
 }
