@@ -10,10 +10,12 @@
 //!   served at least once: an Envoy that exited non-zero or was killed by a signal
 //!   ([`Ended::Exited`]), a hot-restart family whose serving epoch died with nothing else
 //!   serving ([`Ended::Lost`], exit 0 included: something outside terminated it), or a
-//!   restart that failed to start ([`Ended::StartFailed`]). Not a crash: a single Envoy's clean
-//!   exit 0 (its own `/quitquitquit`: someone asked it), a first Envoy that never served (a bad
-//!   bootstrap fails the agent at once, as without the flag), a wedge (exit 75: the watchdog's
-//!   decision, made to be restarted from outside).
+//!   restart that failed to start ([`Ended::StartFailed`]), or a family the watchdog judged
+//!   wedged and stopped ([`Ended::Wedged`]: without the flag, exit 75 for a restart from
+//!   outside; with it, recovered in place like a crash, its reason kept as the crash's
+//!   message). Not a crash: a single Envoy's clean exit 0 (its own `/quitquitquit`: someone
+//!   asked it), a first Envoy (family) that never served (a bad bootstrap fails the agent at
+//!   once, as without the flag; a first family wedged before it served exits 75).
 //! - **What a restart is.** The proxy's `run` again: one fresh Envoy, or a fresh hot-restart
 //!   family (discovery on the node, then a cold epoch 0, which recreates the shared memory
 //!   the crashed one left). Nothing runs during the back-off: readiness answers 503, gRPC
@@ -83,15 +85,19 @@ pub enum CrashKind {
     Lost,
     /// A restart never served.
     StartFailed,
+    /// Hot restart: the family was judged wedged (its admin silent past its deadline, a
+    /// stale INITIALIZING flag) and stopped; the agent would exit 75.
+    Wedged,
 }
 
 impl CrashKind {
-    /// `exited`, `lost`, `start_failed`.
+    /// `exited`, `lost`, `start_failed`, `wedged`.
     pub fn as_str(self) -> &'static str {
         match self {
             CrashKind::Exited => "exited",
             CrashKind::Lost => "lost",
             CrashKind::StartFailed => "start_failed",
+            CrashKind::Wedged => "wedged",
         }
     }
 }
@@ -165,10 +171,13 @@ pub fn crash_of(ended: &Ended, served: bool) -> Option<Crash> {
     let (kind, exit) = match ended {
         Ended::Exited(exit) if exit.code() != 0 => (CrashKind::Exited, exit),
         Ended::Lost { exit, .. } => (CrashKind::Lost, exit),
-        Ended::StartFailed { message, .. } => {
+        Ended::StartFailed { message, .. } | Ended::Wedged { message, .. } => {
             return Some(Crash {
                 at: SystemTime::now(),
-                kind: CrashKind::StartFailed,
+                kind: match ended {
+                    Ended::Wedged { .. } => CrashKind::Wedged,
+                    _ => CrashKind::StartFailed,
+                },
                 process: None,
                 code: ended.code(),
                 signal: None,
@@ -373,7 +382,10 @@ mod tests {
             reason: envoy_agent_proxy::WedgeReason::AdminUnresponsive,
             message: String::new(),
         };
-        assert!(crash_of(&wedged, true).is_none());
+        assert!(crash_of(&wedged, false).is_none(), "never served: exit 75");
+        // Issue 31: a family that served and was judged wedged is recovered like a crash.
+        let crash = crash_of(&wedged, true).unwrap();
+        assert_eq!((crash.kind, crash.code), (CrashKind::Wedged, 75));
         let lost = Ended::Lost {
             exit: exit(0, false),
             message: String::new(),

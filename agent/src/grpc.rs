@@ -480,6 +480,7 @@ fn crash_recovery_message(crashes: &Crashes, agent: &AgentState) -> Option<pb::C
                         CrashKind::Exited => pb::CrashKind::Exited,
                         CrashKind::Lost => pb::CrashKind::Lost,
                         CrashKind::StartFailed => pb::CrashKind::StartFailed,
+                        CrashKind::Wedged => pb::CrashKind::Wedged,
                     }
                     .into(),
                     epoch: c.process.map(|(epoch, _)| epoch),

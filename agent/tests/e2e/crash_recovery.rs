@@ -159,3 +159,44 @@ async fn a_crash_loop_backs_off_and_gives_up_at_the_limit_with_the_crash_code(mo
     assert_eq!(agent.events("envoy_restarting").len(), 2);
     agent.wait_event("exit", "exit_path", "crash_loop").await;
 }
+
+/// Issue 31: with `--restart-on-crash`, a wedge (here the serving Envoy stopped with SIGSTOP:
+/// its admin silent past the deadline) is recovered like a crash: the wedged family is
+/// killed, a fresh one serves after the back-off, the crash is recorded as a wedge, and the
+/// agent keeps running. Without the flag the same wedge exits 75
+/// (`hot_restart::a_stopped_envoy_trips_the_admin_watchdog`).
+#[tokio::test]
+async fn a_wedge_is_recovered_in_place_with_restart_on_crash() {
+    let mut agent = agent_in(Mode::NodeProxy)
+        .args(&[
+            "--restart-on-crash",
+            "--admin-unresponsive-deadline",
+            "2s",
+            "--stop-grace",
+            "1s",
+        ])
+        .start()
+        .await;
+    let agent_pid = agent.pid();
+    let envoy = live_envoy(&agent, None).await.epochs[0].pid;
+    kill(Pid::from_raw(envoy as i32), Signal::SIGSTOP).unwrap();
+
+    agent.wait_event("wedge", "reason", "admin_unresponsive").await;
+    let crashed = agent.wait_event("envoy_crashed", "kind", "wedged").await;
+    assert_eq!(crashed["code"], 75, "{crashed}");
+    assert_eq!(crashed["action"], "restart", "{crashed}");
+
+    let after = live_envoy(&agent, Some(envoy)).await;
+    assert!(!process_alive(envoy), "the wedged envoy was killed");
+    assert_eq!(agent.pid(), agent_pid, "the same agent");
+    assert!(agent.running(), "the agent kept running");
+    assert_eq!(after.newest_live_epoch, Some(0), "a fresh family");
+    let recovery = after.crash_recovery.expect("crash recovery is on");
+    let crash = &recovery.crashes[0];
+    assert_eq!(crash.kind(), pb::CrashKind::Wedged);
+    assert_eq!(crash.exit_code, 75);
+    assert!(crash.stderr_tail.contains("admin silent"), "{crash:?}");
+
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
