@@ -10,7 +10,7 @@
 //! [`ProxyState`](envoy_agent_proxy::ProxyState) on a `watch` channel; [`SupervisorHandle`]s
 //! send it commands that resolve once applied. Everything it does outside its memory goes
 //! through a [`Host`] (the real one, or the unit tests' fake). The rules come from Envoy's
-//! protocol (`shared/design.md` §1, §2, §5):
+//! hot-restart protocol (the whole flow: "How a hot restart flows" in `ARCHITECTURE.md`):
 //!
 //! - **First epoch**: with a state directory, under the node's epoch lock, the supervisor
 //!   looks for a LIVE Envoy of its family ([`node`] heartbeats plus the shared admin port) and
