@@ -57,7 +57,7 @@ use crate::crash::{Crash, CrashAction, CrashLoop, CrashRecovery, Crashes};
 use crate::signal::{Intent, IntentSource};
 
 /// `EX_SOFTWARE`: the proxy could not be run at all.
-pub const EXIT_SOFTWARE: u8 = 70;
+pub use crate::exit_code::SOFTWARE as EXIT_SOFTWARE;
 
 /// Bound on asking the proxy whether a successor takes over (it asks the admin API).
 const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);

@@ -4,8 +4,9 @@
 //! `status` and `watch` print a summary for people, or with `--json` the status message as one
 //! JSON object per line (see [`status_json`] for its form).
 //!
-//! Exit codes: 0 the RPC succeeded; 1 the agent refused or failed it (the message says why);
-//! 69 (`EX_UNAVAILABLE`) the agent is not reachable at the address.
+//! Exit codes: 0 the RPC succeeded; [`exit_code::FAILURE`] the agent refused or failed it (the
+//! message says why); [`exit_code::UNAVAILABLE`] the agent is not reachable at the address;
+//! [`exit_code::USAGE`] a file given cannot be read.
 
 use std::time::{Duration, SystemTime};
 
@@ -15,10 +16,8 @@ use hyper_util::rt::TokioIo;
 use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::exit_code;
 use crate::grpc::GrpcAddress;
-
-/// `EX_UNAVAILABLE`: nothing answers at the address.
-pub const EXIT_UNREACHABLE: u8 = 69;
 
 /// Where the agent's gRPC server listens by default: `$XDG_RUNTIME_DIR/envoy-agent/grpc.sock`,
 /// else `/run/envoy-agent/grpc.sock` for root, else `/tmp/envoy-agent-<uid>/grpc.sock`.
@@ -490,8 +489,8 @@ fn failed(what: &str, status: &tonic::Status) -> u8 {
         status.message()
     );
     match status.code() {
-        tonic::Code::Unavailable => EXIT_UNREACHABLE,
-        _ => 1,
+        tonic::Code::Unavailable => exit_code::UNAVAILABLE,
+        _ => exit_code::FAILURE,
     }
 }
 
@@ -511,7 +510,7 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
         Ok(c) => c,
         Err(message) => {
             eprintln!("envoy-agent: {message}");
-            return EXIT_UNREACHABLE;
+            return exit_code::UNAVAILABLE;
         }
     };
     match command {
@@ -592,7 +591,7 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
                         "envoy-agent update-config: cannot read {}: {e}",
                         file.display()
                     );
-                    return crate::setup::EXIT_USAGE;
+                    return exit_code::USAGE;
                 }
             };
             let request = pb::UpdateConfigRequest {

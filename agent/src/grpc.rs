@@ -712,7 +712,8 @@ pub struct GrpcBindError {
     pub addr: GrpcAddress,
     /// Why.
     pub message: String,
-    /// Whether another process holds the address (may come free: exit 69, not 64).
+    /// Whether another process holds the address (may come free: exit
+    /// [`crate::exit_code::UNAVAILABLE`], not [`crate::exit_code::USAGE`]).
     pub in_use: bool,
 }
 

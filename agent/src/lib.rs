@@ -4,8 +4,8 @@
 //!
 //! `main` parses the command line ([`cli`]), starts tracing and calls [`run`]. [`run`] checks
 //! its input first ([`setup`]: flags that cannot apply in the mode, bootstrap, admin address,
-//! Envoy binary) so that bad input fails with one line and exit code 64 before anything
-//! starts. It then builds the proxy, one Envoy ([`envoy_agent_proxy::Envoy`]) or a hot-restart
+//! Envoy binary) so that bad input fails with one line and exit code [`exit_code::USAGE`]
+//! before anything starts. It then builds the proxy, one Envoy ([`envoy_agent_proxy::Envoy`]) or a hot-restart
 //! family ([`envoy_agent_hotrestart::EnvoyFamily`]), an [`Agent`] over it, the [`status`]
 //! server and the [`grpc`] server, and runs them. Both modes take this one path:
 //!
@@ -40,6 +40,7 @@ pub mod client;
 mod connections;
 pub mod crash;
 pub mod duration;
+pub mod exit_code;
 pub mod grpc;
 pub mod notify;
 pub mod peer;
@@ -52,7 +53,7 @@ pub mod telemetry;
 mod testing;
 
 pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath, Status};
-pub use setup::{EXIT_USAGE, SetupError};
+pub use setup::SetupError;
 pub use signal::{Intent, IntentSource, UnixSignals};
 
 /// How long the agent waits for its own tasks (the servers) once Envoy is gone.
@@ -104,7 +105,7 @@ fn warn_about(args: &cli::RunArgs) {
 }
 
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
-/// input (exit [`EXIT_USAGE`]); others are failures of the agent itself.
+/// input (exit [`SetupError::exit_code`]); others are failures of the agent itself.
 pub async fn run(
     args: cli::RunArgs,
     grpc: Option<grpc::GrpcAddress>,

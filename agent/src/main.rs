@@ -5,11 +5,9 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches};
 use envoy_agent::cli::{Cli, Command, LogFormat};
-use envoy_agent::{EXIT_USAGE, SetupError, UnixSignals};
+use envoy_agent::exit_code;
+use envoy_agent::{SetupError, UnixSignals};
 use tracing_subscriber::EnvFilter;
-
-/// The agent itself failed (`EX_SOFTWARE`).
-const EXIT_FAILURE: u8 = envoy_agent::agent::EXIT_SOFTWARE;
 
 fn main() -> ExitCode {
     let parsed = Cli::command()
@@ -21,7 +19,7 @@ fn main() -> ExitCode {
             let _ = e.print();
             // Help and version are not errors; a bad flag or value is a usage error.
             return if e.use_stderr() {
-                ExitCode::from(EXIT_USAGE)
+                ExitCode::from(exit_code::USAGE)
             } else {
                 ExitCode::SUCCESS
             };
@@ -34,7 +32,7 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("envoy-agent completions: cannot write: {e}");
-                ExitCode::from(EXIT_FAILURE)
+                ExitCode::from(exit_code::SOFTWARE)
             }
         };
     }
@@ -64,7 +62,7 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("envoy-agent: cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_FAILURE);
+            return ExitCode::from(exit_code::SOFTWARE);
         }
     };
     let code = runtime.block_on(async {
@@ -91,7 +89,7 @@ fn main() -> ExitCode {
             eprintln!("envoy-agent: {}", one_line(&e));
             match e.downcast_ref::<SetupError>() {
                 Some(setup) => ExitCode::from(setup.exit_code()),
-                None => ExitCode::from(EXIT_FAILURE),
+                None => ExitCode::from(exit_code::SOFTWARE),
             }
         }
     }

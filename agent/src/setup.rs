@@ -1,5 +1,5 @@
 //! Turning `envoy-agent run`'s arguments into a [`ProxyConfig`], refusing bad input early with
-//! one clear line (exit code 64) instead of a failed Envoy start later.
+//! one clear line (exit code [`exit_code::USAGE`]) instead of a failed Envoy start later.
 
 use std::ffi::OsStr;
 use std::net::SocketAddr;
@@ -10,11 +10,9 @@ use envoy_agent_proxy::bootstrap::{self, BootstrapError};
 use envoy_agent_proxy::{AdminAddress, DrainStrategy, ProxyConfig, RunAs, SocketPath};
 
 use crate::cli::{DrainStrategyArg, RunArgs};
+use crate::exit_code;
 
-/// `EX_USAGE`: the command was used incorrectly (bad flag, bootstrap, binary, address).
-pub const EXIT_USAGE: u8 = 64;
-
-/// Input the agent cannot start with. Each maps to exit code [`EXIT_USAGE`].
+/// Input the agent cannot start with. Each maps to an exit code: see [`SetupError::exit_code`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SetupError {
@@ -178,20 +176,17 @@ pub fn family_config(
 }
 
 impl SetupError {
-    /// The exit code this error means: [`EXIT_USAGE`] for what the user can fix in the
-    /// command line or files; [`EXIT_UNAVAILABLE`] for a resource that may come back (a busy
-    /// port), which a supervisor (systemd, the kubelet) should retry.
+    /// The exit code this error means: [`exit_code::USAGE`] for what the user can fix in the
+    /// command line or files; [`exit_code::UNAVAILABLE`] for a resource that may come back (a
+    /// busy port), which a supervisor (systemd, the kubelet) should retry.
     pub fn exit_code(&self) -> u8 {
         match self {
-            SetupError::StatusBind(e) if e.in_use() => EXIT_UNAVAILABLE,
-            SetupError::GrpcBind(e) if e.in_use => EXIT_UNAVAILABLE,
-            _ => EXIT_USAGE,
+            SetupError::StatusBind(e) if e.in_use() => exit_code::UNAVAILABLE,
+            SetupError::GrpcBind(e) if e.in_use => exit_code::UNAVAILABLE,
+            _ => exit_code::USAGE,
         }
     }
 }
-
-/// `EX_UNAVAILABLE`: a resource the agent needs is not available now (a port in use).
-pub const EXIT_UNAVAILABLE: u8 = 69;
 
 /// Finds the Envoy binary: a path with a `/` is taken as is, a bare name is looked up on PATH.
 pub fn resolve_envoy(path: &Path, search_path: Option<&OsStr>) -> Result<PathBuf, SetupError> {
@@ -530,7 +525,7 @@ mod tests {
             matches!(err, SetupError::EnvoyNotExecutable { .. }),
             "{err}"
         );
-        assert_eq!(err.exit_code(), EXIT_USAGE);
+        assert_eq!(err.exit_code(), exit_code::USAGE);
     }
 
     #[test]
