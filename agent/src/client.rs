@@ -17,7 +17,7 @@ use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::exit_code;
-use crate::grpc::GrpcAddress;
+use crate::settings::GrpcAddress;
 
 /// Where the agent's gRPC server listens by default: `$XDG_RUNTIME_DIR/envoy-agent/grpc.sock`,
 /// else `/run/envoy-agent/grpc.sock` for root, else `/tmp/envoy-agent-<uid>/grpc.sock`.

@@ -1,10 +1,11 @@
-//! The `envoy-agent` binary: parse, start tracing, run, pick the exit code.
+//! The `envoy-agent` binary: parse (into settings, or a client call), start tracing, run, pick
+//! the exit code.
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches};
-use envoy_agent::cli::{Cli, Command, LogFormat};
+use envoy_agent::cli::{Cli, Command, LogFormat, SettingsError};
 use envoy_agent::exit_code;
 use envoy_agent::{SetupError, UnixSignals};
 use tracing_subscriber::EnvFilter;
@@ -68,9 +69,10 @@ fn main() -> ExitCode {
     let code = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => {
+                let settings = args.into_settings(cli.client.grpc_address)?;
                 let signals = UnixSignals::install()
                     .map_err(|e| anyhow::anyhow!(e).context("installing signal handlers"))?;
-                envoy_agent::run(*args, cli.client.grpc_address, signals).await
+                envoy_agent::run(&settings, signals).await
             }
             Command::Client(command) => {
                 let addr = cli
@@ -87,11 +89,19 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("envoy-agent: {}", one_line(&e));
-            match e.downcast_ref::<SetupError>() {
-                Some(setup) => ExitCode::from(setup.exit_code()),
-                None => ExitCode::from(exit_code::SOFTWARE),
-            }
+            ExitCode::from(exit_code_of(&e))
         }
+    }
+}
+
+/// The exit code of a failed run: bad input says which; anything else is the agent's failure.
+fn exit_code_of(e: &anyhow::Error) -> u8 {
+    if let Some(setup) = e.downcast_ref::<SetupError>() {
+        setup.exit_code()
+    } else if let Some(flags) = e.downcast_ref::<SettingsError>() {
+        flags.exit_code()
+    } else {
+        exit_code::SOFTWARE
     }
 }
 
