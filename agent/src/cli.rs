@@ -2,7 +2,8 @@
 //! an environment variable (shown in `--help`).
 //!
 //! The parser's types stay here: `run`'s arguments become [`Settings`] once
-//! ([`RunArgs::into_settings`]), and nothing below `main` sees them.
+//! ([`RunArgs::into_settings`]), the client subcommands a [`client::Call`], and nothing below
+//! `main` sees a clap type.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -144,6 +145,28 @@ pub enum ClientCommand {
         #[arg(long, default_value = "envoy-agent restart")]
         reason: String,
     },
+}
+
+impl From<ClientCommand> for client::Call {
+    fn from(command: ClientCommand) -> Self {
+        use client::Call;
+        match command {
+            ClientCommand::Status { json } => Call::Status { json },
+            ClientCommand::Watch { json } => Call::Watch { json },
+            ClientCommand::Drain {
+                skip_exit,
+                all_listeners,
+            } => Call::Drain {
+                skip_exit,
+                all_listeners,
+            },
+            ClientCommand::Stop => Call::Stop,
+            ClientCommand::Quit => Call::Quit,
+            ClientCommand::ReopenLogs => Call::ReopenLogs,
+            ClientCommand::UpdateConfig { file, reason } => Call::UpdateConfig { file, reason },
+            ClientCommand::Restart { reason } => Call::Restart { reason },
+        }
+    }
 }
 
 /// How connections are closed during a drain.
@@ -838,6 +861,35 @@ mod tests {
                 "--exit-on-zero-active-connections"
             ]),
             Err(ExitOnZeroConflict)
+        );
+    }
+
+    #[test]
+    fn client_subcommands_become_calls() {
+        let call = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["envoy-agent"].iter().chain(args)).unwrap();
+            let Command::Client(command) = cli.command else {
+                panic!("a client subcommand expected");
+            };
+            client::Call::from(command)
+        };
+        assert_eq!(
+            call(&["drain", "--all-listeners"]),
+            client::Call::Drain {
+                skip_exit: false,
+                all_listeners: true
+            }
+        );
+        assert_eq!(
+            call(&["update-config", "new.yaml"]),
+            client::Call::UpdateConfig {
+                file: PathBuf::from("new.yaml"),
+                reason: "envoy-agent update-config".to_owned()
+            }
+        );
+        assert_eq!(
+            call(&["status", "--json"]),
+            client::Call::Status { json: true }
         );
     }
 

@@ -19,6 +19,46 @@ use tonic::transport::{Channel, Endpoint};
 use crate::exit_code;
 use crate::settings::GrpcAddress;
 
+/// What a client subcommand asks the agent: one RPC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// `GetStatus`, printed for people or (`json`) as one JSON object.
+    Status {
+        /// One JSON object.
+        json: bool,
+    },
+    /// `WatchStatus`: the status, then every change, until the agent exits.
+    Watch {
+        /// One JSON object per line.
+        json: bool,
+    },
+    /// `Drain`.
+    Drain {
+        /// Keep the listeners accepting; the next SIGTERM exits at once.
+        skip_exit: bool,
+        /// Every listener, not only inbound ones.
+        all_listeners: bool,
+    },
+    /// `Stop`: the SIGTERM path.
+    Stop,
+    /// `QuitQuitQuit`: stop at once, no drain.
+    Quit,
+    /// `ReopenLogs`.
+    ReopenLogs,
+    /// `UpdateConfig` with the bootstrap in `file`.
+    UpdateConfig {
+        /// The new bootstrap.
+        file: std::path::PathBuf,
+        /// Why, for the agent's logs and status.
+        reason: String,
+    },
+    /// `HotRestart`.
+    Restart {
+        /// Why, for the agent's logs and status.
+        reason: String,
+    },
+}
+
 /// Where the agent's gRPC server listens by default: `$XDG_RUNTIME_DIR/envoy-agent/grpc.sock`,
 /// else `/run/envoy-agent/grpc.sock` for root, else `/tmp/envoy-agent-<uid>/grpc.sock`.
 pub fn default_address() -> GrpcAddress {
@@ -498,9 +538,9 @@ fn code_name(code: tonic::Code) -> String {
     format!("{code:?}")
 }
 
-/// Runs one client subcommand; returns the exit code.
-pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeout: Duration) -> u8 {
-    use crate::cli::ClientCommand as C;
+/// Makes one call; returns the exit code.
+pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
+    use Call as C;
     // A watch lasts as long as the agent: no per-call timeout for it.
     let call_timeout = match command {
         C::Watch { .. } => Duration::from_secs(365 * 24 * 3600),

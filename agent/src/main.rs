@@ -79,7 +79,8 @@ fn main() -> ExitCode {
                     .client
                     .grpc_address
                     .unwrap_or_else(envoy_agent::client::default_address);
-                Ok(envoy_agent::client::run(&command, &addr, cli.client.timeout).await)
+                let call = envoy_agent::client::Call::from(command);
+                Ok(envoy_agent::client::run(&call, &addr, cli.client.timeout).await)
             }
             // Answered above, before the runtime.
             Command::Completions { .. } => Ok(0),
