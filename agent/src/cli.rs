@@ -1,5 +1,9 @@
 //! The command line. Every flag that an operator may want to set from a pod spec also reads
 //! an environment variable (shown in `--help`).
+//!
+//! The parser's types stay here: `run`'s arguments become [`Settings`] once
+//! ([`RunArgs::into_settings`]), the client subcommands a [`client::Call`], and nothing below
+//! `main` sees a clap type.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -7,9 +11,15 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use crate::agent::Counting;
+use crate::client;
+use crate::crash::CrashRecovery;
 use crate::duration::{
     parse_duration, parse_positive_duration, parse_positive_whole_seconds, parse_whole_seconds,
+};
+use crate::exit_code;
+use crate::settings::{
+    Counting, DrainSettings, DrainStrategy, EnvoySettings, GrpcAddress, HotRestartSettings, RunAs,
+    Settings, TelemetrySettings, defaults,
 };
 
 /// Process manager for the Envoy proxy: starts Envoy, keeps it healthy, drains it on shutdown.
@@ -79,7 +89,7 @@ pub struct ClientArgs {
     /// client subcommands connect there. Default: grpc.sock in $XDG_RUNTIME_DIR/envoy-agent,
     /// /run/envoy-agent for root, else /tmp/envoy-agent-UID.
     #[arg(long, global = true, env = "ENVOY_AGENT_GRPC_ADDRESS")]
-    pub grpc_address: Option<crate::grpc::GrpcAddress>,
+    pub grpc_address: Option<GrpcAddress>,
 
     /// Client subcommands: bound on the call (not on `watch`).
     #[arg(long, global = true, value_parser = parse_positive_duration, default_value = "70s")]
@@ -135,6 +145,28 @@ pub enum ClientCommand {
         #[arg(long, default_value = "envoy-agent restart")]
         reason: String,
     },
+}
+
+impl From<ClientCommand> for client::Call {
+    fn from(command: ClientCommand) -> Self {
+        use client::Call;
+        match command {
+            ClientCommand::Status { json } => Call::Status { json },
+            ClientCommand::Watch { json } => Call::Watch { json },
+            ClientCommand::Drain {
+                skip_exit,
+                all_listeners,
+            } => Call::Drain {
+                skip_exit,
+                all_listeners,
+            },
+            ClientCommand::Stop => Call::Stop,
+            ClientCommand::Quit => Call::Quit,
+            ClientCommand::ReopenLogs => Call::ReopenLogs,
+            ClientCommand::UpdateConfig { file, reason } => Call::UpdateConfig { file, reason },
+            ClientCommand::Restart { reason } => Call::Restart { reason },
+        }
+    }
 }
 
 /// How connections are closed during a drain.
@@ -433,34 +465,123 @@ pub struct RunArgs {
     pub envoy_args: Vec<String>,
 }
 
-/// Defaults of the hot-restart and crash-recovery flags (they are `Option`s so that giving one
-/// without `--hot-restart` or `--restart-on-crash` is refused instead of silently ignored).
-pub mod defaults {
-    use std::time::Duration;
-
-    /// `--parent-shutdown-time`.
-    pub const PARENT_SHUTDOWN_TIME: Duration = Duration::from_secs(60);
-    /// `--handoff-deadline`.
-    pub const HANDOFF_DEADLINE: Duration = Duration::from_secs(60);
-    /// `--admin-unresponsive-deadline`.
-    pub const ADMIN_UNRESPONSIVE_DEADLINE: Duration = Duration::from_secs(30);
-    /// `--crash-restart-limit`.
-    pub const CRASH_RESTART_LIMIT: u32 = 5;
-    /// `--crash-backoff-max`.
-    pub const CRASH_BACKOFF_MAX: Duration = Duration::from_secs(30);
-}
-
 impl RunArgs {
+    /// The settings these arguments (and the gRPC address, a global flag) give: the defaults
+    /// of the mode's flags filled in, the combinations checked, before any file is looked at.
+    /// The hot-restart flags are read only with `--hot-restart`, which each of them requires.
+    pub fn into_settings(
+        self,
+        grpc_address: Option<GrpcAddress>,
+    ) -> Result<Settings, SettingsError> {
+        let hot_restart = self.hot_restart()?;
+        let exit_on_zero = self.exit_on_zero()?;
+        if let Some(hot) = &hot_restart {
+            // Compared as Envoy gets them: whole seconds.
+            let (drain, parent_shutdown) = (self.drain_time, hot.parent_shutdown_time);
+            if parent_shutdown.as_secs() <= drain.as_secs() {
+                return Err(
+                    envoy_agent_hotrestart::ConfigError::ParentShutdownTooShort {
+                        drain,
+                        parent_shutdown,
+                    }
+                    .into(),
+                );
+            }
+        }
+        let crash_recovery = self.crash_recovery();
+        Ok(Settings {
+            envoy: EnvoySettings {
+                config_path: self.config_path,
+                envoy_path: self.envoy_path,
+                admin_address: self.admin_address,
+                log_level: self.proxy_log_level,
+                component_log_level: self.proxy_component_log_level,
+                log_as_json: self.proxy_log_as_json,
+                node_ips: self.node_ips,
+                concurrency: self.concurrency,
+                drain_time: self.drain_time,
+                drain_strategy: match self.drain_strategy {
+                    DrainStrategyArg::Immediate => DrainStrategy::Immediate,
+                    DrainStrategyArg::Gradual => DrainStrategy::Gradual,
+                },
+                drain_all_listeners: self.drain_all_listeners,
+                outlier_log_path: self.outlier_log_path,
+                file_flush_interval: self.file_flush_interval,
+                config_cleanup: self.config_cleanup,
+                // The parser requires each of the two with the other.
+                run_as: self
+                    .run_as_uid
+                    .zip(self.run_as_gid)
+                    .map(|(uid, gid)| RunAs { uid, gid }),
+                stop_grace: self.stop_grace,
+                extra_args: self.envoy_args,
+            },
+            drain: DrainSettings {
+                termination_drain_duration: self.termination_drain_duration,
+                minimum_drain_duration: self.minimum_drain_duration,
+                exit_on_zero,
+                drain_delay: self.drain_delay,
+                poll_interval: self.drain_poll_interval,
+                exclude_listener_ports: self.exclude_listener_ports,
+                exclude_listener_prefixes: self.exclude_listener_prefixes,
+            },
+            status_address: self.status_address,
+            status_address_file: self.status_address_file,
+            grpc_address: grpc_address.unwrap_or_else(client::default_address),
+            grpc_allow_remote: self.grpc_allow_remote,
+            control_allow_uids: self.control_allow_uids,
+            telemetry: TelemetrySettings {
+                otlp_endpoint: self.otlp_endpoint,
+                export_interval: self.otlp_export_interval,
+            },
+            hot_restart,
+            crash_recovery,
+        })
+    }
+
+    /// Hot restart's settings, `None` without `--hot-restart`.
+    fn hot_restart(&self) -> Result<Option<HotRestartSettings>, SettingsError> {
+        if !self.hot_restart {
+            return Ok(None);
+        }
+        let state_dir = self
+            .state_dir
+            .clone()
+            .ok_or(SettingsError::MissingStateDir)?;
+        let base_id = self.base_id.ok_or(SettingsError::MissingBaseId)?;
+        Ok(Some(HotRestartSettings {
+            base_id,
+            cold_base_id: match (self.no_cold_handover, self.cold_base_id) {
+                (true, _) => None,
+                (false, Some(cold)) => Some(cold),
+                // The last base id has no next one: no cold handover then.
+                (false, None) => base_id.checked_add(1),
+            },
+            allow_abstract_socket: self.allow_abstract_hot_restart_socket,
+            parent_shutdown_time: self
+                .parent_shutdown_time
+                .unwrap_or(defaults::PARENT_SHUTDOWN_TIME),
+            watch_config: self.watch_config,
+            ready_marker: self.ready_marker.clone(),
+            state_dir,
+            identity: self.identity.clone(),
+            handoff_deadline: self.handoff_deadline.unwrap_or(defaults::HANDOFF_DEADLINE),
+            admin_unresponsive_deadline: self
+                .admin_unresponsive_deadline
+                .unwrap_or(defaults::ADMIN_UNRESPONSIVE_DEADLINE),
+        }))
+    }
+
     /// Crash recovery's settings, `None` without `--restart-on-crash`.
-    pub fn crash_recovery(&self) -> Option<crate::crash::CrashRecovery> {
-        self.restart_on_crash.then(|| crate::crash::CrashRecovery {
+    fn crash_recovery(&self) -> Option<CrashRecovery> {
+        self.restart_on_crash.then(|| CrashRecovery {
             limit: self
                 .crash_restart_limit
                 .unwrap_or(defaults::CRASH_RESTART_LIMIT),
             backoff_max: self
                 .crash_backoff_max
                 .unwrap_or(defaults::CRASH_BACKOFF_MAX),
-            ..crate::crash::CrashRecovery::default()
+            ..CrashRecovery::default()
         })
     }
 
@@ -474,22 +595,34 @@ impl RunArgs {
             (None, false) => Ok(None),
         }
     }
+}
 
-    /// `--parent-shutdown-time` or its default.
-    pub fn parent_shutdown_time(&self) -> Duration {
-        self.parent_shutdown_time
-            .unwrap_or(defaults::PARENT_SHUTDOWN_TIME)
-    }
+/// `run`'s flags that parse one by one but cannot work together: refused before anything
+/// starts, naming the flags.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SettingsError {
+    /// Exit-on-zero was asked to count two different things.
+    #[error(transparent)]
+    ExitOnZero(#[from] ExitOnZeroConflict),
+    /// Hot restart needs the per-node state directory.
+    #[error(
+        "--hot-restart needs --state-dir (the per-node directory shared by the agents of a node)"
+    )]
+    MissingStateDir,
+    /// Hot restart needs the family's base id.
+    #[error("--hot-restart needs --base-id (Envoy's --base-id, which names the family)")]
+    MissingBaseId,
+    /// The hot-restart settings cannot work (a parent-shutdown time not past the drain time).
+    #[error(transparent)]
+    HotRestart(#[from] envoy_agent_hotrestart::ConfigError),
+}
 
-    /// `--handoff-deadline` or its default.
-    pub fn handoff_deadline(&self) -> Duration {
-        self.handoff_deadline.unwrap_or(defaults::HANDOFF_DEADLINE)
-    }
-
-    /// `--admin-unresponsive-deadline` or its default.
-    pub fn admin_unresponsive_deadline(&self) -> Duration {
-        self.admin_unresponsive_deadline
-            .unwrap_or(defaults::ADMIN_UNRESPONSIVE_DEADLINE)
+impl SettingsError {
+    /// The exit code: [`exit_code::USAGE`], since only another command line (or environment)
+    /// gets past it.
+    pub fn exit_code(&self) -> u8 {
+        exit_code::USAGE
     }
 }
 
@@ -729,5 +862,127 @@ mod tests {
             ]),
             Err(ExitOnZeroConflict)
         );
+    }
+
+    #[test]
+    fn client_subcommands_become_calls() {
+        let call = |args: &[&str]| {
+            let cli = Cli::try_parse_from(["envoy-agent"].iter().chain(args)).unwrap();
+            let Command::Client(command) = cli.command else {
+                panic!("a client subcommand expected");
+            };
+            client::Call::from(command)
+        };
+        assert_eq!(
+            call(&["drain", "--all-listeners"]),
+            client::Call::Drain {
+                skip_exit: false,
+                all_listeners: true
+            }
+        );
+        assert_eq!(
+            call(&["update-config", "new.yaml"]),
+            client::Call::UpdateConfig {
+                file: PathBuf::from("new.yaml"),
+                reason: "envoy-agent update-config".to_owned()
+            }
+        );
+        assert_eq!(
+            call(&["status", "--json"]),
+            client::Call::Status { json: true }
+        );
+    }
+
+    fn settings(args: &[&str]) -> Result<Settings, SettingsError> {
+        let grpc = "unix:/run/test/grpc.sock".parse().ok();
+        run_args(args).into_settings(grpc)
+    }
+
+    const HOT: [&str; 5] = ["--hot-restart", "--base-id", "7", "--state-dir", "/st"];
+
+    #[test]
+    fn settings_take_the_flags_and_the_defaults_of_their_mode() {
+        let sidecar = settings(&[
+            "--drain-strategy",
+            "gradual",
+            "--run-as-uid",
+            "1",
+            "--run-as-gid",
+            "2",
+        ])
+        .unwrap();
+        assert_eq!(sidecar.envoy.config_path, PathBuf::from("b.yaml"));
+        assert_eq!(sidecar.envoy.drain_strategy, DrainStrategy::Gradual);
+        assert_eq!(sidecar.envoy.run_as, Some(RunAs { uid: 1, gid: 2 }));
+        assert_eq!(
+            sidecar.grpc_address,
+            "unix:/run/test/grpc.sock".parse().unwrap()
+        );
+        assert_eq!(sidecar.drain.exit_on_zero, None);
+        assert_eq!(sidecar.hot_restart, None);
+        assert_eq!(sidecar.crash_recovery, None);
+
+        let hot = settings(&HOT).unwrap().hot_restart.unwrap();
+        assert_eq!(hot.base_id, 7);
+        assert_eq!(hot.cold_base_id, Some(8));
+        assert_eq!(hot.state_dir, PathBuf::from("/st"));
+        assert_eq!(hot.parent_shutdown_time, defaults::PARENT_SHUTDOWN_TIME);
+        assert_eq!(hot.handoff_deadline, defaults::HANDOFF_DEADLINE);
+        assert_eq!(
+            hot.admin_unresponsive_deadline,
+            defaults::ADMIN_UNRESPONSIVE_DEADLINE
+        );
+
+        let cold = |extra: &[&str]| {
+            let args: Vec<&str> = HOT.iter().chain(extra).copied().collect();
+            settings(&args).unwrap().hot_restart.unwrap().cold_base_id
+        };
+        assert_eq!(cold(&["--cold-base-id", "100"]), Some(100));
+        assert_eq!(cold(&["--no-cold-handover"]), None);
+        let last = [
+            "--hot-restart",
+            "--base-id",
+            "4294967295",
+            "--state-dir",
+            "/st",
+        ];
+        assert_eq!(
+            settings(&last).unwrap().hot_restart.unwrap().cold_base_id,
+            None
+        );
+
+        let crash = settings(&["--restart-on-crash", "--crash-restart-limit", "2"]).unwrap();
+        let crash = crash.crash_recovery.unwrap();
+        assert_eq!(
+            (crash.limit, crash.backoff_max),
+            (2, defaults::CRASH_BACKOFF_MAX)
+        );
+    }
+
+    #[test]
+    fn flags_that_cannot_work_together_are_refused_naming_them() {
+        let err = settings(&[
+            "--exit-on-zero=requests",
+            "--exit-on-zero-active-connections",
+        ])
+        .unwrap_err();
+        assert!(matches!(err, SettingsError::ExitOnZero(_)), "{err}");
+        // Whole seconds, as Envoy gets them; the default parent-shutdown time counts too.
+        for drain in ["2s", "60s"] {
+            let mut args = HOT.to_vec();
+            args.extend(["--drain-time", drain]);
+            if drain == "2s" {
+                args.extend(["--parent-shutdown-time", "2s"]);
+            }
+            let err = settings(&args).unwrap_err();
+            assert!(
+                err.to_string().contains("must exceed --drain-time"),
+                "{err}"
+            );
+            assert_eq!(err.exit_code(), exit_code::USAGE);
+        }
+        let mut args = HOT.to_vec();
+        args.extend(["--drain-time", "59s"]);
+        assert!(settings(&args).is_ok());
     }
 }

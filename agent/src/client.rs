@@ -4,8 +4,9 @@
 //! `status` and `watch` print a summary for people, or with `--json` the status message as one
 //! JSON object per line (see [`status_json`] for its form).
 //!
-//! Exit codes: 0 the RPC succeeded; 1 the agent refused or failed it (the message says why);
-//! 69 (`EX_UNAVAILABLE`) the agent is not reachable at the address.
+//! Exit codes: 0 the RPC succeeded; [`exit_code::FAILURE`] the agent refused or failed it (the
+//! message says why); [`exit_code::UNAVAILABLE`] the agent is not reachable at the address;
+//! [`exit_code::USAGE`] a file given cannot be read.
 
 use std::time::{Duration, SystemTime};
 
@@ -15,10 +16,48 @@ use hyper_util::rt::TokioIo;
 use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::grpc::GrpcAddress;
+use crate::exit_code;
+use crate::settings::GrpcAddress;
 
-/// `EX_UNAVAILABLE`: nothing answers at the address.
-pub const EXIT_UNREACHABLE: u8 = 69;
+/// What a client subcommand asks the agent: one RPC.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Call {
+    /// `GetStatus`, printed for people or (`json`) as one JSON object.
+    Status {
+        /// One JSON object.
+        json: bool,
+    },
+    /// `WatchStatus`: the status, then every change, until the agent exits.
+    Watch {
+        /// One JSON object per line.
+        json: bool,
+    },
+    /// `Drain`.
+    Drain {
+        /// Keep the listeners accepting; the next SIGTERM exits at once.
+        skip_exit: bool,
+        /// Every listener, not only inbound ones.
+        all_listeners: bool,
+    },
+    /// `Stop`: the SIGTERM path.
+    Stop,
+    /// `QuitQuitQuit`: stop at once, no drain.
+    Quit,
+    /// `ReopenLogs`.
+    ReopenLogs,
+    /// `UpdateConfig` with the bootstrap in `file`.
+    UpdateConfig {
+        /// The new bootstrap.
+        file: std::path::PathBuf,
+        /// Why, for the agent's logs and status.
+        reason: String,
+    },
+    /// `HotRestart`.
+    Restart {
+        /// Why, for the agent's logs and status.
+        reason: String,
+    },
+}
 
 /// Where the agent's gRPC server listens by default: `$XDG_RUNTIME_DIR/envoy-agent/grpc.sock`,
 /// else `/run/envoy-agent/grpc.sock` for root, else `/tmp/envoy-agent-<uid>/grpc.sock`.
@@ -490,8 +529,8 @@ fn failed(what: &str, status: &tonic::Status) -> u8 {
         status.message()
     );
     match status.code() {
-        tonic::Code::Unavailable => EXIT_UNREACHABLE,
-        _ => 1,
+        tonic::Code::Unavailable => exit_code::UNAVAILABLE,
+        _ => exit_code::FAILURE,
     }
 }
 
@@ -499,9 +538,9 @@ fn code_name(code: tonic::Code) -> String {
     format!("{code:?}")
 }
 
-/// Runs one client subcommand; returns the exit code.
-pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeout: Duration) -> u8 {
-    use crate::cli::ClientCommand as C;
+/// Makes one call; returns the exit code.
+pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
+    use Call as C;
     // A watch lasts as long as the agent: no per-call timeout for it.
     let call_timeout = match command {
         C::Watch { .. } => Duration::from_secs(365 * 24 * 3600),
@@ -511,7 +550,7 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
         Ok(c) => c,
         Err(message) => {
             eprintln!("envoy-agent: {message}");
-            return EXIT_UNREACHABLE;
+            return exit_code::UNAVAILABLE;
         }
     };
     match command {
@@ -592,7 +631,7 @@ pub async fn run(command: &crate::cli::ClientCommand, addr: &GrpcAddress, timeou
                         "envoy-agent update-config: cannot read {}: {e}",
                         file.display()
                     );
-                    return crate::setup::EXIT_USAGE;
+                    return exit_code::USAGE;
                 }
             };
             let request = pb::UpdateConfigRequest {

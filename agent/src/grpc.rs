@@ -18,11 +18,10 @@
 //! `ProxyState` and the shutdown drain's progress) onto the proto, enum to enum (every Rust enum
 //! has a proto enum whose zero is `*_UNSPECIFIED`, "does not apply"), `SystemTime` to
 //! `Timestamp`, `Duration` to `Duration`, `Option` to an absent field. The settings in force are
-//! a snapshot taken at start ([`settings`], from the same arguments the agent was built from);
+//! a snapshot taken at start ([`settings`], from the same [`Settings`] the agent was built from);
 //! only Envoy's admin address is filled in per call, since Envoy may pick it at start.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
@@ -40,44 +39,12 @@ use crate::agent::{
     Status as AgentStatus, Via,
 };
 use crate::crash::{CrashAction, CrashKind, Crashes};
+pub use crate::settings::GrpcAddress;
+use crate::settings::{DrainStrategy, Settings};
 use crate::signal::Intent;
 
 /// The service name, as health checks and reflection know it.
 pub const SERVICE_NAME: &str = "envoyagent.v1.AgentService";
-
-/// Where the gRPC server listens.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GrpcAddress {
-    /// A Unix socket (created mode 0600).
-    Unix(PathBuf),
-    /// A TCP address.
-    Tcp(SocketAddr),
-}
-
-impl std::str::FromStr for GrpcAddress {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if let Some(path) = s.strip_prefix("unix:") {
-            if path.is_empty() {
-                return Err(format!("{s:?}: no socket path after unix:"));
-            }
-            return Ok(GrpcAddress::Unix(PathBuf::from(path)));
-        }
-        s.parse()
-            .map(GrpcAddress::Tcp)
-            .map_err(|_| format!("{s:?} is neither unix:/path nor host:port"))
-    }
-}
-
-impl std::fmt::Display for GrpcAddress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            GrpcAddress::Unix(p) => write!(f, "unix:{}", p.display()),
-            GrpcAddress::Tcp(a) => write!(f, "{a}"),
-        }
-    }
-}
 
 /// The `AgentService` implementation: a handle to the agent and what it reports about itself
 /// (its mode, the settings in force). Every RPC goes through the agent actor; no admin call or
@@ -110,28 +77,25 @@ fn duration(d: Duration) -> Option<prost_types::Duration> {
 }
 
 /// The settings in force, from the command line (and its environment variables) and the agent
-/// configuration built from it: what `GetStatus` reports under `settings`.
-pub fn settings(
-    args: &crate::cli::RunArgs,
-    config: &AgentConfig,
-    grpc_address: &GrpcAddress,
-) -> pb::Settings {
-    let node_proxy = args.hot_restart;
-    let only_node_proxy = |d: Duration| if node_proxy { duration(d) } else { None };
+/// configuration built from them: what `GetStatus` reports under `settings`. The node-proxy
+/// fields are absent in sidecar mode.
+pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
+    let (envoy, drain) = (&settings.envoy, &settings.drain);
+    let hot = settings.hot_restart.as_ref();
     let path = |p: &std::path::Path| p.display().to_string();
     pb::Settings {
-        config_path: path(&args.config_path),
-        envoy_path: path(&args.envoy_path),
-        admin_address: args.admin_address.map(|a| a.to_string()),
-        status_address: args.status_address.to_string(),
-        grpc_address: grpc_address.to_string(),
-        drain_time: duration(args.drain_time),
-        drain_strategy: match args.drain_strategy {
-            crate::cli::DrainStrategyArg::Immediate => pb::DrainStrategy::Immediate,
-            crate::cli::DrainStrategyArg::Gradual => pb::DrainStrategy::Gradual,
+        config_path: path(&envoy.config_path),
+        envoy_path: path(&envoy.envoy_path),
+        admin_address: envoy.admin_address.map(|a| a.to_string()),
+        status_address: settings.status_address.to_string(),
+        grpc_address: settings.grpc_address.to_string(),
+        drain_time: duration(envoy.drain_time),
+        drain_strategy: match envoy.drain_strategy {
+            DrainStrategy::Immediate => pb::DrainStrategy::Immediate,
+            DrainStrategy::Gradual => pb::DrainStrategy::Gradual,
         }
         .into(),
-        drain_all_listeners: args.drain_all_listeners,
+        drain_all_listeners: envoy.drain_all_listeners,
         termination_drain_duration: duration(config.termination_drain_duration),
         minimum_drain_duration: duration(config.minimum_drain_duration),
         exit_on_zero_active_connections: config.exit_on_zero == Some(Counting::Connections),
@@ -143,23 +107,23 @@ pub fn settings(
         .into(),
         drain_delay: duration(config.drain_delay),
         drain_poll_interval: duration(config.poll_interval),
-        exclude_listener_ports: args
+        exclude_listener_ports: drain
             .exclude_listener_ports
             .iter()
             .map(|p| u32::from(*p))
             .collect(),
-        exclude_listener_prefixes: args.exclude_listener_prefixes.clone(),
-        stop_grace: duration(args.stop_grace),
-        parent_shutdown_time: only_node_proxy(args.parent_shutdown_time()),
-        handoff_deadline: only_node_proxy(args.handoff_deadline()),
-        admin_unresponsive_deadline: only_node_proxy(args.admin_unresponsive_deadline()),
-        handover_timeout: only_node_proxy(config.handover_timeout),
-        base_id: args.base_id,
-        state_dir: args.state_dir.as_deref().map(path),
-        ready_marker: args.ready_marker.as_deref().map(path),
-        watch_config: args.watch_config,
-        grpc_allow_remote: args.grpc_allow_remote,
-        control_allow_uids: args.control_allow_uids.clone(),
+        exclude_listener_prefixes: drain.exclude_listener_prefixes.clone(),
+        stop_grace: duration(envoy.stop_grace),
+        parent_shutdown_time: hot.and_then(|h| duration(h.parent_shutdown_time)),
+        handoff_deadline: hot.and_then(|h| duration(h.handoff_deadline)),
+        admin_unresponsive_deadline: hot.and_then(|h| duration(h.admin_unresponsive_deadline)),
+        handover_timeout: hot.and_then(|_| duration(config.handover_timeout)),
+        base_id: hot.map(|h| h.base_id),
+        state_dir: hot.map(|h| path(&h.state_dir)),
+        ready_marker: hot.and_then(|h| h.ready_marker.as_deref()).map(path),
+        watch_config: hot.is_some_and(|h| h.watch_config),
+        grpc_allow_remote: settings.grpc_allow_remote,
+        control_allow_uids: settings.control_allow_uids.clone(),
     }
 }
 
@@ -713,7 +677,8 @@ pub struct GrpcBindError {
     pub addr: GrpcAddress,
     /// Why.
     pub message: String,
-    /// Whether another process holds the address (may come free: exit 69, not 64).
+    /// Whether another process holds the address (may come free: exit
+    /// [`crate::exit_code::UNAVAILABLE`], not [`crate::exit_code::USAGE`]).
     pub in_use: bool,
 }
 

@@ -2,12 +2,14 @@
 //!
 //! # Theory of operation
 //!
-//! `main` parses the command line ([`cli`]), starts tracing and calls [`run`]. [`run`] checks
-//! its input first ([`setup`]: flags that cannot apply in the mode, bootstrap, admin address,
-//! Envoy binary) so that bad input fails with one line and exit code 64 before anything
-//! starts. It then builds the proxy, one Envoy ([`envoy_agent_proxy::Envoy`]) or a hot-restart
-//! family ([`envoy_agent_hotrestart::EnvoyFamily`]), an [`Agent`] over it, the [`status`]
-//! server and the [`grpc`] server, and runs them. Both modes take this one path:
+//! `main` parses the command line ([`cli`]), starts tracing, turns `run`'s arguments into
+//! [`Settings`] (refusing flags that cannot work together) and calls [`run`], which sees no
+//! parser type. [`run`] checks the rest of its input first
+//! ([`setup`]: bootstrap, admin address, Envoy binary) so that bad input fails with one line
+//! and exit code [`exit_code::USAGE`] before anything starts. It then builds the proxy, one
+//! Envoy ([`envoy_agent_proxy::Envoy`]) or a hot-restart family
+//! ([`envoy_agent_hotrestart::EnvoyFamily`]), an [`Agent`] over it, the [`status`] server and
+//! the [`grpc`] server, and runs them. Both modes take this one path:
 //!
 //! 1. **Decide when**: the agent actor alone decides when Envoy stops, from [`Intent`]s
 //!    (signals, from an injectable [`IntentSource`]), commands from its [`AgentHandle`]s
@@ -40,9 +42,11 @@ pub mod client;
 mod connections;
 pub mod crash;
 pub mod duration;
+pub mod exit_code;
 pub mod grpc;
 pub mod notify;
 pub mod peer;
+pub mod settings;
 pub mod setup;
 pub mod signal;
 pub mod socket;
@@ -52,48 +56,53 @@ pub mod telemetry;
 mod testing;
 
 pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath, Status};
-pub use setup::{EXIT_USAGE, SetupError};
+pub use settings::Settings;
+pub use setup::SetupError;
 pub use signal::{Intent, IntentSource, UnixSignals};
 
 /// How long the agent waits for its own tasks (the servers) once Envoy is gone.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-/// The agent's drain settings from the command line.
-pub fn agent_config(args: &cli::RunArgs) -> AgentConfig {
-    let mut exclusions = Exclusions::with_ports(args.exclude_listener_ports.iter().copied());
+/// The agent's drain settings.
+pub fn agent_config(settings: &Settings) -> AgentConfig {
+    let drain = &settings.drain;
+    let mut exclusions = Exclusions::with_ports(drain.exclude_listener_ports.iter().copied());
     exclusions
         .name_prefixes
-        .extend(args.exclude_listener_prefixes.iter().cloned());
+        .extend(drain.exclude_listener_prefixes.iter().cloned());
+    // A successor pod runs the same command line, so its handoff deadline and parent shutdown
+    // time are ours (in sidecar mode, which has no successor pod, their defaults).
+    let (handoff_deadline, parent_shutdown_time) = match &settings.hot_restart {
+        Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
+        None => (
+            settings::defaults::HANDOFF_DEADLINE,
+            settings::defaults::PARENT_SHUTDOWN_TIME,
+        ),
+    };
     AgentConfig {
-        termination_drain_duration: args.termination_drain_duration,
-        minimum_drain_duration: args.minimum_drain_duration,
-        // A conflict is refused by setup::check_mode first; counting connections counts at
-        // least as much as requests would.
-        exit_on_zero: args
-            .exit_on_zero()
-            .unwrap_or(Some(agent::Counting::Connections)),
-        drain_delay: args.drain_delay,
+        termination_drain_duration: drain.termination_drain_duration,
+        minimum_drain_duration: drain.minimum_drain_duration,
+        exit_on_zero: drain.exit_on_zero,
+        drain_delay: drain.drain_delay,
         exclusions,
-        poll_interval: args.drain_poll_interval,
+        poll_interval: drain.poll_interval,
         // A successor terminates our Envoy at most its handoff deadline plus the parent
         // shutdown time after it starts; then some margin.
-        handover_timeout: args.handoff_deadline()
-            + args.parent_shutdown_time()
-            + Duration::from_secs(10),
-        crash_recovery: args.crash_recovery(),
+        handover_timeout: handoff_deadline + parent_shutdown_time + Duration::from_secs(10),
+        crash_recovery: settings.crash_recovery,
         ..AgentConfig::default()
     }
 }
 
 /// Says so at start when a flag combination does something an operator may not expect.
-fn warn_about(args: &cli::RunArgs) {
-    if !matches!(args.exit_on_zero(), Ok(None))
-        && args.termination_drain_duration <= args.minimum_drain_duration
-    {
+fn warn_about(settings: &Settings) {
+    let drain = &settings.drain;
+    // The deadline rule is the agent's (AgentConfig::drain_deadline): said, not repeated.
+    if agent_config(settings).drain_deadline().is_none() {
         tracing::warn!(
             event = "config_warning",
-            termination_drain_duration = ?args.termination_drain_duration,
-            minimum_drain_duration = ?args.minimum_drain_duration,
+            termination_drain_duration = ?drain.termination_drain_duration,
+            minimum_drain_duration = ?drain.minimum_drain_duration,
             "exit-on-zero: --termination-drain-duration is not longer than \
              --minimum-drain-duration, so it sets no deadline: after the minimum the agent counts \
              active connections (or requests) until there are none, as long as that takes \
@@ -104,15 +113,9 @@ fn warn_about(args: &cli::RunArgs) {
 }
 
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
-/// input (exit [`EXIT_USAGE`]); others are failures of the agent itself.
-pub async fn run(
-    args: cli::RunArgs,
-    grpc: Option<grpc::GrpcAddress>,
-    intents: impl IntentSource,
-) -> anyhow::Result<u8> {
-    let grpc = grpc.unwrap_or_else(client::default_address);
-    setup::check_mode(&args)?;
-    warn_about(&args);
+/// input (exit [`SetupError::exit_code`]); others are failures of the agent itself.
+pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Result<u8> {
+    warn_about(settings);
     // Unique to this run, not only to this pid: every agent that is PID 1 of its container
     // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one
     // removing its directory on exit must not take the other's. (The `.` keeps it apart from
@@ -124,14 +127,15 @@ pub async fn run(
     let runtime_dir =
         std::env::temp_dir().join(format!("envoy-agent-{}.{started:x}", std::process::id()));
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
+    let envoy = &settings.envoy;
     let (admin, extra_args) = setup::resolve_admin(
-        &args.config_path,
-        args.admin_address,
-        &args.envoy_args,
+        &envoy.config_path,
+        envoy.admin_address,
+        &envoy.extra_args,
         &runtime_dir,
     )?;
-    setup::check_status_address(args.status_address, &admin)?;
-    let binary = setup::resolve_envoy(&args.envoy_path, std::env::var_os("PATH").as_deref())?;
+    setup::check_status_address(settings.status_address, &admin)?;
+    let binary = setup::resolve_envoy(&envoy.envoy_path, std::env::var_os("PATH").as_deref())?;
 
     // PID 1 duties: orphans below us are ours to reap.
     if let Err(e) = envoy_agent_proxy::reaper::become_subreaper() {
@@ -139,10 +143,10 @@ pub async fn run(
     }
     let reaper_stop = CancellationToken::new();
     let reaper = tokio::spawn(envoy_agent_proxy::reaper::run(reaper_stop.clone()));
-    let telemetry = match telemetry::endpoint(args.otlp_endpoint.as_deref()) {
+    let telemetry = match telemetry::endpoint(settings.telemetry.otlp_endpoint.as_deref()) {
         Some(endpoint) => Some(telemetry::Telemetry::new(
             endpoint,
-            args.otlp_export_interval,
+            settings.telemetry.export_interval,
         )?),
         None => None,
     };
@@ -151,8 +155,8 @@ pub async fn run(
         .as_ref()
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
-    let (socket_path, extra_args) = setup::hot_restart_channel(&args, extra_args)?;
-    if args.hot_restart {
+    let (socket_path, extra_args) = setup::hot_restart_channel(settings, extra_args)?;
+    if settings.hot_restart.is_some() {
         tracing::info!(
             event = "hot_restart_channel",
             socket_path = %socket_path,
@@ -160,36 +164,45 @@ pub async fn run(
             "hot-restart channel"
         );
     }
-    let proxy = setup::proxy_config(&args, binary, admin, extra_args, &runtime_dir, socket_path);
+    let proxy = setup::proxy_config(
+        settings,
+        binary,
+        admin,
+        extra_args,
+        &runtime_dir,
+        socket_path,
+    );
     setup::check_extra_args(&proxy)?;
     // Once the input is known good (a refusal is one line), before anything opens sockets.
     setup::raise_fd_limit();
-    let own_runtime_dir = args.hot_restart
+    let own_runtime_dir = settings.hot_restart.is_some()
         || matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
     if own_runtime_dir {
         std::fs::create_dir_all(&runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
     }
-    let code = if args.hot_restart {
-        let metrics = meter
-            .as_ref()
-            .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
-            .unwrap_or_default();
-        let config = setup::family_config(&args, proxy)?;
-        tracing::info!(identity = %config.identity, "node identity");
-        let family =
-            envoy_agent_hotrestart::EnvoyFamily::new(config, metrics).map_err(SetupError::from)?;
-        serve(&args, Arc::new(family), grpc, agent_metrics, intents, true).await
-    } else {
-        serve(
-            &args,
-            Arc::new(Envoy::new(proxy)),
-            grpc,
-            agent_metrics,
-            intents,
-            false,
-        )
-        .await
+    let code = match &settings.hot_restart {
+        Some(hot) => {
+            let metrics = meter
+                .as_ref()
+                .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
+                .unwrap_or_default();
+            let config = setup::family_config(hot, proxy);
+            tracing::info!(identity = %config.identity, "node identity");
+            let family = envoy_agent_hotrestart::EnvoyFamily::new(config, metrics)
+                .map_err(SetupError::from)?;
+            serve(settings, Arc::new(family), agent_metrics, intents, true).await
+        }
+        None => {
+            serve(
+                settings,
+                Arc::new(Envoy::new(proxy)),
+                agent_metrics,
+                intents,
+                false,
+            )
+            .await
+        }
     };
     if own_runtime_dir {
         remove_dir(&runtime_dir);
@@ -206,29 +219,28 @@ pub async fn run(
 /// modes. `node_proxy`: a surge successor may find its ports taken by its predecessor, and
 /// waits for them instead of failing.
 async fn serve<P: Proxy>(
-    args: &cli::RunArgs,
+    settings: &Settings,
     proxy: Arc<P>,
-    grpc_address: grpc::GrpcAddress,
     metrics: telemetry::AgentMetrics,
     intents: impl IntentSource,
     node_proxy: bool,
 ) -> anyhow::Result<u8> {
-    let config = agent_config(args);
+    let config = agent_config(settings);
     // What GetStatus reports as the settings in force: taken once, here, from the same
-    // arguments the agent and the proxy were built from.
-    let settings = grpc::settings(args, &config, &grpc_address);
+    // settings the agent and the proxy were built from.
+    let reported = grpc::settings(settings, &config);
     let (agent, handle) = Agent::new(proxy, config);
     let agent = agent.with_metrics(metrics);
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
 
-    let status = match status::StatusServer::bind(args.status_address).await {
+    let status = match status::StatusServer::bind(settings.status_address).await {
         Ok(server) => Some(server),
         Err(e) if node_proxy && e.in_use() => {
             tracing::warn!(
                 event = "status_address",
                 state = "in_use",
-                addr = %args.status_address,
+                addr = %settings.status_address,
                 "the status address is in use (by the predecessor pod's agent on this node?): \
                  serving without it and binding it once it is free; readiness is the marker file"
             );
@@ -236,13 +248,13 @@ async fn serve<P: Proxy>(
         }
         Err(e) => return Err(SetupError::from(e).into()),
     };
-    let status_file = args.status_address_file.clone();
+    let status_file = settings.status_address_file.clone();
     // A node proxy's loopback is the node's (hostNetwork): its changes need the caller's uid.
     let callers = node_proxy.then(|| peer::Callers {
-        uids: args.control_allow_uids.clone(),
+        uids: settings.control_allow_uids.clone(),
     });
     tracker.spawn({
-        let (cancel, handle, addr) = (cancel.clone(), handle.clone(), args.status_address);
+        let (cancel, handle, addr) = (cancel.clone(), handle.clone(), settings.status_address);
         async move {
             let server = match status {
                 Some(server) => server,
@@ -278,11 +290,16 @@ async fn serve<P: Proxy>(
     } else {
         envoy_agent_proto::pb::Mode::Sidecar
     };
-    let service = grpc::Service::new(handle.clone(), mode, settings);
+    let service = grpc::Service::new(handle.clone(), mode, reported);
     tracker.spawn(
-        grpc::serve(grpc_address, service, cancel.clone(), node_proxy)
-            .await
-            .map_err(SetupError::from)?,
+        grpc::serve(
+            settings.grpc_address.clone(),
+            service,
+            cancel.clone(),
+            node_proxy,
+        )
+        .await
+        .map_err(SetupError::from)?,
     );
     tracker.close();
 
@@ -295,7 +312,7 @@ async fn serve<P: Proxy>(
     {
         tracing::warn!(grace = ?SHUTDOWN_GRACE, "servers did not stop in time; exiting anyway");
     }
-    if let Some(path) = &args.status_address_file {
+    if let Some(path) = &settings.status_address_file {
         remove_file(path);
     }
     tracing::info!(

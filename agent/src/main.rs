@@ -1,15 +1,14 @@
-//! The `envoy-agent` binary: parse, start tracing, run, pick the exit code.
+//! The `envoy-agent` binary: parse (into settings, or a client call), start tracing, run, pick
+//! the exit code.
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches};
-use envoy_agent::cli::{Cli, Command, LogFormat};
-use envoy_agent::{EXIT_USAGE, SetupError, UnixSignals};
+use envoy_agent::cli::{Cli, Command, LogFormat, SettingsError};
+use envoy_agent::exit_code;
+use envoy_agent::{SetupError, UnixSignals};
 use tracing_subscriber::EnvFilter;
-
-/// The agent itself failed (`EX_SOFTWARE`).
-const EXIT_FAILURE: u8 = envoy_agent::agent::EXIT_SOFTWARE;
 
 fn main() -> ExitCode {
     let parsed = Cli::command()
@@ -21,7 +20,7 @@ fn main() -> ExitCode {
             let _ = e.print();
             // Help and version are not errors; a bad flag or value is a usage error.
             return if e.use_stderr() {
-                ExitCode::from(EXIT_USAGE)
+                ExitCode::from(exit_code::USAGE)
             } else {
                 ExitCode::SUCCESS
             };
@@ -34,7 +33,7 @@ fn main() -> ExitCode {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("envoy-agent completions: cannot write: {e}");
-                ExitCode::from(EXIT_FAILURE)
+                ExitCode::from(exit_code::SOFTWARE)
             }
         };
     }
@@ -64,22 +63,24 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("envoy-agent: cannot start the async runtime: {e}");
-            return ExitCode::from(EXIT_FAILURE);
+            return ExitCode::from(exit_code::SOFTWARE);
         }
     };
     let code = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => {
+                let settings = args.into_settings(cli.client.grpc_address)?;
                 let signals = UnixSignals::install()
                     .map_err(|e| anyhow::anyhow!(e).context("installing signal handlers"))?;
-                envoy_agent::run(*args, cli.client.grpc_address, signals).await
+                envoy_agent::run(&settings, signals).await
             }
             Command::Client(command) => {
                 let addr = cli
                     .client
                     .grpc_address
                     .unwrap_or_else(envoy_agent::client::default_address);
-                Ok(envoy_agent::client::run(&command, &addr, cli.client.timeout).await)
+                let call = envoy_agent::client::Call::from(command);
+                Ok(envoy_agent::client::run(&call, &addr, cli.client.timeout).await)
             }
             // Answered above, before the runtime.
             Command::Completions { .. } => Ok(0),
@@ -89,11 +90,19 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("envoy-agent: {}", one_line(&e));
-            match e.downcast_ref::<SetupError>() {
-                Some(setup) => ExitCode::from(setup.exit_code()),
-                None => ExitCode::from(EXIT_FAILURE),
-            }
+            ExitCode::from(exit_code_of(&e))
         }
+    }
+}
+
+/// The exit code of a failed run: bad input says which; anything else is the agent's failure.
+fn exit_code_of(e: &anyhow::Error) -> u8 {
+    if let Some(setup) = e.downcast_ref::<SetupError>() {
+        setup.exit_code()
+    } else if let Some(flags) = e.downcast_ref::<SettingsError>() {
+        flags.exit_code()
+    } else {
+        exit_code::SOFTWARE
     }
 }
 

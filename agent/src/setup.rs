@@ -1,5 +1,7 @@
-//! Turning `envoy-agent run`'s arguments into a [`ProxyConfig`], refusing bad input early with
-//! one clear line (exit code 64) instead of a failed Envoy start later.
+//! Turning `envoy-agent run`'s [`Settings`] into a [`ProxyConfig`], refusing bad input early
+//! with one clear line (exit code [`exit_code::USAGE`]) instead of a failed Envoy start later:
+//! the files and addresses the settings name (the flags themselves were checked when the
+//! settings were made).
 
 use std::ffi::OsStr;
 use std::net::SocketAddr;
@@ -7,14 +9,12 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use envoy_agent_proxy::bootstrap::{self, BootstrapError};
-use envoy_agent_proxy::{AdminAddress, DrainStrategy, ProxyConfig, RunAs, SocketPath};
+use envoy_agent_proxy::{AdminAddress, ProxyConfig, SocketPath};
 
-use crate::cli::{DrainStrategyArg, RunArgs};
+use crate::exit_code;
+use crate::settings::{HotRestartSettings, Settings};
 
-/// `EX_USAGE`: the command was used incorrectly (bad flag, bootstrap, binary, address).
-pub const EXIT_USAGE: u8 = 64;
-
-/// Input the agent cannot start with. Each maps to exit code [`EXIT_USAGE`].
+/// Input the agent cannot start with. Each maps to an exit code: see [`SetupError::exit_code`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SetupError {
@@ -61,14 +61,6 @@ pub enum SetupError {
     /// The gRPC server cannot start.
     #[error(transparent)]
     GrpcBind(#[from] crate::grpc::GrpcBindError),
-    /// Exit-on-zero was asked to count two different things.
-    #[error(transparent)]
-    ExitOnZero(#[from] crate::cli::ExitOnZeroConflict),
-    /// Hot restart needs the per-node state directory.
-    #[error(
-        "--hot-restart needs --state-dir (the per-node directory shared by the agents of a node)"
-    )]
-    MissingStateDir,
     /// The hot-restart settings cannot work.
     #[error(transparent)]
     HotRestart(#[from] envoy_agent_hotrestart::ConfigError),
@@ -120,27 +112,6 @@ pub enum SetupError {
     },
 }
 
-/// Refuses flags that cannot apply in the mode chosen (most are refused by the command line
-/// parser already: every hot-restart flag requires `--hot-restart`).
-pub fn check_mode(args: &RunArgs) -> Result<(), SetupError> {
-    if args.hot_restart && args.state_dir.is_none() {
-        return Err(SetupError::MissingStateDir);
-    }
-    args.exit_on_zero()?;
-    // The flags first, before any file is looked at; compared as Envoy gets them.
-    let (drain, parent_shutdown) = (args.drain_time, args.parent_shutdown_time());
-    if args.hot_restart && parent_shutdown.as_secs() <= drain.as_secs() {
-        return Err(
-            envoy_agent_hotrestart::ConfigError::ParentShutdownTooShort {
-                drain,
-                parent_shutdown,
-            }
-            .into(),
-        );
-    }
-    Ok(())
-}
-
 /// Refuses extra Envoy arguments that would break a guarantee of the agent's.
 pub fn check_extra_args(config: &ProxyConfig) -> Result<(), SetupError> {
     match envoy_agent_proxy::refused_extra_arg(config) {
@@ -152,46 +123,40 @@ pub fn check_extra_args(config: &ProxyConfig) -> Result<(), SetupError> {
     }
 }
 
-/// The hot-restart supervisor's settings.
+/// The hot-restart supervisor's settings: `hot` around `proxy`, and this agent's unique name
+/// on the node.
 pub fn family_config(
-    args: &RunArgs,
+    hot: &HotRestartSettings,
     proxy: ProxyConfig,
-) -> Result<envoy_agent_hotrestart::Config, SetupError> {
+) -> envoy_agent_hotrestart::Config {
     let mut config = envoy_agent_hotrestart::Config::new(proxy);
-    config.watch_config = args.watch_config;
-    config.state_dir = Some(args.state_dir.clone().ok_or(SetupError::MissingStateDir)?);
-    let name = args
+    config.watch_config = hot.watch_config;
+    config.state_dir = Some(hot.state_dir.clone());
+    let name = hot
         .identity
         .clone()
         .or_else(|| std::env::var("POD_NAME").ok())
         .filter(|s| !s.trim().is_empty());
     config.identity = envoy_agent_hotrestart::unique_identity(name.as_deref());
-    config.ready_marker = args.ready_marker.clone();
-    config.handoff_deadline = args.handoff_deadline();
-    config.admin_unresponsive_deadline = args.admin_unresponsive_deadline();
-    config.cold_base_id = match (args.no_cold_handover, args.cold_base_id, args.base_id) {
-        (true, _, _) => None,
-        (false, Some(cold), _) => Some(cold),
-        (false, None, base_id) => base_id.and_then(|b| b.checked_add(1)),
-    };
-    Ok(config)
+    config.ready_marker = hot.ready_marker.clone();
+    config.handoff_deadline = hot.handoff_deadline;
+    config.admin_unresponsive_deadline = hot.admin_unresponsive_deadline;
+    config.cold_base_id = hot.cold_base_id;
+    config
 }
 
 impl SetupError {
-    /// The exit code this error means: [`EXIT_USAGE`] for what the user can fix in the
-    /// command line or files; [`EXIT_UNAVAILABLE`] for a resource that may come back (a busy
-    /// port), which a supervisor (systemd, the kubelet) should retry.
+    /// The exit code this error means: [`exit_code::USAGE`] for what the user can fix in the
+    /// command line or files; [`exit_code::UNAVAILABLE`] for a resource that may come back (a
+    /// busy port), which a supervisor (systemd, the kubelet) should retry.
     pub fn exit_code(&self) -> u8 {
         match self {
-            SetupError::StatusBind(e) if e.in_use() => EXIT_UNAVAILABLE,
-            SetupError::GrpcBind(e) if e.in_use => EXIT_UNAVAILABLE,
-            _ => EXIT_USAGE,
+            SetupError::StatusBind(e) if e.in_use() => exit_code::UNAVAILABLE,
+            SetupError::GrpcBind(e) if e.in_use => exit_code::UNAVAILABLE,
+            _ => exit_code::USAGE,
         }
     }
 }
-
-/// `EX_UNAVAILABLE`: a resource the agent needs is not available now (a port in use).
-pub const EXIT_UNAVAILABLE: u8 = 69;
 
 /// Finds the Envoy binary: a path with a `/` is taken as is, a bare name is looked up on PATH.
 pub fn resolve_envoy(path: &Path, search_path: Option<&OsStr>) -> Result<PathBuf, SetupError> {
@@ -382,13 +347,18 @@ pub const CHANNEL_DIR: &str = "hot-restart";
 /// user, Envoy's) can enter. An abstract one only with `--allow-abstract-hot-restart-socket`.
 /// Makes the state directory private too. Without hot restart: Envoy's default, untouched.
 pub fn hot_restart_channel(
-    args: &RunArgs,
+    settings: &Settings,
     extra_args: Vec<String>,
 ) -> Result<(SocketPath, Vec<String>), SetupError> {
-    let Some(state_dir) = args.state_dir.as_deref().filter(|_| args.hot_restart) else {
+    let Some(hot) = &settings.hot_restart else {
         return Ok((SocketPath::envoy_default(), extra_args));
     };
-    let envoy_user = args.run_as_uid.filter(|_| nix::unistd::geteuid().is_root());
+    let state_dir = hot.state_dir.as_path();
+    let envoy_user = settings
+        .envoy
+        .run_as
+        .map(|run_as| run_as.uid)
+        .filter(|_| nix::unistd::geteuid().is_root());
     // Envoy running as another user must traverse it to reach its channel's directory.
     let state_mode = if envoy_user.is_some() { 0o711 } else { 0o700 };
     private_dir("state directory", state_dir, state_mode, None, true)?;
@@ -398,7 +368,7 @@ pub fn hot_restart_channel(
         None => SocketPath::File(state_dir.join(CHANNEL_DIR).join("envoy")),
     };
     match &path {
-        SocketPath::Abstract(_) if !args.allow_abstract_hot_restart_socket => {
+        SocketPath::Abstract(_) if !hot.allow_abstract_socket => {
             return Err(SetupError::AbstractChannel {
                 path: path.to_string(),
             });
@@ -420,7 +390,7 @@ pub fn hot_restart_channel(
             let longest = format!(
                 "{}_udp_parent_{}",
                 prefix.display(),
-                u64::from(args.base_id.unwrap_or(u32::MAX)) * 10 + 2
+                u64::from(hot.base_id) * 10 + 2
             );
             if longest.len() > 107 {
                 return Err(SetupError::ChannelTooLong {
@@ -448,40 +418,38 @@ fn private_dir(
     })
 }
 
-/// The proxy config for `args`.
+/// The proxy config for `settings`, with the binary, admin address and extra arguments setup
+/// resolved.
 pub fn proxy_config(
-    args: &RunArgs,
+    settings: &Settings,
     binary: PathBuf,
     admin: AdminAddress,
     extra_args: Vec<String>,
     runtime_dir: &Path,
     socket_path: SocketPath,
 ) -> ProxyConfig {
-    let mut config = ProxyConfig::new(binary, args.config_path.clone(), admin);
-    config.log_level = args.proxy_log_level.clone();
-    config.component_log_level = args.proxy_component_log_level.clone();
-    config.log_as_json = args.proxy_log_as_json;
-    config.node_ips = args.node_ips.clone();
-    config.concurrency = args.concurrency;
-    config.drain_duration = args.drain_time;
-    config.drain_strategy = match args.drain_strategy {
-        DrainStrategyArg::Immediate => DrainStrategy::Immediate,
-        DrainStrategyArg::Gradual => DrainStrategy::Gradual,
-    };
-    config.sidecar = !args.drain_all_listeners;
-    config.outlier_log_path = args.outlier_log_path.clone();
-    config.file_flush_interval = args.file_flush_interval;
-    config.config_cleanup = args.config_cleanup;
+    let envoy = &settings.envoy;
+    let mut config = ProxyConfig::new(binary, envoy.config_path.clone(), admin);
+    config.log_level = envoy.log_level.clone();
+    config.component_log_level = envoy.component_log_level.clone();
+    config.log_as_json = envoy.log_as_json;
+    config.node_ips = envoy.node_ips.clone();
+    config.concurrency = envoy.concurrency;
+    config.drain_duration = envoy.drain_time;
+    config.drain_strategy = envoy.drain_strategy;
+    config.sidecar = !envoy.drain_all_listeners;
+    config.outlier_log_path = envoy.outlier_log_path.clone();
+    config.file_flush_interval = envoy.file_flush_interval;
+    config.config_cleanup = envoy.config_cleanup;
     config.agent_is_root = nix::unistd::geteuid().is_root();
-    config.run_as = args
-        .run_as_uid
-        .zip(args.run_as_gid)
-        .map(|(uid, gid)| RunAs { uid, gid });
-    config.stop_grace = args.stop_grace;
-    config.hot_restart = match (args.hot_restart, args.base_id) {
-        (true, Some(base_id)) => Some(envoy_agent_proxy::HotRestart {
-            base_id,
-            parent_shutdown_time: args.parent_shutdown_time(),
+    config.run_as = envoy.run_as;
+    config.stop_grace = envoy.stop_grace;
+    config.hot_restart = settings
+        .hot_restart
+        .as_ref()
+        .map(|hot| envoy_agent_proxy::HotRestart {
+            base_id: hot.base_id,
+            parent_shutdown_time: hot.parent_shutdown_time,
             // Envoy running as another user could not write into our private directory: the
             // supervisor then polls for LIVE without the hint.
             admin_address_dir: match config.run_as {
@@ -490,9 +458,7 @@ pub fn proxy_config(
             },
             ephemeral_admin: None,
             socket_path,
-        }),
-        _ => None,
-    };
+        });
     config.extra_args = extra_args;
     config
 }
@@ -530,7 +496,7 @@ mod tests {
             matches!(err, SetupError::EnvoyNotExecutable { .. }),
             "{err}"
         );
-        assert_eq!(err.exit_code(), EXIT_USAGE);
+        assert_eq!(err.exit_code(), exit_code::USAGE);
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::crash::{CrashRecovery, Crashes};
 use crate::signal::Intent;
 
 /// `EX_SOFTWARE`: the proxy could not be run at all.
-pub const EXIT_SOFTWARE: u8 = 70;
+pub use crate::exit_code::SOFTWARE as EXIT_SOFTWARE;
 
 /// How the agent drains and stops. [`Default`] gives Istio's defaults.
 #[derive(Debug, Clone)]
@@ -219,10 +219,10 @@ impl ExitPath {
             ExitPath::ProxyLost { code }
             | ExitPath::StartFailed { code }
             | ExitPath::CrashLoop { code } => code,
-            ExitPath::Wedged { .. } => envoy_agent_proxy::EXIT_WEDGED,
-            ExitPath::ProxyFailed => EXIT_SOFTWARE,
+            ExitPath::Wedged { .. } => crate::exit_code::WEDGED,
+            ExitPath::ProxyFailed => crate::exit_code::SOFTWARE,
             // Stopped as asked, but not gracefully: no success to report.
-            ExitPath::DrainFailed => 1,
+            ExitPath::DrainFailed => crate::exit_code::FAILURE,
             _ => 0,
         }
     }

@@ -1,0 +1,195 @@
+//! What `envoy-agent run` runs with: its command line and environment variables, parsed and
+//! checked once ([`crate::cli::RunArgs::into_settings`]) into domain types: durations, socket
+//! addresses, enums of the crates that act on them. Everything below `main` takes these, never
+//! the parser's types, so that what a flag means is decided in one place and a combination that
+//! cannot work is refused before anything starts.
+//!
+//! Settings that apply in one mode only are grouped under an `Option` of that mode
+//! ([`Settings::hot_restart`], [`Settings::crash_recovery`]): a node-proxy setting cannot be
+//! read in sidecar mode by mistake, and its default is already filled in.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use envoy_agent_drain::Counting;
+pub use envoy_agent_proxy::{DrainStrategy, RunAs};
+
+use crate::crash::CrashRecovery;
+
+/// Defaults of the settings whose flags have none of their own: the hot-restart and
+/// crash-recovery flags are `Option`s so that giving one without `--hot-restart` or
+/// `--restart-on-crash` is refused instead of silently ignored.
+pub mod defaults {
+    use std::time::Duration;
+
+    /// `--parent-shutdown-time`.
+    pub const PARENT_SHUTDOWN_TIME: Duration = Duration::from_secs(60);
+    /// `--handoff-deadline`.
+    pub const HANDOFF_DEADLINE: Duration = Duration::from_secs(60);
+    /// `--admin-unresponsive-deadline`.
+    pub const ADMIN_UNRESPONSIVE_DEADLINE: Duration = Duration::from_secs(30);
+    /// `--crash-restart-limit`.
+    pub const CRASH_RESTART_LIMIT: u32 = 5;
+    /// `--crash-backoff-max`.
+    pub const CRASH_BACKOFF_MAX: Duration = Duration::from_secs(30);
+}
+
+/// The agent's gRPC address: where `run` listens and the client subcommands connect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrpcAddress {
+    /// A Unix socket (created mode 0600).
+    Unix(PathBuf),
+    /// A TCP address.
+    Tcp(SocketAddr),
+}
+
+impl std::str::FromStr for GrpcAddress {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(format!("{s:?}: no socket path after unix:"));
+            }
+            return Ok(GrpcAddress::Unix(PathBuf::from(path)));
+        }
+        s.parse()
+            .map(GrpcAddress::Tcp)
+            .map_err(|_| format!("{s:?} is neither unix:/path nor host:port"))
+    }
+}
+
+impl std::fmt::Display for GrpcAddress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GrpcAddress::Unix(p) => write!(f, "unix:{}", p.display()),
+            GrpcAddress::Tcp(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// `envoy-agent run`'s settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// How Envoy is started and stopped.
+    pub envoy: EnvoySettings,
+    /// The agent's shutdown drain.
+    pub drain: DrainSettings,
+    /// The status server's address (`--status-address`).
+    pub status_address: SocketAddr,
+    /// Where to write the status server's bound address (`--status-address-file`).
+    pub status_address_file: Option<PathBuf>,
+    /// The gRPC server's address (`--grpc-address`, else the user's default socket).
+    pub grpc_address: GrpcAddress,
+    /// Mutating gRPC calls from any TCP peer (`--grpc-allow-remote`).
+    pub grpc_allow_remote: bool,
+    /// Other uids whose loopback TCP peers may change things (`--control-allow-uid`).
+    pub control_allow_uids: Vec<u32>,
+    /// The OTLP metrics export.
+    pub telemetry: TelemetrySettings,
+    /// Hot restart (node-proxy mode, `--hot-restart`); `None`: one Envoy (sidecar mode).
+    pub hot_restart: Option<HotRestartSettings>,
+    /// Crash recovery in place (`--restart-on-crash`); `None`: a crash ends the agent.
+    pub crash_recovery: Option<CrashRecovery>,
+}
+
+/// How Envoy is started and stopped: what becomes its command line and its process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvoySettings {
+    /// Envoy's bootstrap (`--config-path`).
+    pub config_path: PathBuf,
+    /// The Envoy binary as given: a path, or a name to look up on PATH (`--envoy-path`).
+    pub envoy_path: PathBuf,
+    /// Envoy's admin address when not the bootstrap's (`--admin-address`).
+    pub admin_address: Option<SocketAddr>,
+    /// Envoy's log level, Istio style (`--proxy-log-level`).
+    pub log_level: String,
+    /// Envoy's component log levels (`--proxy-component-log-level`).
+    pub component_log_level: String,
+    /// Envoy logs as JSON lines (`--proxy-log-as-json`).
+    pub log_as_json: bool,
+    /// The node's IPs (`--node-ip`).
+    pub node_ips: Vec<String>,
+    /// Envoy's worker threads; 0 lets Envoy choose (`--concurrency`).
+    pub concurrency: u32,
+    /// How long Envoy drains, whole seconds (`--drain-time`).
+    pub drain_time: Duration,
+    /// How Envoy closes connections during a drain (`--drain-strategy`).
+    pub drain_strategy: DrainStrategy,
+    /// Drain every listener on shutdown, not only inbound ones (`--drain-all-listeners`).
+    pub drain_all_listeners: bool,
+    /// Where Envoy writes outlier-detection events (`--outlier-log-path`).
+    pub outlier_log_path: Option<PathBuf>,
+    /// Envoy's access-log flush interval (`--file-flush-interval`).
+    pub file_flush_interval: Duration,
+    /// Delete the bootstrap once Envoy has exited (`--config-cleanup`).
+    pub config_cleanup: bool,
+    /// The user Envoy runs as when the agent is root (`--run-as-uid`, `--run-as-gid`).
+    pub run_as: Option<RunAs>,
+    /// Between SIGTERM and SIGKILL for a stopping Envoy (`--stop-grace`).
+    pub stop_grace: Duration,
+    /// Arguments passed to Envoy verbatim (after `--`).
+    pub extra_args: Vec<String>,
+}
+
+/// The agent's shutdown drain (on SIGTERM, gRPC `Stop`) and what it counts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrainSettings {
+    /// How long Envoy drains before it is stopped; with exit-on-zero, the hard deadline
+    /// (`--termination-drain-duration`).
+    pub termination_drain_duration: Duration,
+    /// With exit-on-zero, how long to drain before counting (`--minimum-drain-duration`).
+    pub minimum_drain_duration: Duration,
+    /// What exit-on-zero counts; `None`: off (`--exit-on-zero`,
+    /// `--exit-on-zero-active-connections`).
+    pub exit_on_zero: Option<Counting>,
+    /// How long readiness fails before the drain starts (`--drain-delay`).
+    pub drain_delay: Duration,
+    /// How often exit-on-zero counts (`--drain-poll-interval`).
+    pub poll_interval: Duration,
+    /// Listener ports that do not count (`--exclude-listener-ports`).
+    pub exclude_listener_ports: Vec<u16>,
+    /// Listener stat-name prefixes that do not count, besides the built-in ones
+    /// (`--exclude-listener-prefixes`).
+    pub exclude_listener_prefixes: Vec<String>,
+}
+
+/// The OTLP metrics export as the flags give it. What they leave out comes from the standard
+/// `OTEL_*` variables, read by [`crate::telemetry`] where the export is built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TelemetrySettings {
+    /// The collector (`--otlp-endpoint`).
+    pub otlp_endpoint: Option<String>,
+    /// How often metrics are pushed (`--otlp-export-interval`).
+    pub export_interval: Option<Duration>,
+}
+
+/// Hot restart's settings (node-proxy mode), defaults filled in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HotRestartSettings {
+    /// Envoy's `--base-id` (`--base-id`).
+    pub base_id: u32,
+    /// The base id of a cold handover's second family; `None`: no cold handover, a restart hot
+    /// restart cannot do is refused (`--cold-base-id`, else `--base-id` + 1;
+    /// `--no-cold-handover`).
+    pub cold_base_id: Option<u32>,
+    /// An abstract hot-restart channel is allowed (`--allow-abstract-hot-restart-socket`).
+    pub allow_abstract_socket: bool,
+    /// When a new epoch terminates its draining parent, whole seconds, longer than the drain
+    /// time (`--parent-shutdown-time`).
+    pub parent_shutdown_time: Duration,
+    /// Hot-restart when the bootstrap changes (`--watch-config`).
+    pub watch_config: bool,
+    /// The file that exists while the newest epoch is LIVE (`--ready-marker`).
+    pub ready_marker: Option<PathBuf>,
+    /// The per-node state directory (`--state-dir`).
+    pub state_dir: PathBuf,
+    /// This agent's name on the node as given (`--identity`); the agent adds `$POD_NAME` or the
+    /// host name and a unique suffix when it starts.
+    pub identity: Option<String>,
+    /// How long a new epoch may take from spawn to LIVE (`--handoff-deadline`).
+    pub handoff_deadline: Duration,
+    /// How long the serving epoch's admin API may stay silent (`--admin-unresponsive-deadline`).
+    pub admin_unresponsive_deadline: Duration,
+}
