@@ -38,8 +38,7 @@ pub fn parse_positive_whole_seconds(input: &str) -> Result<Duration, String> {
 }
 
 /// The forms every duration flag takes, for its errors.
-const FORMS: &str =
-    "use a number of seconds (30, 1.5) or <number><unit> parts from h, m, s, ms, each once and \
+const FORMS: &str = "use a number of seconds (30, 1.5) or <number><unit> parts from h, m, s, ms, each once and \
      in that order (500ms, 5s, 1m30s, 1h, 1.5s)";
 
 /// Parses a duration: a bare number of seconds (`30`, `1.5`), or `<number><unit>` parts with
@@ -56,7 +55,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, String> {
     let bad = |why: &str| format!("{input:?} is not a duration: {why} ({FORMS})");
     if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
         return nanos_of(s, NANOS_PER_SECOND)
-            .map_err(|why| bad(why))
+            .map_err(&bad)
             .map(Duration::from_nanos);
     }
     let mut total: u64 = 0;
@@ -84,7 +83,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, String> {
             return Err(bad(&format!("{unit:?} repeated or out of order")));
         }
         previous = scale;
-        let part = nanos_of(number, scale).map_err(|why| bad(why))?;
+        let part = nanos_of(number, scale).map_err(&bad)?;
         total = total.checked_add(part).ok_or_else(|| bad("too large"))?;
         rest = tail;
     }
@@ -170,9 +169,30 @@ mod tests {
     #[test]
     fn only_the_documented_forms() {
         for input in [
-            "1e3", "1E2", "+5", "-0", "1e-9", ".5s", "5.s", ".5", "5.", "1s1s", "1ms1h", "1s1m",
-            "0.0000000001s", "0.0000001ms", "inf", "NaN", "1s 500ms", "1 s", "5sec", "1m30",
-            "99999999999999999999s", "18446744073709551615h", "1..5s", "1.5.5s",
+            "1e3",
+            "1E2",
+            "+5",
+            "-0",
+            "1e-9",
+            ".5s",
+            "5.s",
+            ".5",
+            "5.",
+            "1s1s",
+            "1ms1h",
+            "1s1m",
+            "0.0000000001s",
+            "0.0000001ms",
+            "inf",
+            "NaN",
+            "1s 500ms",
+            "1 s",
+            "5sec",
+            "1m30",
+            "99999999999999999999s",
+            "18446744073709551615h",
+            "1..5s",
+            "1.5.5s",
         ] {
             let error = parse_duration(input).expect_err(input);
             assert!(error.contains(&format!("{input:?}")), "{error}");

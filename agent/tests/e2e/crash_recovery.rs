@@ -181,7 +181,9 @@ async fn a_wedge_is_recovered_in_place_with_restart_on_crash() {
     let envoy = live_envoy(&agent, None).await.epochs[0].pid;
     kill(Pid::from_raw(envoy as i32), Signal::SIGSTOP).unwrap();
 
-    agent.wait_event("wedge", "reason", "admin_unresponsive").await;
+    agent
+        .wait_event("wedge", "reason", "admin_unresponsive")
+        .await;
     let crashed = agent.wait_event("envoy_crashed", "kind", "wedged").await;
     assert_eq!(crashed["code"], 75, "{crashed}");
     assert_eq!(crashed["action"], "restart", "{crashed}");
