@@ -131,6 +131,7 @@ fn drain_reason(reason: DrainReason) -> pb::DrainReason {
     match reason {
         DrainReason::Signal(Intent::Terminate) => pb::DrainReason::Sigterm,
         DrainReason::Signal(Intent::Interrupt) => pb::DrainReason::Sigint,
+        DrainReason::Stop => pb::DrainReason::Stop,
         // Neither starts a drain; named for completeness, never seen.
         DrainReason::Signal(Intent::Reload | Intent::ReopenLogs) => pb::DrainReason::Unspecified,
         DrainReason::Request(Via::Http) => pb::DrainReason::HttpDrain,

@@ -63,15 +63,20 @@ pub(super) enum Mode {
         /// Its callers, answered with its result.
         replies: Vec<Reply<()>>,
     },
-    /// A stop is coming: asking the proxy whether a successor pod takes over.
+    /// A stop is coming (for `reason`): asking the proxy whether a successor pod takes over.
     Deciding {
-        intent: Intent,
+        reason: DrainReason,
         successor: Call<Option<String>>,
     },
     /// The graceful shutdown: delay, drain, wait.
     ShuttingDown(Box<Shutdown>),
-    /// A successor pod takes over: waiting for it to terminate our Envoy.
-    HandingOver { successor: String, until: Instant },
+    /// A successor pod takes over: waiting for it to terminate our Envoy (or, should it go
+    /// away, to drain our own for `reason`).
+    HandingOver {
+        successor: String,
+        until: Instant,
+        reason: DrainReason,
+    },
     /// The proxy was told to stop; waiting for it to end.
     Stopping(ExitPath),
     /// Crash recovery: the proxy's run ended in a crash; it runs again at `next_at`.
@@ -99,8 +104,8 @@ pub(super) enum StopAsk {
 /// What a [`StopAsk`] does in a mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Transition {
-    /// Ask whether a successor pod takes over, then hand over or drain.
-    Decide(Intent),
+    /// Ask whether a successor pod takes over, then hand over or drain (for this reason).
+    Decide(DrainReason),
     /// Stop Envoy now, by this path.
     StopNow(ExitPath),
     /// Nothing changes (why, for the log).
@@ -128,8 +133,10 @@ pub(super) fn on_stop(mode: &Mode, ask: StopAsk) -> Transition {
         (_, Mode::Drained { .. } | Mode::Running(OnSignal::StopAtOnce)) => {
             Transition::StopNow(ExitPath::SignalAfterDrain)
         }
-        (StopAsk::Signal(intent), Mode::Running(OnSignal::Drain)) => Transition::Decide(intent),
-        (StopAsk::Stop, Mode::Running(OnSignal::Drain)) => Transition::Decide(Intent::Terminate),
+        (StopAsk::Signal(intent), Mode::Running(OnSignal::Drain)) => {
+            Transition::Decide(DrainReason::Signal(intent))
+        }
+        (StopAsk::Stop, Mode::Running(OnSignal::Drain)) => Transition::Decide(DrainReason::Stop),
     }
 }
 
@@ -299,14 +306,11 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         match on_stop(&self.mode, ask) {
             Transition::Stay(why) => tracing::info!(?ask, "{why}"),
             Transition::StopNow(path) => self.stop(path),
-            Transition::Decide(intent) => {
-                tracing::info!(
-                    signal = intent.signal_name(),
-                    "stopping: is a successor pod taking over?"
-                );
+            Transition::Decide(reason) => {
+                tracing::info!(%reason, "stopping: is a successor pod taking over?");
                 self.drain_started.get_or_insert_with(Instant::now);
                 self.mode = Mode::Deciding {
-                    intent,
+                    reason,
                     successor: self.successor_call(),
                 };
             }
@@ -478,7 +482,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
     }
 
     fn on_successor(&mut self, successor: Option<String>) {
-        let Mode::Deciding { intent, .. } = self.mode else {
+        let Mode::Deciding { reason, .. } = self.mode else {
             return;
         };
         match successor {
@@ -489,9 +493,10 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 self.mode = Mode::HandingOver {
                     successor,
                     until: Instant::now() + bound,
+                    reason,
                 };
             }
-            None => self.begin_shutdown(DrainReason::Signal(intent)),
+            None => self.begin_shutdown(reason),
         }
     }
 
@@ -547,7 +552,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 self.mode = Mode::Running(*on_signal);
                 self.run = proxy_run(&self.agent.proxy, &self.abort);
             }
-            Mode::HandingOver { until, successor } if *until <= now => {
+            Mode::HandingOver {
+                until, successor, ..
+            } if *until <= now => {
                 tracing::error!(%successor, bound = ?self.agent.config.handover_timeout, "the successor did not terminate our envoy in time; stopping it");
                 self.stop(ExitPath::HandoverTimedOut);
             }
@@ -591,9 +598,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
     /// A handover ends when our Envoy is gone, or falls back to our own drain when the
     /// successor went away without taking over.
     fn follow_handover(&mut self) {
-        let Mode::HandingOver { successor, .. } = &self.mode else {
+        let Mode::HandingOver {
+            successor, reason, ..
+        } = &self.mode
+        else {
             return;
         };
+        let reason = *reason;
         let (gone, abandoned) = {
             let state = self.proxy_state.borrow();
             (
@@ -610,7 +621,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             self.stop(ExitPath::HandedOver);
         } else if abandoned {
             tracing::warn!(%successor, "the successor is gone without taking over: draining our own envoy");
-            self.begin_shutdown(DrainReason::Signal(Intent::Terminate));
+            self.begin_shutdown(reason);
         }
     }
 
@@ -639,9 +650,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 reason: s.reason(),
                 phase: s.phase(Instant::now()),
             },
-            Mode::Deciding { intent, .. } => AgentState::Draining {
+            Mode::Deciding { reason, .. } => AgentState::Draining {
                 since: now,
-                reason: DrainReason::Signal(*intent),
+                reason: *reason,
                 phase: DrainPhase::Deciding,
             },
             Mode::HandingOver { successor, .. } => AgentState::HandingOver {
@@ -976,7 +987,7 @@ mod tests {
 
     fn deciding() -> Mode {
         Mode::Deciding {
-            intent: Intent::Terminate,
+            reason: DrainReason::Signal(Intent::Terminate),
             successor: Box::pin(std::future::pending()),
         }
     }
@@ -1009,6 +1020,7 @@ mod tests {
                 Mode::HandingOver {
                     successor: "pod-b".to_owned(),
                     until: now,
+                    reason: DrainReason::Stop,
                 },
             ),
             ("stopping", Mode::Stopping(ExitPath::SecondSignal)),
@@ -1036,9 +1048,9 @@ mod tests {
             (
                 "running",
                 [
-                    Decide(Intent::Terminate),
-                    Decide(Intent::Interrupt),
-                    Decide(Intent::Terminate),
+                    Decide(DrainReason::Signal(Intent::Terminate)),
+                    Decide(DrainReason::Signal(Intent::Interrupt)),
+                    Decide(DrainReason::Stop),
                     StopNow(QuitQuitQuit(Via::Http)),
                 ],
             ),

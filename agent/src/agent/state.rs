@@ -84,8 +84,10 @@ pub enum Via {
 /// Why a drain started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DrainReason {
-    /// A shutdown signal (or gRPC `Stop`, which takes the same path).
+    /// A shutdown signal: SIGTERM or SIGINT.
     Signal(Intent),
+    /// gRPC `Stop` (`envoy-agent stop`): the SIGTERM path, asked by a controller.
+    Stop,
     /// A drain request (`POST /drain`, gRPC `Drain`): Envoy keeps running.
     Request(Via),
 }
@@ -94,6 +96,7 @@ impl fmt::Display for DrainReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DrainReason::Signal(intent) => f.write_str(intent.signal_name()),
+            DrainReason::Stop => f.write_str("gRPC Stop"),
             DrainReason::Request(Via::Http) => f.write_str("POST /drain"),
             DrainReason::Request(Via::Grpc) => f.write_str("gRPC Drain"),
         }

@@ -353,13 +353,13 @@ async fn watch_status_shows_a_drain_with_its_deadline_and_counts() {
     assert_eq!(counted.state(), pb::AgentState::Draining);
     assert_eq!(
         counted.drain_reason(),
-        pb::DrainReason::Sigterm,
-        "Stop takes the SIGTERM path"
+        pb::DrainReason::Stop,
+        "Stop takes the SIGTERM path, under its own name (issue 31)"
     );
     assert_eq!(counted.drain_phase(), pb::DrainPhase::Draining);
     assert!(!counted.ready && counted.draining);
     let drain = counted.drain.unwrap();
-    assert_eq!(drain.reason(), pb::DrainReason::Sigterm);
+    assert_eq!(drain.reason(), pb::DrainReason::Stop);
     assert_eq!(drain.active_connections, Some(1), "the held connection");
     let start = time(&drain.start_time);
     assert!(
@@ -383,7 +383,7 @@ async fn watch_status_shows_a_drain_with_its_deadline_and_counts() {
     let (_, out, _) = cli(&agent, &["status", "--json"]).await;
     let json: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
     assert_eq!(json["drain"]["active_connections"], 1, "{json}");
-    assert_eq!(json["drain"]["reason"], "sigterm", "{json}");
+    assert_eq!(json["drain"]["reason"], "stop", "{json}");
     assert!(json["drain"]["deadline"].is_string(), "{json}");
 
     drop(keep);
