@@ -270,9 +270,17 @@ pub struct RunArgs {
     pub stop_grace: Duration,
 
     /// On SIGTERM: how long Envoy drains before it is stopped. With exit-on-zero, the hard
-    /// deadline of the wait for zero when longer than --minimum-drain-duration.
-    #[arg(long, env = "ENVOY_AGENT_TERMINATION_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
-    pub termination_drain_duration: Duration,
+    /// deadline of the wait for zero when longer than --minimum-drain-duration. [default: 5s;
+    /// with --shutdown-budget, what the budget leaves]
+    #[arg(long, env = "ENVOY_AGENT_TERMINATION_DRAIN_DURATION", value_parser = parse_duration)]
+    pub termination_drain_duration: Option<Duration>,
+
+    /// The one deadline from SIGTERM to the agent's exit (set it to the pod's
+    /// terminationGracePeriodSeconds). The drain gets what --drain-delay, --stop-grace and
+    /// the agent's own exit (2s) leave, unless --termination-drain-duration is given; a phase
+    /// that cannot fit is refused at start.
+    #[arg(long, env = "ENVOY_AGENT_SHUTDOWN_BUDGET", value_parser = parse_positive_duration)]
+    pub shutdown_budget: Option<Duration>,
 
     /// With exit-on-zero: how long to drain before counting.
     #[arg(long, env = "ENVOY_AGENT_MINIMUM_DRAIN_DURATION", value_parser = parse_duration, default_value = "5s")]
@@ -489,6 +497,20 @@ impl RunArgs {
             }
         }
         let crash_recovery = self.crash_recovery();
+        let shutdown_budget = match self.shutdown_budget {
+            Some(budget) => Some(crate::budget::split(
+                budget,
+                crate::budget::Phases {
+                    drain_delay: self.drain_delay,
+                    termination_drain_duration: self.termination_drain_duration,
+                    exit_on_zero_minimum: exit_on_zero.map(|_| self.minimum_drain_duration),
+                    stop_grace: self.stop_grace,
+                    exit: crate::SHUTDOWN_GRACE,
+                    handover: hot_restart.as_ref().map(|h| h.parent_shutdown_time),
+                },
+            )?),
+            None => None,
+        };
         Ok(Settings {
             envoy: EnvoySettings {
                 config_path: self.config_path,
@@ -517,7 +539,12 @@ impl RunArgs {
                 extra_args: self.envoy_args,
             },
             drain: DrainSettings {
-                termination_drain_duration: self.termination_drain_duration,
+                termination_drain_duration: match &shutdown_budget {
+                    Some(split) => split.drain,
+                    None => self
+                        .termination_drain_duration
+                        .unwrap_or(crate::settings::defaults::TERMINATION_DRAIN_DURATION),
+                },
                 minimum_drain_duration: self.minimum_drain_duration,
                 exit_on_zero,
                 drain_delay: self.drain_delay,
@@ -536,6 +563,7 @@ impl RunArgs {
             },
             hot_restart,
             crash_recovery,
+            shutdown_budget,
         })
     }
 
@@ -616,6 +644,9 @@ pub enum SettingsError {
     /// The hot-restart settings cannot work (a parent-shutdown time not past the drain time).
     #[error(transparent)]
     HotRestart(#[from] envoy_agent_hotrestart::ConfigError),
+    /// A configured phase of the shutdown does not fit `--shutdown-budget`.
+    #[error(transparent)]
+    Budget(#[from] crate::budget::BudgetError),
 }
 
 impl SettingsError {

@@ -124,6 +124,9 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
         watch_config: hot.is_some_and(|h| h.watch_config),
         grpc_allow_remote: settings.grpc_allow_remote,
         control_allow_uids: settings.control_allow_uids.clone(),
+        shutdown_budget: settings
+            .shutdown_budget
+            .and_then(|split| duration(split.budget)),
     }
 }
 

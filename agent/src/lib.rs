@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub mod agent;
+pub mod budget;
 pub mod cli;
 pub mod client;
 mod connections;
@@ -88,7 +89,10 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
         poll_interval: drain.poll_interval,
         // A successor terminates our Envoy at most its handoff deadline plus the parent
         // shutdown time after it starts; then some margin.
-        handover_timeout: handoff_deadline + parent_shutdown_time + Duration::from_secs(10),
+        handover_timeout: settings
+            .shutdown_budget
+            .and_then(|split| split.handover)
+            .unwrap_or(handoff_deadline + parent_shutdown_time + Duration::from_secs(10)),
         crash_recovery: settings.crash_recovery,
         ..AgentConfig::default()
     }
@@ -96,6 +100,27 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
 
 /// Says so at start when a flag combination does something an operator may not expect.
 fn warn_about(settings: &Settings) {
+    if let Some(split) = &settings.shutdown_budget {
+        tracing::info!(
+            event = "shutdown_budget",
+            budget_ms = split.budget.as_millis() as u64,
+            drain_delay_ms = split.drain_delay.as_millis() as u64,
+            drain_ms = split.drain.as_millis() as u64,
+            stop_grace_ms = split.stop_grace.as_millis() as u64,
+            exit_ms = split.exit.as_millis() as u64,
+            handover_ms = split.handover.map(|d| d.as_millis() as u64),
+            "--shutdown-budget {:?}: drain delay {:?}, drain {:?}, stop grace {:?}, the agent's exit {:?}{}",
+            split.budget,
+            split.drain_delay,
+            split.drain,
+            split.stop_grace,
+            split.exit,
+            split
+                .handover
+                .map(|d| format!("; a handover waits at most {d:?}"))
+                .unwrap_or_default()
+        );
+    }
     let drain = &settings.drain;
     // The deadline rule is the agent's (AgentConfig::drain_deadline): said, not repeated.
     if agent_config(settings).drain_deadline().is_none() {

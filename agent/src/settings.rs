@@ -23,6 +23,8 @@ use crate::crash::CrashRecovery;
 pub mod defaults {
     use std::time::Duration;
 
+    /// `--termination-drain-duration`, without `--shutdown-budget`.
+    pub const TERMINATION_DRAIN_DURATION: Duration = Duration::from_secs(5);
     /// `--parent-shutdown-time`.
     pub const PARENT_SHUTDOWN_TIME: Duration = Duration::from_secs(60);
     /// `--handoff-deadline`.
@@ -92,6 +94,8 @@ pub struct Settings {
     pub hot_restart: Option<HotRestartSettings>,
     /// Crash recovery in place (`--restart-on-crash`); `None`: a crash ends the agent.
     pub crash_recovery: Option<CrashRecovery>,
+    /// `--shutdown-budget` as split over the shutdown's phases; `None`: not set.
+    pub shutdown_budget: Option<crate::budget::Split>,
 }
 
 /// How Envoy is started and stopped: what becomes its command line and its process.

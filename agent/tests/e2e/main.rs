@@ -19,6 +19,7 @@ mod manifests;
 mod preflight_cache;
 mod run;
 mod security;
+mod shutdown_budget;
 mod status;
 mod systemd;
 mod telemetry;

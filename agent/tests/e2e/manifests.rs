@@ -316,6 +316,13 @@ fn daemonset_supports_the_cross_pod_handoff() {
         grace > parent_shutdown.as_secs(),
         "terminationGracePeriodSeconds {grace} must exceed --parent-shutdown-time {parent_shutdown:?}"
     );
+    // The agent holds itself to the pod's grace period (issue 31).
+    let budget = parse_duration(flag(&args, "--shutdown-budget").unwrap()).unwrap();
+    assert_eq!(
+        budget.as_secs(),
+        grace,
+        "--shutdown-budget is the grace period"
+    );
 
     // Readiness is the pod-local marker, not the shared admin port.
     let marker = flag(&args, "--ready-marker").unwrap();
@@ -649,6 +656,13 @@ fn the_sidecar_starts_before_the_app_drains_on_prestop_and_is_ready_from_the_sta
     assert!(
         grace > needed,
         "terminationGracePeriodSeconds {grace} must exceed {needed}s"
+    );
+    // The agent holds itself to the pod's grace period (issue 31): it splits the budget and
+    // refuses at start a phase that cannot fit.
+    assert_eq!(
+        secs("--shutdown-budget", "0s"),
+        grace,
+        "--shutdown-budget is the grace period"
     );
 
     // The app runs restricted too (the namespace enforces it).
