@@ -260,6 +260,22 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
                 format!("{n} active, counted {}", when(&d.count_time, now)),
             );
         }
+        if !d.listeners.is_empty() {
+            line(
+                "  holding it open:",
+                format!("read {}", when(&d.listeners_time, now)),
+            );
+        }
+        for l in &d.listeners {
+            let mut held = format!("{} connections", l.active_connections);
+            if let Some(n) = l.active_requests {
+                held.push_str(&format!(", {n} requests"));
+            }
+            if let Some(n) = l.upgrades_active.filter(|n| *n > 0) {
+                held.push_str(&format!(", {n} upgraded (WebSocket, CONNECT)"));
+            }
+            line(&format!("    {}:", l.name), held);
+        }
     }
     if let Some(r) = &status.crash_recovery {
         let mut crashes = format!(
@@ -710,6 +726,13 @@ mod tests {
                 active_connections: None,
                 active_requests: Some(3),
                 count_time: at(999),
+                listeners: vec![pb::ListenerDrain {
+                    name: "0.0.0.0_8080".to_owned(),
+                    active_connections: 2,
+                    active_requests: Some(3),
+                    upgrades_active: Some(1),
+                }],
+                listeners_time: at(998),
             }),
             settings: Some(pb::Settings {
                 drain_time: Some(prost_types::Duration {
@@ -766,6 +789,8 @@ mod tests {
         has("predecessor:        pod-a-9f8e");
         has("2 earlier (see --json)");
         has("epoch 4 live in 250ms (SIGHUP)");
+        has("  holding it open:  read 1970-01-01T00:16:38Z (2.0s ago)");
+        has("    0.0.0.0_8080:   2 connections, 3 requests, 1 upgraded (WebSocket, CONNECT)");
         assert!(!text.contains("epoch 1 live"), "only the last 3: {text}");
         has("wedge:              stale_initializing: cleared");
         has(

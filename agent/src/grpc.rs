@@ -388,6 +388,18 @@ pub fn status_message(
                 .filter(|_| d.counting == Some(Counting::Requests))
                 .map(|(n, _)| n),
             count_time: d.last_count.and_then(|(_, at)| timestamp(at)),
+            listeners: d
+                .listeners
+                .iter()
+                .flat_map(|(listeners, _)| listeners)
+                .map(|l| pb::ListenerDrain {
+                    name: l.name.clone(),
+                    active_connections: l.connections,
+                    active_requests: l.requests,
+                    upgrades_active: l.upgrades,
+                })
+                .collect(),
+            listeners_time: d.listeners.as_ref().and_then(|(_, at)| timestamp(*at)),
         }),
         settings: Some(settings),
         family: proxy.family.as_ref().map(family_message),

@@ -283,6 +283,107 @@ pub fn sum_active_requests(stats: &str, exclusions: &Exclusions) -> u64 {
     connections.saturating_sub(held).saturating_add(requests)
 }
 
+/// The stats filter that selects what [`listener_activity`] reads: [`ACTIVE_REQUESTS_FILTER`]'s
+/// lines and the HCMs' upgraded connections (WebSocket, CONNECT).
+pub const LISTENER_ACTIVITY_FILTER: &str =
+    r"downstream_(cx|rq|cx_upgrades)_active$|^listener\..*\.http\..*\.downstream_rq_completed$";
+
+/// What one counted listener still holds during a drain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenerActivity {
+    /// The listener's stat name: its `stat_prefix`, else its configured address
+    /// (`0.0.0.0_8080`).
+    pub name: String,
+    /// Its active downstream connections.
+    pub connections: u64,
+    /// Its active requests, where Envoy counts them for it alone: the HTTP connection
+    /// managers that serve only this listener; none for a listener without HTTP or one whose
+    /// HCM also serves another listener.
+    pub requests: Option<u64>,
+    /// Of its connections, how many were upgraded (WebSocket, CONNECT: Envoy's
+    /// `downstream_cx_upgrades_active`), on the same terms as `requests`.
+    pub upgrades: Option<u64>,
+}
+
+/// Per counted listener (exclusions applied), what it still holds, from an Envoy `/stats`
+/// text body filtered by [`LISTENER_ACTIVITY_FILTER`]: the listeners that hold anything,
+/// busiest first. The same reading of the HCM-to-listener links as
+/// [`sum_active_requests`].
+pub fn listener_activity(stats: &str, exclusions: &Exclusions) -> Vec<ListenerActivity> {
+    let mut listeners: BTreeMap<&str, u64> = BTreeMap::new();
+    // HCM stat prefix -> (active requests, active upgraded connections), each when seen.
+    let mut hcms: BTreeMap<&str, (Option<u64>, Option<u64>)> = BTreeMap::new();
+    let mut links: Vec<&str> = Vec::new();
+    for (name, value) in stats.lines().filter_map(stat_line) {
+        if let Some(rest) = name.strip_prefix("listener.") {
+            if let Some(link) = rest.strip_suffix(".downstream_rq_completed") {
+                links.push(link);
+            } else if let Some(listener) = rest.strip_suffix(".downstream_cx_active") {
+                if !per_worker(listener) {
+                    listeners.insert(listener, value);
+                }
+            }
+        } else if let Some(rest) = name.strip_prefix("http.") {
+            if let Some(prefix) = rest.strip_suffix(".downstream_rq_active") {
+                hcms.entry(prefix).or_default().0 = Some(value);
+            } else if let Some(prefix) = rest.strip_suffix(".downstream_cx_upgrades_active") {
+                hcms.entry(prefix).or_default().1 = Some(value);
+            }
+        }
+    }
+    // HCM prefix -> the listeners it serves.
+    let mut served: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for link in links {
+        let split = link
+            .match_indices(".http.")
+            .map(|(at, sep)| (&link[..at], &link[at + sep.len()..]))
+            .filter(|(_, prefix)| hcms.contains_key(prefix))
+            .find(|(listener, _)| listeners.contains_key(listener));
+        if let Some((listener, prefix)) = split {
+            served.entry(prefix).or_default().insert(listener);
+        }
+    }
+    let mut out: Vec<ListenerActivity> = listeners
+        .iter()
+        .filter(|(listener, _)| !exclusions.excludes(listener))
+        .map(|(listener, connections)| {
+            // Only HCMs that serve this listener alone say something of it.
+            let own = served
+                .iter()
+                .filter(|(_, on)| on.len() == 1 && on.contains(listener))
+                .filter_map(|(prefix, _)| hcms.get(prefix));
+            let (mut requests, mut upgrades) = (None::<u64>, None::<u64>);
+            for (rq, up) in own {
+                if let Some(rq) = rq {
+                    requests = Some(requests.unwrap_or(0).saturating_add(*rq));
+                }
+                if let Some(up) = up {
+                    upgrades = Some(upgrades.unwrap_or(0).saturating_add(*up));
+                }
+            }
+            ListenerActivity {
+                name: (*listener).to_owned(),
+                connections: *connections,
+                requests,
+                upgrades,
+            }
+        })
+        .filter(|a| a.connections > 0 || a.requests.is_some_and(|n| n > 0))
+        .collect();
+    out.sort_by(|a, b| b.connections.cmp(&a.connections).then(a.name.cmp(&b.name)));
+    out
+}
+
+/// [`listener_activity`] from Envoy's admin: one `/stats` call (Envoy visits every stat: the
+/// caller paces it by its cost), bounded by the client's timeout.
+pub async fn listener_activity_of(
+    admin: &AdminClient,
+    exclusions: &Exclusions,
+) -> Result<Vec<ListenerActivity>, DrainError> {
+    let stats = admin.stats(LISTENER_ACTIVITY_FILTER, false).await?;
+    Ok(listener_activity(&stats, exclusions))
+}
+
 /// Envoy's active downstream connections, exclusions applied. One admin call, bounded by the
 /// client's timeout.
 pub async fn active_connections(
@@ -470,6 +571,41 @@ listener.admin.http.admin.downstream_rq_completed: 9
 listener.admin.main_thread.downstream_cx_active: 1
 "
         )
+    }
+
+    #[test]
+    fn each_counted_listener_says_what_it_holds() {
+        let none = Exclusions::default();
+        // `hello` with 2 requests and one upgraded connection (a WebSocket), the TCP proxy
+        // with 3 connections, the probe listener idle.
+        let stats = requests_stats(2, 3, 0) + "http.hello.downstream_cx_upgrades_active: 1\n";
+        let activity = listener_activity(&stats, &none);
+        assert_eq!(
+            activity,
+            [
+                ListenerActivity {
+                    name: "127.0.0.1_19902".to_owned(),
+                    connections: 3,
+                    requests: None,
+                    upgrades: None,
+                },
+                ListenerActivity {
+                    name: "127.0.0.1_19901".to_owned(),
+                    connections: 1,
+                    requests: Some(2),
+                    upgrades: Some(1),
+                },
+            ],
+            "busiest first; the admin listener and the idle probe left out"
+        );
+        let probe_excluded = Exclusions::with_ports([19902]);
+        assert_eq!(
+            listener_activity(&stats, &probe_excluded)
+                .iter()
+                .map(|a| a.name.as_str())
+                .collect::<Vec<_>>(),
+            ["127.0.0.1_19901"]
+        );
     }
 
     #[test]

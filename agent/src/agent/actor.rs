@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Agent;
 use super::handle::{AgentError, Command, Reply};
-use super::shutdown::{Answer, Counted, Pending, Shutdown, Step, settle};
+use super::shutdown::{Answer, Counted, ListenersRead, Pending, Shutdown, Step, settle};
 use super::state::{AgentConfig, AgentExit, AgentState, DrainPhase, DrainReason, ExitPath, Via};
 use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
 use crate::signal::{Intent, IntentSource};
@@ -156,6 +156,8 @@ enum Event {
     DrainAnswered(Result<(), ProxyError>),
     /// An exit-on-zero count.
     Counted(Counted),
+    /// A reading of what each counted listener holds.
+    ListenersRead(ListenersRead),
     /// The mode's timer.
     Tick,
 }
@@ -264,6 +266,11 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Event::Successor(successor) => self.on_successor(successor),
             Event::DrainAnswered(result) => self.on_drain_answered(result),
             Event::Counted(counted) => self.on_counted(counted),
+            Event::ListenersRead(read) => {
+                if let Mode::ShuttingDown(s) = &mut self.mode {
+                    s.listeners_read(read, Instant::now());
+                }
+            }
             Event::Tick => self.on_tick(),
         }
         self.follow_handover();
@@ -323,12 +330,22 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         if matches!(self.mode, Mode::Stopping(_)) {
             return;
         }
+        // What a drain's deadline left open, as last read (the operator's next question).
+        let still_open = match &self.mode {
+            Mode::ShuttingDown(s) => s.still_open(),
+            _ => None,
+        };
         tracing::info!(
             event = "stopping",
             exit_path = path.name(),
             counting = path.counting().map(Counting::name),
+            still_open = still_open.as_deref(),
             at_unix_ms = unix_ms(),
-            "stopping envoy: {path}"
+            "stopping envoy: {path}{}",
+            still_open
+                .as_deref()
+                .map(|open| format!(" (still open: {open})"))
+                .unwrap_or_default()
         );
         if let Mode::Drained { replies, .. } =
             std::mem::replace(&mut self.mode, Mode::Stopping(path))
@@ -583,6 +600,12 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                         s.count_sent(now, call);
                     }
                 }
+                Step::ReadListeners => {
+                    let call = self.listeners_call();
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.listeners_sent(now, call);
+                    }
+                }
                 Step::Stop(path) => {
                     if path == ExitPath::DrainFailed {
                         let error = s.drain_failure(now).unwrap_or_default();
@@ -832,6 +855,28 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         })
     }
 
+    /// One reading of what each counted listener holds, from Envoy's stats.
+    fn listeners_call(&self) -> Call<ListenersRead> {
+        let config: &AgentConfig = &self.agent.config;
+        let admin = self
+            .agent
+            .proxy
+            .admin_address()
+            .map(|a| AdminClient::new(a).with_timeout(config.stats_timeout));
+        let exclusions = config.exclusions.clone();
+        Box::pin(async move {
+            let asked = Instant::now();
+            let listeners = match admin {
+                Some(admin) => envoy_agent_drain::listener_activity_of(&admin, &exclusions).await,
+                None => Err(DrainError::AdminUnknown),
+            };
+            ListenersRead {
+                listeners,
+                took: asked.elapsed(),
+            }
+        })
+    }
+
     fn count_future(&self) -> Call<Result<u64, DrainError>> {
         if let Some(counter) = &self.agent.counter {
             return counter();
@@ -892,6 +937,7 @@ async fn mode_work(mode: &mut Mode) -> Event {
         Mode::ShuttingDown(s) => match s.answer().await {
             Answer::Drain(result) => Event::DrainAnswered(result),
             Answer::Count(counted) => Event::Counted(counted),
+            Answer::Listeners(read) => Event::ListenersRead(read),
         },
         _ => std::future::pending().await,
     }

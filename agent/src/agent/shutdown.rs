@@ -14,7 +14,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_drain::{Counting, DrainError};
+use envoy_agent_drain::{Counting, DrainError, ListenerActivity};
 use envoy_agent_proxy::ProxyError;
 use tokio::time::Instant;
 
@@ -45,6 +45,17 @@ pub(super) struct Counted {
     pub(super) share: u32,
 }
 
+/// How often, at most, exit-on-zero reads what each listener holds (for the status; Envoy
+/// visits every stat to answer, so the reading is also paced by its cost).
+pub(super) const LISTENERS_POLL: Duration = Duration::from_secs(1);
+
+/// A reading of what each counted listener holds: the listeners (or why not), how long it
+/// took.
+pub(super) struct ListenersRead {
+    pub(super) listeners: Result<Vec<ListenerActivity>, DrainError>,
+    pub(super) took: Duration,
+}
+
 /// What is due at an instant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Step {
@@ -52,6 +63,8 @@ pub(super) enum Step {
     SendDrain,
     /// Count what exit-on-zero counts.
     Count,
+    /// Read what each counted listener holds (exit-on-zero, for the status).
+    ReadListeners,
     /// Stop Envoy: the drain is over, by this path.
     Stop(ExitPath),
     /// Nothing before this instant (none: before an answer comes).
@@ -62,6 +75,7 @@ pub(super) enum Step {
 pub(super) enum Answer {
     Drain(Result<(), ProxyError>),
     Count(Counted),
+    Listeners(ListenersRead),
 }
 
 /// Where the shutdown's drain request to Envoy is.
@@ -125,6 +139,9 @@ pub(super) struct Shutdown {
     progress: DrainProgress,
     drain_call: Pending<Result<(), ProxyError>>,
     count_call: Pending<Counted>,
+    /// When the listeners are read next, and the reading out, if one is.
+    next_listeners: Instant,
+    listeners_call: Pending<ListenersRead>,
 }
 
 impl Shutdown {
@@ -156,9 +173,12 @@ impl Shutdown {
                 deadline: deadline.map(|d| wall + config.drain_delay + d),
                 counting: config.exit_on_zero,
                 last_count: None,
+                listeners: None,
             },
             drain_call: None,
             count_call: None,
+            next_listeners: count_from,
+            listeners_call: None,
         }
     }
 
@@ -210,6 +230,9 @@ impl Shutdown {
         {
             return Step::Count;
         }
+        if self.listeners_due(now) {
+            return Step::ReadListeners;
+        }
         Step::Wait(self.next_wake())
     }
 
@@ -230,7 +253,65 @@ impl Shutdown {
         if self.counting.is_some() && self.drain != DrainAsk::Due && self.count_call.is_none() {
             consider(self.next_count.max(self.count_from));
         }
+        if self.counting.is_some() && self.drain != DrainAsk::Due && self.listeners_call.is_none() {
+            consider(self.next_listeners);
+        }
         wake
+    }
+
+    fn listeners_due(&self, now: Instant) -> bool {
+        self.counting.is_some()
+            && self.drain != DrainAsk::Due
+            && self.listeners_call.is_none()
+            && self.next_listeners <= now
+    }
+
+    /// A reading of the listeners went out at `now` as `call`.
+    pub(super) fn listeners_sent(
+        &mut self,
+        now: Instant,
+        call: Pin<Box<dyn Future<Output = ListenersRead> + Send>>,
+    ) {
+        self.next_listeners = now + LISTENERS_POLL;
+        self.listeners_call = Some(call);
+    }
+
+    /// A reading of the listeners came back at `now`. A failed one keeps the last; it is
+    /// no count and no reason to stop.
+    pub(super) fn listeners_read(&mut self, read: ListenersRead, now: Instant) {
+        let asked = now.checked_sub(read.took).unwrap_or(now);
+        self.next_listeners = self.next_listeners.max(
+            asked
+                + envoy_agent_proxy::admin::paced(
+                    LISTENERS_POLL,
+                    read.took,
+                    envoy_agent_proxy::admin::BUSY_SHARE,
+                ),
+        );
+        match read.listeners {
+            Ok(listeners) => self.progress.listeners = Some((listeners, SystemTime::now())),
+            Err(e) => tracing::debug!(error = %e, "cannot read what each listener holds"),
+        }
+    }
+
+    /// What the counted listeners still held at the last reading, for the exit's log: none
+    /// before a reading, or when nothing was held.
+    pub(super) fn still_open(&self) -> Option<String> {
+        let (listeners, _) = self.progress.listeners.as_ref()?;
+        let parts: Vec<String> = listeners
+            .iter()
+            .map(|l| {
+                let mut part = format!("{}: {} connections", l.name, l.connections);
+                if let Some(n) = l.requests {
+                    part.push_str(&format!(", {n} requests"));
+                }
+                if let Some(n) = l.upgrades.filter(|n| *n > 0) {
+                    part.push_str(&format!(", {n} upgraded (WebSocket, CONNECT)"));
+                }
+                part
+            })
+            .collect();
+        (!parts.is_empty()).then(|| parts.join("; "))
     }
 
     /// The drain request went out at `now` as `call`.
@@ -262,6 +343,7 @@ impl Shutdown {
         tokio::select! {
             result = settle(&mut self.drain_call) => Answer::Drain(result),
             counted = settle(&mut self.count_call) => Answer::Count(counted),
+            read = settle(&mut self.listeners_call) => Answer::Listeners(read),
         }
     }
 
@@ -400,6 +482,8 @@ mod tests {
         let late = from + Duration::from_secs(3600);
         assert_eq!(s.poll(late), Step::Count);
         s.count_sent(late, never());
+        assert_eq!(s.poll(late), Step::ReadListeners);
+        s.listeners_sent(late, never());
         assert_eq!(s.poll(late), Step::Wait(None));
     }
 
@@ -446,6 +530,50 @@ mod tests {
         s.drain_sent(t0 + end, never());
         assert_eq!(s.poll(t0 + end), Step::Stop(ExitPath::DrainFailed));
         assert!(s.drain_failure(t0 + end).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn what_each_listener_holds_is_read_paced_by_its_cost_and_named_at_the_stop() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Connections),
+            termination_drain_duration: Duration::from_secs(600),
+            ..AgentConfig::default()
+        };
+        let (mut s, t0) = begin(&config);
+        drain(&mut s, t0, Ok(())).await;
+        let from = t0 + config.minimum_drain_duration;
+        s.count_sent(from, never());
+        assert_eq!(s.poll(from), Step::ReadListeners);
+        let held = ListenerActivity {
+            name: "0.0.0.0_8080".to_owned(),
+            connections: 2,
+            requests: Some(1),
+            upgrades: Some(1),
+        };
+        // A reading that took 2 s of Envoy's main thread: the next one waits for its share.
+        let took = Duration::from_secs(2);
+        s.listeners_sent(from, never());
+        s.listeners_call = None;
+        s.listeners_read(
+            ListenersRead {
+                listeners: Ok(vec![held]),
+                took,
+            },
+            from + took,
+        );
+        let next = from
+            + envoy_agent_proxy::admin::paced(
+                LISTENERS_POLL,
+                took,
+                envoy_agent_proxy::admin::BUSY_SHARE,
+            );
+        assert!(next > from + took + LISTENERS_POLL);
+        assert_ne!(s.poll(next - Duration::from_millis(1)), Step::ReadListeners);
+        assert_eq!(s.poll(next), Step::ReadListeners);
+        assert_eq!(
+            s.still_open().as_deref(),
+            Some("0.0.0.0_8080: 2 connections, 1 requests, 1 upgraded (WebSocket, CONNECT)")
+        );
     }
 
     #[tokio::test(start_paused = true)]

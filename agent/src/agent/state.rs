@@ -5,7 +5,7 @@
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_drain::{Counting, Exclusions};
+use envoy_agent_drain::{Counting, Exclusions, ListenerActivity};
 use envoy_agent_proxy::{Ended, ProxyError, ProxyState, WedgeReason};
 
 use crate::crash::{CrashRecovery, Crashes};
@@ -467,6 +467,9 @@ pub struct DrainProgress {
     pub counting: Option<Counting>,
     /// Exit-on-zero: the last count (of [`DrainProgress::counting`]), and when it was taken.
     pub last_count: Option<(u64, SystemTime)>,
+    /// Exit-on-zero: what each counted listener still held at the last reading of Envoy's
+    /// stats (paced by its cost), busiest first, and when it was read; none before the first.
+    pub listeners: Option<(Vec<ListenerActivity>, SystemTime)>,
 }
 
 /// How the agent's run ended; [`AgentExit::code`] is the process exit code.

@@ -11,6 +11,7 @@ mod control_plane;
 mod crash_recovery;
 mod cross_pod;
 mod day_one;
+mod drain_status;
 mod exit_paths;
 mod grpc;
 mod handoff_faults;
