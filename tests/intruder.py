@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """An unprivileged process on the node, after an Envoy family's hot-restart channel.
 
-Run as another user (uid 65534) in the agent's network namespace. It tries what
-shared/design.md §1.15 says Envoy's channel allows anyone who can reach it: take a listening
-socket (PassListenSocket, answered with the fd over SCM_RIGHTS) and stop Envoy (Terminate),
-at every name the family's epochs could use, Envoy's abstract default and the agent's private
-files alike; and it tries to take the node's epoch lock. It prints one JSON object: what worked.
+Run as another user (uid 65534) in the agent's network namespace. It tries what Envoy's
+channel allows anyone who can reach it (docs/operations.md, "Security: who can reach what"):
+take a listening socket (PassListenSocket, answered with the fd over SCM_RIGHTS) and stop
+Envoy (Terminate), at every name the family's epochs could use, Envoy's abstract default and
+the agent's private files alike; and it tries to take the node's epoch lock. It prints one JSON
+object: what worked.
 
     intruder.py BASE_ID LISTENER_PORT STATE_DIR [LOCK_SECONDS]
 """

@@ -13,7 +13,9 @@
 //! | draining, handing over, exiting | `STOPPING=1`, `STATUS=…` |
 //! | any other change of what it does | `STATUS=…` |
 //!
-//! Without `NOTIFY_SOCKET` in the environment nothing is sent and no task runs.
+//! Without `NOTIFY_SOCKET` in the environment nothing is sent and no task runs. The unit that
+//! uses it, and what an operator sees of it (`systemctl status`, `Type=notify-reload`):
+//! `docs/deploy.md#systemd`.
 
 use std::time::Duration;
 

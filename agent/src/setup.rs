@@ -340,7 +340,8 @@ pub fn raise_fd_limit() {
 /// The name of the hot-restart channel's directory under the state directory.
 pub const CHANNEL_DIR: &str = "hot-restart";
 
-/// The node proxy's hot-restart channel (`shared/design.md` §1.15): a user's own
+/// The node proxy's hot-restart channel (who can reach it, and what it lets them do:
+/// `docs/operations.md#security-who-can-reach-what`): a user's own
 /// `--socket-path` (taken out of `extra_args`: the agent passes it to every epoch, and its
 /// stand-ins bind its names), else `<state dir>/hot-restart/envoy`, files of mode 600 in a
 /// directory only the agent's user (or, when the agent is root and runs Envoy as another

@@ -1,11 +1,7 @@
-//! The status HTTP server (default `127.0.0.1:15020`).
-//!
-//! | path | method | who | answer |
-//! |---|---|---|---|
-//! | `/healthz/ready` | GET | anyone | 200 `ready` only when Envoy is LIVE and the agent is not draining; 503 with a one-line reason otherwise |
-//! | `/drain` | POST | loopback peers | drain with `skip_exit` (Envoy keeps running); the next SIGTERM exits at once |
-//! | `/quitquitquit` | POST | loopback peers | stop Envoy at once, no drain, and exit |
-//! | `/stats/prometheus` | GET | anyone | the agent's own metrics, then Envoy's Prometheus stats |
+//! The status HTTP server (default `127.0.0.1:15020`): readiness (`/healthz/ready`),
+//! `POST /drain` (a drain with `skip_exit`: Envoy keeps running, the next SIGTERM exits at
+//! once), `POST /quitquitquit` and `/stats/prometheus`. What each answers, and to whom, is
+//! tabled in `docs/operations.md#status-server`.
 //!
 //! Mutating endpoints answer 405 to other methods and 403 to non-loopback peers, whatever
 //! address the server binds. In node-proxy mode ([`StatusServer::check_callers`]) the

@@ -3,16 +3,9 @@
 //! # Pipeline
 //!
 //! Push only, no scrape endpoint. The OpenTelemetry SDK's standard environment configures it,
-//! and a flag overrides a variable only when the flag is given:
-//!
-//! | setting | flag | environment (when the flag is not given) | default |
-//! |---|---|---|---|
-//! | collector | `--otlp-endpoint` | `OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT` | none: nothing is built, every instrument is a no-op |
-//! | export interval | `--otlp-export-interval` | `OTEL_METRIC_EXPORT_INTERVAL` (ms) | 10s |
-//! | export timeout | | `OTEL_EXPORTER_OTLP_METRICS_TIMEOUT`, else `OTEL_EXPORTER_OTLP_TIMEOUT` (ms) | 3s |
-//! | headers (e.g. auth) | | `OTEL_EXPORTER_OTLP_METRICS_HEADERS`, else `OTEL_EXPORTER_OTLP_HEADERS` | none |
-//! | `service.name` | | `OTEL_SERVICE_NAME`, else `service.name` in `OTEL_RESOURCE_ATTRIBUTES` | `envoy-agent` |
-//! | resource attributes | | `OTEL_RESOURCE_ATTRIBUTES` (wins over the detected ones below) | `service.version`, `host.name`, `k8s.pod.name`, `k8s.namespace.name`, `k8s.node.name` (from `POD_NAME`, `POD_NAMESPACE`, `NODE_NAME`) |
+//! and a flag overrides a variable only when the flag is given; the settings, their variables
+//! and defaults are tabled in `docs/operations.md#metrics-otlp-push`. Without a collector
+//! nothing is built and every instrument is a no-op.
 //!
 //! An endpoint without a scheme is `http://` (plaintext); an `https://` one is verified with
 //! the system's roots (rustls with ring; `SSL_CERT_FILE` / `SSL_CERT_DIR` name other roots).
@@ -29,13 +22,10 @@
 //! Attribute names follow the semantic conventions: namespaced under `envoy_agent.`, or
 //! `error.type` for a kind of failure. Every histogram has explicit bucket boundaries in its
 //! own unit (seconds), not the SDK's defaults (meant for milliseconds). The supervisor's
-//! instruments are in `envoy_agent_hotrestart::metrics`. The agent's:
-//!
-//! | instrument | kind | unit | attributes |
-//! |---|---|---|---|
-//! | `envoy_agent.drain.duration` | histogram ([`DRAIN_DURATION_BUCKETS`]) | `s` | `envoy_agent.exit_path` |
-//! | `envoy_agent.exits` | counter | `{exit}` | `envoy_agent.exit_path` |
-//! | `envoy_agent.envoy.crashes` | counter | `{crash}` | `envoy_agent.crash.kind` (`exited`, `lost`, `start_failed`), `envoy_agent.crash.action` (`restart`, `give_up`) |
+//! instruments are in `envoy_agent_hotrestart::metrics`; the agent's are
+//! `envoy_agent.drain.duration` (buckets: [`DRAIN_DURATION_BUCKETS`]), `envoy_agent.exits` and
+//! `envoy_agent.envoy.crashes`. Every instrument, with its attributes and their values, is
+//! tabled once in `docs/operations.md#metrics-otlp-push`.
 
 use std::sync::Arc;
 use std::time::Duration;

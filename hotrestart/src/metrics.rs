@@ -9,14 +9,9 @@
 //! `envoy_agent.`, or `error.type` where the value is a kind of failure. The histogram has
 //! explicit bucket boundaries in its unit, seconds ([`HANDOFF_DURATION_BUCKETS`]).
 //!
-//! | instrument | kind | unit | attributes |
-//! |---|---|---|---|
-//! | `envoy_agent.hot_restart.epoch` | gauge | `{epoch}` | |
-//! | `envoy_agent.hot_restart.handoff.duration` | histogram | `s` | `envoy_agent.handoff.outcome`: live, rejected, failed, timed_out |
-//! | `envoy_agent.hot_restart.wedges` | counter | `{wedge}` | `error.type`: handoff_deadline, admin_unresponsive, stale_initializing, parent_overdue |
-//! | `envoy_agent.envoy.exits` | counter | `{exit}` | `envoy_agent.envoy.exit_kind`: drained_parent, crash, signal, clean |
-//! | `envoy_agent.config.rejected` | counter | `{config}` | |
-//! | `envoy_agent.hot_restart.control_plane_waits` | counter | `{handoff}` | |
+//! Each instrument, its unit, its attributes ([`HANDOFF_OUTCOME`], [`HANDOFF_KIND`],
+//! [`WEDGE_REASON`], [`EXIT_KIND`]) with their values, and when it is recorded, is tabled once,
+//! with the agent's own, in `docs/operations.md#metrics-otlp-push`.
 
 use std::sync::Arc;
 use std::time::Duration;

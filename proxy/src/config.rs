@@ -52,8 +52,8 @@ pub struct HotRestart {
 /// Where an Envoy family's hot-restart channel lives: Envoy's `--socket-path`. Each epoch binds
 /// `<path>_{parent,udp_parent}_<base_id * 10 + epoch % 3>` and its child the `_child_` names,
 /// and acts on any datagram it receives there: `PassListenSocket` hands out a listening
-/// socket, `Terminate` makes it exit (`shared/design.md` §1.15). Who can reach the names is
-/// who can steer the family.
+/// socket, `Terminate` makes it exit (`docs/operations.md#security-who-can-reach-what`). Who
+/// can reach the names is who can steer the family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SocketPath {
     /// Abstract names (`@name`, Envoy's default `@envoy_domain_socket`): no permissions, any

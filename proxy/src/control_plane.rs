@@ -3,9 +3,9 @@
 //! A bootstrap with `dynamic_resources` starts with no listeners or clusters: they come from a
 //! control plane. Envoy reports LIVE once each config source's initial fetch is done *or timed
 //! out* (`initial_fetch_timeout`, 15 s by default), so LIVE alone does not say that Envoy has
-//! its config (`shared/design.md` §7). Like Istio's pilot-agent, the agent calls an Envoy
-//! ready only once it has accepted each dynamic type it subscribes to at least once
-//! (`cluster_manager.cds.update_success`, `listener_manager.lds.update_success`).
+//! its config (`docs/node-proxy.md#with-a-control-plane-xds`). Like Istio's pilot-agent, the
+//! agent calls an Envoy ready only once it has accepted each dynamic type it subscribes to at
+//! least once (`cluster_manager.cds.update_success`, `listener_manager.lds.update_success`).
 //!
 //! Which types are dynamic is read from Envoy itself: it creates the `cds`/`lds` stats only
 //! for a configured source (seen on 1.40), so a static bootstrap has none and is ready as

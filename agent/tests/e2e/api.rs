@@ -536,8 +536,10 @@ async fn reopen_logs_makes_envoy_reopen_its_access_log() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
-/// The example collector config is well-formed: every pipeline component is defined, and the
-/// OTLP receiver listens for gRPC on the port the README's example endpoint names.
+/// The example collector config is well-formed: every pipeline component is defined, the OTLP
+/// receiver listens for gRPC on `0.0.0.0:4317` (OTLP/gRPC's default port, the one of the
+/// example endpoint in the file's header comment), and the file names
+/// `OTEL_EXPORTER_OTLP_ENDPOINT`.
 #[test]
 fn the_example_collector_config_is_consistent() {
     let text = std::fs::read_to_string(repo_root().join("docs/otel-collector.yaml")).unwrap();

@@ -138,7 +138,7 @@ async fn python_grpcio_and_grpcurl_work_over_the_unix_socket_as_they_come() {
             .is_some_and(|t| t.ends_with('Z')),
         "a Timestamp in RFC 3339: {status}"
     );
-    // ReopenLogs through reflection, as documented in the README.
+    // ReopenLogs through reflection, as in docs/api.md's grpcurl examples.
     let (ok, out) = run(
         &grpcurl,
         &[
