@@ -27,7 +27,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::RestartError;
+use envoy_agent_proxy::{RestartError, XdsType};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -265,7 +265,7 @@ pub(crate) struct Queue {
     /// Same-epoch retries carried over from a failed attempt.
     pub(crate) retries: u32,
     /// Why the queue waits, as last logged (logged once per change).
-    pub(crate) waiting_for: Option<String>,
+    pub(crate) waiting_for: Option<QueueWait>,
     /// One of the triggers settles a cold handover.
     pub(crate) settles: bool,
     /// Not to start before then: the back-off after an epoch waited for its control plane
@@ -274,6 +274,33 @@ pub(crate) struct Queue {
     /// Attempts in a row that ended waiting for the control plane (the back-off grows with
     /// them); reset when an epoch goes LIVE.
     pub(crate) config_waits: u32,
+}
+
+/// Why queued triggers wait, besides a handoff under way. Its words are the status's; when the
+/// queue is tried again depends on the kind alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum QueueWait {
+    /// Another pod holds the node's epoch lock (a successor is starting?): it is tried again at
+    /// `retry_at`.
+    Lock { retry_at: Instant },
+    /// The last attempt's epoch waited for these types of its control plane for the whole
+    /// handoff deadline (the queue's `not_before` is the back-off).
+    ControlPlane(Vec<XdsType>),
+}
+
+impl std::fmt::Display for QueueWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QueueWait::Lock { .. } => {
+                f.write_str("another pod holds the node's epoch lock (a successor is starting?)")
+            }
+            QueueWait::ControlPlane(types) => write!(
+                f,
+                "the control plane: {}",
+                crate::supervisor::type_list(types)
+            ),
+        }
+    }
 }
 
 impl Queue {

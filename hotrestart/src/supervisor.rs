@@ -23,7 +23,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
-use crate::handoff::{Attempt, Deadline, Handoff, Moment, NotLive, Parent, Queue, Waiter};
+use crate::handoff::{
+    Attempt, Deadline, Handoff, Moment, NotLive, Parent, Queue, QueueWait, Waiter,
+};
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};
@@ -35,6 +37,8 @@ mod exits;
 mod handoffs;
 mod node_io;
 mod probes;
+
+pub(crate) use control_plane::type_list;
 
 /// How often a starting epoch is asked whether it is LIVE before its admin listener is bound
 /// (the sign): the address may still be its parent's, and LIVE does not come before the sign.
@@ -171,18 +175,17 @@ enum Event {
 enum Life {
     /// Taking the node's epoch lock and looking for a predecessor to take over from.
     Discovering {
-        /// When waiting is given up (none while an incompatible predecessor serves: the
-        /// rollout stays there and says why).
-        deadline: Instant,
+        /// When waiting is given up. Not while an incompatible predecessor serves (the
+        /// rollout stays there and says why); none at all once our first epoch waited for its
+        /// control plane and was stopped: discovery starts again (fresh facts: the predecessor
+        /// may have restarted meanwhile), and it is no failure of the start that the control
+        /// plane stays away.
+        deadline: Option<Instant>,
         next: Instant,
         probing: bool,
         /// Why it waits, as last logged.
-        waiting: Option<String>,
+        waiting: Option<Waiting>,
         reported_incompatible: Option<Instant>,
-        /// Our first epoch waited for its control plane and was stopped: discovery starts
-        /// again (fresh facts: the predecessor may have restarted meanwhile), with no deadline
-        /// while the control plane stays away.
-        config_wait: bool,
     },
     /// Our epochs run (the first may not be LIVE yet).
     Running,
@@ -194,6 +197,38 @@ enum Life {
         kill_at: Instant,
         give_up: Instant,
     },
+}
+
+/// Why a starting supervisor waits for its turn. Its words are the log's and the start
+/// failure's; what it does depends on the kind alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Waiting {
+    /// Another agent holds the node's epoch lock.
+    Lock,
+    /// What discovery says of the node (a predecessor mid-handoff, an admin port that does
+    /// not answer, ...).
+    Node(String),
+    /// The node's Envoy has another hot-restart version and no cold handover can start
+    /// beside it: waiting does not time out (the rollout stays there and says why).
+    Incompatible { theirs: String, ours: String },
+    /// Our first epoch waited for these types of its control plane and was stopped.
+    ControlPlane(Vec<envoy_agent_proxy::XdsType>),
+}
+
+impl std::fmt::Display for Waiting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Waiting::Lock => f.write_str("another agent holds the node's epoch lock"),
+            Waiting::Node(why) => f.write_str(why),
+            Waiting::Incompatible { theirs, ours } => write!(
+                f,
+                "the node's envoy has hot-restart version {theirs}, ours {ours}"
+            ),
+            Waiting::ControlPlane(types) => {
+                write!(f, "the control plane: {}", control_plane::type_list(types))
+            }
+        }
+    }
 }
 
 /// A bound stand-in for a dead parent's sockets.
@@ -281,8 +316,6 @@ pub(crate) struct Supervisor<H: Host> {
     aborted: bool,
     /// Whether the readiness marker is present, as last set.
     marker: bool,
-    /// When a busy node lock is tried again for a queued restart.
-    lock_retry_at: Instant,
     /// The serving epoch that exited while its successor started: the outcome if that fails.
     pending_serving_exit: Option<Exit>,
     /// The predecessor our family took over from by a cold handover, until its Envoy is gone
@@ -354,7 +387,6 @@ impl<H: Host> Supervisor<H> {
             watch: None,
             aborted: false,
             marker: false,
-            lock_retry_at: now,
             pending_serving_exit: None,
             cold_takeover_of: None,
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
@@ -420,12 +452,11 @@ impl<H: Host> Supervisor<H> {
         let now = Instant::now();
         if self.host.has_node() {
             self.life = Life::Discovering {
-                deadline: now + self.discovery_bound(),
+                deadline: Some(now + self.discovery_bound()),
                 next: now,
                 probing: false,
                 waiting: None,
                 reported_incompatible: None,
-                config_wait: false,
             };
         } else {
             self.begin_first(0, None, START_REASON.to_owned());
@@ -568,18 +599,13 @@ impl<H: Host> Supervisor<H> {
                 next,
                 probing,
                 waiting,
-                config_wait,
                 ..
             } => {
                 if !probing {
                     consider(Some(*next));
                 }
-                if !config_wait
-                    && !waiting
-                        .as_deref()
-                        .is_some_and(|w| w.contains("hot-restart version"))
-                {
-                    consider(Some(*deadline));
+                if !matches!(waiting, Some(Waiting::Incompatible { .. })) {
+                    consider(*deadline);
                 }
             }
             Life::Stopping {
@@ -660,25 +686,23 @@ impl<H: Host> Supervisor<H> {
                 next,
                 probing,
                 waiting,
-                config_wait,
                 ..
             } => {
-                let incompatible = waiting
-                    .as_deref()
-                    .is_some_and(|w| w.contains("hot-restart version"));
-                let (deadline, next, probing, waiting, config_wait) =
-                    (*deadline, *next, *probing, waiting.clone(), *config_wait);
-                if now >= deadline && !incompatible && !config_wait {
-                    let why =
-                        waiting.unwrap_or_else(|| "the node's epoch lock stayed taken".to_owned());
+                let over = deadline.is_some_and(|d| now >= d)
+                    && !matches!(waiting, Some(Waiting::Incompatible { .. }));
+                if over {
+                    let why = waiting.as_ref().map_or_else(
+                        || "the node's epoch lock stayed taken".to_owned(),
+                        ToString::to_string,
+                    );
                     let message = format!(
                         "could not take over within {:?}: {why}",
                         self.discovery_bound()
                     );
                     tracing::error!(%message);
                     self.begin_stop(Ended::StartFailed { code: 1, message }, "no turn to start");
-                } else if !probing && now >= next {
-                    self.discover(now, waiting);
+                } else if !probing && now >= *next {
+                    self.discover(now);
                 }
                 return;
             }
@@ -805,7 +829,8 @@ impl<H: Host> Supervisor<H> {
                 waiting_for: self
                     .queue
                     .waiting_for
-                    .clone()
+                    .as_ref()
+                    .map(ToString::to_string)
                     .or_else(|| match &self.handoff {
                         Handoff::ParentDraining { parent, .. } => {
                             Some(format!("epoch {} still drains", parent.epoch()))

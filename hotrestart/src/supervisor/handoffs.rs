@@ -371,9 +371,9 @@ impl<H: Host> Supervisor<H> {
 
     pub(super) fn queue_retry_at(&self) -> Instant {
         // Immediately the first time; then at the lock's retry pace; never within a back-off.
-        let at = match self.queue.waiting_for {
-            None => Instant::now(),
-            Some(_) => self.lock_retry_at,
+        let at = match &self.queue.waiting_for {
+            Some(QueueWait::Lock { retry_at }) => *retry_at,
+            None | Some(QueueWait::ControlPlane(_)) => Instant::now(),
         };
         self.queue.not_before.map_or(at, |t| t.max(at))
     }
@@ -456,12 +456,13 @@ impl<H: Host> Supervisor<H> {
             match self.host.try_lock() {
                 Ok(Some(lock)) => self.lock = Some(lock),
                 Ok(None) => {
-                    self.lock_retry_at = now + LOCK_RETRY;
-                    let why = "another pod holds the node's epoch lock (a successor is starting?)";
-                    if self.queue.waiting_for.as_deref() != Some(why) {
-                        tracing::info!(reason = why, "hot restart queued");
-                        self.queue.waiting_for = Some(why.to_owned());
+                    let busy = QueueWait::Lock {
+                        retry_at: now + LOCK_RETRY,
+                    };
+                    if !matches!(self.queue.waiting_for, Some(QueueWait::Lock { .. })) {
+                        tracing::info!(reason = busy.to_string().as_str(), "hot restart queued");
                     }
+                    self.queue.waiting_for = Some(busy);
                     return;
                 }
                 Err(e) => {

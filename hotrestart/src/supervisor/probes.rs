@@ -34,7 +34,7 @@ impl<H: Host> Supervisor<H> {
             }
             _ => return,
         };
-        let set_waiting = |life: &mut Life, why: String, reported: Option<Instant>| {
+        let set_waiting = |life: &mut Life, why: Waiting, reported: Option<Instant>| {
             if let Life::Discovering {
                 waiting,
                 reported_incompatible,
@@ -131,14 +131,15 @@ impl<H: Host> Supervisor<H> {
                          hot-restarted from; not starting until it is gone (see the runbook)"
                     );
                 }
-                let why = format!(
-                    "the node's envoy has hot-restart version {theirs}, ours {}",
-                    self.version
-                );
+                let why = Waiting::Incompatible {
+                    theirs,
+                    ours: self.version.clone(),
+                };
                 set_waiting(&mut self.life, why, reported);
             }
             Discovery::Wait(why) => {
-                if waiting.as_deref() != Some(why.as_str()) {
+                let why = Waiting::Node(why);
+                if waiting.as_ref() != Some(&why) {
                     tracing::info!(reason = %why, "waiting to take over");
                 }
                 set_waiting(&mut self.life, why, reported_incompatible);
@@ -461,18 +462,17 @@ impl<H: Host> Supervisor<H> {
     }
 
     /// Discovery's next step: the node's epoch lock, then a look at the node.
-    pub(super) fn discover(&mut self, now: Instant, waiting: Option<String>) {
+    pub(super) fn discover(&mut self, now: Instant) {
         if self.lock.is_none() {
             match self.host.try_lock() {
                 Ok(Some(lock)) => self.lock = Some(lock),
                 Ok(None) => {
-                    let why = "another agent holds the node's epoch lock".to_owned();
-                    if waiting.as_deref() != Some(why.as_str()) {
-                        tracing::info!(reason = %why, "waiting to take over");
-                    }
                     if let Life::Discovering { next, waiting, .. } = &mut self.life {
+                        if *waiting != Some(Waiting::Lock) {
+                            tracing::info!(reason = %Waiting::Lock, "waiting to take over");
+                        }
                         *next = now + LOCK_RETRY;
-                        *waiting = Some(why);
+                        *waiting = Some(Waiting::Lock);
                     }
                     return;
                 }
