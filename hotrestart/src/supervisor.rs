@@ -231,6 +231,24 @@ impl std::fmt::Display for Waiting {
     }
 }
 
+/// The running family's hot-restart version, as far as the supervisor knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Version {
+    Unknown,
+    /// It is being asked (of our LIVE epoch, else of the binary).
+    Asking,
+    Known(String),
+}
+
+impl Version {
+    fn known(&self) -> Option<&str> {
+        match self {
+            Version::Known(v) => Some(v),
+            Version::Unknown | Version::Asking => None,
+        }
+    }
+}
+
 /// A bound stand-in for a dead parent's sockets.
 struct StandIn {
     parent_epoch: u32,
@@ -283,11 +301,9 @@ pub(crate) struct Supervisor<H: Host> {
     retiring: Epochs,
     handoff: Handoff,
     queue: Queue,
-    /// The running Envoy's hot-restart version; empty until known (the first epoch starts
-    /// without waiting for it, except where discovery needs it).
-    version: String,
-    /// Whether `--hot-restart-version` is being asked.
-    version_asked: bool,
+    /// The running Envoy's hot-restart version, which the next binary must match (the first
+    /// epoch starts without waiting for it, except where discovery needs it).
+    version: Version,
     /// When the latest LIVE check that found the starting epoch not LIVE yet was sent: Envoy
     /// became LIVE after it, so it bounds how late the supervisor saw LIVE.
     live_missed: Option<Instant>,
@@ -367,8 +383,7 @@ impl<H: Host> Supervisor<H> {
             retiring: Epochs::default(),
             handoff: Handoff::Idle,
             queue: Queue::default(),
-            version: String::new(),
-            version_asked: false,
+            version: Version::Unknown,
             live_missed: None,
             newest_live: None,
             lock: None,
@@ -737,8 +752,7 @@ impl<H: Host> Supervisor<H> {
                 self.watchdog = Probing::default();
             }
         }
-        if self.version.is_empty()
-            && !self.version_asked
+        if self.version == Version::Unknown
             && !self.queue.is_empty()
             && matches!(self.life, Life::Running)
         {
@@ -851,7 +865,7 @@ impl<H: Host> Supervisor<H> {
     /// Asks the running family's hot-restart version beside the loop: of our LIVE epoch when
     /// there is one (the binary on disk may be a newer one already), else of the binary.
     fn ask_version(&mut self) {
-        self.version_asked = true;
+        self.version = Version::Asking;
         let events = self.events_tx.clone();
         if self.newest_live.is_some() {
             let ask = self.host.serving_version();
@@ -868,12 +882,11 @@ impl<H: Host> Supervisor<H> {
     }
 
     fn on_version(&mut self, result: Result<String, String>) {
-        self.version_asked = false;
         match result {
             Ok(version) => {
-                if self.version.is_empty() {
-                    self.version = version;
-                    self.family.hot_restart_version = self.version.clone();
+                if self.version.known().is_none() {
+                    self.family.hot_restart_version = version.clone();
+                    self.version = Version::Known(version);
                     self.write_heartbeat();
                     if self.can_restart() {
                         // The binary's own version (and the pair, already proven LIVE), so that
@@ -883,6 +896,9 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Err(message) => {
+                if self.version == Version::Asking {
+                    self.version = Version::Unknown;
+                }
                 tracing::error!(error = %message, "cannot learn the binary's hot-restart version");
                 match self.life {
                     Life::Discovering { .. } => self.begin_stop(
@@ -897,9 +913,17 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
+    /// Whether the family's shared memory can take another epoch of the running version.
+    fn shm_usable(&self) -> Result<(), String> {
+        match self.version.known() {
+            Some(version) => self.host.shm_usable(version),
+            None => Err("the running envoy's hot-restart version is unknown".to_owned()),
+        }
+    }
+
     /// Validates ahead of a restart, beside the loop (the restart's pre-flight joins it).
     fn prevalidate(&mut self, content: Option<Vec<u8>>) {
-        let running = Some(self.version.clone()).filter(|v| !v.is_empty());
+        let running = self.version.known().map(str::to_owned);
         tokio::spawn(self.host.prevalidate(content, running));
     }
 }

@@ -223,8 +223,7 @@ impl<H: Host> Supervisor<H> {
         self.newest_live = Some(0);
         self.pending_serving_exit = None;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
-        // the next epoch must match: its binary may be another by now.
-        self.version.clear();
+        // the next epoch must match, not the old family's: its binary may be another by now.
         self.ask_version();
         self.lock = None;
         self.metrics.epoch(0);

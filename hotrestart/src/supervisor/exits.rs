@@ -203,7 +203,7 @@ impl<H: Host> Supervisor<H> {
     /// `expected`: the epoch was stopped while it initialized on purpose, so a flag it left
     /// is no wedge.
     pub(super) fn repair_initializing(&mut self, epoch: u32, expected: bool) {
-        if self.version.is_empty() {
+        let Some(version) = self.version.known() else {
             // Only before our first epoch was LIVE: nothing serves, the family stops, and the
             // next epoch 0 makes a new segment.
             tracing::debug!(
@@ -211,8 +211,8 @@ impl<H: Host> Supervisor<H> {
                 "hot-restart version unknown: shared memory left alone"
             );
             return;
-        }
-        match self.host.repair_initializing(&self.version) {
+        };
+        match self.host.repair_initializing(version) {
             Repair::Clean => {}
             Repair::Cleared if expected => tracing::info!(
                 event = "initializing_cleared",

@@ -37,10 +37,10 @@ impl<H: Host> Supervisor<H> {
             queued = ?attempt.queued(),
             "hot restart: pre-flight checks"
         );
-        let running = self.newest_live.map(|_| self.version.clone()).or_else(|| {
-            // A successor's first epoch: the predecessor runs our version (discovery checked).
-            attempt.parent.as_ref().map(|_| self.version.clone())
-        });
+        // Beside our serving epoch, or a successor's first epoch beside the predecessor, which
+        // runs our version (discovery checked).
+        let beside = self.newest_live.is_some() || attempt.parent.is_some();
+        let running = self.version.known().filter(|_| beside).map(str::to_owned);
         // A first epoch with nothing to take over from risks nothing that Envoy's own start
         // would not say as well (and as fast): only an epoch beside a serving one is
         // validated first.
@@ -93,7 +93,7 @@ impl<H: Host> Supervisor<H> {
                 return;
             }
             Err(refusal) => Err(refusal.message().to_owned()),
-            Ok(()) if beside_ours => match self.host.shm_usable(&self.version) {
+            Ok(()) if beside_ours => match self.shm_usable() {
                 Ok(()) => Ok(()),
                 Err(why) => {
                     let why = format!("the family's shared memory is unusable: {why}");
@@ -277,7 +277,7 @@ impl<H: Host> Supervisor<H> {
         self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
         self.flush_pending_drains();
-        if self.version.is_empty() && !self.version_asked {
+        if self.version == Version::Unknown {
             self.ask_version();
         }
     }
@@ -383,7 +383,7 @@ impl<H: Host> Supervisor<H> {
             && self.newest_live.is_some()
             && !self.family.drained
             // What the next binary must match.
-            && !self.version.is_empty()
+            && self.version.known().is_some()
     }
 
     pub(super) fn handoff_timers(&mut self, now: Instant) {

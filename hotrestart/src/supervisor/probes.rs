@@ -6,12 +6,12 @@ use super::*;
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
         if let Life::Discovering { probing, next, .. } = &mut self.life {
-            if result.is_ok() && self.version.is_empty() {
+            if result.is_ok() && self.version.known().is_none() {
                 // Someone answers: only our own version tells whether we can take over. Ask
                 // it; look again once it is known.
                 *probing = false;
                 *next = Instant::now() + LIVE_POLL;
-                if !self.version_asked {
+                if self.version == Version::Unknown {
                     self.ask_version();
                 }
                 return;
@@ -19,7 +19,6 @@ impl<H: Host> Supervisor<H> {
         }
         let now_ms = self.host.now_unix_ms();
         let others = self.read_node();
-        let decision = discovery::decide(&others, &result, &self.base_ids(), &self.version, now_ms);
         let (waiting, reported_incompatible) = match &mut self.life {
             Life::Discovering {
                 waiting,
@@ -32,8 +31,12 @@ impl<H: Host> Supervisor<H> {
                 *next = Instant::now() + DISCOVERY_POLL;
                 (waiting.clone(), *reported_incompatible)
             }
+            // A late answer: the start was given up meanwhile.
             _ => return,
         };
+        // Only an answer is weighed against our version, and an answer waits for it (above).
+        let ours = self.version.known().unwrap_or_default().to_owned();
+        let decision = discovery::decide(&others, &result, &self.base_ids(), &ours, now_ms);
         let set_waiting = |life: &mut Life, why: Waiting, reported: Option<Instant>| {
             if let Life::Discovering {
                 waiting,
@@ -67,7 +70,7 @@ impl<H: Host> Supervisor<H> {
                     self.family.base_id = base_id;
                     self.host.switch_family(base_id, false);
                 }
-                if let Err(why) = self.host.shm_usable(&self.version) {
+                if let Err(why) = self.shm_usable() {
                     // Our epoch could not attach to the family's segment: a family of our own
                     // beside it instead.
                     self.family.predecessor = Some(who.clone());
@@ -111,8 +114,7 @@ impl<H: Host> Supervisor<H> {
                 let who = identity
                     .unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
                 let why = format!(
-                    "the node's envoy ({who}) has hot-restart version {theirs}, ours {}",
-                    self.version
+                    "the node's envoy ({who}) has hot-restart version {theirs}, ours {ours}"
                 );
                 self.family.predecessor = Some(who.clone());
                 self.begin_first_cold(base_id, who, why);
@@ -126,15 +128,12 @@ impl<H: Host> Supervisor<H> {
                     tracing::error!(
                         predecessor = identity.as_deref().unwrap_or("unknown"),
                         theirs = %theirs,
-                        ours = %self.version,
+                        ours = %ours,
                         "the node's envoy has another hot-restart version: it cannot be \
                          hot-restarted from; not starting until it is gone (see the runbook)"
                     );
                 }
-                let why = Waiting::Incompatible {
-                    theirs,
-                    ours: self.version.clone(),
-                };
+                let why = Waiting::Incompatible { theirs, ours };
                 set_waiting(&mut self.life, why, reported);
             }
             Discovery::Wait(why) => {
