@@ -329,7 +329,6 @@ pub(crate) struct Supervisor<H: Host> {
     /// Heartbeat files already reported as untrusted (each once).
     reported: BTreeSet<(std::path::PathBuf, String)>,
     watch: Option<crate::watch::ConfigWatch>,
-    aborted: bool,
     /// Whether the readiness marker is present, as last set.
     marker: bool,
     /// The serving epoch that exited while its successor started: the outcome if that fails.
@@ -400,7 +399,6 @@ impl<H: Host> Supervisor<H> {
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
             reported: BTreeSet::new(),
             watch: None,
-            aborted: false,
             marker: false,
             pending_serving_exit: None,
             cold_takeover_of: None,
@@ -495,9 +493,12 @@ impl<H: Host> Supervisor<H> {
             // runs now, after any event already waiting: the timer rounds a deadline up to its
             // next millisecond, so sleeping until now would add up to ~1 ms to each handoff.
             let due = wake.is_some_and(|w| w <= Instant::now());
+            // Once stopping, for whatever reason, an abort has nothing left to do (and the
+            // cancelled token would be ready at every turn).
+            let stopping = matches!(self.life, Life::Stopping { .. });
             let event = tokio::select! {
                 biased;
-                () = abort.cancelled(), if !self.aborted => Event::Abort,
+                () = abort.cancelled(), if !stopping => Event::Abort,
                 Some(event) = self.events.recv() => event,
                 Some(command) = self.commands.recv() => Event::Command(command),
                 changed = watch_changed(&mut self.watch) => match changed {
@@ -542,10 +543,7 @@ impl<H: Host> Supervisor<H> {
 
     async fn handle(&mut self, event: Event) {
         match event {
-            Event::Abort => {
-                self.aborted = true;
-                self.begin_stop(Ended::Stopped { last: None }, "asked to stop");
-            }
+            Event::Abort => self.begin_stop(Ended::Stopped { last: None }, "asked to stop"),
             Event::Command(command) => self.on_command(command),
             Event::Exited { epoch, pid, result } => self.on_exit(epoch, pid, result),
             Event::Probed {
