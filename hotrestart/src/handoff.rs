@@ -48,10 +48,27 @@ pub(crate) enum Parent {
     },
 }
 
-impl Parent {
+/// The generation a LIVE epoch took over from, while it drains.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum DrainingParent {
+    /// One of ours.
+    Ours(u32),
+    /// A predecessor pod's Envoy. It may be gone before its child terminates it (its pod
+    /// stopped), while the child still talks to it: its socket names are looked at from
+    /// `look_at` on, every `FOREIGN_PARENT_CHECK`, and held by a stand-in once free.
+    Foreign {
+        /// Its epoch.
+        epoch: u32,
+        /// The predecessor pod's identity.
+        identity: String,
+        look_at: Instant,
+    },
+}
+
+impl DrainingParent {
     pub(crate) fn epoch(&self) -> u32 {
         match self {
-            Parent::Ours(e) | Parent::Foreign { epoch: e, .. } => *e,
+            DrainingParent::Ours(e) | DrainingParent::Foreign { epoch: e, .. } => *e,
         }
     }
 }
@@ -211,7 +228,7 @@ pub(crate) enum Handoff {
     },
     /// The previous generation drains until its child terminates it; no new epoch may start.
     ParentDraining {
-        parent: Parent,
+        parent: DrainingParent,
         /// When the child terminates it (parent-shutdown time after LIVE); the heartbeat says
         /// its wall time, fixed once (computed again at each heartbeat it moved by a
         /// millisecond now and then, and rewrote an unchanged heartbeat).

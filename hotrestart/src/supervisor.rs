@@ -24,7 +24,7 @@ use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
 use crate::handoff::{
-    Attempt, Deadline, Handoff, Moment, NotLive, Parent, Queue, QueueWait, Waiter,
+    Attempt, Deadline, DrainingParent, Handoff, Moment, NotLive, Parent, Queue, QueueWait, Waiter,
 };
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
@@ -323,7 +323,6 @@ pub(crate) struct Supervisor<H: Host> {
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
     heartbeat_written: Option<(Heartbeat, Instant)>,
-    foreign_check: Option<Instant>,
     family: FamilyState,
     phase_since: (ProxyPhase, SystemTime),
     /// Heartbeat files already reported as untrusted (each once).
@@ -394,7 +393,6 @@ impl<H: Host> Supervisor<H> {
             pending_drains: Vec::new(),
             heartbeat_due: now,
             heartbeat_written: None,
-            foreign_check: None,
             family,
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
             reported: BTreeSet::new(),
@@ -644,7 +642,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Ours(p),
+                parent: DrainingParent::Ours(p),
                 until,
             } => {
                 let killed = self.epochs.get(*p).is_none_or(|c| c.stopped.is_some());
@@ -653,11 +651,11 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Foreign { .. },
+                parent: DrainingParent::Foreign { look_at, .. },
                 until,
             } => {
                 consider(Some(until.at));
-                consider(self.foreign_check);
+                consider(Some(*look_at));
             }
             _ => {}
         }

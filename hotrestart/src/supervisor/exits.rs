@@ -62,7 +62,7 @@ impl<H: Host> Supervisor<H> {
         match child.state {
             EpochState::Draining => {
                 if let Handoff::ParentDraining {
-                    parent: Parent::Ours(p),
+                    parent: DrainingParent::Ours(p),
                     ..
                 } = &self.handoff
                 {

@@ -235,7 +235,7 @@ impl<H: Host> Supervisor<H> {
             Some(Parent::Ours(p)) if self.epochs.get(*p).is_some() => {
                 self.epochs.set_state(*p, EpochState::Draining);
                 Handoff::ParentDraining {
-                    parent: Parent::Ours(*p),
+                    parent: DrainingParent::Ours(*p),
                     until: Moment::after(
                         self.config.parent_shutdown_time(),
                         self.host.now_unix_ms(),
@@ -247,11 +247,11 @@ impl<H: Host> Supervisor<H> {
                 // Until the child terminates it; a second of margin for its own timer.
                 let drains = self.config.parent_shutdown_time() + Duration::from_secs(1);
                 self.family.foreign_parent_until = Some(SystemTime::now() + drains);
-                self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
                 Handoff::ParentDraining {
-                    parent: Parent::Foreign {
+                    parent: DrainingParent::Foreign {
                         epoch: *epoch,
                         identity: identity.clone(),
+                        look_at: now + FOREIGN_PARENT_CHECK,
                     },
                     until: Moment::after(drains, self.host.now_unix_ms()),
                 }
@@ -404,7 +404,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Ours(p),
+                parent: DrainingParent::Ours(p),
                 until,
             } if now >= until.at + self.config.parent_overdue_grace => {
                 let p = *p;
@@ -420,12 +420,23 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Foreign { epoch, identity },
+                parent:
+                    DrainingParent::Foreign {
+                        epoch,
+                        identity,
+                        look_at,
+                    },
                 until,
             } => {
                 let (epoch, identity, until) = (*epoch, identity.clone(), until.at);
-                if self.foreign_check.is_some_and(|t| now >= t) {
-                    self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
+                if now >= *look_at {
+                    if let Handoff::ParentDraining {
+                        parent: DrainingParent::Foreign { look_at, .. },
+                        ..
+                    } = &mut self.handoff
+                    {
+                        *look_at = now + FOREIGN_PARENT_CHECK;
+                    }
                     // The names come free only once the predecessor's Envoy is gone: then our
                     // child would abort on its next message to it. Hold them and answer.
                     if !self.stand_ins.iter().any(|s| s.parent_epoch == epoch) {
@@ -442,7 +453,6 @@ impl<H: Host> Supervisor<H> {
                 }
                 if now >= until {
                     self.handoff = Handoff::Idle;
-                    self.foreign_check = None;
                     self.family.foreign_parent_until = None;
                     self.write_heartbeat();
                 }
