@@ -31,6 +31,8 @@ use envoy_agent_proxy::{RestartError, XdsType};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::supervisor::{LIVE_NEAR_BOUND, LIVE_POLL, LIVE_POLL_FAST, LIVE_POLL_UNBOUND, Probing};
+
 /// Someone waiting for a hot restart's outcome.
 pub(crate) type Waiter = oneshot::Sender<Result<u32, RestartError>>;
 
@@ -192,13 +194,64 @@ impl Deadline {
     pub(crate) fn after_not_live(self, sent: Instant, unknown: bool) -> NotLive {
         match self {
             Deadline::Passed(from) if sent >= from && !unknown => NotLive::GiveUp,
-            Deadline::Passed(_) if unknown => {
-                NotLive::AskAgainIn(crate::supervisor::LIVE_POLL_UNBOUND)
-            }
+            Deadline::Passed(_) if unknown => NotLive::AskAgainIn(LIVE_POLL_UNBOUND),
             // Asked before the deadline passed: ask again, now.
             Deadline::Passed(_) => NotLive::AskAgainIn(Duration::ZERO),
             Deadline::At(_) | Deadline::Killed => NotLive::Poll,
         }
+    }
+}
+
+/// Whose admin a new Envoy's LIVE checks reach, which sets their pace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LiveSign {
+    /// Its admin listener is not known to be bound (and may never be known to be): the
+    /// configured address may still be the parent's.
+    Awaited,
+    /// Its own admin answers since then (a hot restart's child bound the listener; a cold
+    /// family's checks go to its own address from its spawn): LIVE is near.
+    Seen(Instant),
+}
+
+/// The LIVE checks of a starting epoch, or of a cold handover's new family.
+#[derive(Debug)]
+pub(crate) struct LiveChecks {
+    pub(crate) probing: Probing,
+    /// What paces them.
+    pub(crate) sign: LiveSign,
+    /// When the latest answer that did not find it LIVE yet came: Envoy became LIVE after
+    /// it was given, so it bounds how late the supervisor saw LIVE.
+    pub(crate) missed: Option<Instant>,
+}
+
+impl LiveChecks {
+    /// The checks of an Envoy spawned at `now`: the first after one gap.
+    pub(crate) fn new(now: Instant, sign: LiveSign) -> Self {
+        let mut checks = LiveChecks {
+            probing: Probing::default(),
+            sign,
+            missed: None,
+        };
+        checks.probing.next = Some(now + checks.gap());
+        checks
+    }
+
+    /// How long from a "not LIVE" answer to the next check: rarely until the sign, then
+    /// every millisecond while LIVE is near, and every [`LIVE_POLL`] after that (a config to
+    /// fetch from a control plane).
+    pub(crate) fn gap(&self) -> Duration {
+        match self.sign {
+            LiveSign::Awaited => LIVE_POLL_UNBOUND,
+            LiveSign::Seen(at) if at.elapsed() < LIVE_NEAR_BOUND => LIVE_POLL_FAST,
+            LiveSign::Seen(_) => LIVE_POLL,
+        }
+    }
+
+    /// An answer that came at `now`, before the deadline passed, did not find it LIVE: the
+    /// next check at the usual pace.
+    pub(crate) fn not_live_yet(&mut self, now: Instant) {
+        self.missed = Some(now);
+        self.probing.next = Some(now + self.gap());
     }
 }
 
@@ -225,6 +278,7 @@ pub(crate) enum Handoff {
         attempt: Attempt,
         /// When it is given up (SIGKILL).
         deadline: Deadline,
+        live: LiveChecks,
     },
     /// The previous generation drains until its child terminates it; no new epoch may start.
     ParentDraining {
@@ -239,6 +293,7 @@ pub(crate) enum Handoff {
         attempt: Attempt,
         deadline: Deadline,
         child: ColdChild,
+        live: LiveChecks,
     },
     /// After a cold handover: the old family (the supervisor's `retiring` books) drains until
     /// `until`, then is stopped; what is left at `kill_at` is killed. Across pods (`foreign`:
@@ -262,6 +317,21 @@ impl Handoff {
 
     pub(crate) fn is_idle(&self) -> bool {
         matches!(self, Handoff::Idle)
+    }
+
+    /// The LIVE checks of the Envoy starting (an epoch, or a cold handover's new family).
+    pub(crate) fn live_checks(&self) -> Option<&LiveChecks> {
+        match self {
+            Handoff::Starting { live, .. } | Handoff::Cold { live, .. } => Some(live),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn live_checks_mut(&mut self) -> Option<&mut LiveChecks> {
+        match self {
+            Handoff::Starting { live, .. } | Handoff::Cold { live, .. } => Some(live),
+            _ => None,
+        }
     }
 
     /// The epoch starting, if any.

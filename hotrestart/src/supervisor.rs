@@ -24,7 +24,8 @@ use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
 use crate::handoff::{
-    Attempt, Deadline, DrainingParent, Handoff, Moment, NotLive, Parent, Queue, QueueWait, Waiter,
+    Attempt, Deadline, DrainingParent, Handoff, LiveChecks, LiveSign, Moment, NotLive, Parent,
+    Queue, QueueWait, Waiter,
 };
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
@@ -256,29 +257,18 @@ struct StandIn {
 }
 
 /// When the next admin probe of a kind is due, and whether one is out.
-#[derive(Default)]
-struct Probing {
-    next: Option<Instant>,
-    in_flight: bool,
-}
-
-/// Whose admin the starting epoch's LIVE checks reach, which sets their pace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LiveSign {
-    /// Its admin listener is not known to be bound (and may never be known to be): the
-    /// configured address may still be the parent's.
-    Awaited,
-    /// Its own admin answers since then (a hot restart's child bound the listener; a cold
-    /// family's checks go to its own address from its spawn): LIVE is near.
-    Seen(Instant),
+#[derive(Debug, Default)]
+pub(crate) struct Probing {
+    pub(crate) next: Option<Instant>,
+    pub(crate) in_flight: bool,
 }
 
 impl Probing {
-    fn due(&self, now: Instant) -> bool {
+    pub(crate) fn due(&self, now: Instant) -> bool {
         !self.in_flight && self.next.is_some_and(|t| t <= now)
     }
 
-    fn wake(&self) -> Option<Instant> {
+    pub(crate) fn wake(&self) -> Option<Instant> {
         self.next.filter(|_| !self.in_flight)
     }
 }
@@ -304,17 +294,11 @@ pub(crate) struct Supervisor<H: Host> {
     /// The running Envoy's hot-restart version, which the next binary must match (the first
     /// epoch starts without waiting for it, except where discovery needs it).
     version: Version,
-    /// When the latest LIVE check that found the starting epoch not LIVE yet was sent: Envoy
-    /// became LIVE after it, so it bounds how late the supervisor saw LIVE.
-    live_missed: Option<Instant>,
     newest_live: Option<u32>,
     /// The node's epoch lock, held from a handoff's start until its epoch is LIVE or failed.
     lock: Option<Guard>,
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
-    live: Probing,
-    /// What paces the starting epoch's LIVE checks.
-    live_sign: LiveSign,
     watchdog: Probing,
     admin_ok: Instant,
     /// Drains asked for while a handoff settles; applied once it has.
@@ -382,12 +366,9 @@ impl<H: Host> Supervisor<H> {
             handoff: Handoff::Idle,
             queue: Queue::default(),
             version: Version::Unknown,
-            live_missed: None,
             newest_live: None,
             lock: None,
             stand_ins: Vec::new(),
-            live: Probing::default(),
-            live_sign: LiveSign::Awaited,
             watchdog: Probing::default(),
             admin_ok: now,
             pending_drains: Vec::new(),
@@ -555,7 +536,9 @@ impl<H: Host> Supervisor<H> {
                 sent,
                 result,
             } => {
-                self.live.in_flight = false;
+                if let Some(live) = self.handoff.live_checks_mut() {
+                    live.probing.in_flight = false;
+                }
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
@@ -566,7 +549,9 @@ impl<H: Host> Supervisor<H> {
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, sent, result } => {
-                self.live.in_flight = false;
+                if let Some(live) = self.handoff.live_checks_mut() {
+                    live.probing.in_flight = false;
+                }
                 self.on_cold_live_check(pid, sent, result);
             }
             Event::PreFlight {
@@ -628,11 +613,13 @@ impl<H: Host> Supervisor<H> {
             }
             Life::Running | Life::HandedOver { .. } => {}
         }
-        consider(self.live.wake());
+        consider(self.handoff.live_checks().and_then(|l| l.probing.wake()));
         consider(self.watchdog.wake());
         consider(self.xds.wake());
         match &self.handoff {
-            Handoff::Starting { attempt, deadline } => {
+            Handoff::Starting {
+                attempt, deadline, ..
+            } => {
                 let stopped = self
                     .epochs
                     .get(attempt.epoch)
@@ -720,14 +707,15 @@ impl<H: Host> Supervisor<H> {
             Life::Running | Life::HandedOver { .. } => {}
         }
 
-        if self.live.due(now) {
-            if let Some(epoch) = self.handoff.starting_epoch() {
-                self.live_check(epoch);
-            } else if let Handoff::Cold { child, .. } = &self.handoff {
-                let (base_id, pid) = (child.base_id, child.pid);
-                self.cold_live_check(base_id, pid);
-            } else {
-                self.live = Probing::default();
+        if self
+            .handoff
+            .live_checks()
+            .is_some_and(|l| l.probing.due(now))
+        {
+            match self.handoff {
+                Handoff::Starting { .. } => self.live_check(),
+                Handoff::Cold { .. } => self.cold_live_check(),
+                _ => {}
             }
         }
         // Early too, to share the heartbeat's wake-up (only at its steady pace).

@@ -124,10 +124,11 @@ impl<H: Host> Supervisor<H> {
                         signals: spawned.signals,
                         started_at: now,
                     },
+                    // Its checks go to its own address (from its file): no parent to spare.
+                    live: LiveChecks::new(now, LiveSign::Seen(now)),
                 };
-                // Its checks go to its own address (from its file): no parent to spare.
-                self.live_sign = LiveSign::Seen(now);
-                self.begin_live_checks(now);
+                // The node hears of each spawn.
+                self.write_heartbeat();
             }
             Err(e) => {
                 self.lock = None;
@@ -136,9 +137,14 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    pub(super) fn cold_live_check(&mut self, base_id: u32, pid: u32) {
-        self.live.in_flight = true;
-        let call = self.host.cold_live_check(base_id);
+    /// Asks whether the cold handover's new family is LIVE, beside the loop.
+    pub(super) fn cold_live_check(&mut self) {
+        let Handoff::Cold { child, live, .. } = &mut self.handoff else {
+            return;
+        };
+        live.probing.in_flight = true;
+        let pid = child.pid;
+        let call = self.host.cold_live_check(child.base_id);
         let events = self.events_tx.clone();
         let sent = Instant::now();
         tokio::spawn(async move {
@@ -179,13 +185,13 @@ impl<H: Host> Supervisor<H> {
             self.go_cold_live();
             return;
         }
+        let Handoff::Cold { live: checks, .. } = &mut self.handoff else {
+            return;
+        };
         match deadline.after_not_live(sent, unknown) {
             NotLive::GiveUp => self.give_up_cold(),
-            NotLive::AskAgainIn(gap) => self.live.next = Some(Instant::now() + gap),
-            NotLive::Poll => {
-                self.live_missed = Some(Instant::now());
-                self.live.next = Some(Instant::now() + self.live_poll_gap());
-            }
+            NotLive::AskAgainIn(gap) => checks.probing.next = Some(Instant::now() + gap),
+            NotLive::Poll => checks.not_live_yet(Instant::now()),
         }
     }
 
@@ -193,13 +199,15 @@ impl<H: Host> Supervisor<H> {
     fn go_cold_live(&mut self) {
         let seen = Instant::now();
         let Handoff::Cold {
-            mut attempt, child, ..
+            mut attempt,
+            child,
+            live,
+            ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
-        self.live = Probing::default();
-        attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
+        attempt.live_seen_within = live.missed.map(|t| t.elapsed());
         let foreign = attempt.cold_from.as_ref().map(|(_, who)| who.clone());
         if foreign.is_none() {
             // Told while the host still reaches the old family's admin.
@@ -278,7 +286,6 @@ impl<H: Host> Supervisor<H> {
         else {
             return;
         };
-        self.live = Probing::default();
         self.lock = None;
         let killed = deadline == Deadline::Killed;
         if killed && !attempt.waiting_for_config.is_empty() && !attempt.first {
@@ -456,16 +463,13 @@ impl<H: Host> Supervisor<H> {
             return;
         }
         let signal = match &mut self.handoff {
-            Handoff::Cold {
-                deadline, child, ..
-            } => {
+            Handoff::Cold { deadline, live, .. } => {
                 if let Deadline::At(at) = *deadline {
                     if now >= at {
                         // Fresh facts first (see `Deadline`).
                         *deadline = Deadline::Passed(now);
-                        let (base_id, pid) = (child.base_id, child.pid);
-                        if !self.live.in_flight {
-                            self.cold_live_check(base_id, pid);
+                        if !live.probing.in_flight {
+                            self.cold_live_check();
                         }
                     }
                 }
@@ -518,6 +522,7 @@ impl<H: Host> Supervisor<H> {
             deadline: state,
             child,
             attempt,
+            ..
         } = &mut self.handoff
         else {
             return;

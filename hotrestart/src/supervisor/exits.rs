@@ -300,7 +300,6 @@ impl<H: Host> Supervisor<H> {
             let _ = reply.send(Ok(()));
         }
         self.lock = None;
-        self.live = Probing::default();
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
         // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.

@@ -124,7 +124,6 @@ impl<H: Host> Supervisor<H> {
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
-                self.live_sign = LiveSign::Awaited;
                 if let Some(bound) = spawned.admin_bound {
                     let events = self.events_tx.clone();
                     tokio::spawn(async move {
@@ -141,8 +140,10 @@ impl<H: Host> Supervisor<H> {
                 self.handoff = Handoff::Starting {
                     attempt,
                     deadline: Deadline::At(now + self.config.handoff_deadline),
+                    live: LiveChecks::new(now, LiveSign::Awaited),
                 };
-                self.begin_live_checks(now);
+                // The node hears of each spawn.
+                self.write_heartbeat();
                 self.schedule_xds(now);
             }
             Err(e) => {
@@ -161,17 +162,6 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// A new Envoy was spawned at `now`: its LIVE checks begin (paced by `live_sign`), and the
-    /// heartbeat says so.
-    pub(super) fn begin_live_checks(&mut self, now: Instant) {
-        self.live_missed = None;
-        self.live = Probing {
-            next: Some(now + self.live_poll_gap()),
-            in_flight: false,
-        };
-        self.write_heartbeat();
-    }
-
     /// Reports the exit of `epoch`'s process `pid` as an event, once it comes.
     pub(super) fn watch_exit(
         &self,
@@ -186,45 +176,35 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    /// How long from a "not LIVE" answer to the next LIVE check: rarely until the sign, then
-    /// every millisecond while LIVE is near, and every [`LIVE_POLL`] after that (a config to
-    /// fetch from a control plane).
-    pub(super) fn live_poll_gap(&self) -> Duration {
-        match self.live_sign {
-            LiveSign::Awaited => LIVE_POLL_UNBOUND,
-            LiveSign::Seen(at) if at.elapsed() < LIVE_NEAR_BOUND => LIVE_POLL_FAST,
-            LiveSign::Seen(_) => LIVE_POLL,
-        }
-    }
-
     /// The starting epoch's admin listener is bound: LIVE is near, look now and closely.
     pub(super) fn on_admin_bound(&mut self, epoch: u32) {
-        if self.handoff.attempt().is_none_or(|a| a.epoch != epoch)
-            || self.live_sign != LiveSign::Awaited
-        {
+        let Handoff::Starting { attempt, live, .. } = &mut self.handoff else {
+            return;
+        };
+        if attempt.epoch != epoch || live.sign != LiveSign::Awaited {
             return;
         }
         let now = Instant::now();
         tracing::debug!(
             epoch,
-            since_spawn = ?self.handoff.attempt().and_then(|a| a.spawned).map(|s| s.elapsed()),
+            since_spawn = ?attempt.spawned.map(|s| s.elapsed()),
             "the starting epoch's admin listener is bound: LIVE is near"
         );
-        self.live_sign = LiveSign::Seen(now);
-        if !self.live.in_flight {
-            self.live.next = Some(now);
+        live.sign = LiveSign::Seen(now);
+        if !live.probing.in_flight {
+            live.probing.next = Some(now);
         }
     }
 
     pub(super) fn go_live(&mut self, epoch: u32) {
         let seen = Instant::now();
-        let Handoff::Starting { mut attempt, .. } =
-            std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::Starting {
+            mut attempt, live, ..
+        } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
-        self.live = Probing::default();
-        attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
+        attempt.live_seen_within = live.missed.map(|t| t.elapsed());
         self.host.passed_live(&attempt.checked);
         // Its admin is on the configured address (after a cold family's ephemeral one).
         self.host.switch_family(self.base_id, false);
@@ -298,7 +278,6 @@ impl<H: Host> Supervisor<H> {
             tracing::warn!(epoch, code, "an epoch exited while starting");
             return;
         };
-        self.live = Probing::default();
         self.lock = None;
         let foreign_first = attempt.first && matches!(attempt.parent, Some(Parent::Foreign { .. }));
         if timed_out
@@ -349,7 +328,10 @@ impl<H: Host> Supervisor<H> {
     /// The starting epoch was not LIVE by the deadline, confirmed by a LIVE check sent after
     /// it: killed.
     pub(super) fn give_up_starting(&mut self) {
-        let Handoff::Starting { attempt, deadline } = &mut self.handoff else {
+        let Handoff::Starting {
+            attempt, deadline, ..
+        } = &mut self.handoff
+        else {
             return;
         };
         let epoch = attempt.epoch;
@@ -391,15 +373,17 @@ impl<H: Host> Supervisor<H> {
             Handoff::Starting {
                 attempt,
                 deadline: Deadline::At(at),
+                ..
             } if now >= *at => {
                 let epoch = attempt.epoch;
                 if self.epochs.get(epoch).is_some_and(|c| c.stopped.is_none()) {
                     // Fresh facts first (see `Deadline`): a check in flight was sent before.
-                    if let Handoff::Starting { deadline, .. } = &mut self.handoff {
-                        *deadline = Deadline::Passed(now);
-                    }
-                    if !self.live.in_flight {
-                        self.live_check(epoch);
+                    let Handoff::Starting { deadline, live, .. } = &mut self.handoff else {
+                        return;
+                    };
+                    *deadline = Deadline::Passed(now);
+                    if !live.probing.in_flight {
+                        self.live_check();
                     }
                 }
             }

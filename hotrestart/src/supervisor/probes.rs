@@ -187,14 +187,18 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    /// Asks whether the starting `epoch` is LIVE, beside the loop.
-    pub(super) fn live_check(&mut self, epoch: u32) {
-        self.live.in_flight = true;
+    /// Asks whether the starting epoch is LIVE, beside the loop.
+    pub(super) fn live_check(&mut self) {
+        let Handoff::Starting { attempt, live, .. } = &mut self.handoff else {
+            return;
+        };
+        live.probing.in_flight = true;
+        let epoch = attempt.epoch;
         // Once its admin listener is bound the address is the starting epoch's: its checks
         // can share a connection.
         let call = self
             .host
-            .live_check(matches!(self.live_sign, LiveSign::Seen(_)).then_some(epoch));
+            .live_check(matches!(live.sign, LiveSign::Seen(_)).then_some(epoch));
         let events = self.events_tx.clone();
         let sent = Instant::now();
         tokio::spawn(async move {
@@ -380,15 +384,14 @@ impl<H: Host> Supervisor<H> {
             self.go_live(epoch);
             return;
         }
+        let Handoff::Starting { live: checks, .. } = &mut self.handoff else {
+            return;
+        };
         match deadline.after_not_live(sent, unknown) {
             NotLive::GiveUp => self.give_up_starting(),
-            NotLive::AskAgainIn(gap) => self.live.next = Some(Instant::now() + gap),
-            NotLive::Poll => {
-                // Envoy answered "not LIVE" before this moment (and after `sent`).
-                let now = Instant::now();
-                self.live_missed = Some(now);
-                self.live.next = Some(now + self.live_poll_gap());
-            }
+            NotLive::AskAgainIn(gap) => checks.probing.next = Some(Instant::now() + gap),
+            // Envoy answered "not LIVE" before this moment (and after `sent`).
+            NotLive::Poll => checks.not_live_yet(Instant::now()),
         }
     }
 
