@@ -27,7 +27,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::{RestartError, XdsType};
+use envoy_agent_proxy::{Exit, RestartError, XdsType};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -279,6 +279,9 @@ pub(crate) enum Handoff {
         /// When it is given up (SIGKILL).
         deadline: Deadline,
         live: LiveChecks,
+        /// Its parent, the serving epoch, exited meanwhile (a stand-in answers for it): the
+        /// family's outcome if this epoch fails too.
+        serving_exited: Option<Exit>,
     },
     /// The previous generation drains until its child terminates it; no new epoch may start.
     ParentDraining {

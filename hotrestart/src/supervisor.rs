@@ -314,8 +314,6 @@ pub(crate) struct Supervisor<H: Host> {
     watch: Option<crate::watch::ConfigWatch>,
     /// Whether the readiness marker is present, as last set.
     marker: bool,
-    /// The serving epoch that exited while its successor started: the outcome if that fails.
-    pending_serving_exit: Option<Exit>,
     /// The predecessor our family took over from by a cold handover, until its Envoy is gone
     /// (our heartbeat tells it to retire).
     cold_takeover_of: Option<String>,
@@ -379,7 +377,6 @@ impl<H: Host> Supervisor<H> {
             reported: BTreeSet::new(),
             watch: None,
             marker: false,
-            pending_serving_exit: None,
             cold_takeover_of: None,
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
             xds: Probing::default(),

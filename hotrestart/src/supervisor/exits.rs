@@ -105,10 +105,15 @@ impl<H: Host> Supervisor<H> {
                         "the serving epoch exited while epoch {starting} starts: standing in for it, the new epoch may still take over"
                     );
                     self.stand_in_for(epoch);
-                    if let Handoff::Starting { attempt, .. } = &mut self.handoff {
+                    if let Handoff::Starting {
+                        attempt,
+                        serving_exited,
+                        ..
+                    } = &mut self.handoff
+                    {
                         attempt.parent = None;
+                        *serving_exited = Some(exit);
                     }
-                    self.pending_serving_exit = Some(exit);
                     return;
                 }
                 // Who serves now? A successor pod's Envoy terminates ours with exit 0.

@@ -141,6 +141,7 @@ impl<H: Host> Supervisor<H> {
                     attempt,
                     deadline: Deadline::At(now + self.config.handoff_deadline),
                     live: LiveChecks::new(now, LiveSign::Awaited),
+                    serving_exited: None,
                 };
                 // The node hears of each spawn.
                 self.write_heartbeat();
@@ -239,7 +240,6 @@ impl<H: Host> Supervisor<H> {
             _ => Handoff::Idle,
         };
         self.newest_live = Some(epoch);
-        self.pending_serving_exit = None;
         // Our epoch is LIVE: the next successor (or restart) may allocate.
         self.lock = None;
         self.metrics.epoch(epoch);
@@ -273,7 +273,11 @@ impl<H: Host> Supervisor<H> {
         } else {
             format!("exited with code {code}: {}", last_line(tail))
         };
-        let Handoff::Starting { attempt, .. } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::Starting {
+            attempt,
+            serving_exited,
+            ..
+        } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             tracing::warn!(epoch, code, "an epoch exited while starting");
             return;
@@ -283,7 +287,7 @@ impl<H: Host> Supervisor<H> {
         if timed_out
             && !attempt.waiting_for_config.is_empty()
             && (self.newest_live.is_some() || foreign_first)
-            && self.pending_serving_exit.is_none()
+            && serving_exited.is_none()
         {
             // It waited for its control plane: no failure of the serving epoch's, and
             // nothing to recover but the restart itself (its parent's admin listener comes
@@ -304,7 +308,7 @@ impl<H: Host> Supervisor<H> {
             self.finish(attempt, outcome, message.clone());
             // Nothing of ours serves: the first epoch failed, or the serving one died while
             // this one started.
-            let ended = match self.pending_serving_exit.take() {
+            let ended = match serving_exited {
                 Some(exit) => Ended::Lost {
                     message: format!(
                         "the serving epoch {} exited while epoch {epoch} started, and epoch {epoch} failed: {message}",
