@@ -31,6 +31,7 @@ use envoy_agent_proxy::{Exit, RestartError, XdsType};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::host::Guard;
 use crate::supervisor::{LIVE_NEAR_BOUND, LIVE_POLL, LIVE_POLL_FAST, LIVE_POLL_UNBOUND, Probing};
 
 /// Someone waiting for a hot restart's outcome.
@@ -272,12 +273,20 @@ pub(crate) enum Handoff {
     /// Nothing in flight.
     Idle,
     /// Pre-flight checks run for the attempt.
-    PreFlight(Attempt),
+    PreFlight {
+        attempt: Attempt,
+        /// The node's epoch lock, held from the handoff's start until its epoch is LIVE or
+        /// failed, so that no successor pod allocates an epoch meanwhile. None without a node,
+        /// or when the lock could not be had and the restart goes on without it.
+        lock: Option<Guard>,
+    },
     /// The attempt's epoch runs and is not LIVE yet.
     Starting {
         attempt: Attempt,
         /// When it is given up (SIGKILL).
         deadline: Deadline,
+        /// Still held (see `PreFlight`).
+        lock: Option<Guard>,
         live: LiveChecks,
         /// Its parent, the serving epoch, exited meanwhile (a stand-in answers for it): the
         /// family's outcome if this epoch fails too.
@@ -296,6 +305,8 @@ pub(crate) enum Handoff {
         attempt: Attempt,
         deadline: Deadline,
         child: ColdChild,
+        /// Still held (see `PreFlight`).
+        lock: Option<Guard>,
         live: LiveChecks,
     },
     /// After a cold handover: the old family (the supervisor's `retiring` books) drains until
@@ -313,7 +324,7 @@ impl Handoff {
     /// The attempt in flight, if any.
     pub(crate) fn attempt(&self) -> Option<&Attempt> {
         match self {
-            Handoff::PreFlight(a) | Handoff::Starting { attempt: a, .. } => Some(a),
+            Handoff::PreFlight { attempt: a, .. } | Handoff::Starting { attempt: a, .. } => Some(a),
             _ => None,
         }
     }

@@ -187,6 +187,9 @@ enum Life {
         /// Why it waits, as last logged.
         waiting: Option<Waiting>,
         reported_incompatible: Option<Instant>,
+        /// The node's epoch lock once taken: kept while waiting (no successor pod allocates
+        /// meanwhile), and handed to the first epoch's handoff.
+        lock: Option<Guard>,
     },
     /// Our epochs run (the first may not be LIVE yet).
     Running,
@@ -295,8 +298,6 @@ pub(crate) struct Supervisor<H: Host> {
     /// epoch starts without waiting for it, except where discovery needs it).
     version: Version,
     newest_live: Option<u32>,
-    /// The node's epoch lock, held from a handoff's start until its epoch is LIVE or failed.
-    lock: Option<Guard>,
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
     watchdog: Probing,
@@ -365,7 +366,6 @@ impl<H: Host> Supervisor<H> {
             queue: Queue::default(),
             version: Version::Unknown,
             newest_live: None,
-            lock: None,
             stand_ins: Vec::new(),
             watchdog: Probing::default(),
             admin_ok: now,
@@ -398,7 +398,6 @@ impl<H: Host> Supervisor<H> {
         // start, competing for the CPU; it is asked of the LIVE epoch instead.
         let ended = self.supervise(abort).await;
         self.host.remove_heartbeat(&self.config.identity);
-        self.lock = None;
         self.stand_ins.clear();
         self.publish();
         // Asked of a family that is gone: each asker hears so (its reply is dropped) rather
@@ -446,6 +445,7 @@ impl<H: Host> Supervisor<H> {
                 probing: false,
                 waiting: None,
                 reported_incompatible: None,
+                lock: None,
             };
         } else {
             self.begin_first(0, None, START_REASON.to_owned());
@@ -789,12 +789,12 @@ impl<H: Host> Supervisor<H> {
 
     fn handoff_info(&self) -> Option<envoy_agent_proxy::Handoff> {
         match &self.handoff {
-            Handoff::PreFlight(a) | Handoff::Starting { attempt: a, .. } => {
+            Handoff::PreFlight { attempt: a, .. } | Handoff::Starting { attempt: a, .. } => {
                 Some(envoy_agent_proxy::Handoff {
                     epoch: a.epoch,
                     reason: a.reason.clone(),
                     since: a.triggered.wall,
-                    stage: if matches!(self.handoff, Handoff::PreFlight(_)) {
+                    stage: if matches!(self.handoff, Handoff::PreFlight { .. }) {
                         HandoffStage::PreFlight
                     } else {
                         HandoffStage::Starting

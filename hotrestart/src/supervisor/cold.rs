@@ -65,6 +65,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) async fn start_cold(
         &mut self,
         mut attempt: Attempt,
+        lock: Option<Guard>,
         why: String,
         from_base_id: u32,
     ) {
@@ -72,7 +73,7 @@ impl<H: Host> Supervisor<H> {
             .other_base_id(from_base_id)
             .filter(|_| !attempt.settles);
         let Some(base_id) = base_id else {
-            self.lock = None;
+            drop(lock);
             let off = if attempt.settles {
                 "the restart after a cold handover does not hand over cold again; the admin \
                  stays on its ephemeral port until a restart works"
@@ -118,6 +119,7 @@ impl<H: Host> Supervisor<H> {
                 self.handoff = Handoff::Cold {
                     attempt,
                     deadline: Deadline::At(now + self.config.handoff_deadline),
+                    lock,
                     child: ColdChild {
                         pid,
                         base_id,
@@ -131,7 +133,7 @@ impl<H: Host> Supervisor<H> {
                 self.write_heartbeat();
             }
             Err(e) => {
-                self.lock = None;
+                drop(lock);
                 self.finish(attempt, Outcome::Failed, e.to_string());
             }
         }
@@ -201,6 +203,7 @@ impl<H: Host> Supervisor<H> {
         let Handoff::Cold {
             mut attempt,
             child,
+            lock,
             live,
             ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
@@ -232,7 +235,8 @@ impl<H: Host> Supervisor<H> {
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
         // the next epoch must match, not the old family's: its binary may be another by now.
         self.ask_version();
-        self.lock = None;
+        // Our family is LIVE again: the next successor (or restart) may allocate.
+        drop(lock);
         self.metrics.epoch(0);
         self.refresh_marker();
         let now = Instant::now();
@@ -280,12 +284,15 @@ impl<H: Host> Supervisor<H> {
     /// The new family's Envoy exited before it was LIVE: the old family serves on.
     pub(super) fn on_cold_exit(&mut self, result: Result<Exit, ProxyError>) {
         let Handoff::Cold {
-            attempt, deadline, ..
+            attempt,
+            deadline,
+            lock,
+            ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
-        self.lock = None;
+        drop(lock);
         let killed = deadline == Deadline::Killed;
         if killed && !attempt.waiting_for_config.is_empty() && !attempt.first {
             let waiting = attempt.waiting_for_config.clone();

@@ -182,6 +182,7 @@ impl<H: Host> Supervisor<H> {
                     probing: false,
                     waiting: Some(Waiting::ControlPlane(waiting.to_vec())),
                     reported_incompatible: None,
+                    lock: None,
                 };
                 self.write_heartbeat();
             }

@@ -277,7 +277,7 @@ impl<H: Host> Supervisor<H> {
         let error = RestartError::Refused("stopping".to_owned());
         self.queue.refuse(&error);
         match std::mem::replace(&mut self.handoff, Handoff::Idle) {
-            Handoff::PreFlight(attempt) | Handoff::Starting { attempt, .. } => {
+            Handoff::PreFlight { attempt, .. } | Handoff::Starting { attempt, .. } => {
                 self.finish(
                     attempt,
                     Outcome::Failed,
@@ -304,7 +304,6 @@ impl<H: Host> Supervisor<H> {
         for (_, reply) in self.pending_drains.drain(..) {
             let _ = reply.send(Ok(()));
         }
-        self.lock = None;
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
         // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.

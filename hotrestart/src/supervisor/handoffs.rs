@@ -13,7 +13,8 @@ impl<H: Host> Supervisor<H> {
         let mut attempt = queue.take(0, None, now);
         attempt.first = true;
         attempt.cold_from = Some((from, identity));
-        self.start_preflight(attempt);
+        let lock = self.end_discovery();
+        self.start_preflight(attempt, lock);
     }
 
     pub(super) fn begin_first(&mut self, epoch: u32, parent: Option<Parent>, reason: String) {
@@ -22,15 +23,24 @@ impl<H: Host> Supervisor<H> {
         queue.push(reason, None, now);
         let mut attempt = queue.take(epoch, parent, now);
         attempt.first = true;
-        self.start_preflight(attempt);
+        let lock = self.end_discovery();
+        self.start_preflight(attempt, lock);
     }
 
-    pub(super) fn start_preflight(&mut self, mut attempt: Attempt) {
+    /// Our first epoch's turn came: the node's epoch lock that discovery took (if any) goes
+    /// to its handoff.
+    fn end_discovery(&mut self) -> Option<Guard> {
+        match std::mem::replace(&mut self.life, Life::Running) {
+            Life::Discovering { lock, .. } => lock,
+            other => {
+                self.life = other;
+                None
+            }
+        }
+    }
+
+    pub(super) fn start_preflight(&mut self, mut attempt: Attempt, lock: Option<Guard>) {
         attempt.began = Instant::now();
-        self.life = match std::mem::replace(&mut self.life, Life::Running) {
-            Life::Discovering { .. } => Life::Running,
-            other => other,
-        };
         tracing::info!(
             epoch = attempt.epoch,
             reason = %attempt.reason,
@@ -57,7 +67,7 @@ impl<H: Host> Supervisor<H> {
                 result,
             });
         });
-        self.handoff = Handoff::PreFlight(attempt);
+        self.handoff = Handoff::PreFlight { attempt, lock };
         self.write_heartbeat();
     }
 
@@ -67,13 +77,14 @@ impl<H: Host> Supervisor<H> {
         checked: Checked,
         result: Result<(), Refusal>,
     ) {
-        let Handoff::PreFlight(attempt) = &self.handoff else {
+        let Handoff::PreFlight { attempt, .. } = &self.handoff else {
             return; // cancelled meanwhile
         };
         if attempt.epoch != epoch {
             return;
         }
-        let Handoff::PreFlight(mut attempt) = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::PreFlight { mut attempt, lock } =
+            std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
@@ -83,13 +94,13 @@ impl<H: Host> Supervisor<H> {
         let beside_ours = matches!(attempt.parent, Some(Parent::Ours(_)));
         if let (Some((from, _)), Ok(())) = (&attempt.cold_from, &result) {
             let (from, why) = (*from, attempt.reason.clone());
-            self.start_cold(attempt, why, from).await;
+            self.start_cold(attempt, lock, why, from).await;
             return;
         }
         let result = match result {
             Err(Refusal::Incompatible { message, .. }) if beside_ours => {
                 let from = self.base_id;
-                self.start_cold(attempt, message, from).await;
+                self.start_cold(attempt, lock, message, from).await;
                 return;
             }
             Err(refusal) => Err(refusal.message().to_owned()),
@@ -98,14 +109,14 @@ impl<H: Host> Supervisor<H> {
                 Err(why) => {
                     let why = format!("the family's shared memory is unusable: {why}");
                     let from = self.base_id;
-                    self.start_cold(attempt, why, from).await;
+                    self.start_cold(attempt, lock, why, from).await;
                     return;
                 }
             },
             Ok(()) => Ok(()),
         };
         if let Err(message) = result {
-            self.lock = None;
+            drop(lock);
             if self.newest_live.is_none() {
                 tracing::error!(epoch, error = %message, "pre-flight rejects the first epoch");
                 self.finish(attempt, Outcome::Rejected, message.clone());
@@ -140,6 +151,7 @@ impl<H: Host> Supervisor<H> {
                 self.handoff = Handoff::Starting {
                     attempt,
                     deadline: Deadline::At(now + self.config.handoff_deadline),
+                    lock,
                     live: LiveChecks::new(now, LiveSign::Awaited),
                     serving_exited: None,
                 };
@@ -148,7 +160,7 @@ impl<H: Host> Supervisor<H> {
                 self.schedule_xds(now);
             }
             Err(e) => {
-                self.lock = None;
+                drop(lock);
                 let message = e.to_string();
                 if self.newest_live.is_none() {
                     self.finish(attempt, Outcome::Failed, message.clone());
@@ -200,7 +212,10 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn go_live(&mut self, epoch: u32) {
         let seen = Instant::now();
         let Handoff::Starting {
-            mut attempt, live, ..
+            mut attempt,
+            lock,
+            live,
+            ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
@@ -241,7 +256,7 @@ impl<H: Host> Supervisor<H> {
         };
         self.newest_live = Some(epoch);
         // Our epoch is LIVE: the next successor (or restart) may allocate.
-        self.lock = None;
+        drop(lock);
         self.metrics.epoch(epoch);
         self.queue.config_waits = 0;
         self.refresh_marker();
@@ -275,6 +290,7 @@ impl<H: Host> Supervisor<H> {
         };
         let Handoff::Starting {
             attempt,
+            lock,
             serving_exited,
             ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
@@ -282,7 +298,7 @@ impl<H: Host> Supervisor<H> {
             tracing::warn!(epoch, code, "an epoch exited while starting");
             return;
         };
-        self.lock = None;
+        drop(lock);
         let foreign_first = attempt.first && matches!(attempt.parent, Some(Parent::Foreign { .. }));
         if timed_out
             && !attempt.waiting_for_config.is_empty()
@@ -450,29 +466,28 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn try_start_queued(&mut self, now: Instant) {
-        if self.lock.is_none() {
-            match self.host.try_lock() {
-                Ok(Some(lock)) => self.lock = Some(lock),
-                Ok(None) => {
-                    let busy = QueueWait::Lock {
-                        retry_at: now + LOCK_RETRY,
-                    };
-                    if !matches!(self.queue.waiting_for, Some(QueueWait::Lock { .. })) {
-                        tracing::info!(reason = busy.to_string().as_str(), "hot restart queued");
-                    }
-                    self.queue.waiting_for = Some(busy);
-                    return;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot take the node's epoch lock; restarting without it");
-                }
-            }
-        }
         let Some(newest) = self.newest_live else {
             return;
         };
+        let lock = match self.host.try_lock() {
+            Ok(Some(lock)) => Some(lock),
+            Ok(None) => {
+                let busy = QueueWait::Lock {
+                    retry_at: now + LOCK_RETRY,
+                };
+                if !matches!(self.queue.waiting_for, Some(QueueWait::Lock { .. })) {
+                    tracing::info!(reason = busy.to_string().as_str(), "hot restart queued");
+                }
+                self.queue.waiting_for = Some(busy);
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot take the node's epoch lock; restarting without it");
+                None
+            }
+        };
         let attempt = self.queue.take(newest + 1, Some(Parent::Ours(newest)), now);
-        self.start_preflight(attempt);
+        self.start_preflight(attempt, lock);
     }
 
     pub(super) fn finish(&mut self, attempt: Attempt, outcome: Outcome, message: String) {

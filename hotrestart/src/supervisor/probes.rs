@@ -465,17 +465,24 @@ impl<H: Host> Supervisor<H> {
 
     /// Discovery's next step: the node's epoch lock, then a look at the node.
     pub(super) fn discover(&mut self, now: Instant) {
-        if self.lock.is_none() {
+        let Life::Discovering {
+            lock,
+            next,
+            waiting,
+            ..
+        } = &mut self.life
+        else {
+            return;
+        };
+        if lock.is_none() {
             match self.host.try_lock() {
-                Ok(Some(lock)) => self.lock = Some(lock),
+                Ok(Some(taken)) => *lock = Some(taken),
                 Ok(None) => {
-                    if let Life::Discovering { next, waiting, .. } = &mut self.life {
-                        if *waiting != Some(Waiting::Lock) {
-                            tracing::info!(reason = %Waiting::Lock, "waiting to take over");
-                        }
-                        *next = now + LOCK_RETRY;
-                        *waiting = Some(Waiting::Lock);
+                    if *waiting != Some(Waiting::Lock) {
+                        tracing::info!(reason = %Waiting::Lock, "waiting to take over");
                     }
+                    *next = now + LOCK_RETRY;
+                    *waiting = Some(Waiting::Lock);
                     return;
                 }
                 Err(e) => {
