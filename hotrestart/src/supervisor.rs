@@ -302,7 +302,10 @@ pub(crate) struct Supervisor<H: Host> {
     stand_ins: Vec<StandIn>,
     watchdog: Probing,
     admin_ok: Instant,
-    /// Drains asked for while a handoff settles; applied once it has.
+    /// Drains asked for while an epoch or a cold family starts, applied once that handoff has
+    /// settled, to whichever Envoy serves then. Beside the handoff rather than in it: they
+    /// are sent after it is gone, and one made moot by a successor's cold takeover leaves
+    /// them for the stop to answer.
     pending_drains: Vec<(DrainOptions, oneshot::Sender<Result<(), String>>)>,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
