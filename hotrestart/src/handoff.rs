@@ -20,6 +20,11 @@
 //! then stops it. A hot restart of the new family follows, to bind the configured admin port
 //! again.
 //!
+//! Each state holds what only it needs: from pre-flight until its Envoy is LIVE or failed, a
+//! handoff holds the node's epoch lock; once that Envoy runs, its LIVE checks; a starting
+//! epoch whose serving parent died, that exit (the family's outcome if it fails too); a
+//! predecessor pod's draining Envoy, when its sockets are looked at next.
+//!
 //! Triggers that arrive meanwhile wait in the queue and are coalesced into the one restart
 //! that starts when the state is `Idle` again, so no third generation can ever exist. The
 //! first epoch of a supervisor goes through the same states (with no parent of its own, or a
