@@ -238,6 +238,7 @@ impl std::fmt::Display for Waiting {
 /// The running family's hot-restart version, as far as the supervisor knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Version {
+    /// Not asked yet, or the last ask failed.
     Unknown,
     /// It is being asked (of our LIVE epoch, else of the binary).
     Asking,
