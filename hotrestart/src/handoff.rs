@@ -20,6 +20,11 @@
 //! then stops it. A hot restart of the new family follows, to bind the configured admin port
 //! again.
 //!
+//! Each state holds what only it needs: from pre-flight until its Envoy is LIVE or failed, a
+//! handoff holds the node's epoch lock; once that Envoy runs, its LIVE checks; a starting
+//! epoch whose serving parent died, that exit (the family's outcome if it fails too); a
+//! predecessor pod's draining Envoy, when its sockets are looked at next.
+//!
 //! Triggers that arrive meanwhile wait in the queue and are coalesced into the one restart
 //! that starts when the state is `Idle` again, so no third generation can ever exist. The
 //! first epoch of a supervisor goes through the same states (with no parent of its own, or a
@@ -27,9 +32,12 @@
 
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::RestartError;
+use envoy_agent_proxy::{Exit, RestartError, XdsType};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+
+use crate::host::Guard;
+use crate::supervisor::{LIVE_NEAR_BOUND, LIVE_POLL, LIVE_POLL_FAST, LIVE_POLL_UNBOUND, Probing};
 
 /// Someone waiting for a hot restart's outcome.
 pub(crate) type Waiter = oneshot::Sender<Result<u32, RestartError>>;
@@ -48,10 +56,27 @@ pub(crate) enum Parent {
     },
 }
 
-impl Parent {
+/// The generation a LIVE epoch took over from, while it drains.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum DrainingParent {
+    /// One of ours.
+    Ours(u32),
+    /// A predecessor pod's Envoy. It may be gone before its child terminates it (its pod
+    /// stopped), while the child still talks to it: its socket names are looked at from
+    /// `look_at` on, every `FOREIGN_PARENT_CHECK`, and held by a stand-in once free.
+    Foreign {
+        /// Its epoch.
+        epoch: u32,
+        /// The predecessor pod's identity.
+        identity: String,
+        look_at: Instant,
+    },
+}
+
+impl DrainingParent {
     pub(crate) fn epoch(&self) -> u32 {
         match self {
-            Parent::Ours(e) | Parent::Foreign { epoch: e, .. } => *e,
+            DrainingParent::Ours(e) | DrainingParent::Foreign { epoch: e, .. } => *e,
         }
     }
 }
@@ -175,13 +200,64 @@ impl Deadline {
     pub(crate) fn after_not_live(self, sent: Instant, unknown: bool) -> NotLive {
         match self {
             Deadline::Passed(from) if sent >= from && !unknown => NotLive::GiveUp,
-            Deadline::Passed(_) if unknown => {
-                NotLive::AskAgainIn(crate::supervisor::LIVE_POLL_UNBOUND)
-            }
+            Deadline::Passed(_) if unknown => NotLive::AskAgainIn(LIVE_POLL_UNBOUND),
             // Asked before the deadline passed: ask again, now.
             Deadline::Passed(_) => NotLive::AskAgainIn(Duration::ZERO),
             Deadline::At(_) | Deadline::Killed => NotLive::Poll,
         }
+    }
+}
+
+/// Whose admin a new Envoy's LIVE checks reach, which sets their pace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LiveSign {
+    /// Its admin listener is not known to be bound (and may never be known to be): the
+    /// configured address may still be the parent's.
+    Awaited,
+    /// Its own admin answers since then (a hot restart's child bound the listener; a cold
+    /// family's checks go to its own address from its spawn): LIVE is near.
+    Seen(Instant),
+}
+
+/// The LIVE checks of a starting epoch, or of a cold handover's new family.
+#[derive(Debug)]
+pub(crate) struct LiveChecks {
+    pub(crate) probing: Probing,
+    /// What paces them.
+    pub(crate) sign: LiveSign,
+    /// When the latest answer that did not find it LIVE yet came: Envoy became LIVE after
+    /// it was given, so it bounds how late the supervisor saw LIVE.
+    pub(crate) missed: Option<Instant>,
+}
+
+impl LiveChecks {
+    /// The checks of an Envoy spawned at `now`: the first after one gap.
+    pub(crate) fn new(now: Instant, sign: LiveSign) -> Self {
+        let mut checks = LiveChecks {
+            probing: Probing::default(),
+            sign,
+            missed: None,
+        };
+        checks.probing.next = Some(now + checks.gap());
+        checks
+    }
+
+    /// How long from a "not LIVE" answer to the next check: rarely until the sign, then
+    /// every millisecond while LIVE is near, and every [`LIVE_POLL`] after that (a config to
+    /// fetch from a control plane).
+    pub(crate) fn gap(&self) -> Duration {
+        match self.sign {
+            LiveSign::Awaited => LIVE_POLL_UNBOUND,
+            LiveSign::Seen(at) if at.elapsed() < LIVE_NEAR_BOUND => LIVE_POLL_FAST,
+            LiveSign::Seen(_) => LIVE_POLL,
+        }
+    }
+
+    /// An answer that came at `now`, before the deadline passed, did not find it LIVE: the
+    /// next check at the usual pace.
+    pub(crate) fn not_live_yet(&mut self, now: Instant) {
+        self.missed = Some(now);
+        self.probing.next = Some(now + self.gap());
     }
 }
 
@@ -202,16 +278,28 @@ pub(crate) enum Handoff {
     /// Nothing in flight.
     Idle,
     /// Pre-flight checks run for the attempt.
-    PreFlight(Attempt),
+    PreFlight {
+        attempt: Attempt,
+        /// The node's epoch lock, held from the handoff's start until its epoch is LIVE or
+        /// failed, so that no successor pod allocates an epoch meanwhile. None without a node,
+        /// or when the lock could not be had and the restart goes on without it.
+        lock: Option<Guard>,
+    },
     /// The attempt's epoch runs and is not LIVE yet.
     Starting {
         attempt: Attempt,
         /// When it is given up (SIGKILL).
         deadline: Deadline,
+        /// Still held (see `PreFlight`).
+        lock: Option<Guard>,
+        live: LiveChecks,
+        /// Its parent, the serving epoch, exited meanwhile (a stand-in answers for it): the
+        /// family's outcome if this epoch fails too.
+        serving_exited: Option<Exit>,
     },
     /// The previous generation drains until its child terminates it; no new epoch may start.
     ParentDraining {
-        parent: Parent,
+        parent: DrainingParent,
         /// When the child terminates it (parent-shutdown time after LIVE); the heartbeat says
         /// its wall time, fixed once (computed again at each heartbeat it moved by a
         /// millisecond now and then, and rewrote an unchanged heartbeat).
@@ -222,6 +310,9 @@ pub(crate) enum Handoff {
         attempt: Attempt,
         deadline: Deadline,
         child: ColdChild,
+        /// Still held (see `PreFlight`).
+        lock: Option<Guard>,
+        live: LiveChecks,
     },
     /// After a cold handover: the old family (the supervisor's `retiring` books) drains until
     /// `until`, then is stopped; what is left at `kill_at` is killed. Across pods (`foreign`:
@@ -238,13 +329,28 @@ impl Handoff {
     /// The attempt in flight, if any.
     pub(crate) fn attempt(&self) -> Option<&Attempt> {
         match self {
-            Handoff::PreFlight(a) | Handoff::Starting { attempt: a, .. } => Some(a),
+            Handoff::PreFlight { attempt: a, .. } | Handoff::Starting { attempt: a, .. } => Some(a),
             _ => None,
         }
     }
 
     pub(crate) fn is_idle(&self) -> bool {
         matches!(self, Handoff::Idle)
+    }
+
+    /// The LIVE checks of the Envoy starting (an epoch, or a cold handover's new family).
+    pub(crate) fn live_checks(&self) -> Option<&LiveChecks> {
+        match self {
+            Handoff::Starting { live, .. } | Handoff::Cold { live, .. } => Some(live),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn live_checks_mut(&mut self) -> Option<&mut LiveChecks> {
+        match self {
+            Handoff::Starting { live, .. } | Handoff::Cold { live, .. } => Some(live),
+            _ => None,
+        }
     }
 
     /// The epoch starting, if any.
@@ -265,7 +371,7 @@ pub(crate) struct Queue {
     /// Same-epoch retries carried over from a failed attempt.
     pub(crate) retries: u32,
     /// Why the queue waits, as last logged (logged once per change).
-    pub(crate) waiting_for: Option<String>,
+    pub(crate) waiting_for: Option<QueueWait>,
     /// One of the triggers settles a cold handover.
     pub(crate) settles: bool,
     /// Not to start before then: the back-off after an epoch waited for its control plane
@@ -274,6 +380,33 @@ pub(crate) struct Queue {
     /// Attempts in a row that ended waiting for the control plane (the back-off grows with
     /// them); reset when an epoch goes LIVE.
     pub(crate) config_waits: u32,
+}
+
+/// Why queued triggers wait, besides a handoff under way. Its words are the status's; when the
+/// queue is tried again depends on the kind alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum QueueWait {
+    /// Another pod holds the node's epoch lock (a successor is starting?): it is tried again at
+    /// `retry_at`.
+    Lock { retry_at: Instant },
+    /// The last attempt's epoch waited for these types of its control plane for the whole
+    /// handoff deadline (the queue's `not_before` is the back-off).
+    ControlPlane(Vec<XdsType>),
+}
+
+impl std::fmt::Display for QueueWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            QueueWait::Lock { .. } => {
+                f.write_str("another pod holds the node's epoch lock (a successor is starting?)")
+            }
+            QueueWait::ControlPlane(types) => write!(
+                f,
+                "the control plane: {}",
+                crate::supervisor::type_list(types)
+            ),
+        }
+    }
 }
 
 impl Queue {

@@ -23,7 +23,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
-use crate::handoff::{Attempt, Deadline, Handoff, Moment, NotLive, Parent, Queue, Waiter};
+use crate::handoff::{
+    Attempt, Deadline, DrainingParent, Handoff, LiveChecks, LiveSign, Moment, NotLive, Parent,
+    Queue, QueueWait, Waiter,
+};
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};
@@ -35,6 +38,8 @@ mod exits;
 mod handoffs;
 mod node_io;
 mod probes;
+
+pub(crate) use control_plane::type_list;
 
 /// How often a starting epoch is asked whether it is LIVE before its admin listener is bound
 /// (the sign): the address may still be its parent's, and LIVE does not come before the sign.
@@ -171,18 +176,20 @@ enum Event {
 enum Life {
     /// Taking the node's epoch lock and looking for a predecessor to take over from.
     Discovering {
-        /// When waiting is given up (none while an incompatible predecessor serves: the
-        /// rollout stays there and says why).
-        deadline: Instant,
+        /// When waiting is given up. Not while an incompatible predecessor serves (the
+        /// rollout stays there and says why); none at all once our first epoch waited for its
+        /// control plane and was stopped: discovery starts again (fresh facts: the predecessor
+        /// may have restarted meanwhile), and it is no failure of the start that the control
+        /// plane stays away.
+        deadline: Option<Instant>,
         next: Instant,
         probing: bool,
         /// Why it waits, as last logged.
-        waiting: Option<String>,
+        waiting: Option<Waiting>,
         reported_incompatible: Option<Instant>,
-        /// Our first epoch waited for its control plane and was stopped: discovery starts
-        /// again (fresh facts: the predecessor may have restarted meanwhile), with no deadline
-        /// while the control plane stays away.
-        config_wait: bool,
+        /// The node's epoch lock once taken: kept while waiting (no successor pod allocates
+        /// meanwhile), and handed to the first epoch's handoff.
+        lock: Option<Guard>,
     },
     /// Our epochs run (the first may not be LIVE yet).
     Running,
@@ -196,6 +203,57 @@ enum Life {
     },
 }
 
+/// Why a starting supervisor waits for its turn. Its words are the log's and the start
+/// failure's; what it does depends on the kind alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Waiting {
+    /// Another agent holds the node's epoch lock.
+    Lock,
+    /// What discovery says of the node (a predecessor mid-handoff, an admin port that does
+    /// not answer, ...).
+    Node(String),
+    /// The node's Envoy has another hot-restart version and no cold handover can start
+    /// beside it: waiting does not time out (the rollout stays there and says why).
+    Incompatible { theirs: String, ours: String },
+    /// Our first epoch waited for these types of its control plane and was stopped.
+    ControlPlane(Vec<envoy_agent_proxy::XdsType>),
+}
+
+impl std::fmt::Display for Waiting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Waiting::Lock => f.write_str("another agent holds the node's epoch lock"),
+            Waiting::Node(why) => f.write_str(why),
+            Waiting::Incompatible { theirs, ours } => write!(
+                f,
+                "the node's envoy has hot-restart version {theirs}, ours {ours}"
+            ),
+            Waiting::ControlPlane(types) => {
+                write!(f, "the control plane: {}", control_plane::type_list(types))
+            }
+        }
+    }
+}
+
+/// The running family's hot-restart version, as far as the supervisor knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Version {
+    /// Not asked yet, or the last ask failed.
+    Unknown,
+    /// It is being asked (of our LIVE epoch, else of the binary).
+    Asking,
+    Known(String),
+}
+
+impl Version {
+    fn known(&self) -> Option<&str> {
+        match self {
+            Version::Known(v) => Some(v),
+            Version::Unknown | Version::Asking => None,
+        }
+    }
+}
+
 /// A bound stand-in for a dead parent's sockets.
 struct StandIn {
     parent_epoch: u32,
@@ -203,29 +261,18 @@ struct StandIn {
 }
 
 /// When the next admin probe of a kind is due, and whether one is out.
-#[derive(Default)]
-struct Probing {
-    next: Option<Instant>,
-    in_flight: bool,
-}
-
-/// Whose admin the starting epoch's LIVE checks reach, which sets their pace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LiveSign {
-    /// Its admin listener is not known to be bound (and may never be known to be): the
-    /// configured address may still be the parent's.
-    Awaited,
-    /// Its own admin answers since then (a hot restart's child bound the listener; a cold
-    /// family's checks go to its own address from its spawn): LIVE is near.
-    Seen(Instant),
+#[derive(Debug, Default)]
+pub(crate) struct Probing {
+    pub(crate) next: Option<Instant>,
+    pub(crate) in_flight: bool,
 }
 
 impl Probing {
-    fn due(&self, now: Instant) -> bool {
+    pub(crate) fn due(&self, now: Instant) -> bool {
         !self.in_flight && self.next.is_some_and(|t| t <= now)
     }
 
-    fn wake(&self) -> Option<Instant> {
+    pub(crate) fn wake(&self) -> Option<Instant> {
         self.next.filter(|_| !self.in_flight)
     }
 }
@@ -248,43 +295,30 @@ pub(crate) struct Supervisor<H: Host> {
     retiring: Epochs,
     handoff: Handoff,
     queue: Queue,
-    /// The running Envoy's hot-restart version; empty until known (the first epoch starts
-    /// without waiting for it, except where discovery needs it).
-    version: String,
-    /// Whether `--hot-restart-version` is being asked.
-    version_asked: bool,
-    /// When the latest LIVE check that found the starting epoch not LIVE yet was sent: Envoy
-    /// became LIVE after it, so it bounds how late the supervisor saw LIVE.
-    live_missed: Option<Instant>,
+    /// The running Envoy's hot-restart version, which the next binary must match (the first
+    /// epoch starts without waiting for it, except where discovery needs it).
+    version: Version,
     newest_live: Option<u32>,
-    /// The node's epoch lock, held from a handoff's start until its epoch is LIVE or failed.
-    lock: Option<Guard>,
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
-    live: Probing,
-    /// What paces the starting epoch's LIVE checks.
-    live_sign: LiveSign,
     watchdog: Probing,
     admin_ok: Instant,
-    /// Drains asked for while a handoff settles; applied once it has.
+    /// Drains asked for while an epoch or a cold family starts, applied once that handoff has
+    /// settled, to whichever Envoy serves then. Beside the handoff rather than in it: they
+    /// are sent after it is gone, and one made moot by a successor's cold takeover leaves
+    /// them for the stop to answer.
     pending_drains: Vec<(DrainOptions, oneshot::Sender<Result<(), String>>)>,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
     heartbeat_written: Option<(Heartbeat, Instant)>,
-    foreign_check: Option<Instant>,
     family: FamilyState,
     phase_since: (ProxyPhase, SystemTime),
     /// Heartbeat files already reported as untrusted (each once).
     reported: BTreeSet<(std::path::PathBuf, String)>,
     watch: Option<crate::watch::ConfigWatch>,
-    aborted: bool,
     /// Whether the readiness marker is present, as last set.
     marker: bool,
-    /// When a busy node lock is tried again for a queued restart.
-    lock_retry_at: Instant,
-    /// The serving epoch that exited while its successor started: the outcome if that fails.
-    pending_serving_exit: Option<Exit>,
     /// The predecessor our family took over from by a cold handover, until its Envoy is gone
     /// (our heartbeat tells it to retire).
     cold_takeover_of: Option<String>,
@@ -334,28 +368,19 @@ impl<H: Host> Supervisor<H> {
             retiring: Epochs::default(),
             handoff: Handoff::Idle,
             queue: Queue::default(),
-            version: String::new(),
-            version_asked: false,
-            live_missed: None,
+            version: Version::Unknown,
             newest_live: None,
-            lock: None,
             stand_ins: Vec::new(),
-            live: Probing::default(),
-            live_sign: LiveSign::Awaited,
             watchdog: Probing::default(),
             admin_ok: now,
             pending_drains: Vec::new(),
             heartbeat_due: now,
             heartbeat_written: None,
-            foreign_check: None,
             family,
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
             reported: BTreeSet::new(),
             watch: None,
-            aborted: false,
             marker: false,
-            lock_retry_at: now,
-            pending_serving_exit: None,
             cold_takeover_of: None,
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
             xds: Probing::default(),
@@ -377,7 +402,6 @@ impl<H: Host> Supervisor<H> {
         // start, competing for the CPU; it is asked of the LIVE epoch instead.
         let ended = self.supervise(abort).await;
         self.host.remove_heartbeat(&self.config.identity);
-        self.lock = None;
         self.stand_ins.clear();
         self.publish();
         // Asked of a family that is gone: each asker hears so (its reply is dropped) rather
@@ -420,12 +444,12 @@ impl<H: Host> Supervisor<H> {
         let now = Instant::now();
         if self.host.has_node() {
             self.life = Life::Discovering {
-                deadline: now + self.discovery_bound(),
+                deadline: Some(now + self.discovery_bound()),
                 next: now,
                 probing: false,
                 waiting: None,
                 reported_incompatible: None,
-                config_wait: false,
+                lock: None,
             };
         } else {
             self.begin_first(0, None, START_REASON.to_owned());
@@ -449,9 +473,12 @@ impl<H: Host> Supervisor<H> {
             // runs now, after any event already waiting: the timer rounds a deadline up to its
             // next millisecond, so sleeping until now would add up to ~1 ms to each handoff.
             let due = wake.is_some_and(|w| w <= Instant::now());
+            // Once stopping, for whatever reason, an abort has nothing left to do (and the
+            // cancelled token would be ready at every turn).
+            let stopping = matches!(self.life, Life::Stopping { .. });
             let event = tokio::select! {
                 biased;
-                () = abort.cancelled(), if !self.aborted => Event::Abort,
+                () = abort.cancelled(), if !stopping => Event::Abort,
                 Some(event) = self.events.recv() => event,
                 Some(command) = self.commands.recv() => Event::Command(command),
                 changed = watch_changed(&mut self.watch) => match changed {
@@ -496,10 +523,7 @@ impl<H: Host> Supervisor<H> {
 
     async fn handle(&mut self, event: Event) {
         match event {
-            Event::Abort => {
-                self.aborted = true;
-                self.begin_stop(Ended::Stopped { last: None }, "asked to stop");
-            }
+            Event::Abort => self.begin_stop(Ended::Stopped { last: None }, "asked to stop"),
             Event::Command(command) => self.on_command(command),
             Event::Exited { epoch, pid, result } => self.on_exit(epoch, pid, result),
             Event::Probed {
@@ -513,7 +537,9 @@ impl<H: Host> Supervisor<H> {
                 sent,
                 result,
             } => {
-                self.live.in_flight = false;
+                if let Some(live) = self.handoff.live_checks_mut() {
+                    live.probing.in_flight = false;
+                }
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
@@ -524,7 +550,9 @@ impl<H: Host> Supervisor<H> {
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, sent, result } => {
-                self.live.in_flight = false;
+                if let Some(live) = self.handoff.live_checks_mut() {
+                    live.probing.in_flight = false;
+                }
                 self.on_cold_live_check(pid, sent, result);
             }
             Event::PreFlight {
@@ -568,18 +596,13 @@ impl<H: Host> Supervisor<H> {
                 next,
                 probing,
                 waiting,
-                config_wait,
                 ..
             } => {
                 if !probing {
                     consider(Some(*next));
                 }
-                if !config_wait
-                    && !waiting
-                        .as_deref()
-                        .is_some_and(|w| w.contains("hot-restart version"))
-                {
-                    consider(Some(*deadline));
+                if !matches!(waiting, Some(Waiting::Incompatible { .. })) {
+                    consider(*deadline);
                 }
             }
             Life::Stopping {
@@ -591,11 +614,13 @@ impl<H: Host> Supervisor<H> {
             }
             Life::Running | Life::HandedOver { .. } => {}
         }
-        consider(self.live.wake());
+        consider(self.handoff.live_checks().and_then(|l| l.probing.wake()));
         consider(self.watchdog.wake());
         consider(self.xds.wake());
         match &self.handoff {
-            Handoff::Starting { attempt, deadline } => {
+            Handoff::Starting {
+                attempt, deadline, ..
+            } => {
                 let stopped = self
                     .epochs
                     .get(attempt.epoch)
@@ -605,7 +630,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Ours(p),
+                parent: DrainingParent::Ours(p),
                 until,
             } => {
                 let killed = self.epochs.get(*p).is_none_or(|c| c.stopped.is_some());
@@ -614,11 +639,11 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Foreign { .. },
+                parent: DrainingParent::Foreign { look_at, .. },
                 until,
             } => {
                 consider(Some(until.at));
-                consider(self.foreign_check);
+                consider(Some(*look_at));
             }
             _ => {}
         }
@@ -660,39 +685,38 @@ impl<H: Host> Supervisor<H> {
                 next,
                 probing,
                 waiting,
-                config_wait,
                 ..
             } => {
-                let incompatible = waiting
-                    .as_deref()
-                    .is_some_and(|w| w.contains("hot-restart version"));
-                let (deadline, next, probing, waiting, config_wait) =
-                    (*deadline, *next, *probing, waiting.clone(), *config_wait);
-                if now >= deadline && !incompatible && !config_wait {
-                    let why =
-                        waiting.unwrap_or_else(|| "the node's epoch lock stayed taken".to_owned());
+                let over = deadline.is_some_and(|d| now >= d)
+                    && !matches!(waiting, Some(Waiting::Incompatible { .. }));
+                if over {
+                    let why = waiting.as_ref().map_or_else(
+                        || "the node's epoch lock stayed taken".to_owned(),
+                        ToString::to_string,
+                    );
                     let message = format!(
                         "could not take over within {:?}: {why}",
                         self.discovery_bound()
                     );
                     tracing::error!(%message);
                     self.begin_stop(Ended::StartFailed { code: 1, message }, "no turn to start");
-                } else if !probing && now >= next {
-                    self.discover(now, waiting);
+                } else if !probing && now >= *next {
+                    self.discover(now);
                 }
                 return;
             }
             Life::Running | Life::HandedOver { .. } => {}
         }
 
-        if self.live.due(now) {
-            if let Some(epoch) = self.handoff.starting_epoch() {
-                self.live_check(epoch);
-            } else if let Handoff::Cold { child, .. } = &self.handoff {
-                let (base_id, pid) = (child.base_id, child.pid);
-                self.cold_live_check(base_id, pid);
-            } else {
-                self.live = Probing::default();
+        if self
+            .handoff
+            .live_checks()
+            .is_some_and(|l| l.probing.due(now))
+        {
+            match self.handoff {
+                Handoff::Starting { .. } => self.live_check(),
+                Handoff::Cold { .. } => self.cold_live_check(),
+                _ => {}
             }
         }
         // Early too, to share the heartbeat's wake-up (only at its steady pace).
@@ -713,8 +737,7 @@ impl<H: Host> Supervisor<H> {
                 self.watchdog = Probing::default();
             }
         }
-        if self.version.is_empty()
-            && !self.version_asked
+        if self.version == Version::Unknown
             && !self.queue.is_empty()
             && matches!(self.life, Life::Running)
         {
@@ -770,12 +793,12 @@ impl<H: Host> Supervisor<H> {
 
     fn handoff_info(&self) -> Option<envoy_agent_proxy::Handoff> {
         match &self.handoff {
-            Handoff::PreFlight(a) | Handoff::Starting { attempt: a, .. } => {
+            Handoff::PreFlight { attempt: a, .. } | Handoff::Starting { attempt: a, .. } => {
                 Some(envoy_agent_proxy::Handoff {
                     epoch: a.epoch,
                     reason: a.reason.clone(),
                     since: a.triggered.wall,
-                    stage: if matches!(self.handoff, Handoff::PreFlight(_)) {
+                    stage: if matches!(self.handoff, Handoff::PreFlight { .. }) {
                         HandoffStage::PreFlight
                     } else {
                         HandoffStage::Starting
@@ -805,7 +828,8 @@ impl<H: Host> Supervisor<H> {
                 waiting_for: self
                     .queue
                     .waiting_for
-                    .clone()
+                    .as_ref()
+                    .map(ToString::to_string)
                     .or_else(|| match &self.handoff {
                         Handoff::ParentDraining { parent, .. } => {
                             Some(format!("epoch {} still drains", parent.epoch()))
@@ -826,7 +850,7 @@ impl<H: Host> Supervisor<H> {
     /// Asks the running family's hot-restart version beside the loop: of our LIVE epoch when
     /// there is one (the binary on disk may be a newer one already), else of the binary.
     fn ask_version(&mut self) {
-        self.version_asked = true;
+        self.version = Version::Asking;
         let events = self.events_tx.clone();
         if self.newest_live.is_some() {
             let ask = self.host.serving_version();
@@ -843,12 +867,11 @@ impl<H: Host> Supervisor<H> {
     }
 
     fn on_version(&mut self, result: Result<String, String>) {
-        self.version_asked = false;
         match result {
             Ok(version) => {
-                if self.version.is_empty() {
-                    self.version = version;
-                    self.family.hot_restart_version = self.version.clone();
+                if self.version.known().is_none() {
+                    self.family.hot_restart_version = version.clone();
+                    self.version = Version::Known(version);
                     self.write_heartbeat();
                     if self.can_restart() {
                         // The binary's own version (and the pair, already proven LIVE), so that
@@ -858,6 +881,9 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Err(message) => {
+                if self.version == Version::Asking {
+                    self.version = Version::Unknown;
+                }
                 tracing::error!(error = %message, "cannot learn the binary's hot-restart version");
                 match self.life {
                     Life::Discovering { .. } => self.begin_stop(
@@ -872,9 +898,17 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
+    /// Whether the family's shared memory can take another epoch of the running version.
+    fn shm_usable(&self) -> Result<(), String> {
+        match self.version.known() {
+            Some(version) => self.host.shm_usable(version),
+            None => Err("the running envoy's hot-restart version is unknown".to_owned()),
+        }
+    }
+
     /// Validates ahead of a restart, beside the loop (the restart's pre-flight joins it).
     fn prevalidate(&mut self, content: Option<Vec<u8>>) {
-        let running = Some(self.version.clone()).filter(|v| !v.is_empty());
+        let running = self.version.known().map(str::to_owned);
         tokio::spawn(self.host.prevalidate(content, running));
     }
 }

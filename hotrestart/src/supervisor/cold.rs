@@ -65,6 +65,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) async fn start_cold(
         &mut self,
         mut attempt: Attempt,
+        lock: Option<Guard>,
         why: String,
         from_base_id: u32,
     ) {
@@ -72,7 +73,7 @@ impl<H: Host> Supervisor<H> {
             .other_base_id(from_base_id)
             .filter(|_| !attempt.settles);
         let Some(base_id) = base_id else {
-            self.lock = None;
+            drop(lock);
             let off = if attempt.settles {
                 "the restart after a cold handover does not hand over cold again; the admin \
                  stays on its ephemeral port until a restart works"
@@ -118,27 +119,34 @@ impl<H: Host> Supervisor<H> {
                 self.handoff = Handoff::Cold {
                     attempt,
                     deadline: Deadline::At(now + self.config.handoff_deadline),
+                    lock,
                     child: ColdChild {
                         pid,
                         base_id,
                         signals: spawned.signals,
                         started_at: now,
                     },
+                    // Its checks go to its own address (from its file): no parent to spare.
+                    live: LiveChecks::new(now, LiveSign::Seen(now)),
                 };
-                // Its checks go to its own address (from its file): no parent to spare.
-                self.live_sign = LiveSign::Seen(now);
-                self.begin_live_checks(now);
+                // The node hears of each spawn.
+                self.write_heartbeat();
             }
             Err(e) => {
-                self.lock = None;
+                drop(lock);
                 self.finish(attempt, Outcome::Failed, e.to_string());
             }
         }
     }
 
-    pub(super) fn cold_live_check(&mut self, base_id: u32, pid: u32) {
-        self.live.in_flight = true;
-        let call = self.host.cold_live_check(base_id);
+    /// Asks whether the cold handover's new family is LIVE, beside the loop.
+    pub(super) fn cold_live_check(&mut self) {
+        let Handoff::Cold { child, live, .. } = &mut self.handoff else {
+            return;
+        };
+        live.probing.in_flight = true;
+        let pid = child.pid;
+        let call = self.host.cold_live_check(child.base_id);
         let events = self.events_tx.clone();
         let sent = Instant::now();
         tokio::spawn(async move {
@@ -179,13 +187,13 @@ impl<H: Host> Supervisor<H> {
             self.go_cold_live();
             return;
         }
+        let Handoff::Cold { live: checks, .. } = &mut self.handoff else {
+            return;
+        };
         match deadline.after_not_live(sent, unknown) {
             NotLive::GiveUp => self.give_up_cold(),
-            NotLive::AskAgainIn(gap) => self.live.next = Some(Instant::now() + gap),
-            NotLive::Poll => {
-                self.live_missed = Some(Instant::now());
-                self.live.next = Some(Instant::now() + self.live_poll_gap());
-            }
+            NotLive::AskAgainIn(gap) => checks.probing.next = Some(Instant::now() + gap),
+            NotLive::Poll => checks.not_live_yet(Instant::now()),
         }
     }
 
@@ -193,13 +201,16 @@ impl<H: Host> Supervisor<H> {
     fn go_cold_live(&mut self) {
         let seen = Instant::now();
         let Handoff::Cold {
-            mut attempt, child, ..
+            mut attempt,
+            child,
+            lock,
+            live,
+            ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
-        self.live = Probing::default();
-        attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
+        attempt.live_seen_within = live.missed.map(|t| t.elapsed());
         let foreign = attempt.cold_from.as_ref().map(|(_, who)| who.clone());
         if foreign.is_none() {
             // Told while the host still reaches the old family's admin.
@@ -221,12 +232,11 @@ impl<H: Host> Supervisor<H> {
         self.base_id = child.base_id;
         self.family.base_id = child.base_id;
         self.newest_live = Some(0);
-        self.pending_serving_exit = None;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
-        // the next epoch must match: its binary may be another by now.
-        self.version.clear();
+        // the next epoch must match, not the old family's: its binary may be another by now.
         self.ask_version();
-        self.lock = None;
+        // Our family is LIVE again: the next successor (or restart) may allocate.
+        drop(lock);
         self.metrics.epoch(0);
         self.refresh_marker();
         let now = Instant::now();
@@ -274,13 +284,15 @@ impl<H: Host> Supervisor<H> {
     /// The new family's Envoy exited before it was LIVE: the old family serves on.
     pub(super) fn on_cold_exit(&mut self, result: Result<Exit, ProxyError>) {
         let Handoff::Cold {
-            attempt, deadline, ..
+            attempt,
+            deadline,
+            lock,
+            ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
-        self.live = Probing::default();
-        self.lock = None;
+        drop(lock);
         let killed = deadline == Deadline::Killed;
         if killed && !attempt.waiting_for_config.is_empty() && !attempt.first {
             let waiting = attempt.waiting_for_config.clone();
@@ -457,16 +469,13 @@ impl<H: Host> Supervisor<H> {
             return;
         }
         let signal = match &mut self.handoff {
-            Handoff::Cold {
-                deadline, child, ..
-            } => {
+            Handoff::Cold { deadline, live, .. } => {
                 if let Deadline::At(at) = *deadline {
                     if now >= at {
                         // Fresh facts first (see `Deadline`).
                         *deadline = Deadline::Passed(now);
-                        let (base_id, pid) = (child.base_id, child.pid);
-                        if !self.live.in_flight {
-                            self.cold_live_check(base_id, pid);
+                        if !live.probing.in_flight {
+                            self.cold_live_check();
                         }
                     }
                 }
@@ -519,6 +528,7 @@ impl<H: Host> Supervisor<H> {
             deadline: state,
             child,
             attempt,
+            ..
         } = &mut self.handoff
         else {
             return;

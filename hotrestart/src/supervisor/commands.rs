@@ -66,7 +66,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::ParentDraining { parent, .. } => {
                 Some(format!("epoch {} still drains", parent.epoch()))
             }
-            Handoff::PreFlight(_) | Handoff::Starting { .. } | Handoff::Cold { .. } => {
+            Handoff::PreFlight { .. } | Handoff::Starting { .. } | Handoff::Cold { .. } => {
                 Some("a handoff is under way".to_owned())
             }
             Handoff::Retiring { .. } => {
@@ -110,12 +110,12 @@ impl<H: Host> Supervisor<H> {
             self.set_marker(false);
         }
         match &self.handoff {
-            Handoff::PreFlight(_) => {
+            Handoff::PreFlight { .. } => {
                 // Nothing started: the restart is moot.
-                if let Handoff::PreFlight(attempt) =
+                if let Handoff::PreFlight { attempt, lock } =
                     std::mem::replace(&mut self.handoff, Handoff::Idle)
                 {
-                    self.lock = None;
+                    drop(lock);
                     self.finish(
                         attempt,
                         Outcome::Rejected,

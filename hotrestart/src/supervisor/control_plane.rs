@@ -177,12 +177,12 @@ impl<H: Host> Supervisor<H> {
                 // meanwhile (to get back the admin listener our epoch took), and only what
                 // answers then says which epoch is next.
                 self.life = Life::Discovering {
-                    deadline: now + backoff + self.discovery_bound(),
+                    deadline: None,
                     next: now + backoff,
                     probing: false,
-                    waiting: Some(format!("the control plane: {types}")),
+                    waiting: Some(Waiting::ControlPlane(waiting.to_vec())),
                     reported_incompatible: None,
-                    config_wait: true,
+                    lock: None,
                 };
                 self.write_heartbeat();
             }
@@ -190,7 +190,7 @@ impl<H: Host> Supervisor<H> {
                 self.finish(attempt, Outcome::TimedOut, message);
                 self.queue.push(reason, None, now);
                 self.queue.not_before = Some(now + backoff);
-                self.queue.waiting_for = Some(format!("the control plane: {types}"));
+                self.queue.waiting_for = Some(QueueWait::ControlPlane(waiting.to_vec()));
             }
         }
     }

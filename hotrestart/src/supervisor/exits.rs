@@ -62,7 +62,7 @@ impl<H: Host> Supervisor<H> {
         match child.state {
             EpochState::Draining => {
                 if let Handoff::ParentDraining {
-                    parent: Parent::Ours(p),
+                    parent: DrainingParent::Ours(p),
                     ..
                 } = &self.handoff
                 {
@@ -105,10 +105,15 @@ impl<H: Host> Supervisor<H> {
                         "the serving epoch exited while epoch {starting} starts: standing in for it, the new epoch may still take over"
                     );
                     self.stand_in_for(epoch);
-                    if let Handoff::Starting { attempt, .. } = &mut self.handoff {
+                    if let Handoff::Starting {
+                        attempt,
+                        serving_exited,
+                        ..
+                    } = &mut self.handoff
+                    {
                         attempt.parent = None;
+                        *serving_exited = Some(exit);
                     }
-                    self.pending_serving_exit = Some(exit);
                     return;
                 }
                 // Who serves now? A successor pod's Envoy terminates ours with exit 0.
@@ -203,7 +208,7 @@ impl<H: Host> Supervisor<H> {
     /// `expected`: the epoch was stopped while it initialized on purpose, so a flag it left
     /// is no wedge.
     pub(super) fn repair_initializing(&mut self, epoch: u32, expected: bool) {
-        if self.version.is_empty() {
+        let Some(version) = self.version.known() else {
             // Only before our first epoch was LIVE: nothing serves, the family stops, and the
             // next epoch 0 makes a new segment.
             tracing::debug!(
@@ -211,8 +216,8 @@ impl<H: Host> Supervisor<H> {
                 "hot-restart version unknown: shared memory left alone"
             );
             return;
-        }
-        match self.host.repair_initializing(&self.version) {
+        };
+        match self.host.repair_initializing(version) {
             Repair::Clean => {}
             Repair::Cleared if expected => tracing::info!(
                 event = "initializing_cleared",
@@ -272,7 +277,7 @@ impl<H: Host> Supervisor<H> {
         let error = RestartError::Refused("stopping".to_owned());
         self.queue.refuse(&error);
         match std::mem::replace(&mut self.handoff, Handoff::Idle) {
-            Handoff::PreFlight(attempt) | Handoff::Starting { attempt, .. } => {
+            Handoff::PreFlight { attempt, .. } | Handoff::Starting { attempt, .. } => {
                 self.finish(
                     attempt,
                     Outcome::Failed,
@@ -299,8 +304,6 @@ impl<H: Host> Supervisor<H> {
         for (_, reply) in self.pending_drains.drain(..) {
             let _ = reply.send(Ok(()));
         }
-        self.lock = None;
-        self.live = Probing::default();
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
         // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.

@@ -13,7 +13,8 @@ impl<H: Host> Supervisor<H> {
         let mut attempt = queue.take(0, None, now);
         attempt.first = true;
         attempt.cold_from = Some((from, identity));
-        self.start_preflight(attempt);
+        let lock = self.end_discovery();
+        self.start_preflight(attempt, lock);
     }
 
     pub(super) fn begin_first(&mut self, epoch: u32, parent: Option<Parent>, reason: String) {
@@ -22,25 +23,34 @@ impl<H: Host> Supervisor<H> {
         queue.push(reason, None, now);
         let mut attempt = queue.take(epoch, parent, now);
         attempt.first = true;
-        self.start_preflight(attempt);
+        let lock = self.end_discovery();
+        self.start_preflight(attempt, lock);
     }
 
-    pub(super) fn start_preflight(&mut self, mut attempt: Attempt) {
+    /// Our first epoch's turn came: the node's epoch lock that discovery took (if any) goes
+    /// to its handoff.
+    fn end_discovery(&mut self) -> Option<Guard> {
+        match std::mem::replace(&mut self.life, Life::Running) {
+            Life::Discovering { lock, .. } => lock,
+            other => {
+                self.life = other;
+                None
+            }
+        }
+    }
+
+    pub(super) fn start_preflight(&mut self, mut attempt: Attempt, lock: Option<Guard>) {
         attempt.began = Instant::now();
-        self.life = match std::mem::replace(&mut self.life, Life::Running) {
-            Life::Discovering { .. } => Life::Running,
-            other => other,
-        };
         tracing::info!(
             epoch = attempt.epoch,
             reason = %attempt.reason,
             queued = ?attempt.queued(),
             "hot restart: pre-flight checks"
         );
-        let running = self.newest_live.map(|_| self.version.clone()).or_else(|| {
-            // A successor's first epoch: the predecessor runs our version (discovery checked).
-            attempt.parent.as_ref().map(|_| self.version.clone())
-        });
+        // Beside our serving epoch, or a successor's first epoch beside the predecessor, which
+        // runs our version (discovery checked).
+        let beside = self.newest_live.is_some() || attempt.parent.is_some();
+        let running = self.version.known().filter(|_| beside).map(str::to_owned);
         // A first epoch with nothing to take over from risks nothing that Envoy's own start
         // would not say as well (and as fast): only an epoch beside a serving one is
         // validated first.
@@ -57,7 +67,7 @@ impl<H: Host> Supervisor<H> {
                 result,
             });
         });
-        self.handoff = Handoff::PreFlight(attempt);
+        self.handoff = Handoff::PreFlight { attempt, lock };
         self.write_heartbeat();
     }
 
@@ -67,13 +77,14 @@ impl<H: Host> Supervisor<H> {
         checked: Checked,
         result: Result<(), Refusal>,
     ) {
-        let Handoff::PreFlight(attempt) = &self.handoff else {
+        let Handoff::PreFlight { attempt, .. } = &self.handoff else {
             return; // cancelled meanwhile
         };
         if attempt.epoch != epoch {
             return;
         }
-        let Handoff::PreFlight(mut attempt) = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::PreFlight { mut attempt, lock } =
+            std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
@@ -83,29 +94,29 @@ impl<H: Host> Supervisor<H> {
         let beside_ours = matches!(attempt.parent, Some(Parent::Ours(_)));
         if let (Some((from, _)), Ok(())) = (&attempt.cold_from, &result) {
             let (from, why) = (*from, attempt.reason.clone());
-            self.start_cold(attempt, why, from).await;
+            self.start_cold(attempt, lock, why, from).await;
             return;
         }
         let result = match result {
             Err(Refusal::Incompatible { message, .. }) if beside_ours => {
                 let from = self.base_id;
-                self.start_cold(attempt, message, from).await;
+                self.start_cold(attempt, lock, message, from).await;
                 return;
             }
             Err(refusal) => Err(refusal.message().to_owned()),
-            Ok(()) if beside_ours => match self.host.shm_usable(&self.version) {
+            Ok(()) if beside_ours => match self.shm_usable() {
                 Ok(()) => Ok(()),
                 Err(why) => {
                     let why = format!("the family's shared memory is unusable: {why}");
                     let from = self.base_id;
-                    self.start_cold(attempt, why, from).await;
+                    self.start_cold(attempt, lock, why, from).await;
                     return;
                 }
             },
             Ok(()) => Ok(()),
         };
         if let Err(message) = result {
-            self.lock = None;
+            drop(lock);
             if self.newest_live.is_none() {
                 tracing::error!(epoch, error = %message, "pre-flight rejects the first epoch");
                 self.finish(attempt, Outcome::Rejected, message.clone());
@@ -124,7 +135,6 @@ impl<H: Host> Supervisor<H> {
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
-                self.live_sign = LiveSign::Awaited;
                 if let Some(bound) = spawned.admin_bound {
                     let events = self.events_tx.clone();
                     tokio::spawn(async move {
@@ -141,12 +151,16 @@ impl<H: Host> Supervisor<H> {
                 self.handoff = Handoff::Starting {
                     attempt,
                     deadline: Deadline::At(now + self.config.handoff_deadline),
+                    lock,
+                    live: LiveChecks::new(now, LiveSign::Awaited),
+                    serving_exited: None,
                 };
-                self.begin_live_checks(now);
+                // The node hears of each spawn.
+                self.write_heartbeat();
                 self.schedule_xds(now);
             }
             Err(e) => {
-                self.lock = None;
+                drop(lock);
                 let message = e.to_string();
                 if self.newest_live.is_none() {
                     self.finish(attempt, Outcome::Failed, message.clone());
@@ -159,17 +173,6 @@ impl<H: Host> Supervisor<H> {
                 }
             }
         }
-    }
-
-    /// A new Envoy was spawned at `now`: its LIVE checks begin (paced by `live_sign`), and the
-    /// heartbeat says so.
-    pub(super) fn begin_live_checks(&mut self, now: Instant) {
-        self.live_missed = None;
-        self.live = Probing {
-            next: Some(now + self.live_poll_gap()),
-            in_flight: false,
-        };
-        self.write_heartbeat();
     }
 
     /// Reports the exit of `epoch`'s process `pid` as an event, once it comes.
@@ -186,45 +189,38 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    /// How long from a "not LIVE" answer to the next LIVE check: rarely until the sign, then
-    /// every millisecond while LIVE is near, and every [`LIVE_POLL`] after that (a config to
-    /// fetch from a control plane).
-    pub(super) fn live_poll_gap(&self) -> Duration {
-        match self.live_sign {
-            LiveSign::Awaited => LIVE_POLL_UNBOUND,
-            LiveSign::Seen(at) if at.elapsed() < LIVE_NEAR_BOUND => LIVE_POLL_FAST,
-            LiveSign::Seen(_) => LIVE_POLL,
-        }
-    }
-
     /// The starting epoch's admin listener is bound: LIVE is near, look now and closely.
     pub(super) fn on_admin_bound(&mut self, epoch: u32) {
-        if self.handoff.attempt().is_none_or(|a| a.epoch != epoch)
-            || self.live_sign != LiveSign::Awaited
-        {
+        let Handoff::Starting { attempt, live, .. } = &mut self.handoff else {
+            return;
+        };
+        if attempt.epoch != epoch || live.sign != LiveSign::Awaited {
             return;
         }
         let now = Instant::now();
         tracing::debug!(
             epoch,
-            since_spawn = ?self.handoff.attempt().and_then(|a| a.spawned).map(|s| s.elapsed()),
+            since_spawn = ?attempt.spawned.map(|s| s.elapsed()),
             "the starting epoch's admin listener is bound: LIVE is near"
         );
-        self.live_sign = LiveSign::Seen(now);
-        if !self.live.in_flight {
-            self.live.next = Some(now);
+        live.sign = LiveSign::Seen(now);
+        if !live.probing.in_flight {
+            live.probing.next = Some(now);
         }
     }
 
     pub(super) fn go_live(&mut self, epoch: u32) {
         let seen = Instant::now();
-        let Handoff::Starting { mut attempt, .. } =
-            std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::Starting {
+            mut attempt,
+            lock,
+            live,
+            ..
+        } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             return;
         };
-        self.live = Probing::default();
-        attempt.live_seen_within = self.live_missed.take().map(|t| t.elapsed());
+        attempt.live_seen_within = live.missed.map(|t| t.elapsed());
         self.host.passed_live(&attempt.checked);
         // Its admin is on the configured address (after a cold family's ephemeral one).
         self.host.switch_family(self.base_id, false);
@@ -235,7 +231,7 @@ impl<H: Host> Supervisor<H> {
             Some(Parent::Ours(p)) if self.epochs.get(*p).is_some() => {
                 self.epochs.set_state(*p, EpochState::Draining);
                 Handoff::ParentDraining {
-                    parent: Parent::Ours(*p),
+                    parent: DrainingParent::Ours(*p),
                     until: Moment::after(
                         self.config.parent_shutdown_time(),
                         self.host.now_unix_ms(),
@@ -247,11 +243,11 @@ impl<H: Host> Supervisor<H> {
                 // Until the child terminates it; a second of margin for its own timer.
                 let drains = self.config.parent_shutdown_time() + Duration::from_secs(1);
                 self.family.foreign_parent_until = Some(SystemTime::now() + drains);
-                self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
                 Handoff::ParentDraining {
-                    parent: Parent::Foreign {
+                    parent: DrainingParent::Foreign {
                         epoch: *epoch,
                         identity: identity.clone(),
+                        look_at: now + FOREIGN_PARENT_CHECK,
                     },
                     until: Moment::after(drains, self.host.now_unix_ms()),
                 }
@@ -259,9 +255,8 @@ impl<H: Host> Supervisor<H> {
             _ => Handoff::Idle,
         };
         self.newest_live = Some(epoch);
-        self.pending_serving_exit = None;
         // Our epoch is LIVE: the next successor (or restart) may allocate.
-        self.lock = None;
+        drop(lock);
         self.metrics.epoch(epoch);
         self.queue.config_waits = 0;
         self.refresh_marker();
@@ -277,7 +272,7 @@ impl<H: Host> Supervisor<H> {
         self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
         self.flush_pending_drains();
-        if self.version.is_empty() && !self.version_asked {
+        if self.version == Version::Unknown {
             self.ask_version();
         }
     }
@@ -293,18 +288,22 @@ impl<H: Host> Supervisor<H> {
         } else {
             format!("exited with code {code}: {}", last_line(tail))
         };
-        let Handoff::Starting { attempt, .. } = std::mem::replace(&mut self.handoff, Handoff::Idle)
+        let Handoff::Starting {
+            attempt,
+            lock,
+            serving_exited,
+            ..
+        } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
             tracing::warn!(epoch, code, "an epoch exited while starting");
             return;
         };
-        self.live = Probing::default();
-        self.lock = None;
+        drop(lock);
         let foreign_first = attempt.first && matches!(attempt.parent, Some(Parent::Foreign { .. }));
         if timed_out
             && !attempt.waiting_for_config.is_empty()
             && (self.newest_live.is_some() || foreign_first)
-            && self.pending_serving_exit.is_none()
+            && serving_exited.is_none()
         {
             // It waited for its control plane: no failure of the serving epoch's, and
             // nothing to recover but the restart itself (its parent's admin listener comes
@@ -325,7 +324,7 @@ impl<H: Host> Supervisor<H> {
             self.finish(attempt, outcome, message.clone());
             // Nothing of ours serves: the first epoch failed, or the serving one died while
             // this one started.
-            let ended = match self.pending_serving_exit.take() {
+            let ended = match serving_exited {
                 Some(exit) => Ended::Lost {
                     message: format!(
                         "the serving epoch {} exited while epoch {epoch} started, and epoch {epoch} failed: {message}",
@@ -349,7 +348,10 @@ impl<H: Host> Supervisor<H> {
     /// The starting epoch was not LIVE by the deadline, confirmed by a LIVE check sent after
     /// it: killed.
     pub(super) fn give_up_starting(&mut self) {
-        let Handoff::Starting { attempt, deadline } = &mut self.handoff else {
+        let Handoff::Starting {
+            attempt, deadline, ..
+        } = &mut self.handoff
+        else {
             return;
         };
         let epoch = attempt.epoch;
@@ -371,9 +373,9 @@ impl<H: Host> Supervisor<H> {
 
     pub(super) fn queue_retry_at(&self) -> Instant {
         // Immediately the first time; then at the lock's retry pace; never within a back-off.
-        let at = match self.queue.waiting_for {
-            None => Instant::now(),
-            Some(_) => self.lock_retry_at,
+        let at = match &self.queue.waiting_for {
+            Some(QueueWait::Lock { retry_at }) => *retry_at,
+            None | Some(QueueWait::ControlPlane(_)) => Instant::now(),
         };
         self.queue.not_before.map_or(at, |t| t.max(at))
     }
@@ -383,7 +385,7 @@ impl<H: Host> Supervisor<H> {
             && self.newest_live.is_some()
             && !self.family.drained
             // What the next binary must match.
-            && !self.version.is_empty()
+            && self.version.known().is_some()
     }
 
     pub(super) fn handoff_timers(&mut self, now: Instant) {
@@ -391,20 +393,22 @@ impl<H: Host> Supervisor<H> {
             Handoff::Starting {
                 attempt,
                 deadline: Deadline::At(at),
+                ..
             } if now >= *at => {
                 let epoch = attempt.epoch;
                 if self.epochs.get(epoch).is_some_and(|c| c.stopped.is_none()) {
                     // Fresh facts first (see `Deadline`): a check in flight was sent before.
-                    if let Handoff::Starting { deadline, .. } = &mut self.handoff {
-                        *deadline = Deadline::Passed(now);
-                    }
-                    if !self.live.in_flight {
-                        self.live_check(epoch);
+                    let Handoff::Starting { deadline, live, .. } = &mut self.handoff else {
+                        return;
+                    };
+                    *deadline = Deadline::Passed(now);
+                    if !live.probing.in_flight {
+                        self.live_check();
                     }
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Ours(p),
+                parent: DrainingParent::Ours(p),
                 until,
             } if now >= until.at + self.config.parent_overdue_grace => {
                 let p = *p;
@@ -420,12 +424,23 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Handoff::ParentDraining {
-                parent: Parent::Foreign { epoch, identity },
+                parent:
+                    DrainingParent::Foreign {
+                        epoch,
+                        identity,
+                        look_at,
+                    },
                 until,
             } => {
                 let (epoch, identity, until) = (*epoch, identity.clone(), until.at);
-                if self.foreign_check.is_some_and(|t| now >= t) {
-                    self.foreign_check = Some(now + FOREIGN_PARENT_CHECK);
+                if now >= *look_at {
+                    if let Handoff::ParentDraining {
+                        parent: DrainingParent::Foreign { look_at, .. },
+                        ..
+                    } = &mut self.handoff
+                    {
+                        *look_at = now + FOREIGN_PARENT_CHECK;
+                    }
                     // The names come free only once the predecessor's Envoy is gone: then our
                     // child would abort on its next message to it. Hold them and answer.
                     if !self.stand_ins.iter().any(|s| s.parent_epoch == epoch) {
@@ -442,7 +457,6 @@ impl<H: Host> Supervisor<H> {
                 }
                 if now >= until {
                     self.handoff = Handoff::Idle;
-                    self.foreign_check = None;
                     self.family.foreign_parent_until = None;
                     self.write_heartbeat();
                 }
@@ -452,28 +466,28 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn try_start_queued(&mut self, now: Instant) {
-        if self.lock.is_none() {
-            match self.host.try_lock() {
-                Ok(Some(lock)) => self.lock = Some(lock),
-                Ok(None) => {
-                    self.lock_retry_at = now + LOCK_RETRY;
-                    let why = "another pod holds the node's epoch lock (a successor is starting?)";
-                    if self.queue.waiting_for.as_deref() != Some(why) {
-                        tracing::info!(reason = why, "hot restart queued");
-                        self.queue.waiting_for = Some(why.to_owned());
-                    }
-                    return;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot take the node's epoch lock; restarting without it");
-                }
-            }
-        }
         let Some(newest) = self.newest_live else {
             return;
         };
+        let lock = match self.host.try_lock() {
+            Ok(Some(lock)) => Some(lock),
+            Ok(None) => {
+                let busy = QueueWait::Lock {
+                    retry_at: now + LOCK_RETRY,
+                };
+                if !matches!(self.queue.waiting_for, Some(QueueWait::Lock { .. })) {
+                    tracing::info!(reason = busy.to_string().as_str(), "hot restart queued");
+                }
+                self.queue.waiting_for = Some(busy);
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot take the node's epoch lock; restarting without it");
+                None
+            }
+        };
         let attempt = self.queue.take(newest + 1, Some(Parent::Ours(newest)), now);
-        self.start_preflight(attempt);
+        self.start_preflight(attempt, lock);
     }
 
     pub(super) fn finish(&mut self, attempt: Attempt, outcome: Outcome, message: String) {

@@ -116,7 +116,8 @@ impl<H: Host> Supervisor<H> {
             identity: self.config.identity.clone(),
             pid: std::process::id(),
             base_id: self.base_id,
-            hot_restart_version: self.version.clone(),
+            // The file says an unknown version with an empty one.
+            hot_restart_version: self.version.known().unwrap_or_default().to_owned(),
             newest_epoch: newest,
             envoy_pid: self.epochs.get(newest).map_or(0, |c| c.pid),
             state,

@@ -6,12 +6,12 @@ use super::*;
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
         if let Life::Discovering { probing, next, .. } = &mut self.life {
-            if result.is_ok() && self.version.is_empty() {
+            if result.is_ok() && self.version.known().is_none() {
                 // Someone answers: only our own version tells whether we can take over. Ask
                 // it; look again once it is known.
                 *probing = false;
                 *next = Instant::now() + LIVE_POLL;
-                if !self.version_asked {
+                if self.version == Version::Unknown {
                     self.ask_version();
                 }
                 return;
@@ -19,7 +19,6 @@ impl<H: Host> Supervisor<H> {
         }
         let now_ms = self.host.now_unix_ms();
         let others = self.read_node();
-        let decision = discovery::decide(&others, &result, &self.base_ids(), &self.version, now_ms);
         let (waiting, reported_incompatible) = match &mut self.life {
             Life::Discovering {
                 waiting,
@@ -32,9 +31,13 @@ impl<H: Host> Supervisor<H> {
                 *next = Instant::now() + DISCOVERY_POLL;
                 (waiting.clone(), *reported_incompatible)
             }
+            // A late answer: the start was given up meanwhile.
             _ => return,
         };
-        let set_waiting = |life: &mut Life, why: String, reported: Option<Instant>| {
+        // Only an answer is weighed against our version, and an answer waits for it (above).
+        let ours = self.version.known().unwrap_or_default().to_owned();
+        let decision = discovery::decide(&others, &result, &self.base_ids(), &ours, now_ms);
+        let set_waiting = |life: &mut Life, why: Waiting, reported: Option<Instant>| {
             if let Life::Discovering {
                 waiting,
                 reported_incompatible,
@@ -67,7 +70,7 @@ impl<H: Host> Supervisor<H> {
                     self.family.base_id = base_id;
                     self.host.switch_family(base_id, false);
                 }
-                if let Err(why) = self.host.shm_usable(&self.version) {
+                if let Err(why) = self.shm_usable() {
                     // Our epoch could not attach to the family's segment: a family of our own
                     // beside it instead.
                     self.family.predecessor = Some(who.clone());
@@ -111,8 +114,7 @@ impl<H: Host> Supervisor<H> {
                 let who = identity
                     .unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
                 let why = format!(
-                    "the node's envoy ({who}) has hot-restart version {theirs}, ours {}",
-                    self.version
+                    "the node's envoy ({who}) has hot-restart version {theirs}, ours {ours}"
                 );
                 self.family.predecessor = Some(who.clone());
                 self.begin_first_cold(base_id, who, why);
@@ -126,19 +128,17 @@ impl<H: Host> Supervisor<H> {
                     tracing::error!(
                         predecessor = identity.as_deref().unwrap_or("unknown"),
                         theirs = %theirs,
-                        ours = %self.version,
+                        ours = %ours,
                         "the node's envoy has another hot-restart version: it cannot be \
                          hot-restarted from; not starting until it is gone (see the runbook)"
                     );
                 }
-                let why = format!(
-                    "the node's envoy has hot-restart version {theirs}, ours {}",
-                    self.version
-                );
+                let why = Waiting::Incompatible { theirs, ours };
                 set_waiting(&mut self.life, why, reported);
             }
             Discovery::Wait(why) => {
-                if waiting.as_deref() != Some(why.as_str()) {
+                let why = Waiting::Node(why);
+                if waiting.as_ref() != Some(&why) {
                     tracing::info!(reason = %why, "waiting to take over");
                 }
                 set_waiting(&mut self.life, why, reported_incompatible);
@@ -187,14 +187,18 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
-    /// Asks whether the starting `epoch` is LIVE, beside the loop.
-    pub(super) fn live_check(&mut self, epoch: u32) {
-        self.live.in_flight = true;
+    /// Asks whether the starting epoch is LIVE, beside the loop.
+    pub(super) fn live_check(&mut self) {
+        let Handoff::Starting { attempt, live, .. } = &mut self.handoff else {
+            return;
+        };
+        live.probing.in_flight = true;
+        let epoch = attempt.epoch;
         // Once its admin listener is bound the address is the starting epoch's: its checks
         // can share a connection.
         let call = self
             .host
-            .live_check(matches!(self.live_sign, LiveSign::Seen(_)).then_some(epoch));
+            .live_check(matches!(live.sign, LiveSign::Seen(_)).then_some(epoch));
         let events = self.events_tx.clone();
         let sent = Instant::now();
         tokio::spawn(async move {
@@ -380,15 +384,14 @@ impl<H: Host> Supervisor<H> {
             self.go_live(epoch);
             return;
         }
+        let Handoff::Starting { live: checks, .. } = &mut self.handoff else {
+            return;
+        };
         match deadline.after_not_live(sent, unknown) {
             NotLive::GiveUp => self.give_up_starting(),
-            NotLive::AskAgainIn(gap) => self.live.next = Some(Instant::now() + gap),
-            NotLive::Poll => {
-                // Envoy answered "not LIVE" before this moment (and after `sent`).
-                let now = Instant::now();
-                self.live_missed = Some(now);
-                self.live.next = Some(now + self.live_poll_gap());
-            }
+            NotLive::AskAgainIn(gap) => checks.probing.next = Some(Instant::now() + gap),
+            // Envoy answered "not LIVE" before this moment (and after `sent`).
+            NotLive::Poll => checks.not_live_yet(Instant::now()),
         }
     }
 
@@ -461,19 +464,25 @@ impl<H: Host> Supervisor<H> {
     }
 
     /// Discovery's next step: the node's epoch lock, then a look at the node.
-    pub(super) fn discover(&mut self, now: Instant, waiting: Option<String>) {
-        if self.lock.is_none() {
+    pub(super) fn discover(&mut self, now: Instant) {
+        let Life::Discovering {
+            lock,
+            next,
+            waiting,
+            ..
+        } = &mut self.life
+        else {
+            return;
+        };
+        if lock.is_none() {
             match self.host.try_lock() {
-                Ok(Some(lock)) => self.lock = Some(lock),
+                Ok(Some(taken)) => *lock = Some(taken),
                 Ok(None) => {
-                    let why = "another agent holds the node's epoch lock".to_owned();
-                    if waiting.as_deref() != Some(why.as_str()) {
-                        tracing::info!(reason = %why, "waiting to take over");
+                    if *waiting != Some(Waiting::Lock) {
+                        tracing::info!(reason = %Waiting::Lock, "waiting to take over");
                     }
-                    if let Life::Discovering { next, waiting, .. } = &mut self.life {
-                        *next = now + LOCK_RETRY;
-                        *waiting = Some(why);
-                    }
+                    *next = now + LOCK_RETRY;
+                    *waiting = Some(Waiting::Lock);
                     return;
                 }
                 Err(e) => {
