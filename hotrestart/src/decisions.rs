@@ -999,29 +999,6 @@ async fn with_the_admin_listener_as_the_sign_live_is_seen_within_two_millisecond
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_restart_starts_when_asked_not_at_the_timers_next_millisecond() {
-    let host = FakeHost::default();
-    host.world().preflight_cached = true;
-    let f = start(host, config());
-    f.serving_at(0).await;
-    // The running version known (a restart waits for it).
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    // Mid-millisecond: the timer rounds a wake-up for now up to its next millisecond.
-    tokio::time::advance(Duration::from_micros(300)).await;
-    let asked = tokio::time::Instant::now();
-    let restart = f.restart("SIGHUP");
-    f.spawned(&[0, 1]).await;
-    let spawned_at = f.host.world().spawned_at[1];
-    assert_eq!(
-        spawned_at - asked,
-        Duration::ZERO,
-        "the pre-flight is answered from the cache: nothing to wait for"
-    );
-    assert_eq!(restart.await.unwrap(), Ok(1));
-    f.stop().await;
-}
-
-#[tokio::test(start_paused = true)]
 async fn after_the_sign_its_own_admin_is_asked_every_millisecond_over_one_connection() {
     let host = FakeHost::default();
     host.world().admin_bound_before_live = Some(Duration::from_millis(30));

@@ -468,11 +468,10 @@ impl<H: Host> Supervisor<H> {
             if let Some(ended) = self.finished() {
                 return ended;
             }
+            // Work an event made due at once waits for the timer's next millisecond: a tick
+            // run without sleeping (tried) starves the runtime when a tick leaves its own wake
+            // in the past, and the millisecond is not felt against a handoff.
             let wake = self.next_wake();
-            // What an event made due at once (a restart just queued, a LIVE check wanted now)
-            // runs now, after any event already waiting: the timer rounds a deadline up to its
-            // next millisecond, so sleeping until now would add up to ~1 ms to each handoff.
-            let due = wake.is_some_and(|w| w <= Instant::now());
             // Once stopping, for whatever reason, an abort has nothing left to do (and the
             // cancelled token would be ready at every turn).
             let stopping = matches!(self.life, Life::Stopping { .. });
@@ -490,7 +489,6 @@ impl<H: Host> Supervisor<H> {
                         continue;
                     }
                 },
-                () = std::future::ready(()), if due => Event::Tick,
                 () = sleep_until(wake) => Event::Tick,
             };
             self.handle(event).await;
