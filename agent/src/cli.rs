@@ -438,6 +438,14 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_IDENTITY", requires = "hot_restart")]
     pub identity: Option<String>,
 
+    /// With --hot-restart: this pod's place in a rollout, larger for a later pod (a DaemonSet's
+    /// `pod-template-generation` label, through the downward API). An agent never takes over
+    /// from, nor starts a family beside, a family run by a newer pod, so a rollout only goes
+    /// forward (a crash-recovering predecessor stands by). [default: the agent's start time in
+    /// Unix ms; set it on every pod of the node or on none]
+    #[arg(long, env = "ENVOY_AGENT_POD_GENERATION", requires = "hot_restart")]
+    pub pod_generation: Option<u64>,
+
     /// With --hot-restart: how long a new epoch may take from spawn to LIVE before it is killed
     /// (the serving epoch keeps serving). [default: 60s]
     #[arg(long, env = "ENVOY_AGENT_HANDOFF_DEADLINE", value_parser = parse_positive_duration, requires = "hot_restart")]
@@ -593,6 +601,12 @@ impl RunArgs {
             ready_marker: self.ready_marker.clone(),
             state_dir,
             identity: self.identity.clone(),
+            // A later agent starts later: the fallback order when the pods do not say.
+            generation: self.pod_generation.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64)
+            }),
             handoff_deadline: self.handoff_deadline.unwrap_or(defaults::HANDOFF_DEADLINE),
             admin_unresponsive_deadline: self
                 .admin_unresponsive_deadline

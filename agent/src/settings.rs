@@ -192,6 +192,9 @@ pub struct HotRestartSettings {
     /// This agent's name on the node as given (`--identity`); the agent adds `$POD_NAME` or the
     /// host name and a unique suffix when it starts.
     pub identity: Option<String>,
+    /// This pod's place in a rollout (`--pod-generation`, else the agent's start time in Unix
+    /// ms): it never takes over from a newer pod's family.
+    pub generation: u64,
     /// How long a new epoch may take from spawn to LIVE (`--handoff-deadline`).
     pub handoff_deadline: Duration,
     /// How long the serving epoch's admin API may stay silent (`--admin-unresponsive-deadline`).

@@ -139,6 +139,7 @@ pub fn family_config(
         .filter(|s| !s.trim().is_empty());
     config.identity = envoy_agent_hotrestart::unique_identity(name.as_deref());
     config.ready_marker = hot.ready_marker.clone();
+    config.generation = hot.generation;
     config.handoff_deadline = hot.handoff_deadline;
     config.admin_unresponsive_deadline = hot.admin_unresponsive_deadline;
     config.cold_base_id = hot.cold_base_id;

@@ -52,6 +52,10 @@ pub struct Config {
     pub state_dir: Option<PathBuf>,
     /// This supervisor's name on the node, unique per agent instance (see [`unique_identity`]).
     pub identity: String,
+    /// Its pod's place in a rollout: a later pod's is larger (the DaemonSet's
+    /// `pod-template-generation`, else the agent's start time in Unix ms). It never takes over
+    /// from, nor starts a family beside, a family run by a newer pod.
+    pub generation: u64,
     /// How often the heartbeat is rewritten (and the node's other heartbeats read).
     pub heartbeat_period: Duration,
     /// A file that exists exactly while this supervisor's newest epoch is LIVE.
@@ -78,6 +82,7 @@ impl Config {
             watch_debounce: Duration::from_millis(200),
             state_dir: None,
             identity: unique_identity(None),
+            generation: 0,
             heartbeat_period: Duration::from_millis(500),
             ready_marker: None,
             handoff_deadline: Duration::from_secs(60),

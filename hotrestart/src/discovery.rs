@@ -39,6 +39,15 @@ pub(crate) enum Discovery {
     },
     /// Not now; the reason.
     Wait(String),
+    /// The node's LIVE family is run by a newer pod (a later generation of the rollout): an
+    /// older agent (one recovering from a crash, say) must not take it back, nor start a
+    /// family beside it.
+    Newer {
+        /// Who runs it.
+        identity: String,
+        /// Its generation.
+        theirs: u64,
+    },
 }
 
 /// Whether an admin error means nothing listens on the port.
@@ -55,6 +64,7 @@ pub(crate) fn decide(
     admin: &Result<ServerInfo, AdminError>,
     base_ids: &[u32],
     version: &str,
+    generation: u64,
     now_ms: u64,
 ) -> Discovery {
     let claims_to_serve = |h: &&Heartbeat| {
@@ -101,6 +111,13 @@ pub(crate) fn decide(
                         .max_by_key(|h| h.newest_epoch)
                 });
             let identity = owner.map(|h| h.identity.clone());
+            // Rollouts go one way: before any takeover, hot or cold.
+            if let Some(h) = owner.filter(|h| h.generation > generation) {
+                return Discovery::Newer {
+                    identity: h.identity.clone(),
+                    theirs: h.generation,
+                };
+            }
             if info.hot_restart_version != version {
                 return Discovery::Incompatible {
                     theirs: info.hot_restart_version.clone(),
@@ -155,6 +172,7 @@ mod tests {
             cold_takeover_of: None,
             handover: None,
             socket_path: String::new(),
+            generation: 0,
         }
     }
 
@@ -179,7 +197,7 @@ mod tests {
     }
 
     fn decide_now(others: &[Heartbeat], admin: &Result<ServerInfo, AdminError>) -> Discovery {
-        decide(others, admin, &[7], "11.104", NOW)
+        decide(others, admin, &[7], "11.104", 5, NOW)
     }
 
     #[test]
@@ -209,6 +227,40 @@ mod tests {
             decide_now(&[a], &refused_admin()),
             Discovery::Wait(_)
         ));
+    }
+
+    /// Issue 31: an older agent (ours is generation 5) never takes over from a newer pod's
+    /// LIVE family, nor from one of another hot-restart version (a cold family beside it);
+    /// an older or equal one it does.
+    #[test]
+    fn never_takes_over_from_a_newer_pod() {
+        let mut newer = hb("b", NodeState::Serving, 0);
+        newer.generation = 6;
+        assert_eq!(
+            decide_now(std::slice::from_ref(&newer), &live(0)),
+            Discovery::Newer {
+                identity: "b".to_owned(),
+                theirs: 6
+            }
+        );
+        let mut incompatible = live(0);
+        if let Ok(i) = &mut incompatible {
+            i.hot_restart_version = "11.120".to_owned();
+        }
+        assert!(matches!(
+            decide_now(std::slice::from_ref(&newer), &incompatible),
+            Discovery::Newer { .. }
+        ));
+        for older in [0, 4, 5] {
+            newer.generation = older;
+            assert!(
+                matches!(
+                    decide_now(std::slice::from_ref(&newer), &live(0)),
+                    Discovery::TakeOver { .. }
+                ),
+                "generation {older}"
+            );
+        }
     }
 
     #[test]
@@ -278,7 +330,7 @@ mod tests {
         // A heartbeat of the other base id does not speak for the family that answers.
         let stale = hb("z", NodeState::Serving, 9);
         assert_eq!(
-            decide(&[stale, a], &info, &[7, 8], "11.104", NOW),
+            decide(&[stale, a], &info, &[7, 8], "11.104", 5, NOW),
             Discovery::TakeOver {
                 epoch: 4,
                 base_id: 8,
@@ -286,7 +338,7 @@ mod tests {
             }
         );
         assert!(matches!(
-            decide(&[], &info, &[7], "11.104", NOW),
+            decide(&[], &info, &[7], "11.104", 5, NOW),
             Discovery::Wait(_)
         ));
     }

@@ -114,6 +114,11 @@ pub struct Heartbeat {
     /// from agents that did not say (they used Envoy's default, `@envoy_domain_socket`).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub socket_path: String,
+    /// Its pod's generation (`--pod-generation`, else its agent's start time in Unix ms): a
+    /// later pod of a rollout has a larger one. A recovering agent never takes over from, nor
+    /// starts a family beside, a family whose owner is newer. 0 from agents that did not say.
+    #[serde(default)]
+    pub generation: u64,
 }
 
 /// How a family came to serve (in a heartbeat).
@@ -421,6 +426,7 @@ mod tests {
             cold_takeover_of: None,
             handover: None,
             socket_path: String::new(),
+            generation: 0,
         }
     }
 

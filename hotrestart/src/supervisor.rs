@@ -217,6 +217,13 @@ enum Waiting {
     Incompatible { theirs: String, ours: String },
     /// Our first epoch waited for these types of its control plane and was stopped.
     ControlPlane(Vec<envoy_agent_proxy::XdsType>),
+    /// A newer pod's family serves the node: this older one stands by, not ready, until the
+    /// rollout deletes it (waiting does not time out; taking over would reverse the rollout).
+    NewerPod {
+        identity: String,
+        theirs: u64,
+        ours: u64,
+    },
 }
 
 impl std::fmt::Display for Waiting {
@@ -231,6 +238,15 @@ impl std::fmt::Display for Waiting {
             Waiting::ControlPlane(types) => {
                 write!(f, "the control plane: {}", control_plane::type_list(types))
             }
+            Waiting::NewerPod {
+                identity,
+                theirs,
+                ours,
+            } => write!(
+                f,
+                "a newer pod ({identity}, generation {theirs}; ours {ours}) serves the node: \
+                 standing by until this pod is deleted"
+            ),
         }
     }
 }
@@ -599,7 +615,10 @@ impl<H: Host> Supervisor<H> {
                 if !probing {
                     consider(Some(*next));
                 }
-                if !matches!(waiting, Some(Waiting::Incompatible { .. })) {
+                if !matches!(
+                    waiting,
+                    Some(Waiting::Incompatible { .. } | Waiting::NewerPod { .. })
+                ) {
                     consider(*deadline);
                 }
             }
@@ -686,7 +705,10 @@ impl<H: Host> Supervisor<H> {
                 ..
             } => {
                 let over = deadline.is_some_and(|d| now >= d)
-                    && !matches!(waiting, Some(Waiting::Incompatible { .. }));
+                    && !matches!(
+                        waiting,
+                        Some(Waiting::Incompatible { .. } | Waiting::NewerPod { .. })
+                    );
                 if over {
                     let why = waiting.as_ref().map_or_else(
                         || "the node's epoch lock stayed taken".to_owned(),

@@ -10,7 +10,8 @@ use envoy_agent_proxy::{AdminClient, ServerState};
 use envoy_agent_tests::{
     AgentBuilder, AgentProcess, HotRestartPorts, Load, PATIENCE, TestDir, eventually,
 };
-use nix::sys::signal::Signal;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
 
 use crate::agent;
 use envoy_agent_tests::live_at;
@@ -309,4 +310,129 @@ async fn surge_pods_take_the_default_status_port_in_turn() {
     assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
     b.signal_agent(Signal::SIGTERM);
     assert_eq!(b.exit().await.code(), Some(0));
+}
+
+/// Issue 31: a rollout only goes forward. An older pod of the rollout (its container restarted,
+/// or its agent back from a crash's back-off) that finds a newer pod's family serving the node
+/// stands by: it neither hot-restarts from it (which would hand the node back to the old pod)
+/// nor starts a family beside it. The newer pod serves on, losing no request.
+#[tokio::test]
+async fn an_older_pod_never_takes_over_from_a_newer_ones_family() {
+    let node = Node::new();
+    let b = node
+        .pod("pod-b")
+        .args(&["--pod-generation", "2"])
+        .start()
+        .await;
+    live_at(&node.admin(), 0).await;
+    let load = Load::start(node.listener(), "/", 2, 2);
+
+    let mut a = node
+        .pod("pod-a")
+        .env("ENVOY_AGENT_POD_GENERATION", "1")
+        .no_wait_live()
+        .start()
+        .await;
+    let standing_by = eventually("the older pod to stand by", PATIENCE, || async {
+        a.events("newer_pod_serves").into_iter().next()
+    })
+    .await;
+    assert!(
+        standing_by["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("generation 2")),
+        "{standing_by}"
+    );
+    // Its turn never comes: three seconds on, the newer pod's epoch 0 still serves.
+    let until = Instant::now() + std::time::Duration::from_secs(3);
+    while Instant::now() < until {
+        let info = node.admin().server_info().await.unwrap();
+        assert_eq!(
+            (info.state, info.restart_epoch),
+            (ServerState::Live, 0),
+            "the newer pod's family serves on"
+        );
+        assert!(b.marker_present() && !a.marker_present());
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    assert!(a.events("epoch_starting").is_empty(), "no epoch of its own");
+    assert_eq!(node.heartbeat_state("pod-b"), Some(NodeState::Serving));
+
+    a.signal_agent(Signal::SIGTERM);
+    a.exit().await;
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    assert!(b.marker_present(), "the newer pod still serves");
+}
+
+/// The serving Envoy of `pod` (the one child Envoy of its agent), once there is one other
+/// than `not`.
+async fn serving_envoy_of(pod: &AgentProcess, not: Option<u32>) -> u32 {
+    eventually("the pod's envoy", PATIENCE, || async {
+        let envoys = envoy_agent_tests::envoy_children_of(pod.agent_pid());
+        match envoys.as_slice() {
+            [one] if Some(*one) != not => Some(*one),
+            _ => None,
+        }
+    })
+    .await
+}
+
+/// Issue 31, the surge rollout's crash case: the predecessor's Envoy crashes and, while its
+/// agent backs off (`--restart-on-crash`), a successor pod starts and serves with a family of
+/// its own. When the back-off ends, the recovering predecessor finds the newer pod serving
+/// and stands by: the rollout goes forward, losing no request after the crash's own. The
+/// pods' order is their agents' start times (no `--pod-generation`: the default).
+#[tokio::test]
+async fn a_predecessor_recovering_from_a_crash_lets_the_rollout_go_forward() {
+    let node = Node::new();
+    let a = node
+        .pod("pod-a")
+        .args(&["--restart-on-crash"])
+        .start()
+        .await;
+    live_at(&node.admin(), 0).await;
+    // Two crashes: the second's back-off (2 s) leaves the successor room to start.
+    let first = serving_envoy_of(&a, None).await;
+    kill(Pid::from_raw(first as i32), Signal::SIGKILL).unwrap();
+    a.wait_event("envoy_crashed", "attempt", "1").await;
+    let second = serving_envoy_of(&a, Some(first)).await;
+    live_at(&node.admin(), 0).await;
+    kill(Pid::from_raw(second as i32), Signal::SIGKILL).unwrap();
+    a.wait_event("envoy_crashed", "attempt", "2").await;
+
+    let b = node.pod("pod-b").start().await;
+    live_at(&node.admin(), 0).await;
+    let b_envoy = serving_envoy_of(&b, None).await;
+    // From here on, nothing is the crash's.
+    let load = Load::start(node.listener(), "/", 2, 2);
+    a.wait_event("envoy_restarting", "attempt", "2").await;
+    let standing_by = eventually("the predecessor to stand by", PATIENCE, || async {
+        a.events("newer_pod_serves").into_iter().next()
+    })
+    .await;
+    assert!(
+        standing_by["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("pod-b")),
+        "{standing_by}"
+    );
+    let until = Instant::now() + std::time::Duration::from_secs(3);
+    while Instant::now() < until {
+        let info = node.admin().server_info().await.unwrap();
+        assert_eq!(
+            (info.state, info.restart_epoch),
+            (ServerState::Live, 0),
+            "the successor's family serves on"
+        );
+        assert!(b.marker_present() && !a.marker_present());
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+    assert_eq!(
+        envoy_agent_tests::envoy_children_of(b.agent_pid()),
+        [b_envoy],
+        "the successor's envoy was never replaced"
+    );
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
 }

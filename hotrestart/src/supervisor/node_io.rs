@@ -140,6 +140,7 @@ impl<H: Host> Supervisor<H> {
                     },
                 }),
             socket_path: self.host.socket_path().to_string(),
+            generation: self.config.generation,
         };
         if let Some((last, at)) = &mut self.heartbeat_written {
             let same = Heartbeat {

@@ -36,7 +36,14 @@ impl<H: Host> Supervisor<H> {
         };
         // Only an answer is weighed against our version, and an answer waits for it (above).
         let ours = self.version.known().unwrap_or_default().to_owned();
-        let decision = discovery::decide(&others, &result, &self.base_ids(), &ours, now_ms);
+        let decision = discovery::decide(
+            &others,
+            &result,
+            &self.base_ids(),
+            &ours,
+            self.config.generation,
+            now_ms,
+        );
         let set_waiting = |life: &mut Life, why: Waiting, reported: Option<Instant>| {
             if let Life::Discovering {
                 waiting,
@@ -135,6 +142,17 @@ impl<H: Host> Supervisor<H> {
                 }
                 let why = Waiting::Incompatible { theirs, ours };
                 set_waiting(&mut self.life, why, reported);
+            }
+            Discovery::Newer { identity, theirs } => {
+                let why = Waiting::NewerPod {
+                    identity,
+                    theirs,
+                    ours: self.config.generation,
+                };
+                if waiting.as_ref() != Some(&why) {
+                    tracing::warn!(event = "newer_pod_serves", reason = %why, "not taking over");
+                }
+                set_waiting(&mut self.life, why, reported_incompatible);
             }
             Discovery::Wait(why) => {
                 let why = Waiting::Node(why);
