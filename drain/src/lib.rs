@@ -220,49 +220,82 @@ fn per_worker(listener: &str) -> bool {
     })
 }
 
+/// What one HTTP connection manager's stats say, each when seen.
+#[derive(Default)]
+struct Hcm {
+    connections: Option<u64>,
+    requests: Option<u64>,
+    upgrades: Option<u64>,
+}
+
+/// The listener and HCM stats of a `/stats` text body, and which listeners each HCM serves.
+struct HttpReading<'a> {
+    /// Listener -> active connections (aggregate lines only).
+    listeners: BTreeMap<&'a str, u64>,
+    /// HCM stat prefix -> its gauges.
+    hcms: BTreeMap<&'a str, Hcm>,
+    /// HCM stat prefix -> the listeners it serves.
+    served: BTreeMap<&'a str, BTreeSet<&'a str>>,
+}
+
+impl<'a> HttpReading<'a> {
+    fn parse(stats: &'a str) -> Self {
+        let mut listeners: BTreeMap<&str, u64> = BTreeMap::new();
+        let mut hcms: BTreeMap<&str, Hcm> = BTreeMap::new();
+        // `<listener>.http.<prefix>`: split once the listeners are known (both may contain
+        // dots).
+        let mut links: Vec<&str> = Vec::new();
+        for (name, value) in stats.lines().filter_map(stat_line) {
+            if let Some(rest) = name.strip_prefix("listener.") {
+                if let Some(link) = rest.strip_suffix(".downstream_rq_completed") {
+                    links.push(link);
+                } else if let Some(listener) = rest.strip_suffix(".downstream_cx_active") {
+                    if !per_worker(listener) {
+                        listeners.insert(listener, value);
+                    }
+                }
+            } else if let Some(rest) = name.strip_prefix("http.") {
+                if let Some(prefix) = rest.strip_suffix(".downstream_cx_active") {
+                    hcms.entry(prefix).or_default().connections = Some(value);
+                } else if let Some(prefix) = rest.strip_suffix(".downstream_rq_active") {
+                    hcms.entry(prefix).or_default().requests = Some(value);
+                } else if let Some(prefix) = rest.strip_suffix(".downstream_cx_upgrades_active") {
+                    hcms.entry(prefix).or_default().upgrades = Some(value);
+                }
+            }
+        }
+        let mut served: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+        for link in links {
+            let splits = || {
+                link.match_indices(".http.")
+                    .map(|(at, sep)| (&link[..at], &link[at + sep.len()..]))
+                    .filter(|(_, prefix)| hcms.contains_key(prefix))
+            };
+            // A listener whose gauge is missing still takes its HCM out of the trusted ones.
+            let split = splits()
+                .find(|(listener, _)| listeners.contains_key(listener))
+                .or_else(|| splits().next());
+            if let Some((listener, prefix)) = split {
+                served.entry(prefix).or_default().insert(listener);
+            }
+        }
+        HttpReading {
+            listeners,
+            hcms,
+            served,
+        }
+    }
+}
+
 /// Sums the counted listeners' active requests in an Envoy `/stats` text body (without
 /// `usedonly`, filtered by [`ACTIVE_REQUESTS_FILTER`]): see the module docs for the rule.
 /// Unknown lines are ignored; sums saturate.
 pub fn sum_active_requests(stats: &str, exclusions: &Exclusions) -> u64 {
-    // Listener -> active connections (aggregate lines only).
-    let mut listeners: BTreeMap<&str, u64> = BTreeMap::new();
-    // HCM stat prefix -> (active connections, active requests), each when seen.
-    let mut hcms: BTreeMap<&str, (Option<u64>, Option<u64>)> = BTreeMap::new();
-    // `<listener>.http.<prefix>`: split once the listeners are known (both may contain dots).
-    let mut links: Vec<&str> = Vec::new();
-    for (name, value) in stats.lines().filter_map(stat_line) {
-        if let Some(rest) = name.strip_prefix("listener.") {
-            if let Some(link) = rest.strip_suffix(".downstream_rq_completed") {
-                links.push(link);
-            } else if let Some(listener) = rest.strip_suffix(".downstream_cx_active") {
-                if !per_worker(listener) {
-                    listeners.insert(listener, value);
-                }
-            }
-        } else if let Some(rest) = name.strip_prefix("http.") {
-            if let Some(prefix) = rest.strip_suffix(".downstream_cx_active") {
-                hcms.entry(prefix).or_default().0 = Some(value);
-            } else if let Some(prefix) = rest.strip_suffix(".downstream_rq_active") {
-                hcms.entry(prefix).or_default().1 = Some(value);
-            }
-        }
-    }
-    // HCM prefix -> the listeners it serves.
-    let mut served: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    for link in links {
-        let splits = || {
-            link.match_indices(".http.")
-                .map(|(at, sep)| (&link[..at], &link[at + sep.len()..]))
-                .filter(|(_, prefix)| hcms.contains_key(prefix))
-        };
-        // A listener whose gauge is missing still takes its HCM out of the trusted ones.
-        let split = splits()
-            .find(|(listener, _)| listeners.contains_key(listener))
-            .or_else(|| splits().next());
-        if let Some((listener, prefix)) = split {
-            served.entry(prefix).or_default().insert(listener);
-        }
-    }
+    let HttpReading {
+        listeners,
+        hcms,
+        served,
+    } = HttpReading::parse(stats);
     let counted =
         |listener: &str| listeners.contains_key(listener) && !exclusions.excludes(listener);
     let connections = listeners
@@ -274,7 +307,11 @@ pub fn sum_active_requests(stats: &str, exclusions: &Exclusions) -> u64 {
         .iter()
         .filter(|(_, on)| on.iter().all(|listener| counted(listener)))
         .filter_map(|(prefix, _)| match hcms.get(prefix) {
-            Some((Some(cx), Some(rq))) => Some((*cx, *rq)),
+            Some(Hcm {
+                connections: Some(cx),
+                requests: Some(rq),
+                ..
+            }) => Some((*cx, *rq)),
             _ => None,
         })
         .fold((0u64, 0u64), |(cx, rq), (c, r)| {
@@ -310,39 +347,11 @@ pub struct ListenerActivity {
 /// busiest first. The same reading of the HCM-to-listener links as
 /// [`sum_active_requests`].
 pub fn listener_activity(stats: &str, exclusions: &Exclusions) -> Vec<ListenerActivity> {
-    let mut listeners: BTreeMap<&str, u64> = BTreeMap::new();
-    // HCM stat prefix -> (active requests, active upgraded connections), each when seen.
-    let mut hcms: BTreeMap<&str, (Option<u64>, Option<u64>)> = BTreeMap::new();
-    let mut links: Vec<&str> = Vec::new();
-    for (name, value) in stats.lines().filter_map(stat_line) {
-        if let Some(rest) = name.strip_prefix("listener.") {
-            if let Some(link) = rest.strip_suffix(".downstream_rq_completed") {
-                links.push(link);
-            } else if let Some(listener) = rest.strip_suffix(".downstream_cx_active") {
-                if !per_worker(listener) {
-                    listeners.insert(listener, value);
-                }
-            }
-        } else if let Some(rest) = name.strip_prefix("http.") {
-            if let Some(prefix) = rest.strip_suffix(".downstream_rq_active") {
-                hcms.entry(prefix).or_default().0 = Some(value);
-            } else if let Some(prefix) = rest.strip_suffix(".downstream_cx_upgrades_active") {
-                hcms.entry(prefix).or_default().1 = Some(value);
-            }
-        }
-    }
-    // HCM prefix -> the listeners it serves.
-    let mut served: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    for link in links {
-        let split = link
-            .match_indices(".http.")
-            .map(|(at, sep)| (&link[..at], &link[at + sep.len()..]))
-            .filter(|(_, prefix)| hcms.contains_key(prefix))
-            .find(|(listener, _)| listeners.contains_key(listener));
-        if let Some((listener, prefix)) = split {
-            served.entry(prefix).or_default().insert(listener);
-        }
-    }
+    let HttpReading {
+        listeners,
+        hcms,
+        served,
+    } = HttpReading::parse(stats);
     let mut out: Vec<ListenerActivity> = listeners
         .iter()
         .filter(|(listener, _)| !exclusions.excludes(listener))
@@ -353,12 +362,12 @@ pub fn listener_activity(stats: &str, exclusions: &Exclusions) -> Vec<ListenerAc
                 .filter(|(_, on)| on.len() == 1 && on.contains(listener))
                 .filter_map(|(prefix, _)| hcms.get(prefix));
             let (mut requests, mut upgrades) = (None::<u64>, None::<u64>);
-            for (rq, up) in own {
-                if let Some(rq) = rq {
-                    requests = Some(requests.unwrap_or(0).saturating_add(*rq));
+            for hcm in own {
+                if let Some(rq) = hcm.requests {
+                    requests = Some(requests.unwrap_or(0).saturating_add(rq));
                 }
-                if let Some(up) = up {
-                    upgrades = Some(upgrades.unwrap_or(0).saturating_add(*up));
+                if let Some(up) = hcm.upgrades {
+                    upgrades = Some(upgrades.unwrap_or(0).saturating_add(up));
                 }
             }
             ListenerActivity {

@@ -16,7 +16,7 @@ use crate::family::{EnvoyFamily, SupervisorHandle};
 use crate::host::Refusal;
 use crate::metrics::SupervisorMetrics;
 use crate::node::{FORMAT, Heartbeat, NodeState};
-use crate::supervisor::{LIVE_POLL, LIVE_POLL_FAST, LIVE_POLL_UNBOUND};
+use crate::supervisor::{LIVE_POLL, LIVE_POLL_BLIND, LIVE_POLL_FAST, LIVE_POLL_UNBOUND};
 use crate::testing::{Admin, FakeHost, code, killed};
 
 /// Longer than anything here takes; with paused time it costs nothing.
@@ -975,7 +975,7 @@ async fn without_a_sign_to_go_by_live_is_seen_within_the_sparse_poll() {
     let start_time = Duration::from_millis(133);
     for (seen, checks) in live_seen_over_three_restarts(FakeHost::default(), start_time).await {
         assert!(
-            seen <= start_time + LIVE_POLL_UNBOUND,
+            seen <= start_time + LIVE_POLL_BLIND,
             "LIVE at {start_time:?}, seen after {seen:?}"
         );
         assert!(checks <= 4, "{checks} LIVE checks");
@@ -994,8 +994,9 @@ async fn with_the_admin_listener_as_the_sign_live_is_seen_within_two_millisecond
             seen <= start_time + Duration::from_millis(2),
             "LIVE at {start_time:?}, seen after {seen:?}"
         );
-        // One check per 50 ms until the sign, then one per millisecond: 133 / 50 + 3 + 1.
-        assert!(checks <= 7, "{checks} LIVE checks");
+        // None until the sign (the first would come at LIVE_POLL_UNBOUND), then one per
+        // millisecond: 3 + 1.
+        assert!(checks <= 5, "{checks} LIVE checks");
     }
 }
 
@@ -1012,10 +1013,10 @@ async fn after_the_sign_its_own_admin_is_asked_every_millisecond_over_one_connec
     let restart = f.restart("SIGHUP");
     assert_eq!(restart.await.unwrap(), Ok(1));
     let checks = f.host.world().live_checks_sent[sent_before..].to_vec();
-    // Before the sign: one check per 50 ms, each on a new connection (the address may still
-    // be the parent's). After it: one in flight at a time, the next 1 ms after each answer,
-    // over the connection kept.
-    assert!(!checks[0].1, "{checks:?}");
+    // Before the sign (103 ms after the spawn) no check: the first would come at
+    // LIVE_POLL_UNBOUND, and would ask the parent. After it: one in flight at a time, the next
+    // 1 ms after each answer, over the connection kept.
+    assert!(checks.iter().all(|(_, kept)| *kept), "{checks:?}");
     let kept: Vec<_> = checks
         .iter()
         .skip_while(|(_, kept)| !kept)

@@ -37,7 +37,9 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::host::Guard;
-use crate::supervisor::{LIVE_NEAR_BOUND, LIVE_POLL, LIVE_POLL_FAST, LIVE_POLL_UNBOUND, Probing};
+use crate::supervisor::{
+    LIVE_NEAR_BOUND, LIVE_POLL, LIVE_POLL_BLIND, LIVE_POLL_FAST, LIVE_POLL_UNBOUND, Probing,
+};
 
 /// Someone waiting for a hot restart's outcome.
 pub(crate) type Waiter = oneshot::Sender<Result<u32, RestartError>>;
@@ -200,7 +202,7 @@ impl Deadline {
     pub(crate) fn after_not_live(self, sent: Instant, unknown: bool) -> NotLive {
         match self {
             Deadline::Passed(from) if sent >= from && !unknown => NotLive::GiveUp,
-            Deadline::Passed(_) if unknown => NotLive::AskAgainIn(LIVE_POLL_UNBOUND),
+            Deadline::Passed(_) if unknown => NotLive::AskAgainIn(LIVE_POLL_BLIND),
             // Asked before the deadline passed: ask again, now.
             Deadline::Passed(_) => NotLive::AskAgainIn(Duration::ZERO),
             Deadline::At(_) | Deadline::Killed => NotLive::Poll,
@@ -211,8 +213,11 @@ impl Deadline {
 /// Whose admin a new Envoy's LIVE checks reach, which sets their pace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LiveSign {
-    /// Its admin listener is not known to be bound (and may never be known to be): the
-    /// configured address may still be the parent's.
+    /// No sign can come (Envoy cannot write the admin address file: another user, or the
+    /// directory cannot be watched): the checks are the only way to see LIVE.
+    Blind,
+    /// Its admin listener is not known to be bound yet: the configured address may still be
+    /// the parent's, and LIVE does not come before the sign.
     Awaited,
     /// Its own admin answers since then (a hot restart's child bound the listener; a cold
     /// family's checks go to its own address from its spawn): LIVE is near.
@@ -242,11 +247,14 @@ impl LiveChecks {
         checks
     }
 
-    /// How long from a "not LIVE" answer to the next check: rarely until the sign, then
-    /// every millisecond while LIVE is near, and every [`LIVE_POLL`] after that (a config to
-    /// fetch from a control plane).
+    /// How long from a "not LIVE" answer to the next check: without a sign to go by, every
+    /// [`LIVE_POLL_BLIND`]; while the sign is awaited, rarely (each such check asks the
+    /// parent, busy handing its sockets to the child: at 50 ms a small config's child started
+    /// ~6 ms slower); after it, every millisecond while LIVE is near, and every [`LIVE_POLL`]
+    /// after that (a config to fetch from a control plane).
     pub(crate) fn gap(&self) -> Duration {
         match self.sign {
+            LiveSign::Blind => LIVE_POLL_BLIND,
             LiveSign::Awaited => LIVE_POLL_UNBOUND,
             LiveSign::Seen(at) if at.elapsed() < LIVE_NEAR_BOUND => LIVE_POLL_FAST,
             LiveSign::Seen(_) => LIVE_POLL,

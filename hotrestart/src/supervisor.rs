@@ -43,8 +43,10 @@ pub(crate) use control_plane::type_list;
 
 /// How often a starting epoch is asked whether it is LIVE before its admin listener is bound
 /// (the sign): the address may still be its parent's, and LIVE does not come before the sign.
-/// This only covers a sign that never comes (no admin address file).
-pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_millis(50);
+/// This only covers a sign that never comes (a file Envoy failed to write).
+pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_secs(1);
+/// ... and when no sign can come at all (Envoy runs as another user; no watch).
+pub(crate) const LIVE_POLL_BLIND: Duration = Duration::from_millis(50);
 /// After the sign: the starting epoch's own admin is asked this often (one question in flight
 /// at a time, `/ready` on a kept connection: the same cost at any config size) ...
 pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);

@@ -312,6 +312,32 @@ async fn surge_pods_take_the_default_status_port_in_turn() {
     assert_eq!(b.exit().await.code(), Some(0));
 }
 
+/// The `older` pod stands by (its reason naming `why`), and for three seconds the `newer` one's
+/// epoch 0 serves on: the older never ready, the newer always.
+async fn older_stands_by(node: &Node, older: &AgentProcess, newer: &AgentProcess, why: &str) {
+    let standing_by = eventually("the older pod to stand by", PATIENCE, || async {
+        older.events("newer_pod_serves").into_iter().next()
+    })
+    .await;
+    assert!(
+        standing_by["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains(why)),
+        "{standing_by}"
+    );
+    let until = Instant::now() + std::time::Duration::from_secs(3);
+    while Instant::now() < until {
+        let info = node.admin().server_info().await.unwrap();
+        assert_eq!(
+            (info.state, info.restart_epoch),
+            (ServerState::Live, 0),
+            "the newer pod's family serves on"
+        );
+        assert!(newer.marker_present() && !older.marker_present());
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
+
 /// Issue 31: a rollout only goes forward. An older pod of the rollout (its container restarted,
 /// or its agent back from a crash's back-off) that finds a newer pod's family serving the node
 /// stands by: it neither hot-restarts from it (which would hand the node back to the old pod)
@@ -333,28 +359,7 @@ async fn an_older_pod_never_takes_over_from_a_newer_ones_family() {
         .no_wait_live()
         .start()
         .await;
-    let standing_by = eventually("the older pod to stand by", PATIENCE, || async {
-        a.events("newer_pod_serves").into_iter().next()
-    })
-    .await;
-    assert!(
-        standing_by["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("generation 2")),
-        "{standing_by}"
-    );
-    // Its turn never comes: three seconds on, the newer pod's epoch 0 still serves.
-    let until = Instant::now() + std::time::Duration::from_secs(3);
-    while Instant::now() < until {
-        let info = node.admin().server_info().await.unwrap();
-        assert_eq!(
-            (info.state, info.restart_epoch),
-            (ServerState::Live, 0),
-            "the newer pod's family serves on"
-        );
-        assert!(b.marker_present() && !a.marker_present());
-        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-    }
+    older_stands_by(&node, &a, &b, "generation 2").await;
     assert!(a.events("epoch_starting").is_empty(), "no epoch of its own");
     assert_eq!(node.heartbeat_state("pod-b"), Some(NodeState::Serving));
 
@@ -407,27 +412,7 @@ async fn a_predecessor_recovering_from_a_crash_lets_the_rollout_go_forward() {
     // From here on, nothing is the crash's.
     let load = Load::start(node.listener(), "/", 2, 2);
     a.wait_event("envoy_restarting", "attempt", "2").await;
-    let standing_by = eventually("the predecessor to stand by", PATIENCE, || async {
-        a.events("newer_pod_serves").into_iter().next()
-    })
-    .await;
-    assert!(
-        standing_by["reason"]
-            .as_str()
-            .is_some_and(|r| r.contains("pod-b")),
-        "{standing_by}"
-    );
-    let until = Instant::now() + std::time::Duration::from_secs(3);
-    while Instant::now() < until {
-        let info = node.admin().server_info().await.unwrap();
-        assert_eq!(
-            (info.state, info.restart_epoch),
-            (ServerState::Live, 0),
-            "the successor's family serves on"
-        );
-        assert!(b.marker_present() && !a.marker_present());
-        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-    }
+    older_stands_by(&node, &a, &b, "pod-b").await;
     assert_eq!(
         envoy_agent_tests::envoy_children_of(b.agent_pid()),
         [b_envoy],

@@ -135,14 +135,18 @@ impl<H: Host> Supervisor<H> {
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
-                if let Some(bound) = spawned.admin_bound {
-                    let events = self.events_tx.clone();
-                    tokio::spawn(async move {
-                        if bound.await.is_ok() {
-                            let _ = events.send(Event::AdminBound(epoch));
-                        }
-                    });
-                }
+                let sign = match spawned.admin_bound {
+                    Some(bound) => {
+                        let events = self.events_tx.clone();
+                        tokio::spawn(async move {
+                            if bound.await.is_ok() {
+                                let _ = events.send(Event::AdminBound(epoch));
+                            }
+                        });
+                        LiveSign::Awaited
+                    }
+                    None => LiveSign::Blind,
+                };
                 let pid = spawned.pid;
                 self.watch_exit(epoch, pid, spawned.exit);
                 tracing::info!(event = "epoch_starting", epoch, pid, "epoch starting");
@@ -152,7 +156,7 @@ impl<H: Host> Supervisor<H> {
                     attempt,
                     deadline: Deadline::At(now + self.config.handoff_deadline),
                     lock,
-                    live: LiveChecks::new(now, LiveSign::Awaited),
+                    live: LiveChecks::new(now, sign),
                     serving_exited: None,
                 };
                 // The node hears of each spawn.
