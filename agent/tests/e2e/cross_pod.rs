@@ -208,9 +208,16 @@ async fn a_dead_predecessor_leaves_a_stale_heartbeat_and_the_successor_starts_at
 #[tokio::test]
 async fn two_successors_at_once_never_share_an_epoch() {
     let node = Node::new();
-    let mut a = node.pod("pod-a").start().await;
+    // As a DaemonSet's pods say it: the two successors are of one rollout, one generation
+    // (by their start times alone, one would be newer, and the other would stand by).
+    let mut a = node
+        .pod("pod-a")
+        .args(&["--pod-generation", "1"])
+        .start()
+        .await;
     let load = Load::start(node.listener(), "/", 2, 2);
-    let (b, c) = tokio::join!(node.pod("pod-b").start(), node.pod("pod-c").start());
+    let successor = |name| node.pod(name).args(&["--pod-generation", "2"]).start();
+    let (b, c) = tokio::join!(successor("pod-b"), successor("pod-c"));
     let (mut b, mut c) = (b, c);
     // One took over from A at epoch 1, the other waited for the lock and then for that
     // handoff to finish, and took over at epoch 2.
