@@ -13,7 +13,7 @@ use nix::sys::signal::Signal;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::agent;
+use crate::exit_paths::{Mode, agent_in, both_modes};
 use crate::grpc::get_status;
 
 async fn status(agent: &AgentProcess) -> pb::Status {
@@ -63,17 +63,18 @@ async fn read_head(conn: &mut TcpStream) -> String {
     String::from_utf8_lossy(&head).into_owned()
 }
 
-/// A listener `ws` whose HTTP connection manager upgrades WebSockets to `upstream`.
-fn websocket_bootstrap(upstream: SocketAddr) -> String {
+/// A listener `ws` whose HTTP connection manager upgrades WebSockets to `upstream`; the admin
+/// and the listener on the given ports (0: any).
+fn websocket_bootstrap(upstream: SocketAddr, admin_port: u16, listener_port: u16) -> String {
     format!(
         r#"admin:
   address:
-    socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}
 static_resources:
   listeners:
   - name: ws
     address:
-      socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+      socket_address: {{ address: 127.0.0.1, port_value: {listener_port} }}
     traffic_direction: INBOUND
     filter_chains:
     - filters:
@@ -111,11 +112,18 @@ static_resources:
     )
 }
 
-#[tokio::test]
-async fn a_websocket_held_open_is_named_in_the_drain_status_and_at_the_deadline() {
+both_modes!(a_websocket_held_open_is_named_in_the_drain_status_and_at_the_deadline);
+
+async fn a_websocket_held_open_is_named_in_the_drain_status_and_at_the_deadline(mode: Mode) {
     let upstream = upgrading_upstream().await;
-    let mut agent = agent()
-        .bootstrap(websocket_bootstrap(upstream))
+    let builder = agent_in(mode);
+    // A node proxy's listener is on a fixed port (handed over by hot restarts); a sidecar's
+    // on any.
+    let (admin_port, listener_port) = builder
+        .ports()
+        .map_or((0, 0), |p| (p.admin_port, p.listener_port));
+    let mut agent = builder
+        .bootstrap(websocket_bootstrap(upstream, admin_port, listener_port))
         .args(&[
             "--exit-on-zero-active-connections",
             "--minimum-drain-duration",
@@ -137,8 +145,8 @@ async fn a_websocket_held_open_is_named_in_the_drain_status_and_at_the_deadline(
     assert!(head.starts_with("HTTP/1.1 101"), "upgraded: {head}");
 
     agent.signal(Signal::SIGTERM);
-    // Envoy names a listener's stats after its configured address (port 0 here).
-    let name = "127.0.0.1_0".to_owned();
+    // Envoy names a listener's stats after its configured address (port 0 for the sidecar).
+    let name = format!("127.0.0.1_{listener_port}");
     let held = eventually("the WebSocket in the drain status", PATIENCE, || async {
         let drain = status(&agent).await.drain?;
         drain
