@@ -11,6 +11,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use envoy_agent_proxy::Scope;
+
 use crate::client;
 use crate::crash::CrashRecovery;
 use crate::duration::{
@@ -116,8 +118,11 @@ pub enum ClientCommand {
         /// Keep the listeners accepting (like POST /drain); the next SIGTERM exits at once.
         #[arg(long)]
         skip_exit: bool,
-        /// Drain every listener, not only inbound ones.
-        #[arg(long)]
+        /// Which listeners: the agent's setting (--drain-listeners) when not given.
+        #[arg(long, value_enum)]
+        listeners: Option<ScopeArg>,
+        /// Drain every listener (`--listeners all`).
+        #[arg(long, conflicts_with = "listeners")]
         all_listeners: bool,
     },
     /// Stop gracefully, as on SIGTERM: drain (or hand over to a successor pod), then exit.
@@ -155,10 +160,14 @@ impl From<ClientCommand> for client::Call {
             ClientCommand::Watch { json } => Call::Watch { json },
             ClientCommand::Drain {
                 skip_exit,
+                listeners,
                 all_listeners,
             } => Call::Drain {
                 skip_exit,
-                all_listeners,
+                listeners: match (all_listeners, listeners) {
+                    (true, _) => Some(Scope::All),
+                    (false, l) => l.map(ScopeArg::scope),
+                },
             },
             ClientCommand::Stop => Call::Stop,
             ClientCommand::Quit => Call::Quit,
@@ -167,6 +176,37 @@ impl From<ClientCommand> for client::Call {
             ClientCommand::Restart { reason } => Call::Restart { reason },
         }
     }
+}
+
+/// Which listeners a drain reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScopeArg {
+    /// A node proxy drains every listener; a sidecar its `INBOUND` ones, or every listener
+    /// where none is marked `INBOUND` (learnt from Envoy at each drain).
+    Auto,
+    /// Only listeners marked `traffic_direction: INBOUND`.
+    Inbound,
+    /// Every listener.
+    All,
+}
+
+impl ScopeArg {
+    fn scope(self) -> Scope {
+        match self {
+            ScopeArg::Auto => Scope::Auto,
+            ScopeArg::Inbound => Scope::Inbound,
+            ScopeArg::All => Scope::All,
+        }
+    }
+}
+
+/// On or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    /// On.
+    On,
+    /// Off.
+    Off,
 }
 
 /// How connections are closed during a drain.
@@ -241,9 +281,32 @@ pub struct RunArgs {
     )]
     pub drain_strategy: DrainStrategyArg,
 
-    /// Drain all listeners on shutdown, not only inbound ones (gateways).
+    /// Which listeners a drain reaches (each listener's traffic_direction is learnt from Envoy
+    /// at drain time): `auto` drains every listener of a node proxy, and a sidecar's INBOUND
+    /// listeners (every listener where none is INBOUND).
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_DRAIN_LISTENERS",
+        value_enum,
+        default_value = "auto"
+    )]
+    pub drain_listeners: ScopeArg,
+
+    /// Drain every listener (`--drain-listeners all`; kept for existing command lines).
     #[arg(long, env = "ENVOY_AGENT_DRAIN_ALL_LISTENERS")]
     pub drain_all_listeners: bool,
+
+    /// Tell idle and streaming clients that a drain began, through an overload action the
+    /// agent adds to Envoy's bootstrap (`--config-yaml`): GOAWAY to HTTP/2 and HTTP/3
+    /// connections, `Connection: close` or a close to HTTP/1.1 ones, on HTTP connection
+    /// managers with an idle timeout or a max_connection_duration.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_DRAIN_NOTICE",
+        value_enum,
+        default_value = "on"
+    )]
+    pub drain_notice: Switch,
 
     /// Write Envoy's outlier-detection events to this file.
     #[arg(long, env = "ENVOY_AGENT_OUTLIER_LOG_PATH")]
@@ -534,7 +597,12 @@ impl RunArgs {
                     DrainStrategyArg::Immediate => DrainStrategy::Immediate,
                     DrainStrategyArg::Gradual => DrainStrategy::Gradual,
                 },
-                drain_all_listeners: self.drain_all_listeners,
+                drain_listeners: if self.drain_all_listeners {
+                    Scope::All
+                } else {
+                    self.drain_listeners.scope()
+                },
+                drain_notice: self.drain_notice == Switch::On,
                 outlier_log_path: self.outlier_log_path,
                 file_flush_interval: self.file_flush_interval,
                 config_cleanup: self.config_cleanup,
@@ -922,7 +990,7 @@ mod tests {
             call(&["drain", "--all-listeners"]),
             client::Call::Drain {
                 skip_exit: false,
-                all_listeners: true
+                listeners: Some(Scope::All)
             }
         );
         assert_eq!(

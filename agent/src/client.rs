@@ -36,8 +36,8 @@ pub enum Call {
     Drain {
         /// Keep the listeners accepting; the next SIGTERM exits at once.
         skip_exit: bool,
-        /// Every listener, not only inbound ones.
-        all_listeners: bool,
+        /// Which listeners; `None`: the agent's setting.
+        listeners: Option<envoy_agent_proxy::Scope>,
     },
     /// `Stop`: the SIGTERM path.
     Stop,
@@ -248,6 +248,23 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
                 "none (exit-on-zero counts until nothing is left)".to_owned()
             },
         );
+        if d.accepted {
+            let mut drained = if d.drained_known {
+                let names: Vec<&str> = d.drained.iter().map(|l| l.name.as_str()).collect();
+                match names.is_empty() {
+                    true => "none".to_owned(),
+                    false => names.join(", "),
+                }
+            } else if d.inbound_only {
+                "the INBOUND listeners (not read from envoy)".to_owned()
+            } else {
+                "every listener (not read from envoy)".to_owned()
+            };
+            if !d.drained_note.is_empty() {
+                drained.push_str(&format!(" ({})", d.drained_note));
+            }
+            line("  drained:", drained);
+        }
         if let Some(n) = d.active_connections {
             line(
                 "  connections:",
@@ -601,15 +618,31 @@ pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
         },
         C::Drain {
             skip_exit,
-            all_listeners,
+            listeners,
         } => {
+            use envoy_agent_proxy::Scope;
             let request = pb::DrainRequest {
-                inbound_only: !all_listeners,
+                inbound_only: false,
                 skip_exit: *skip_exit,
+                listeners: match listeners {
+                    None => pb::DrainScope::Unspecified,
+                    Some(Scope::Auto) => pb::DrainScope::Auto,
+                    Some(Scope::Inbound) => pb::DrainScope::Inbound,
+                    Some(Scope::All) => pb::DrainScope::All,
+                }
+                .into(),
             };
             match client.drain(request).await {
-                Ok(_) => {
-                    println!("draining");
+                Ok(answer) => {
+                    let answer = answer.into_inner();
+                    let names: Vec<&str> = answer.drained.iter().map(|l| l.name.as_str()).collect();
+                    match names.is_empty() {
+                        true => println!("draining"),
+                        false => println!("draining: {}", names.join(", ")),
+                    }
+                    if !answer.drained_note.is_empty() {
+                        println!("note: {}", answer.drained_note);
+                    }
                     0
                 }
                 Err(e) => failed("drain", &e),
@@ -733,6 +766,15 @@ mod tests {
                     upgrades_active: Some(1),
                 }],
                 listeners_time: at(998),
+                drained: vec![pb::DrainedListener {
+                    name: "ingress_http".to_owned(),
+                    direction: pb::TrafficDirection::Unspecified.into(),
+                    stat_name: "0.0.0.0_8080".to_owned(),
+                }],
+                drained_known: true,
+                inbound_only: false,
+                drained_note: String::new(),
+                accepted: true,
             }),
             settings: Some(pb::Settings {
                 drain_time: Some(prost_types::Duration {

@@ -28,8 +28,11 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_proto::pb;
 use envoy_agent_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
+use envoy_agent_proxy::listeners::{Direction, Listener};
 use envoy_agent_proxy::state::{EpochState, FamilyState, HandoffKind, HandoffStage, Outcome};
-use envoy_agent_proxy::{DrainOptions, ProxyError, RestartError, WedgeReason};
+use envoy_agent_proxy::{
+    DrainOptions, DrainPlan, PlanNote, ProxyError, RestartError, Scope, WedgeReason,
+};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -95,7 +98,14 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
             DrainStrategy::Gradual => pb::DrainStrategy::Gradual,
         }
         .into(),
-        drain_all_listeners: envoy.drain_all_listeners,
+        drain_all_listeners: envoy.drain_listeners == Scope::All,
+        drain_listeners: match envoy.drain_listeners {
+            Scope::Auto => pb::DrainScope::Auto,
+            Scope::Inbound => pb::DrainScope::Inbound,
+            Scope::All => pb::DrainScope::All,
+        }
+        .into(),
+        drain_notice: envoy.drain_notice,
         termination_drain_duration: duration(config.termination_drain_duration),
         minimum_drain_duration: duration(config.minimum_drain_duration),
         exit_on_zero_active_connections: config.exit_on_zero == Some(Counting::Connections),
@@ -400,6 +410,19 @@ pub fn status_message(
                 })
                 .collect(),
             listeners_time: d.listeners.as_ref().and_then(|(_, at)| timestamp(*at)),
+            drained: d
+                .drained
+                .iter()
+                .flat_map(|p| &p.drained)
+                .map(drained_listener)
+                .collect(),
+            drained_known: d
+                .drained
+                .as_ref()
+                .is_some_and(|p| !matches!(p.note, PlanNote::Unknown(_) | PlanNote::NotServing)),
+            inbound_only: d.drained.as_ref().is_some_and(|p| p.inbound_only),
+            drained_note: d.drained.as_ref().map(drained_note).unwrap_or_default(),
+            accepted: d.drained.is_some(),
         }),
         settings: Some(settings),
         family: proxy.family.as_ref().map(family_message),
@@ -589,15 +612,32 @@ impl AgentService for Service {
     ) -> Result<Response<pb::DrainResponse>, Status> {
         self.check_mutation(&request).await?;
         let r = request.into_inner();
+        let listeners = match r.listeners() {
+            pb::DrainScope::Inbound => Scope::Inbound,
+            pb::DrainScope::All => Scope::All,
+            // The deprecated field: true asked for inbound listeners only; false is what an
+            // unset bool reads as, so it means "the agent's setting".
+            pb::DrainScope::Unspecified if r.inbound_only => Scope::Inbound,
+            // The agent's setting (the proxy resolves it).
+            pb::DrainScope::Unspecified | pb::DrainScope::Auto => Scope::Auto,
+        };
         let options = DrainOptions {
-            inbound_only: Some(r.inbound_only),
+            listeners,
             skip_exit: r.skip_exit,
         };
-        self.agent
+        let plan = self
+            .agent
             .drain(options, Via::Grpc)
             .await
             .map_err(agent_error)?;
-        Ok(Response::new(pb::DrainResponse {}))
+        Ok(Response::new(pb::DrainResponse {
+            drained: plan
+                .iter()
+                .flat_map(|p| &p.drained)
+                .map(drained_listener)
+                .collect(),
+            drained_note: plan.as_ref().map(drained_note).unwrap_or_default(),
+        }))
     }
 
     async fn drain_now(
@@ -1040,6 +1080,41 @@ impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.io.connect_info()
+    }
+}
+
+fn drained_listener(l: &Listener) -> pb::DrainedListener {
+    pb::DrainedListener {
+        name: l.name.clone(),
+        direction: match l.direction {
+            Direction::Inbound => pb::TrafficDirection::Inbound,
+            Direction::Outbound => pb::TrafficDirection::Outbound,
+            Direction::Unspecified => pb::TrafficDirection::Unspecified,
+        }
+        .into(),
+        stat_name: l.stat_name.clone(),
+    }
+}
+
+/// Why a drain reached what it reached, when not simply as asked (empty then).
+fn drained_note(plan: &DrainPlan) -> String {
+    match &plan.note {
+        PlanNote::AsAsked | PlanNote::NotServing => String::new(),
+        PlanNote::NoInbound => {
+            "no listener is marked INBOUND: every listener was drained".to_owned()
+        }
+        PlanNote::NothingInbound => {
+            "inbound listeners only were asked for, and none is marked INBOUND: none was drained"
+                .to_owned()
+        }
+        PlanNote::Unknown(why) => format!(
+            "envoy's listeners could not be read ({why}): {} by the mode's rule",
+            if plan.inbound_only {
+                "the INBOUND ones were drained"
+            } else {
+                "every listener was drained"
+            }
+        ),
     }
 }
 

@@ -197,11 +197,14 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
         &runtime_dir,
         socket_path,
     );
+    let mut proxy = proxy;
+    proxy.drain_notice = setup::drain_notice_dir(settings, &runtime_dir)?;
     setup::check_extra_args(&proxy)?;
     // Once the input is known good (a refusal is one line), before anything opens sockets.
     setup::raise_fd_limit();
     let own_runtime_dir = settings.hot_restart.is_some()
-        || matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir));
+        || matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir))
+        || proxy.drain_notice.as_deref() == Some(runtime_dir.as_path());
     if own_runtime_dir {
         std::fs::create_dir_all(&runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;

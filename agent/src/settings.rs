@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use envoy_agent_drain::Counting;
-pub use envoy_agent_proxy::{DrainStrategy, RunAs};
+pub use envoy_agent_proxy::{DrainStrategy, RunAs, Scope};
 
 use crate::crash::CrashRecovery;
 
@@ -121,8 +121,11 @@ pub struct EnvoySettings {
     pub drain_time: Duration,
     /// How Envoy closes connections during a drain (`--drain-strategy`).
     pub drain_strategy: DrainStrategy,
-    /// Drain every listener on shutdown, not only inbound ones (`--drain-all-listeners`).
-    pub drain_all_listeners: bool,
+    /// Which listeners a drain reaches when the caller does not say (`--drain-listeners`).
+    pub drain_listeners: Scope,
+    /// Tell idle and streaming clients of a drain through Envoy's overload manager
+    /// (`--drain-notice`).
+    pub drain_notice: bool,
     /// Where Envoy writes outlier-detection events (`--outlier-log-path`).
     pub outlier_log_path: Option<PathBuf>,
     /// Envoy's access-log flush interval (`--file-flush-interval`).

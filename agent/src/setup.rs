@@ -405,6 +405,44 @@ pub fn hot_restart_channel(
     Ok((path, rest))
 }
 
+/// Where the drain-notice files live (`envoy_agent_proxy::drain_notice`), when the notice is
+/// on: a node proxy's in the node's state directory (a successor pod tells its predecessor's
+/// draining Envoy there), a sidecar's in the agent's runtime directory. Off when
+/// `--drain-notice off`, or when the bootstrap's own overload manager already uses what the
+/// notice adds (Envoy would refuse the duplicate): then a warning says so.
+pub fn drain_notice_dir(
+    settings: &Settings,
+    runtime_dir: &Path,
+) -> Result<Option<PathBuf>, SetupError> {
+    if !settings.envoy.drain_notice {
+        return Ok(None);
+    }
+    let path = &settings.envoy.config_path;
+    if let Some(why) = envoy_agent_proxy::drain_notice::conflict_in(path) {
+        tracing::warn!(
+            event = "drain_notice_off",
+            bootstrap = %path.display(),
+            reason = %why,
+            "no drain notice through envoy's overload manager: idle and streaming clients are told only when envoy stops"
+        );
+        return Ok(None);
+    }
+    let Some(hot) = &settings.hot_restart else {
+        return Ok(Some(runtime_dir.to_owned()));
+    };
+    let dir = hot.state_dir.join(DRAIN_NOTICE_DIR);
+    let envoy_user = settings
+        .envoy
+        .run_as
+        .map(|run_as| run_as.uid)
+        .filter(|_| nix::unistd::geteuid().is_root());
+    private_dir("drain-notice directory", &dir, 0o700, envoy_user, true)?;
+    Ok(Some(dir))
+}
+
+/// The drain-notice files' directory in a node proxy's state directory.
+pub const DRAIN_NOTICE_DIR: &str = "drain-notice";
+
 /// [`crate::socket::trusted_dir`], as a setup error naming `what` the directory is.
 fn private_dir(
     what: &'static str,
@@ -439,7 +477,8 @@ pub fn proxy_config(
     config.concurrency = envoy.concurrency;
     config.drain_duration = envoy.drain_time;
     config.drain_strategy = envoy.drain_strategy;
-    config.sidecar = !envoy.drain_all_listeners;
+    config.sidecar = settings.hot_restart.is_none();
+    config.drain_scope = envoy.drain_listeners;
     config.outlier_log_path = envoy.outlier_log_path.clone();
     config.file_flush_interval = envoy.file_flush_interval;
     config.config_cleanup = envoy.config_cleanup;

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::{
-    ConfigApplied, DrainOptions, Ended, EpochInfo, EpochState, Exit, FamilyState, Proxy,
+    ConfigApplied, DrainOptions, DrainPlan, Ended, EpochInfo, EpochState, Exit, FamilyState, Proxy,
     ProxyError, ProxyPhase, ProxyState, RestartError,
 };
 use tokio::sync::{Notify, watch};
@@ -182,7 +182,7 @@ impl Proxy for FakeProxy {
         self.state.subscribe()
     }
 
-    async fn drain(&self, options: DrainOptions) -> Result<(), ProxyError> {
+    async fn drain(&self, options: DrainOptions) -> Result<DrainPlan, ProxyError> {
         self.record(Call::Drain {
             skip_exit: options.skip_exit,
         });
@@ -194,7 +194,11 @@ impl Proxy for FakeProxy {
             *failures -= 1;
             return Err(ProxyError::NotRunning);
         }
-        Ok(())
+        Ok(envoy_agent_proxy::listeners::plan(
+            options.listeners,
+            true,
+            Ok(Vec::new()),
+        ))
     }
 
     async fn hot_restart(&self, _reason: String) -> Result<u32, RestartError> {

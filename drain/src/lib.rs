@@ -133,6 +133,9 @@ pub struct Exclusions {
     pub name_prefixes: Vec<String>,
     /// Listener stat names excluded exactly (with their per-thread lines).
     pub names: Vec<String>,
+    /// When set, only the listeners of these stat names count (the ones a drain reached); the
+    /// others are excluded too.
+    pub only: Option<BTreeSet<String>>,
 }
 
 impl Default for Exclusions {
@@ -143,6 +146,7 @@ impl Default for Exclusions {
             ports: BTreeSet::new(),
             name_prefixes: vec!["envoy_internal_".to_owned()],
             names: vec!["admin".to_owned()],
+            only: None,
         }
     }
 }
@@ -162,7 +166,27 @@ impl Exclusions {
         self.name_prefixes == defaults.name_prefixes && self.names == defaults.names
     }
 
+    /// Whether the listener on `port` counts by port (the admin's, the excluded ports' do not).
+    fn counts_port(&self, port: u16) -> bool {
+        !self.ports.contains(&port)
+    }
+
+    /// These exclusions, counting only the listeners of `stat_names` besides.
+    pub fn only(&self, stat_names: impl IntoIterator<Item = String>) -> Self {
+        Exclusions {
+            only: Some(stat_names.into_iter().collect()),
+            ..self.clone()
+        }
+    }
+
     fn excludes(&self, listener: &str) -> bool {
+        if self
+            .only
+            .as_ref()
+            .is_some_and(|only| !only.contains(listener))
+        {
+            return true;
+        }
         if self
             .name_prefixes
             .iter()
@@ -421,10 +445,18 @@ pub async fn active_requests(
 /// large one). Read on a blocking thread. TCP listeners only: a QUIC (UDP) listener's
 /// connections are not seen; the caller uses the stats for exclusions by name
 /// ([`Exclusions::by_port_only`]).
+///
+/// `ports`: the drained listeners' ports, where the drain knows them. Then every connection
+/// Envoy holds on one of them counts, whether or not the listening socket is still open: once
+/// Envoy's drain time ends it closes its listening sockets, and the connections it accepted
+/// stay open until they end or Envoy exits. Without them, the listening sockets found now
+/// say which ports are downstream ones (and a count after they closed finds nothing: the
+/// caller confirms a zero with the stats).
 pub async fn active_connections_from_kernel(
     pids: Vec<u32>,
     admin_port: Option<u16>,
     exclusions: &Exclusions,
+    ports: Option<BTreeSet<u16>>,
 ) -> Result<u64, DrainError> {
     if pids.is_empty() {
         // Nothing to count is not zero.
@@ -432,8 +464,14 @@ pub async fn active_connections_from_kernel(
     }
     let mut excluded = exclusions.ports.clone();
     excluded.extend(admin_port);
-    let counted = tokio::task::spawn_blocking(move || {
-        envoy_agent_proxy::socket_table::downstream_connections(&pids, &excluded)
+    let ports = ports.map(|p| {
+        p.into_iter()
+            .filter(|port| exclusions.counts_port(*port) && Some(*port) != admin_port)
+            .collect::<BTreeSet<u16>>()
+    });
+    let counted = tokio::task::spawn_blocking(move || match ports {
+        Some(ports) => envoy_agent_proxy::socket_table::connections_on_ports(&pids, &ports),
+        None => envoy_agent_proxy::socket_table::downstream_connections(&pids, &excluded),
     })
     .await
     .map_err(|e| envoy_agent_proxy::socket_table::TableError {

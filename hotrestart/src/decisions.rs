@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use envoy_agent_proxy::{
     AdminAddress, DrainOptions, Ended, EpochState, HotRestart, Outcome, Proxy, ProxyConfig,
-    ProxyError, ProxyPhase, ProxyState, RestartError, ServerState, Signal, WedgeReason,
+    ProxyError, ProxyPhase, ProxyState, RestartError, Scope, ServerState, Signal, WedgeReason,
 };
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -791,7 +791,7 @@ async fn a_drain_during_a_handoff_waits_for_it_and_ends_hot_restarts() {
         tokio::spawn(async move {
             handle
                 .drain(DrainOptions {
-                    inbound_only: None,
+                    listeners: Scope::Auto,
                     skip_exit: false,
                 })
                 .await
@@ -1165,7 +1165,7 @@ async fn a_successor_told_to_drain_while_taking_over_kills_its_child_and_leaves(
     assert_eq!(f.handle.successor().await, None);
     f.handle
         .drain(DrainOptions {
-            inbound_only: None,
+            listeners: Scope::Auto,
             skip_exit: false,
         })
         .await
@@ -1299,10 +1299,7 @@ async fn an_incompatible_binary_is_handed_over_cold_and_the_old_family_retires()
         assert_eq!(w.switches, [8]);
         assert_eq!(w.drains.len(), 1, "the old family drains");
         let drain = &w.drains[0];
-        assert!(
-            drain.graceful && !drain.inbound_only && !drain.skip_exit,
-            "{drain:?}"
-        );
+        assert!(*drain == (Scope::All, false), "{drain:?}");
         assert!(w.alive_in(7, 0), "the old family drains before it stops");
     }
     let s = f
@@ -1563,7 +1560,7 @@ async fn a_predecessor_told_of_a_cold_takeover_drains_and_stops_its_family() {
         let w = f.host.world();
         assert!(!w.marker, "not ready once handed over");
         assert_eq!(w.drains.len(), 1, "our family drains every listener");
-        assert!(!w.drains[0].inbound_only && w.drains[0].graceful);
+        assert_eq!(w.drains[0], (Scope::All, false));
         assert!(w.alive(0), "drains before it stops");
     }
     // After the drain time (1 s) and a margin: SIGTERM, and the family is gone.

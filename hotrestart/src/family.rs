@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use envoy_agent_proxy::preflight::cache::PreflightCache;
 use envoy_agent_proxy::{
-    AdminClient, ConfigApplied, DrainOptions, Ended, Proxy, ProxyError, ProxyState, RestartError,
+    AdminClient, ConfigApplied, DrainOptions, DrainPlan, Ended, Proxy, ProxyError, ProxyState,
+    RestartError,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
@@ -58,7 +59,7 @@ impl SupervisorHandle {
     }
 
     /// Drains every serving epoch; no new epoch starts afterwards.
-    pub async fn drain(&self, options: DrainOptions) -> Result<(), String> {
+    pub async fn drain(&self, options: DrainOptions) -> Result<DrainPlan, String> {
         self.ask(|reply| Command::Drain { options, reply })
             .await
             .unwrap_or_else(|| Err("the supervisor is gone".to_owned()))
@@ -188,7 +189,7 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
         self.handle.state()
     }
 
-    async fn drain(&self, options: DrainOptions) -> Result<(), ProxyError> {
+    async fn drain(&self, options: DrainOptions) -> Result<DrainPlan, ProxyError> {
         self.handle
             .drain(options)
             .await

@@ -17,12 +17,12 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use envoy_agent_proxy::admin::{AdminState, DrainListeners};
+use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCache};
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
-    AdminClient, AdminError, EnvoyProcess, Exit, KeptConnection, ProxyConfig, ProxyError,
-    ServerInfo, Signal, SocketPath, XdsReading,
+    AdminClient, AdminError, DrainPlan, EnvoyProcess, Exit, KeptConnection, ProxyConfig,
+    ProxyError, Scope, ServerInfo, Signal, SocketPath, XdsReading,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -140,7 +140,12 @@ pub trait Host: Send + Sync + 'static {
     /// an empty reading until it is known).
     fn xds(&self, cold: Option<u32>) -> Task<Result<XdsReading, AdminError>>;
     /// `POST /drain_listeners` on the family's admin address, bounded.
-    fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>>;
+    /// Drains the serving epoch's listeners (`scope`, else the configured scope; which ones
+    /// Envoy reports decides, see `envoy_agent_proxy::listeners::plan`).
+    fn drain(&self, scope: Scope, skip_exit: bool) -> Task<Result<DrainPlan, AdminError>>;
+    /// Tells the Envoy of epoch `epoch` of the family `base_id` that its drain began, through
+    /// its drain-notice file (`envoy_agent_proxy::drain_notice`), where the notice is on.
+    fn tell_drain(&self, base_id: u32, epoch: u32);
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
     fn hot_restart_version(&self) -> Task<Result<String, String>>;
     /// Pre-flight for a new epoch: the binary's hot-restart version must be `running` (when one
@@ -567,12 +572,25 @@ impl Host for RealHost {
         })
     }
 
-    fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {
+    fn drain(&self, scope: Scope, skip_exit: bool) -> Task<Result<DrainPlan, AdminError>> {
         let admin = self.target().admin.with_timeout(DRAIN_TIMEOUT);
+        let scope = match scope {
+            Scope::Auto => self.proxy.drain_scope,
+            asked => asked,
+        };
+        let sidecar = self.proxy.sidecar;
         Box::pin(async move {
-            tracing::info!(admin = %admin.addr(), endpoint = %options.endpoint(), "draining envoy listeners");
-            admin.drain_listeners(options).await
+            envoy_agent_proxy::listeners::drain(&admin, scope, sidecar, skip_exit).await
         })
+    }
+
+    fn tell_drain(&self, base_id: u32, epoch: u32) {
+        if let Some(dir) = &self.proxy.drain_notice {
+            envoy_agent_proxy::drain_notice::tell_file(
+                &envoy_agent_proxy::drain_notice::file_in(dir, base_id, epoch),
+                epoch,
+            );
+        }
     }
 
     fn newer_epoch(

@@ -10,11 +10,11 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_proxy::admin::{AdminState, DrainListeners};
+use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::{
-    AdminError, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffKind, HandoffResult,
-    HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
-    ServerState, Signal, Wedge, WedgeReason,
+    AdminError, DrainOptions, DrainPlan, Ended, EpochState, Exit, FamilyState, HandoffKind,
+    HandoffResult, HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState, RestartError,
+    ServerInfo, ServerState, Signal, Wedge, WedgeReason,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -76,6 +76,9 @@ pub(crate) const START_REASON: &str = "start";
 /// An incompatible predecessor is reported again after this long.
 const INCOMPATIBLE_REPORT: Duration = Duration::from_secs(60);
 
+/// Where a drain's answer goes: what it reached, or why it failed.
+pub(crate) type DrainReply = oneshot::Sender<Result<DrainPlan, String>>;
+
 /// What steers the supervisor.
 #[derive(Debug)]
 pub(crate) enum Command {
@@ -85,7 +88,7 @@ pub(crate) enum Command {
     },
     Drain {
         options: DrainOptions,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: DrainReply,
     },
     ReopenLogs {
         reply: oneshot::Sender<usize>,
@@ -165,8 +168,8 @@ enum Event {
         result: Result<(), Refusal>,
     },
     Drained {
-        result: Result<(), String>,
-        replies: Vec<oneshot::Sender<Result<(), String>>>,
+        result: Result<DrainPlan, String>,
+        replies: Vec<DrainReply>,
     },
     ConfigChanged,
     /// The config is being changed (the watch's debounce runs): its content as it looks now.
@@ -325,7 +328,7 @@ pub(crate) struct Supervisor<H: Host> {
     /// settled, to whichever Envoy serves then. Beside the handoff rather than in it: they
     /// are sent after it is gone, and one made moot by a successor's cold takeover leaves
     /// them for the stop to answer.
-    pending_drains: Vec<(DrainOptions, oneshot::Sender<Result<(), String>>)>,
+    pending_drains: Vec<(DrainOptions, DrainReply)>,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
@@ -578,7 +581,9 @@ impl<H: Host> Supervisor<H> {
             } => self.on_preflight(epoch, checked, result).await,
             Event::Drained { result, replies } => {
                 match &result {
-                    Ok(()) => tracing::info!("envoy is draining its listeners"),
+                    Ok(plan) => {
+                        tracing::info!(drained = %plan.drained_names(), "envoy is draining its listeners")
+                    }
                     Err(e) => tracing::warn!(error = %e, "drain request failed"),
                 }
                 for reply in replies {

@@ -11,8 +11,10 @@ use std::process::ExitStatus;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use envoy_agent_proxy::admin::{AdminState, DrainListeners};
-use envoy_agent_proxy::{AdminError, Exit, ProxyError, ServerInfo, ServerState, Signal};
+use envoy_agent_proxy::admin::AdminState;
+use envoy_agent_proxy::{
+    AdminError, DrainPlan, Exit, ProxyError, Scope, ServerInfo, ServerState, Signal,
+};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -139,7 +141,10 @@ pub(crate) struct World {
     pub(crate) released: Vec<u32>,
     pub(crate) initializing: bool,
     pub(crate) repairs: u32,
-    pub(crate) drains: Vec<DrainListeners>,
+    /// The drains asked for: scope, skip_exit.
+    pub(crate) drains: Vec<(Scope, bool)>,
+    /// The drain notices given: family, epoch.
+    pub(crate) told: Vec<(u32, u32)>,
     /// Added to the wall clock: real wall and monotonic clocks disagree by a millisecond here
     /// and there (rounding, NTP slewing).
     pub(crate) wall_clock_step_ms: u64,
@@ -200,6 +205,7 @@ impl Default for World {
             repairs: 0,
             wall_clock_step_ms: 0,
             drains: Vec::new(),
+            told: Vec::new(),
             start: Instant::now(),
         }
     }
@@ -667,9 +673,14 @@ impl Host for FakeHost {
         self.world().socket_path = path;
     }
 
-    fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {
-        self.world().drains.push(options);
-        Box::pin(async { Ok(()) })
+    fn drain(&self, scope: Scope, skip_exit: bool) -> Task<Result<DrainPlan, AdminError>> {
+        self.world().drains.push((scope, skip_exit));
+        let plan = envoy_agent_proxy::listeners::plan(scope, false, Ok(Vec::new()));
+        Box::pin(async move { Ok(plan) })
+    }
+
+    fn tell_drain(&self, base_id: u32, epoch: u32) {
+        self.world().told.push((base_id, epoch));
     }
 
     fn hot_restart_version(&self) -> Task<Result<String, String>> {

@@ -584,6 +584,19 @@ impl AdminClient {
         Ok(())
     }
 
+    /// `GET /config_dump?resource=<resource>&mask=<mask>`, its body parsed by `parse`: Envoy
+    /// serializes only the resources of that kind, and answers only the masked fields.
+    pub async fn config_dump<T>(
+        &self,
+        resource: &str,
+        mask: &str,
+        parse: impl FnOnce(&[u8]) -> Result<T, serde_json::Error>,
+    ) -> Result<T, AdminError> {
+        let endpoint = format!("/config_dump?resource={resource}&mask={mask}");
+        let body = self.call_ok(Method::GET, &endpoint).await?;
+        parse(&body).map_err(|e| self.decode(&endpoint, e))
+    }
+
     /// `GET /listeners?format=json`: each listener and its bound address (finds port-0 binds).
     pub async fn listeners(&self) -> Result<Vec<ListenerStatus>, AdminError> {
         #[derive(Deserialize)]

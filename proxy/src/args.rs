@@ -205,6 +205,12 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
             serde_json::json!({ "outlier_detection": { "event_log_path": path } }),
         );
     }
+    if let Some(file) = crate::drain_notice::file(config, epoch) {
+        overlay.insert(
+            "overload_manager".to_owned(),
+            crate::drain_notice::overlay(&file),
+        );
+    }
     let ephemeral_admin = config
         .hot_restart
         .as_ref()

@@ -147,8 +147,14 @@ pub struct ProxyConfig {
     /// The node's IP addresses: Envoy gets `--local-address-ip-version v6` only when every
     /// parseable one is IPv6.
     pub node_ips: Vec<String>,
-    /// A sidecar drains inbound listeners only; a gateway drains all of them.
+    /// A sidecar (one Envoy): its drains reach its inbound listeners by default; a node
+    /// proxy's reach every listener (see [`crate::listeners::plan`]).
     pub sidecar: bool,
+    /// Which listeners a drain reaches when the caller does not say.
+    pub drain_scope: crate::listeners::Scope,
+    /// Where each Envoy's drain-notice file lives ([`crate::drain_notice`]); `None`: no
+    /// notice through Envoy's overload manager.
+    pub drain_notice: Option<PathBuf>,
     /// Envoy's own log lines as JSON (`--log-format`).
     pub log_as_json: bool,
     /// Outlier-detection event log file, passed as a bootstrap overlay (`--config-yaml`).
@@ -195,6 +201,8 @@ impl ProxyConfig {
             component_log_level: String::new(),
             node_ips: Vec::new(),
             sidecar: true,
+            drain_scope: crate::listeners::Scope::Auto,
+            drain_notice: None,
             log_as_json: false,
             outlier_log_path: None,
             binary_path,

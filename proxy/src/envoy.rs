@@ -12,11 +12,11 @@ use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{AdminClient, DrainListeners, Readiness};
+use crate::admin::{AdminClient, Readiness};
 use crate::config::{AdminAddress, ProxyConfig};
 use crate::process::{EnvoyProcess, signal_pid, wait_admin_file};
 use crate::state::{EpochInfo, EpochState, ProxyPhase, ProxyState};
-use crate::{ConfigApplied, DrainOptions, Ended, Exit, Proxy, ProxyError, RestartError};
+use crate::{ConfigApplied, DrainOptions, DrainPlan, Ended, Exit, Proxy, ProxyError, RestartError};
 
 /// How often a starting Envoy's admin API is asked whether it is LIVE.
 const LIVE_POLL: Duration = Duration::from_millis(50);
@@ -225,12 +225,7 @@ impl Proxy for Envoy {
         self.state.subscribe()
     }
 
-    async fn drain(&self, options: DrainOptions) -> Result<(), ProxyError> {
-        let options = DrainListeners {
-            inbound_only: options.inbound_only.unwrap_or(self.config.sidecar),
-            graceful: true,
-            skip_exit: options.skip_exit,
-        };
+    async fn drain(&self, options: DrainOptions) -> Result<DrainPlan, ProxyError> {
         // A drain asked for while Envoy is still binding its admin port waits for it (the
         // caller bounds the whole drain) rather than failing and leaving Envoy undrained.
         let mut admin = self.admin.subscribe();
@@ -242,9 +237,19 @@ impl Proxy for Envoy {
         .ok()
         .and_then(|r| r.ok().and_then(|a| *a))
         .ok_or(ProxyError::AdminUnknown)?;
-        tracing::info!(admin = %addr, endpoint = %options.endpoint(), "draining envoy listeners");
-        AdminClient::new(addr).drain_listeners(options).await?;
-        Ok(())
+        let scope = match options.listeners {
+            crate::Scope::Auto => self.config.drain_scope,
+            asked => asked,
+        };
+        let plan = crate::listeners::drain(
+            &AdminClient::new(addr),
+            scope,
+            self.config.sidecar,
+            options.skip_exit,
+        )
+        .await?;
+        crate::drain_notice::tell(&self.config, 0);
+        Ok(plan)
     }
 
     async fn hot_restart(&self, _reason: String) -> Result<u32, RestartError> {
@@ -285,6 +290,7 @@ impl Proxy for Envoy {
         if let AdminAddress::FromFile(path) = &self.config.admin {
             remove_logged(path);
         }
+        crate::drain_notice::remove(&self.config, 0);
     }
 }
 

@@ -43,7 +43,9 @@ pub mod bootstrap;
 mod config;
 mod config_file;
 pub mod control_plane;
+pub mod drain_notice;
 mod envoy;
+pub mod listeners;
 pub mod preflight;
 mod process;
 pub mod reaper;
@@ -61,6 +63,7 @@ pub use config_file::{
 };
 pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
 pub use envoy::Envoy;
+pub use listeners::{DrainPlan, PlanNote, Scope};
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
 pub use state::{
@@ -93,10 +96,14 @@ pub trait Proxy: Send + Sync + 'static {
     /// The proxy's state, now and as it changes.
     fn state(&self) -> watch::Receiver<ProxyState>;
 
-    /// Drains every serving epoch's listeners gracefully; resolves once Envoy accepted it.
+    /// Drains every serving epoch's listeners gracefully; resolves once Envoy accepted it,
+    /// with what the drain reached ([`listeners::plan`] decides which listeners).
     /// With `skip_exit` the listeners keep accepting (answers carry `Connection: close`).
     /// A hot-restart family starts no new epoch after a drain.
-    fn drain(&self, options: DrainOptions) -> impl Future<Output = Result<(), ProxyError>> + Send;
+    fn drain(
+        &self,
+        options: DrainOptions,
+    ) -> impl Future<Output = Result<DrainPlan, ProxyError>> + Send;
 
     /// Hot-restarts; resolves with the new epoch once it is LIVE, or why not.
     fn hot_restart(&self, reason: String)
@@ -131,8 +138,8 @@ pub trait Proxy: Send + Sync + 'static {
 /// Options of a drain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct DrainOptions {
-    /// Inbound listeners only (sidecars) or all (gateways); `None`: the proxy's own setting.
-    pub inbound_only: Option<bool>,
+    /// Which listeners: the mode's rule ([`Scope::Auto`]), inbound ones, or all.
+    pub listeners: Scope,
     /// Keep the listeners accepting for as long as Envoy runs.
     pub skip_exit: bool,
 }

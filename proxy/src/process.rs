@@ -72,6 +72,7 @@ pub struct EnvoyProcess {
 impl EnvoyProcess {
     /// Starts Envoy for `config` at restart `epoch`.
     pub async fn spawn(config: &ProxyConfig, epoch: u32) -> Result<Self, ProxyError> {
+        crate::drain_notice::prepare(config, epoch);
         let mut child = spawner::spawn(command(config, epoch))
             .await
             .map_err(|source| ProxyError::Spawn {

@@ -327,6 +327,32 @@ pub fn downstream_connections(pids: &[u32], excluded: &BTreeSet<u16>) -> Result<
         .count() as u64)
 }
 
+/// How many connections the processes `pids` hold whose local port is one of `ports` (the
+/// drained listeners'), listening or not: their downstream connections, also after Envoy
+/// closed its listening sockets at the end of its drain time. Listening sockets themselves
+/// do not count. The table read is that of `pids[0]`'s namespace.
+pub fn connections_on_ports(pids: &[u32], ports: &BTreeSet<u16>) -> Result<u64, TableError> {
+    let Some(first) = pids.first() else {
+        return Ok(0);
+    };
+    let mut inodes = BTreeSet::new();
+    for pid in pids {
+        socket_inodes(*pid, &mut inodes);
+    }
+    let mut held = 0u64;
+    scan(Some(*first), |e| {
+        if e.inode != 0
+            && e.state != LISTEN
+            && inodes.contains(&e.inode)
+            && ports.contains(&e.local.port())
+        {
+            held += 1;
+        }
+        true
+    })?;
+    Ok(held)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -424,5 +450,31 @@ mod tests {
         drop(accepted);
         drop(clients);
         assert_eq!(downstream_connections(&[me], &BTreeSet::new()).unwrap(), 0);
+    }
+
+    #[test]
+    fn connections_on_a_closed_listener_s_port_are_still_counted() {
+        let _one = SOCKETS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let client = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        let me = std::process::id();
+        let ports = BTreeSet::from([port]);
+        assert_eq!(connections_on_ports(&[me], &ports).unwrap(), 1);
+        // As Envoy does at the end of its drain time: the listening socket closes, the
+        // accepted connection stays.
+        drop(listener);
+        assert_eq!(
+            downstream_connections(&[me], &BTreeSet::new()).unwrap(),
+            0,
+            "keyed on listening sockets, the count loses it"
+        );
+        assert_eq!(connections_on_ports(&[me], &ports).unwrap(), 1);
+        drop(accepted);
+        drop(client);
+        assert_eq!(connections_on_ports(&[me], &ports).unwrap(), 0);
     }
 }

@@ -12,7 +12,7 @@ use envoy_agent_drain::{Exclusions, active_connections, drain_listeners};
 use envoy_agent_proxy::admin::Readiness;
 use envoy_agent_proxy::{
     AdminAddress, AdminClient, AdminError, DrainOptions, Ended, Envoy, EpochState, Exit, Proxy,
-    ProxyConfig, ProxyError, ProxyPhase, ServerState,
+    ProxyConfig, ProxyError, ProxyPhase, Scope, ServerState,
 };
 use envoy_agent_tests::{PATIENCE, TestDir, envoy_path, eventually, http_get, silent_server};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -188,14 +188,17 @@ async fn drain_with_skip_exit_keeps_accepting_and_closes_connections() {
     .await;
     assert_eq!(response.status, 200);
     // A second drain is accepted too (Envoy answers 200 to a duplicate drain).
-    envoy
+    let plan = envoy
         .envoy
         .drain(DrainOptions {
-            inbound_only: Some(false),
+            listeners: Scope::All,
             skip_exit: true,
         })
         .await
         .unwrap();
+    assert!(!plan.inbound_only);
+    let drained: Vec<&str> = plan.drained.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(drained, ["hello"], "named as configured");
     envoy.stop().await;
 }
 

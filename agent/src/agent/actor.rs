@@ -16,7 +16,8 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_drain::{Counting, DrainError};
 use envoy_agent_proxy::{
-    AdminClient, DrainOptions, Ended, Proxy, ProxyError, ProxyPhase, ProxyState, RestartError,
+    AdminClient, DrainOptions, DrainPlan, Ended, PlanNote, Proxy, ProxyError, ProxyPhase,
+    ProxyState, RestartError,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -25,7 +26,9 @@ use tokio_util::sync::CancellationToken;
 use super::Agent;
 use super::handle::{AgentError, Command, Reply};
 use super::shutdown::{Answer, Counted, ListenersRead, Pending, Shutdown, Step, settle};
-use super::state::{AgentConfig, AgentExit, AgentState, DrainPhase, DrainReason, ExitPath, Via};
+use super::state::{
+    AgentConfig, AgentExit, AgentState, DrainPhase, DrainProgress, DrainReason, ExitPath, Via,
+};
 use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
 use crate::signal::{Intent, IntentSource};
 
@@ -59,9 +62,11 @@ pub(super) enum Mode {
     Drained {
         reason: DrainReason,
         /// The latest drain request, while it is out.
-        request: Pending<Result<(), ProxyError>>,
+        request: Pending<Result<DrainPlan, ProxyError>>,
+        /// What the status says of it (what the last accepted request reached).
+        progress: Box<DrainProgress>,
         /// Its callers, answered with its result.
-        replies: Vec<Reply<()>>,
+        replies: Vec<Reply<Option<DrainPlan>>>,
     },
     /// A stop is coming (for `reason`): asking the proxy whether a successor pod takes over.
     Deciding {
@@ -153,7 +158,7 @@ enum Event {
     /// The proxy's answer whether a successor pod takes over.
     Successor(Option<String>),
     /// Envoy's answer to a drain request.
-    DrainAnswered(Result<(), ProxyError>),
+    DrainAnswered(Result<DrainPlan, ProxyError>),
     /// An exit-on-zero count.
     Counted(Counted),
     /// A reading of what each counted listener holds.
@@ -335,9 +340,16 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Mode::ShuttingDown(s) => s.still_open(),
             _ => None,
         };
+        let drained = match &self.mode {
+            Mode::ShuttingDown(s) => s.progress().drained.as_ref(),
+            Mode::Drained { progress, .. } => progress.drained.as_ref(),
+            _ => None,
+        }
+        .map(DrainPlan::drained_names);
         tracing::info!(
             event = "stopping",
             exit_path = path.name(),
+            drained = drained.as_deref(),
             counting = path.counting().map(Counting::name),
             still_open = still_open.as_deref(),
             at_unix_ms = unix_ms(),
@@ -351,7 +363,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             std::mem::replace(&mut self.mode, Mode::Stopping(path))
         {
             for reply in replies {
-                let _ = reply.send(Ok(()));
+                let _ = reply.send(Ok(None));
             }
         }
         self.abort.cancel();
@@ -468,7 +480,12 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         }
     }
 
-    fn on_drain_request(&mut self, options: DrainOptions, via: Via, reply: Reply<()>) {
+    fn on_drain_request(
+        &mut self,
+        options: DrainOptions,
+        via: Via,
+        reply: Reply<Option<DrainPlan>>,
+    ) {
         let call = drain_call(&self.agent.proxy, options);
         match &mut self.mode {
             Mode::Running(_) => {
@@ -478,6 +495,15 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 self.mode = Mode::Drained {
                     reason,
                     request: Some(call),
+                    progress: Box::new(DrainProgress {
+                        reason,
+                        started: SystemTime::now(),
+                        deadline: None,
+                        counting: None,
+                        last_count: None,
+                        listeners: None,
+                        drained: None,
+                    }),
                     replies: vec![reply],
                 };
             }
@@ -493,7 +519,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             }
             // Already draining, handing over or stopping: nothing more to ask.
             _ => {
-                let _ = reply.send(Ok(()));
+                let _ = reply.send(Ok(None));
             }
         }
     }
@@ -517,23 +543,33 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         }
     }
 
-    fn on_drain_answered(&mut self, result: Result<(), ProxyError>) {
+    fn on_drain_answered(&mut self, result: Result<DrainPlan, ProxyError>) {
         match &result {
-            Ok(()) => {
-                tracing::info!(event = "drain_accepted", "envoy is draining its listeners")
-            }
+            Ok(plan) => tracing::info!(
+                event = "drain_accepted",
+                drained = %plan.drained_names(),
+                scope = plan.asked.name(),
+                inbound_only = plan.inbound_only,
+                note = plan_note(plan),
+                "envoy is draining its listeners"
+            ),
             Err(e) => {
                 tracing::warn!(event = "drain_request_failed", error = %e, "drain request failed")
             }
         }
         match &mut self.mode {
             Mode::ShuttingDown(s) => s.drain_answered(&result, Instant::now()),
-            Mode::Drained { replies, .. } => {
+            Mode::Drained {
+                replies, progress, ..
+            } => {
+                if let Ok(plan) = &result {
+                    progress.drained = Some(plan.clone());
+                }
                 for reply in replies.drain(..) {
                     let _ = reply.send(
                         result
                             .as_ref()
-                            .map(|_| ())
+                            .map(|plan| Some(plan.clone()))
                             .map_err(|e| AgentError::DrainFailed(e.to_string())),
                     );
                 }
@@ -702,6 +738,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         };
         let drain = match &self.mode {
             Mode::ShuttingDown(s) => Some(s.progress().clone()),
+            Mode::Drained { progress, .. } => Some((**progress).clone()),
             _ => None,
         };
         let crashes = self.crash_loop.crashes();
@@ -836,17 +873,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
 
     /// One exit-on-zero count, with what it took and the share of a core it may take: Envoy's
     /// main thread for a count from its stats (at most 1/20 of it), the agent's own for one
-    /// from the kernel's table (at most a quarter of a core).
+    /// from the kernel's table (at most a quarter of a core; a kernel count of zero is
+    /// confirmed from the stats, and paced as one).
     fn count_call(&self) -> Call<Counted> {
-        let share = if self.counts_from_kernel() {
-            KERNEL_COUNT_SHARE
-        } else {
-            envoy_agent_proxy::admin::BUSY_SHARE
-        };
         let count = self.count_future();
         Box::pin(async move {
             let asked = Instant::now();
-            let count = count.await;
+            let (count, share) = count.await;
             Counted {
                 count,
                 took: asked.elapsed(),
@@ -877,9 +910,23 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         })
     }
 
-    fn count_future(&self) -> Call<Result<u64, DrainError>> {
+    /// What the drain reached, once Envoy accepted it (none before, or when the listeners
+    /// could not be read): exit-on-zero counts those listeners only.
+    fn drained(&self) -> Option<DrainPlan> {
+        match &self.mode {
+            Mode::ShuttingDown(s) => s
+                .progress()
+                .drained
+                .clone()
+                .filter(|p| !p.listeners.is_empty()),
+            _ => None,
+        }
+    }
+
+    fn count_future(&self) -> Call<(Result<u64, DrainError>, u32)> {
         if let Some(counter) = &self.agent.counter {
-            return counter();
+            let count = counter();
+            return Box::pin(async move { (count.await, envoy_agent_proxy::admin::BUSY_SHARE) });
         }
         let config: &AgentConfig = &self.agent.config;
         let admin = self
@@ -887,28 +934,74 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             .proxy
             .admin_address()
             .map(|a| AdminClient::new(a).with_timeout(config.stats_timeout));
-        let exclusions = config.exclusions.clone();
+        let drained = self.drained();
+        let exclusions = match &drained {
+            Some(plan) => config
+                .exclusions
+                .only(plan.drained.iter().map(|l| l.stat_name.clone())),
+            None => config.exclusions.clone(),
+        };
         let what = config.exit_on_zero.unwrap_or(Counting::Connections);
-        // Connections from the kernel: nothing asked of Envoy's main thread.
-        if self.counts_from_kernel() {
-            let pids: Vec<u32> = self
-                .agent
-                .proxy
-                .state()
-                .borrow()
-                .epochs
-                .iter()
-                .map(|e| e.pid)
-                .collect();
-            let admin_port = admin.as_ref().map(|a| a.addr().port());
+        if !self.counts_from_kernel() {
             return Box::pin(async move {
-                envoy_agent_drain::active_connections_from_kernel(pids, admin_port, &exclusions)
-                    .await
+                let count = match admin {
+                    Some(admin) => envoy_agent_drain::active(&admin, what, &exclusions).await,
+                    None => Err(DrainError::AdminUnknown),
+                };
+                (count, envoy_agent_proxy::admin::BUSY_SHARE)
             });
         }
+        // Connections from the kernel: nothing asked of Envoy's main thread, but for a zero.
+        let pids: Vec<u32> = self
+            .agent
+            .proxy
+            .state()
+            .borrow()
+            .epochs
+            .iter()
+            .map(|e| e.pid)
+            .collect();
+        let admin_port = admin.as_ref().map(|a| a.addr().port());
+        // The drained TCP listeners' ports; a QUIC listener's connections only the stats see.
+        let ports = drained.as_ref().map(|plan| {
+            plan.drained
+                .iter()
+                .filter(|l| !l.udp)
+                .filter_map(|l| l.port)
+                .collect()
+        });
         Box::pin(async move {
-            let admin = admin.ok_or(DrainError::AdminUnknown)?;
-            envoy_agent_drain::active(&admin, what, &exclusions).await
+            let kernel = envoy_agent_drain::active_connections_from_kernel(
+                pids,
+                admin_port,
+                &exclusions,
+                ports,
+            )
+            .await;
+            if !matches!(kernel, Ok(0)) {
+                return (kernel, KERNEL_COUNT_SHARE);
+            }
+            // Zero stops Envoy: the stats must agree (a QUIC connection, a listener the kernel
+            // cannot tie to a port). Where they do not, the larger count is trusted.
+            let Some(admin) = admin else {
+                return (kernel, KERNEL_COUNT_SHARE);
+            };
+            match envoy_agent_drain::active_connections(&admin, &exclusions).await {
+                Ok(0) => (Ok(0), envoy_agent_proxy::admin::BUSY_SHARE),
+                Ok(n) => {
+                    tracing::info!(
+                        event = "count_disagreement",
+                        kernel = 0,
+                        stats = n,
+                        "the kernel sees no connection on the drained listeners, envoy's stats see some: trusting the stats"
+                    );
+                    (Ok(n), envoy_agent_proxy::admin::BUSY_SHARE)
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot confirm a zero count from envoy's stats");
+                    (Err(e), envoy_agent_proxy::admin::BUSY_SHARE)
+                }
+            }
         })
     }
 
@@ -960,7 +1053,24 @@ fn stopped_run(abort: &CancellationToken) -> Call<Result<Ended, ProxyError>> {
     })
 }
 
-fn drain_call<P: Proxy>(proxy: &Arc<P>, options: DrainOptions) -> Call<Result<(), ProxyError>> {
+/// A plan's note, for logs: none when it drains as asked.
+fn plan_note(plan: &DrainPlan) -> Option<String> {
+    match &plan.note {
+        PlanNote::AsAsked | PlanNote::NotServing => None,
+        PlanNote::NoInbound => {
+            Some("no listener is marked INBOUND: every listener was drained".to_owned())
+        }
+        PlanNote::NothingInbound => {
+            Some("no listener is marked INBOUND: envoy drained none".to_owned())
+        }
+        PlanNote::Unknown(why) => Some(format!("listeners unknown ({why})")),
+    }
+}
+
+fn drain_call<P: Proxy>(
+    proxy: &Arc<P>,
+    options: DrainOptions,
+) -> Call<Result<DrainPlan, ProxyError>> {
     let proxy = proxy.clone();
     Box::pin(async move { proxy.drain(options).await })
 }
@@ -1048,6 +1158,15 @@ mod tests {
                 Mode::Drained {
                     reason: DrainReason::Request(Via::Grpc),
                     request: None,
+                    progress: Box::new(DrainProgress {
+                        reason: DrainReason::Request(Via::Grpc),
+                        started: SystemTime::now(),
+                        deadline: None,
+                        counting: None,
+                        last_count: None,
+                        listeners: None,
+                        drained: None,
+                    }),
                     replies: Vec::new(),
                 },
             ),

@@ -5,7 +5,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use envoy_agent_proxy::{AdminClient, ConfigApplied, DrainOptions, ProxyError, RestartError};
+use envoy_agent_proxy::{
+    AdminClient, ConfigApplied, DrainOptions, DrainPlan, ProxyError, RestartError, Scope,
+};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use super::state::{AgentState, Status, Via};
@@ -35,7 +37,7 @@ pub(super) enum Command {
     Drain {
         options: DrainOptions,
         via: Via,
-        reply: Reply<()>,
+        reply: Reply<Option<DrainPlan>>,
     },
     Quit {
         via: Via,
@@ -109,18 +111,24 @@ impl AgentHandle {
     pub async fn drain_now(&self, via: Via) -> Result<(), AgentError> {
         self.drain(
             DrainOptions {
-                inbound_only: None,
+                listeners: Scope::Auto,
                 skip_exit: true,
             },
             via,
         )
         .await
+        .map(|_| ())
     }
 
     /// Drains every serving epoch and keeps Envoy running: the next SIGTERM exits at once.
     /// With `skip_exit` the listeners keep accepting; without, Envoy stops them when its drain
-    /// time ends. Resolves when Envoy has accepted the drain.
-    pub async fn drain(&self, options: DrainOptions, via: Via) -> Result<(), AgentError> {
+    /// time ends. Resolves when Envoy has accepted the drain, with what it reached (none when
+    /// the agent was already draining or stopping: nothing more was asked of Envoy).
+    pub async fn drain(
+        &self,
+        options: DrainOptions,
+        via: Via,
+    ) -> Result<Option<DrainPlan>, AgentError> {
         self.ask(|reply| Command::Drain {
             options,
             via,

@@ -15,7 +15,7 @@ use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
 use envoy_agent_drain::{Counting, DrainError, ListenerActivity};
-use envoy_agent_proxy::ProxyError;
+use envoy_agent_proxy::{DrainPlan, ProxyError};
 use tokio::time::Instant;
 
 use super::state::{AgentConfig, DrainPhase, DrainProgress, DrainReason, ExitPath};
@@ -56,6 +56,25 @@ pub(super) struct ListenersRead {
     pub(super) took: Duration,
 }
 
+/// What each listener holds, by the names the operator wrote and of the drained listeners
+/// only, where the drain's plan knows them (a listener's stats are named by its stat prefix or
+/// its address).
+fn named(listeners: Vec<ListenerActivity>, plan: Option<&DrainPlan>) -> Vec<ListenerActivity> {
+    let Some(plan) = plan.filter(|p| !p.listeners.is_empty()) else {
+        return listeners;
+    };
+    listeners
+        .into_iter()
+        .filter(|l| plan.drained.iter().any(|d| d.stat_name == l.name))
+        .map(|mut l| {
+            if let Some(name) = plan.name_of(&l.name) {
+                l.name = name.to_owned();
+            }
+            l
+        })
+        .collect()
+}
+
 /// What is due at an instant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Step {
@@ -73,7 +92,7 @@ pub(super) enum Step {
 
 /// An answer to one of the shutdown's calls.
 pub(super) enum Answer {
-    Drain(Result<(), ProxyError>),
+    Drain(Result<DrainPlan, ProxyError>),
     Count(Counted),
     Listeners(ListenersRead),
 }
@@ -137,7 +156,7 @@ pub(super) struct Shutdown {
     last_count: Option<u64>,
     /// What the status says of this drain.
     progress: DrainProgress,
-    drain_call: Pending<Result<(), ProxyError>>,
+    drain_call: Pending<Result<DrainPlan, ProxyError>>,
     count_call: Pending<Counted>,
     /// When the listeners are read next, and the reading out, if one is.
     next_listeners: Instant,
@@ -174,6 +193,7 @@ impl Shutdown {
                 counting: config.exit_on_zero,
                 last_count: None,
                 listeners: None,
+                drained: None,
             },
             drain_call: None,
             count_call: None,
@@ -289,7 +309,10 @@ impl Shutdown {
                 ),
         );
         match read.listeners {
-            Ok(listeners) => self.progress.listeners = Some((listeners, SystemTime::now())),
+            Ok(listeners) => {
+                let listeners = named(listeners, self.progress.drained.as_ref());
+                self.progress.listeners = Some((listeners, SystemTime::now()));
+            }
             Err(e) => tracing::debug!(error = %e, "cannot read what each listener holds"),
         }
     }
@@ -318,7 +341,7 @@ impl Shutdown {
     pub(super) fn drain_sent(
         &mut self,
         now: Instant,
-        call: Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>>,
+        call: Pin<Box<dyn Future<Output = Result<DrainPlan, ProxyError>> + Send>>,
     ) {
         let failed = match &self.drain {
             DrainAsk::Failed { error, .. } => Some(error.clone()),
@@ -348,9 +371,12 @@ impl Shutdown {
     }
 
     /// Envoy answered the drain request at `now`.
-    pub(super) fn drain_answered(&mut self, result: &Result<(), ProxyError>, now: Instant) {
+    pub(super) fn drain_answered(&mut self, result: &Result<DrainPlan, ProxyError>, now: Instant) {
         self.drain = match result {
-            Ok(()) => DrainAsk::Accepted,
+            Ok(plan) => {
+                self.progress.drained = Some(plan.clone());
+                DrainAsk::Accepted
+            }
             Err(e) => DrainAsk::Failed {
                 error: e.to_string(),
                 retry_at: now + DRAIN_RETRY,
@@ -429,8 +455,13 @@ mod tests {
         Box::pin(std::future::pending())
     }
 
+    /// What Envoy answers a drain that it accepts.
+    fn accepted() -> DrainPlan {
+        envoy_agent_proxy::listeners::plan(envoy_agent_proxy::Scope::Auto, true, Ok(Vec::new()))
+    }
+
     /// The drain request goes out at `now` and Envoy answers `result`.
-    async fn drain(s: &mut Shutdown, now: Instant, result: Result<(), ProxyError>) {
+    async fn drain(s: &mut Shutdown, now: Instant, result: Result<DrainPlan, ProxyError>) {
         s.drain_sent(now, Box::pin(std::future::ready(result)));
         let Answer::Drain(result) = s.answer().await else {
             panic!("a count answered")
@@ -457,7 +488,7 @@ mod tests {
         assert_eq!(s.phase(t0), DrainPhase::Delay);
         let at = t0 + Duration::from_secs(3);
         assert_eq!(s.poll(at), Step::SendDrain);
-        drain(&mut s, at, Ok(())).await;
+        drain(&mut s, at, Ok(accepted())).await;
         assert_eq!(s.phase(at), DrainPhase::Draining);
         // The deadline: the delay plus the termination drain duration.
         assert_eq!(s.poll(at), Step::Wait(Some(at + Duration::from_secs(5))));
@@ -475,7 +506,7 @@ mod tests {
         };
         assert_eq!(config.drain_deadline(), None);
         let (mut s, t0) = begin(&config);
-        drain(&mut s, t0, Ok(())).await;
+        drain(&mut s, t0, Ok(accepted())).await;
         // Counting starts at the minimum drain duration, and nothing else ever comes.
         let from = t0 + config.minimum_drain_duration;
         assert_eq!(s.poll(t0), Step::Wait(Some(from)));
@@ -511,7 +542,7 @@ mod tests {
         };
         let end = Duration::from_secs(60);
         let (mut s, t0) = begin(&config);
-        drain(&mut s, t0, Ok(())).await;
+        drain(&mut s, t0, Ok(accepted())).await;
         assert_eq!(
             s.poll(t0 + end),
             Step::Stop(ExitPath::DrainTimeElapsed),
@@ -540,7 +571,7 @@ mod tests {
             ..AgentConfig::default()
         };
         let (mut s, t0) = begin(&config);
-        drain(&mut s, t0, Ok(())).await;
+        drain(&mut s, t0, Ok(accepted())).await;
         let from = t0 + config.minimum_drain_duration;
         s.count_sent(from, never());
         assert_eq!(s.poll(from), Step::ReadListeners);

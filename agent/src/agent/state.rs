@@ -6,7 +6,7 @@ use std::fmt;
 use std::time::{Duration, SystemTime};
 
 use envoy_agent_drain::{Counting, Exclusions, ListenerActivity};
-use envoy_agent_proxy::{Ended, ProxyError, ProxyState, WedgeReason};
+use envoy_agent_proxy::{DrainPlan, Ended, ProxyError, ProxyState, WedgeReason};
 
 use crate::crash::{CrashRecovery, Crashes};
 use crate::signal::Intent;
@@ -470,6 +470,9 @@ pub struct DrainProgress {
     /// Exit-on-zero: what each counted listener still held at the last reading of Envoy's
     /// stats (paced by its cost), busiest first, and when it was read; none before the first.
     pub listeners: Option<(Vec<ListenerActivity>, SystemTime)>,
+    /// What the drain reached, once Envoy accepted it: the listeners drained, by their
+    /// configured names, and why those.
+    pub drained: Option<DrainPlan>,
 }
 
 /// How the agent's run ended; [`AgentExit::code`] is the process exit code.

@@ -18,7 +18,7 @@
 //! - **Settle**: a hot restart of the new family follows, so that its admin listens on the
 //!   configured address again.
 
-use envoy_agent_proxy::HandoffKind;
+use envoy_agent_proxy::{HandoffKind, Scope};
 
 use super::*;
 use crate::handoff::ColdChild;
@@ -379,11 +379,10 @@ impl<H: Host> Supervisor<H> {
     /// Tells our family's Envoy to drain every listener gracefully (a new family serves them
     /// all), before it is stopped.
     fn drain_for_retirement(&mut self) {
-        let drain = self.host.drain(DrainListeners {
-            inbound_only: false,
-            graceful: true,
-            skip_exit: false,
-        });
+        let drain = self.host.drain(Scope::All, false);
+        for epoch in self.epochs.iter().map(|c| c.epoch).collect::<Vec<_>>() {
+            self.host.tell_drain(self.base_id, epoch);
+        }
         let events = self.events_tx.clone();
         tokio::spawn(async move {
             let result = drain.await.map_err(|e| e.to_string());

@@ -79,15 +79,11 @@ impl<H: Host> Supervisor<H> {
         self.queue.push(reason, reply, Instant::now());
     }
 
-    pub(super) fn drain(
-        &mut self,
-        options: DrainOptions,
-        reply: oneshot::Sender<Result<(), String>>,
-    ) {
+    pub(super) fn drain(&mut self, options: DrainOptions, reply: DrainReply) {
         match &self.life {
             Life::Stopping { .. } | Life::HandedOver { .. } => {
                 // Ours already drain, or are going.
-                let _ = reply.send(Ok(()));
+                let _ = reply.send(Ok(DrainPlan::not_serving(options.listeners)));
                 return;
             }
             Life::Discovering { .. } | Life::Running if self.newest_live.is_none() => {
@@ -96,7 +92,7 @@ impl<H: Host> Supervisor<H> {
                 // parent may be the predecessor pod's serving Envoy).
                 tracing::info!("told to drain before our first epoch serves: giving up the start");
                 self.family.drained = true;
-                let _ = reply.send(Ok(()));
+                let _ = reply.send(Ok(DrainPlan::not_serving(options.listeners)));
                 self.begin_stop(Ended::Stopped { last: None }, "drained before serving");
                 return;
             }
@@ -136,17 +132,13 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    pub(super) fn send_drain(
-        &mut self,
-        options: DrainOptions,
-        replies: Vec<oneshot::Sender<Result<(), String>>>,
-    ) {
-        let listeners = DrainListeners {
-            inbound_only: options.inbound_only.unwrap_or(self.config.proxy.sidecar),
-            graceful: true,
-            skip_exit: options.skip_exit,
-        };
-        let call = self.host.drain(listeners);
+    pub(super) fn send_drain(&mut self, options: DrainOptions, replies: Vec<DrainReply>) {
+        let call = self.host.drain(options.listeners, options.skip_exit);
+        // Every epoch of ours drains from here on (a parent already did, since its child
+        // went LIVE): each is told, so its idle and streaming clients hear it.
+        for epoch in self.epochs.iter().map(|c| c.epoch).collect::<Vec<_>>() {
+            self.host.tell_drain(self.base_id, epoch);
+        }
         let events = self.events_tx.clone();
         tokio::spawn(async move {
             let result = call.await.map_err(|e| e.to_string());

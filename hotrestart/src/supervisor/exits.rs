@@ -301,8 +301,8 @@ impl<H: Host> Supervisor<H> {
             self.retiring
                 .signal(epoch, Signal::SIGTERM, Some(Stop::Shutdown));
         }
-        for (_, reply) in self.pending_drains.drain(..) {
-            let _ = reply.send(Ok(()));
+        for (options, reply) in self.pending_drains.drain(..) {
+            let _ = reply.send(Ok(DrainPlan::not_serving(options.listeners)));
         }
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another

@@ -234,6 +234,9 @@ impl<H: Host> Supervisor<H> {
         self.handoff = match &attempt.parent {
             Some(Parent::Ours(p)) if self.epochs.get(*p).is_some() => {
                 self.epochs.set_state(*p, EpochState::Draining);
+                // Its child drains it now (Envoy's hot restart): its idle and streaming
+                // clients are told to go while the child serves.
+                self.host.tell_drain(self.base_id, *p);
                 Handoff::ParentDraining {
                     parent: DrainingParent::Ours(*p),
                     until: Moment::after(
@@ -244,6 +247,8 @@ impl<H: Host> Supervisor<H> {
             }
             Some(Parent::Foreign { epoch, identity }) => {
                 tracing::info!(epoch = attempt.epoch, predecessor = %identity, "took over from the predecessor's envoy");
+                // The predecessor pod's notice file is in the node's state dir too.
+                self.host.tell_drain(self.base_id, *epoch);
                 // Until the child terminates it; a second of margin for its own timer.
                 let drains = self.config.parent_shutdown_time() + Duration::from_secs(1);
                 self.family.foreign_parent_until = Some(SystemTime::now() + drains);
