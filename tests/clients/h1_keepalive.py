@@ -157,6 +157,10 @@ def main():
         sock.close()
         if not args.reconnect:
             break
+        # As a client keeping its pace: the next request (on a new connection) after the
+        # interval. Reconnecting at once makes tens of thousands of connections a second to
+        # one port, whose 4-tuples then collide with the server's TIME_WAIT ones (a reset).
+        time.sleep(args.interval_ms / 1000)
     emit("done", responses=responses, failures=failures, connections=connections)
 
 

@@ -895,6 +895,10 @@ pub struct DrainBootstrap {
     grpc_upstream: Option<SocketAddr>,
     max_connection_duration: Option<Duration>,
     quic: Option<TlsCert>,
+    /// Fixed ports: the admin's and each listener's (hot restart needs them).
+    fixed: Option<(u16, Vec<u16>)>,
+    /// The TCP listeners, by name and direction.
+    listeners: Vec<(&'static str, Option<&'static str>)>,
 }
 
 impl DrainBootstrap {
@@ -905,7 +909,25 @@ impl DrainBootstrap {
             grpc_upstream: None,
             max_connection_duration: None,
             quic: None,
+            fixed: None,
+            listeners: TCP_LISTENERS.to_vec(),
         }
+    }
+
+    /// Fixed ports (for hot restart, whose epochs hand listeners over by their configured
+    /// address): the admin on `admin_port`, each listener on a free port.
+    pub fn fixed_ports(mut self, admin_port: u16) -> Self {
+        let ports = (0..self.listeners.len() + 1)
+            .map(|_| crate::free_port())
+            .collect();
+        self.fixed = Some((admin_port, ports));
+        self
+    }
+
+    /// Only the TCP listeners named here (of [`TCP_LISTENERS`]).
+    pub fn only(mut self, names: &[&str]) -> Self {
+        self.listeners.retain(|(name, _)| names.contains(name));
+        self
     }
 
     /// Routes `/grpc` (gRPC services whose package starts with `grpc`, as the health service
@@ -930,18 +952,26 @@ impl DrainBootstrap {
 
     /// The config, YAML.
     pub fn yaml(&self) -> String {
-        let mut yaml = String::from(
-            "admin:\n  address:\n    socket_address: { address: 127.0.0.1, port_value: 0 }\n\
+        let admin_port = self.fixed.as_ref().map_or(0, |(admin, _)| *admin);
+        let port = |i: usize| {
+            self.fixed
+                .as_ref()
+                .and_then(|(_, ports)| ports.get(i).copied())
+                .unwrap_or(0)
+        };
+        let mut yaml = format!(
+            "admin:\n  address:\n    socket_address: {{ address: 127.0.0.1, port_value: {admin_port} }}\n\
              static_resources:\n  listeners:\n",
         );
-        for (name, direction) in TCP_LISTENERS {
+        for (i, (name, direction)) in self.listeners.iter().enumerate() {
             let direction = direction
                 .map(|d| format!("    traffic_direction: {d}\n"))
                 .unwrap_or_default();
             let _ = write!(
                 yaml,
-                "  - name: {name}\n    address:\n      socket_address: {{ address: 127.0.0.1, port_value: 0 }}\n\
+                "  - name: {name}\n    address:\n      socket_address: {{ address: 127.0.0.1, port_value: {} }}\n\
                  {direction}    filter_chains:\n    - filters:\n{}",
+                port(i),
                 self.hcm(name, "AUTO")
             );
         }
@@ -950,7 +980,7 @@ impl DrainBootstrap {
                 yaml,
                 r#"  - name: {QUIC_LISTENER}
     address:
-      socket_address: {{ protocol: UDP, address: 127.0.0.1, port_value: 0 }}
+      socket_address: {{ protocol: UDP, address: 127.0.0.1, port_value: {quic_port} }}
     udp_listener_config:
       quic_options: {{}}
       downstream_socket_config: {{ prefer_gro: true }}
@@ -968,7 +998,8 @@ impl DrainBootstrap {
 {}"#,
                 cert.cert.display(),
                 cert.key.display(),
-                self.hcm(QUIC_LISTENER, "HTTP3")
+                self.hcm(QUIC_LISTENER, "HTTP3"),
+                quic_port = port(self.listeners.len()),
             );
         }
         yaml.push_str("  clusters:\n");

@@ -336,8 +336,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             return;
         }
         // What a drain's deadline left open, as last read (the operator's next question).
+        // At zero nothing is open, whatever the last (older) reading of the listeners said.
         let still_open = match &self.mode {
-            Mode::ShuttingDown(s) => s.still_open(),
+            Mode::ShuttingDown(s) if !matches!(path, ExitPath::ZeroActive(_)) => s.still_open(),
             _ => None,
         };
         let drained = match &self.mode {

@@ -24,6 +24,7 @@ mod shutdown_budget;
 mod status;
 mod systemd;
 mod telemetry;
+mod told;
 mod upgrade;
 
 use envoy_agent_tests::{AgentBuilder, AgentProcess};
