@@ -20,6 +20,7 @@ mod manifests;
 mod preflight_cache;
 mod run;
 mod security;
+mod shipped;
 mod shutdown_budget;
 mod status;
 mod systemd;

@@ -11,8 +11,8 @@ use envoy_agent::duration::parse_duration;
 use serde::Deserialize as _;
 use serde_yaml::Value;
 
-const NODE_PROXY: &str = "deploy/kubernetes/node-proxy";
-const SIDECAR_EXAMPLE: &str = "deploy/kubernetes/sidecar-example";
+pub(crate) const NODE_PROXY: &str = "deploy/kubernetes/node-proxy";
+pub(crate) const SIDECAR_EXAMPLE: &str = "deploy/kubernetes/sidecar-example";
 
 /// How long the status server's `/healthz/ready` may wait on Envoy's admin API
 /// (`ENVOY_CALL_TIMEOUT` in `agent/src/status.rs`): an HTTP probe's timeout must exceed it.
@@ -21,7 +21,7 @@ const READY_HANDLER_WAIT_SECS: u64 = 2;
 /// The image's user (`USER` in the Dockerfile).
 const IMAGE_UID: u64 = 101;
 
-fn repo() -> PathBuf {
+pub(crate) fn repo() -> PathBuf {
     envoy_agent_tests::repo_root()
 }
 
@@ -46,7 +46,7 @@ fn flag_env_vars() -> Vec<String> {
 }
 
 /// `--name=value` or `--name value` from an argument list.
-fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+pub(crate) fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     args.iter().enumerate().find_map(|(i, a)| {
         if let Some(v) = a.strip_prefix(&format!("{name}=")) {
             Some(v)
@@ -58,14 +58,14 @@ fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     })
 }
 
-fn strings(v: &Value) -> Vec<String> {
+pub(crate) fn strings(v: &Value) -> Vec<String> {
     v.as_sequence()
         .map(|s| s.iter().map(|a| a.as_str().unwrap().to_owned()).collect())
         .unwrap_or_default()
 }
 
 /// Every YAML document of a file.
-fn yaml_docs(path: &Path) -> Vec<Value> {
+pub(crate) fn yaml_docs(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_yaml::Deserializer::from_str(&text)
@@ -75,7 +75,7 @@ fn yaml_docs(path: &Path) -> Vec<Value> {
 }
 
 /// One kustomization directory, read as `kubectl kustomize` would find it.
-struct Kustomization {
+pub(crate) struct Kustomization {
     dir: String,
     spec: Value,
     /// The objects of its `resources:`.
@@ -83,7 +83,7 @@ struct Kustomization {
 }
 
 impl Kustomization {
-    fn load(dir: &str) -> Self {
+    pub(crate) fn load(dir: &str) -> Self {
         let path = repo().join(dir).join("kustomization.yaml");
         let spec = yaml_docs(&path).remove(0);
         let objects = strings(&spec["resources"])
@@ -113,7 +113,7 @@ impl Kustomization {
         dirs.iter().map(|d| Self::load(d)).collect()
     }
 
-    fn object(&self, kind: &str) -> &Value {
+    pub(crate) fn object(&self, kind: &str) -> &Value {
         self.objects
             .iter()
             .find(|o| o["kind"] == kind)
@@ -134,13 +134,13 @@ impl Kustomization {
 }
 
 /// The pod spec of a workload.
-fn pod_spec(workload: &Value) -> &Value {
+pub(crate) fn pod_spec(workload: &Value) -> &Value {
     &workload["spec"]["template"]["spec"]
 }
 
 /// The containers (and init containers) of a pod that run the agent: the envoy-agent image
 /// with its entrypoint, which is the agent.
-fn agent_containers(pod: &Value) -> Vec<&Value> {
+pub(crate) fn agent_containers(pod: &Value) -> Vec<&Value> {
     ["initContainers", "containers"]
         .iter()
         .filter_map(|k| pod[*k].as_sequence())
@@ -154,7 +154,7 @@ fn agent_containers(pod: &Value) -> Vec<&Value> {
         .collect()
 }
 
-fn args_of(container: &Value) -> Vec<String> {
+pub(crate) fn args_of(container: &Value) -> Vec<String> {
     strings(&container["args"])
 }
 
@@ -185,7 +185,7 @@ fn writable_mount_of<'a>(container: &'a Value, path: &str) -> Option<&'a Value> 
 }
 
 /// An environment variable's value or downward-API field.
-fn env_var<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
+pub(crate) fn env_var<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
     container["env"]
         .as_sequence()?
         .iter()

@@ -1,0 +1,281 @@
+//! The repository's own manifests as shipped, run end to end (issue 38, item 7): the
+//! node-proxy DaemonSet's args and bootstrap, and the sidecar example's args, bootstrap and
+//! preStop hook, with the real Envoy and real clients, each in a network namespace of its own
+//! (their ports are fixed: 15000, 10000, 15006, 15020, as in a pod). Only what cannot be the
+//! same outside a pod is changed: file paths (bootstrap, Envoy, state dir, marker, gRPC socket)
+//! point into the test's directory. The drain each ships must tell its clients.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use envoy_agent_tests::clients::{ClientOptions, Event, H1Client, H2Client, Kind};
+use envoy_agent_tests::{NetNs, PATIENCE, TestDir, envoy_path, eventually};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::manifests::{
+    Kustomization, NODE_PROXY, SIDECAR_EXAMPLE, agent_containers, args_of, env_var, pod_spec, repo,
+    strings,
+};
+
+/// The agent started with a manifest's args, its JSON log in a file.
+struct Shipped {
+    child: tokio::process::Child,
+    log: PathBuf,
+    grpc: String,
+    _dir: TestDir,
+}
+
+impl Shipped {
+    /// The agent container of `workload` in `kustomization`, with its paths in `dir`.
+    fn start(kustomization: &str, workload: &str) -> Shipped {
+        let dir = TestDir::new();
+        let k = Kustomization::load(kustomization);
+        let pod = pod_spec(k.object(workload));
+        let container = *agent_containers(pod)
+            .iter()
+            .find(|c| c["args"].as_sequence().is_some_and(|a| a[0] == "run"))
+            .expect("the agent's run container");
+        std::fs::create_dir_all(dir.join("pod")).unwrap();
+        let bootstrap = dir.join("bootstrap.yaml");
+        std::fs::copy(
+            repo().join(kustomization).join("bootstrap.yaml"),
+            &bootstrap,
+        )
+        .unwrap();
+        let args: Vec<String> = args_of(container)
+            .into_iter()
+            .map(|arg| match arg.split_once('=') {
+                Some(("--config-path", _)) => format!("--config-path={}", bootstrap.display()),
+                Some(("--envoy-path", _)) => format!("--envoy-path={}", envoy_path().display()),
+                Some(("--state-dir", _)) => format!("--state-dir={}", dir.join("state").display()),
+                Some(("--ready-marker", _)) => {
+                    format!("--ready-marker={}", dir.join("pod/ready").display())
+                }
+                _ => arg,
+            })
+            .collect();
+        // The manifest's socket, moved into the test's directory.
+        let shipped_grpc = env_var(container, "ENVOY_AGENT_GRPC_ADDRESS")
+            .and_then(|e| e["value"].as_str())
+            .expect("the manifest sets the gRPC address");
+        assert!(shipped_grpc.starts_with("unix:/"), "{shipped_grpc}");
+        let grpc = format!("unix:{}", dir.join("pod/grpc/grpc.sock").display());
+        let log = dir.join("agent.log");
+        let mut command = tokio::process::Command::new(crate::AGENT);
+        command
+            .args(&args)
+            .env("ENVOY_AGENT_GRPC_ADDRESS", &grpc)
+            .env_remove("RUST_LOG")
+            .env("ENVOY_AGENT_LOG_FORMAT", "json");
+        // What the downward API gives a pod, where the manifest asks for it.
+        for (name, value) in [
+            ("POD_NAME", "shipped-0"),
+            ("ENVOY_AGENT_POD_GENERATION", "1"),
+        ] {
+            if env_var(container, name).is_some() {
+                command.env(name, value);
+            }
+        }
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Shipped {
+            child,
+            log,
+            grpc,
+            _dir: dir,
+        }
+    }
+
+    /// Waits until `addr` answers, or fails with the agent's log.
+    async fn serving(&mut self, addr: std::net::SocketAddr) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            if envoy_agent_tests::http_get(addr, "/").await.is_ok() {
+                return;
+            }
+            let exited = self.child.try_wait().unwrap();
+            if exited.is_some() || tokio::time::Instant::now() > deadline {
+                panic!(
+                    "nothing serves on {addr} (agent: {exited:?}); its log:\n{}",
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    fn events(&self, event: &str) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["event"] == event)
+            .collect()
+    }
+
+    async fn event(&self, event: &str) -> serde_json::Value {
+        eventually(&format!("the agent's {event} event"), PATIENCE, || async {
+            self.events(event).into_iter().next()
+        })
+        .await
+    }
+
+    fn signal(&self, signal: Signal) {
+        kill(Pid::from_raw(self.child.id().unwrap() as i32), signal).unwrap();
+    }
+
+    /// The agent's exit code, after a second SIGTERM (stop at once).
+    async fn stop(mut self) -> Option<i32> {
+        self.signal(Signal::SIGTERM);
+        let status = tokio::time::timeout(PATIENCE, self.child.wait())
+            .await
+            .expect("the agent exits")
+            .unwrap();
+        status.code()
+    }
+}
+
+/// Waits for a `200` from `client`.
+async fn answered(client: &H1Client) {
+    client
+        .wait_for("an answer", |e: &Event| {
+            matches!(e.kind, Kind::Response { status: 200, .. }).then_some(())
+        })
+        .await;
+}
+
+fn h1_requests(addr: std::net::SocketAddr) -> H1Client {
+    H1Client::start(
+        addr,
+        false,
+        &ClientOptions {
+            reconnect: true,
+            ..ClientOptions::default()
+        },
+    )
+}
+
+#[tokio::test]
+async fn the_daemonset_as_shipped_tells_its_clients_on_sigterm() {
+    let _netns = NetNs::enter();
+    let mut agent = Shipped::start(NODE_PROXY, "DaemonSet");
+    let serving = "127.0.0.1:10000".parse().unwrap();
+    agent.serving(serving).await;
+    let h1 = h1_requests(serving);
+    answered(&h1).await;
+    let h2 = H2Client::idle(serving);
+    h2.wait_for("the idle HTTP/2 answer", |e| {
+        matches!(e.kind, Kind::Response { status: 200, .. }).then_some(())
+    })
+    .await;
+
+    agent.signal(Signal::SIGTERM);
+    // The shipped listener has no traffic_direction: a node proxy drains it all the same.
+    let accepted = agent.event("drain_accepted").await;
+    assert_eq!(accepted["drained"], "node_http", "{accepted}");
+    assert_eq!(accepted["inbound_only"], false, "{accepted}");
+    h1.wait_for("Connection: close", |e| {
+        matches!(&e.kind, Kind::Response { connection: Some(c), .. } if c == "close").then_some(())
+    })
+    .await;
+    h2.wait_for("a GOAWAY to the idle HTTP/2 client", |e| {
+        matches!(e.kind, Kind::Goaway { .. }).then_some(())
+    })
+    .await;
+    assert!(agent.events("stopping").is_empty(), "told before the stop");
+    assert!(h1.failures().is_empty(), "{}", h1.describe());
+    assert_eq!(agent.stop().await, Some(0));
+    // The shipped --base-id (7) is the node's, not a test's: its shared memory goes too.
+    let _ = std::fs::remove_file("/dev/shm/envoy_shared_memory_70");
+}
+
+/// The sidecar example's app: 200 `app` to every request, keep-alive.
+async fn app_on_8080() {
+    let listener = TcpListener::bind("127.0.0.1:8080").await.unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut seen = Vec::new();
+                loop {
+                    let Ok(n) = conn.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                        seen.drain(..end + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\napp\n";
+                        if conn.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[tokio::test]
+async fn the_sidecar_example_as_shipped_drains_on_its_prestop_and_stops_at_sigterm() {
+    let _netns = NetNs::enter();
+    app_on_8080().await;
+    let mut agent = Shipped::start(SIDECAR_EXAMPLE, "Deployment");
+    let inbound = "127.0.0.1:15006".parse().unwrap();
+    agent.serving(inbound).await;
+    let h1 = h1_requests(inbound);
+    answered(&h1).await;
+    let h2 = H2Client::idle(inbound);
+    h2.wait_for("the idle HTTP/2 answer", |e| {
+        matches!(e.kind, Kind::Response { status: 200, .. }).then_some(())
+    })
+    .await;
+
+    // The kubelet runs the preStop hook: the manifest's own command.
+    let k = Kustomization::load(SIDECAR_EXAMPLE);
+    let pod = pod_spec(k.object("Deployment"));
+    let container = agent_containers(pod)
+        .into_iter()
+        .find(|c| !c["lifecycle"]["preStop"].is_null())
+        .expect("the sidecar's preStop");
+    let command = strings(&container["lifecycle"]["preStop"]["exec"]["command"]);
+    assert!(command[0].ends_with("envoy-agent"), "{command:?}");
+    let out = tokio::process::Command::new(crate::AGENT)
+        .args(&command[1..])
+        .env("ENVOY_AGENT_GRPC_ADDRESS", &agent.grpc)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "draining: inbound_http"
+    );
+    h1.wait_for("Connection: close", |e| {
+        matches!(&e.kind, Kind::Response { connection: Some(c), .. } if c == "close").then_some(())
+    })
+    .await;
+    h2.wait_for("a GOAWAY to the idle HTTP/2 client", |e| {
+        matches!(e.kind, Kind::Goaway { .. }).then_some(())
+    })
+    .await;
+    assert!(h1.failures().is_empty(), "{}", h1.describe());
+    // Then SIGTERM: the preStop drained, so the agent stops Envoy at once and exits 0.
+    agent.signal(Signal::SIGTERM);
+    let stopping = agent.event("stopping").await;
+    assert_eq!(stopping["drained"], "inbound_http", "{stopping}");
+    let status = tokio::time::timeout(PATIENCE, agent.child.wait())
+        .await
+        .expect("the agent exits")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+}
