@@ -199,6 +199,14 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     );
     let mut proxy = proxy;
     proxy.drain_notice = setup::drain_notice_dir(settings, &runtime_dir)?;
+    // What GetStatus says is in force: the notice may be off because of the bootstrap.
+    let settings = &Settings {
+        envoy: settings::EnvoySettings {
+            drain_notice: proxy.drain_notice.is_some(),
+            ..settings.envoy.clone()
+        },
+        ..settings.clone()
+    };
     setup::check_extra_args(&proxy)?;
     // Once the input is known good (a refusal is one line), before anything opens sockets.
     setup::raise_fd_limit();

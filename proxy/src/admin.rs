@@ -584,15 +584,19 @@ impl AdminClient {
         Ok(())
     }
 
-    /// `GET /config_dump?resource=<resource>&mask=<mask>`, its body parsed by `parse`: Envoy
-    /// serializes only the resources of that kind, and answers only the masked fields.
+    /// `GET /config_dump?resource=<resource>&mask=<mask>` (no mask when empty), its body parsed
+    /// by `parse`: Envoy serializes only the resources of that kind, and answers only the
+    /// masked fields.
     pub async fn config_dump<T>(
         &self,
         resource: &str,
         mask: &str,
         parse: impl FnOnce(&[u8]) -> Result<T, serde_json::Error>,
     ) -> Result<T, AdminError> {
-        let endpoint = format!("/config_dump?resource={resource}&mask={mask}");
+        let endpoint = match mask {
+            "" => format!("/config_dump?resource={resource}"),
+            mask => format!("/config_dump?resource={resource}&mask={mask}"),
+        };
         let body = self.call_ok(Method::GET, &endpoint).await?;
         parse(&body).map_err(|e| self.decode(&endpoint, e))
     }

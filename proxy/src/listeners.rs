@@ -18,10 +18,10 @@
 //! failed), the plan falls back to the mode's own rule without the check and says why
 //! ([`PlanNote::Unknown`]).
 //!
-//! The reading is three admin calls: `/listeners?format=json` (each listener's name and bound
-//! address, which finds port-0 binds) and `/config_dump` of the static and the dynamic
-//! listeners, masked to the four fields needed (name, direction, address, stat prefix), so a
-//! large config costs Envoy a serialization of its listeners only.
+//! The reading is three admin calls at each drain: `/listeners?format=json` (each listener's
+//! name and bound address, which finds port-0 binds) and `/config_dump` of the static and of
+//! the dynamic listeners (their active state), so a large config costs Envoy a serialization
+//! of its listeners, not of its clusters.
 
 use std::net::SocketAddr;
 
@@ -213,19 +213,17 @@ pub fn plan(scope: Scope, sidecar: bool, listeners: Result<Vec<Listener>, String
 /// Reads Envoy's listeners: three admin calls, each bounded by the client's timeout.
 pub async fn read(admin: &AdminClient) -> Result<Vec<Listener>, AdminError> {
     let bound = admin.listeners().await?;
+    // Envoy cannot mask fields inside a listener packed in a dynamic listener's state, nor
+    // take a whole packed listener as a mask (400, "could not be successfully used"; seen on
+    // 1.40): whole static listeners, and the active state of the LDS ones.
     let mut configured = admin
-        .config_dump(
-            "static_listeners",
-            "listener.name,listener.traffic_direction,listener.address,listener.stat_prefix",
-            parse_dump,
-        )
+        .config_dump("static_listeners", "", parse_dump)
         .await?;
     configured.extend(
         admin
             .config_dump(
                 "dynamic_listeners",
-                "name,active_state.listener.name,active_state.listener.traffic_direction,\
-                 active_state.listener.address,active_state.listener.stat_prefix",
+                "name,active_state.listener",
                 parse_dump,
             )
             .await?,

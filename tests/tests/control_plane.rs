@@ -214,3 +214,45 @@ async fn envoy_keeps_serving_without_its_control_plane_and_reconnects() {
     acked(&control_plane, LISTENER, "2").await;
     answers(port, "cached").await;
 }
+
+/// A drain learns the direction of LDS listeners as of static ones: the agent's drain plan
+/// reads `/config_dump?resource=dynamic_listeners` (masked), and a listener the control plane
+/// marks INBOUND is drained by a sidecar.
+#[tokio::test]
+async fn a_drain_plan_knows_the_direction_of_lds_listeners() {
+    use envoy_agent_proxy::listeners::{self, Direction};
+    use envoy_agent_proxy::{PlanNote, Scope};
+    let (port, other) = (free_port(), free_port());
+    let snapshot = Snapshot::direct("1", "from_lds", port, "lds")
+        .with_direct_listener("also_lds", other, "also");
+    let control_plane = ControlPlane::start(0, snapshot).await;
+    let envoy = Envoy::start(control_plane.addr(), None).await;
+    answers(port, "lds").await;
+    let read = listeners::read(&envoy.admin).await.unwrap();
+    let mut got: Vec<(&str, Direction, Option<u16>, String)> = read
+        .iter()
+        .map(|l| (l.name.as_str(), l.direction, l.port, l.stat_name.clone()))
+        .collect();
+    got.sort();
+    // No listener stat_prefix: a listener's stats are named after its configured address.
+    assert_eq!(
+        got,
+        [
+            (
+                "also_lds",
+                Direction::Inbound,
+                Some(other),
+                format!("127.0.0.1_{other}")
+            ),
+            (
+                "from_lds",
+                Direction::Inbound,
+                Some(port),
+                format!("127.0.0.1_{port}")
+            ),
+        ]
+    );
+    let plan = listeners::plan(Scope::Auto, true, Ok(read));
+    assert!(plan.inbound_only && plan.note == PlanNote::AsAsked);
+    assert_eq!(plan.drained.len(), 2);
+}

@@ -433,3 +433,73 @@ async fn exit_on_zero_waits_for_a_connection_past_envoy_s_listener_close(mode: M
     let mut agent = rig.agent;
     assert!(agent.exit().await.success());
 }
+
+/// A bootstrap with an overload manager of its own: Envoy merges the agent's notice into it
+/// (lists are appended), and the notice still tells an idle HTTP/2 client.
+#[tokio::test]
+async fn the_notice_merges_with_the_bootstrap_s_own_overload_manager() {
+    let upstream = HttpUpstream::start().await;
+    let yaml = DrainBootstrap::new(upstream.addr())
+        .only(&["inbound"])
+        .yaml()
+        + r#"overload_manager:
+  resource_monitors:
+  - name: envoy.resource_monitors.global_downstream_max_connections
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig
+      max_active_downstream_connections: 10000
+"#;
+    let agent = crate::agent().bootstrap(yaml).args(&[DRAIN]).start().await;
+    assert!(agent.events("drain_notice_off").is_empty());
+    let idle = H2Client::idle(agent.listener("inbound").await);
+    heard(&idle, "the answer", |e| {
+        matches!(e.kind, Kind::Response { status: 200, .. })
+    })
+    .await;
+    agent.signal_agent(Signal::SIGTERM);
+    agent.wait_event("drain_notice", "epoch", "0").await;
+    heard(&idle, "a GOAWAY", goaway).await;
+}
+
+/// A bootstrap whose overload manager already has what the notice adds (Envoy would refuse
+/// the duplicate): the agent leaves the notice out, says why, and Envoy runs.
+#[tokio::test]
+async fn a_bootstrap_that_already_uses_the_notice_s_names_runs_without_it() {
+    let dir = TestDir::new();
+    let upstream = HttpUpstream::start().await;
+    let theirs = dir.write("pressure", "0");
+    let yaml = DrainBootstrap::new(upstream.addr())
+        .only(&["inbound"])
+        .yaml()
+        + &format!(
+            r#"overload_manager:
+  resource_monitors:
+  - name: envoy.resource_monitors.injected_resource
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.resource_monitors.injected_resource.v3.InjectedResourceConfig
+      filename: {}
+"#,
+            theirs.display()
+        );
+    let agent = crate::agent().bootstrap(yaml).args(&[DRAIN]).start().await;
+    let off = agent.wait_event("drain_notice_off", "level", "WARN").await;
+    assert!(
+        off["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("envoy.resource_monitors.injected_resource")),
+        "{off}"
+    );
+    let h1 = h1_requests(agent.listener("inbound").await);
+    heard(&h1, "an answer", |e| {
+        matches!(e.kind, Kind::Response { status: 200, .. })
+    })
+    .await;
+    let status = rig_settings(&agent).await;
+    assert!(!status.drain_notice, "GetStatus says the notice is off");
+}
+
+async fn rig_settings(agent: &AgentProcess) -> pb::Settings {
+    let addr: GrpcAddress = agent.grpc.parse().unwrap();
+    let mut client = connect(&addr, PATIENCE).await.unwrap();
+    get_status(&mut client).await.settings.unwrap()
+}
