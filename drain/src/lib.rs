@@ -18,12 +18,18 @@
 //! a listener's stats after its *configured* address, so a listener configured with port 0
 //! is `listener.127.0.0.1_0` whatever port it bound (seen on 1.40).
 //!
+//! Only the listeners a drain reached count ([`Exclusions::only`], by their stat names, and
+//! the drained listeners' ports for the kernel): a sidecar that drains its inbound listeners is
+//! not held open by its app's outbound connections.
+//!
 //! Connections are counted by the kernel where it can ([`active_connections_from_kernel`]:
-//! the connections Envoy's processes hold on their listening TCP ports, excluded ports and the
-//! admin's left out), so that a count asks nothing of Envoy's main thread whatever the config's
-//! size; by the stats where only Envoy knows (exclusions by listener name, requests). A count
-//! from the stats makes Envoy visit every stat: the agent asks it at most for 1/20 of Envoy's
-//! main thread.
+//! the connections Envoy's processes hold on the drained listeners' ports, excluded ports and
+//! the admin's left out), so that a count asks nothing of Envoy's main thread whatever the
+//! config's size; by the stats where only Envoy knows (exclusions by listener name, requests).
+//! The ports are the drained listeners', not the listening sockets found at the count: once
+//! Envoy's drain time ends it closes its listening sockets, and the connections it accepted
+//! stay open until they end or Envoy exits. A count from the stats makes Envoy visit every
+//! stat: the agent asks it at most for 1/20 of Envoy's main thread.
 //!
 //! # Counting requests
 //!
@@ -353,7 +359,7 @@ pub const LISTENER_ACTIVITY_FILTER: &str =
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ListenerActivity {
     /// The listener's stat name: its `stat_prefix`, else its configured address
-    /// (`0.0.0.0_8080`).
+    /// (`0.0.0.0_8080`). (The agent names it as configured, where the drain knows it.)
     pub name: String,
     /// Its active downstream connections.
     pub connections: u64,

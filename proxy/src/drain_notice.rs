@@ -6,7 +6,7 @@
 //! them bare (seen on 1.40). Envoy's overload manager can do better, and the agent uses it
 //! without touching the operator's bootstrap: every Envoy it starts gets, through
 //! `--config-yaml` (which Envoy merges into the bootstrap), an `injected_resource` monitor that
-//! reads a file of the agent's (one per Envoy: [`file`]) and two actions triggered when it reads
+//! reads a file of the agent's (one per Envoy: [`file()`]) and two actions triggered when it reads
 //! 1:
 //!
 //! - `envoy.overload_actions.disable_http_keepalive`: every response carries `Connection: close`

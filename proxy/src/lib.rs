@@ -22,8 +22,10 @@
 //!   zombie is left. Dropping the `run` future SIGKILLs Envoy (a safety net, not a way to stop
 //!   it). [`EnvoyProcess::supervise`] delivers signals only while the process is unreaped, so
 //!   a signal never reaches a process that got its pid since.
-//! - **Draining** is an admin call ([`Proxy::drain`]); Envoy keeps running. The policy around
-//!   it (how long to wait, when to stop) is the agent's.
+//! - **Draining** is an admin call ([`Proxy::drain`]); Envoy keeps running. Which listeners it
+//!   reaches is decided at each drain from what Envoy reports of them ([`listeners`]), and
+//!   idle and streaming clients are told through Envoy's overload manager ([`drain_notice`]).
+//!   The policy around it (how long to wait, when to stop) is the agent's.
 //! - **Config updates** are validated on a private candidate file first ([`validate_candidate`])
 //!   and replace the bootstrap atomically: readers see the old file or the new one, never a
 //!   mix, and a rejected config or a failed write leaves the old file in place.
