@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Call {
     Drain { skip_exit: bool },
+    FailHealthChecks,
     Stop,
     Successor,
 }
@@ -194,6 +195,11 @@ impl Proxy for FakeProxy {
             *failures -= 1;
             return Err(ProxyError::NotRunning);
         }
+        Ok(())
+    }
+
+    async fn fail_health_checks(&self) -> Result<(), ProxyError> {
+        self.record(Call::FailHealthChecks);
         Ok(())
     }
 

@@ -141,6 +141,8 @@ pub trait Host: Send + Sync + 'static {
     fn xds(&self, cold: Option<u32>) -> Task<Result<XdsReading, AdminError>>;
     /// `POST /drain_listeners` on the family's admin address, bounded.
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>>;
+    /// `POST /healthcheck/fail` on the family's admin address, bounded.
+    fn fail_health_checks(&self) -> Task<Result<(), AdminError>>;
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
     fn hot_restart_version(&self) -> Task<Result<String, String>>;
     /// Pre-flight for a new epoch: the binary's hot-restart version must be `running` (when one
@@ -572,6 +574,14 @@ impl Host for RealHost {
         Box::pin(async move {
             tracing::info!(admin = %admin.addr(), endpoint = %options.endpoint(), "draining envoy listeners");
             admin.drain_listeners(options).await
+        })
+    }
+
+    fn fail_health_checks(&self) -> Task<Result<(), AdminError>> {
+        let admin = self.target().admin.with_timeout(DRAIN_TIMEOUT);
+        Box::pin(async move {
+            tracing::info!(admin = %admin.addr(), "failing envoy's health checks");
+            admin.healthcheck_fail().await
         })
     }
 

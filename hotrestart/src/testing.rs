@@ -140,6 +140,8 @@ pub(crate) struct World {
     pub(crate) initializing: bool,
     pub(crate) repairs: u32,
     pub(crate) drains: Vec<DrainListeners>,
+    /// How many times the family's Envoy was told to fail its health checks.
+    pub(crate) health_checks_failed: u32,
     /// Added to the wall clock: real wall and monotonic clocks disagree by a millisecond here
     /// and there (rounding, NTP slewing).
     pub(crate) wall_clock_step_ms: u64,
@@ -200,6 +202,7 @@ impl Default for World {
             repairs: 0,
             wall_clock_step_ms: 0,
             drains: Vec::new(),
+            health_checks_failed: 0,
             start: Instant::now(),
         }
     }
@@ -669,6 +672,11 @@ impl Host for FakeHost {
 
     fn drain(&self, options: DrainListeners) -> Task<Result<(), AdminError>> {
         self.world().drains.push(options);
+        Box::pin(async { Ok(()) })
+    }
+
+    fn fail_health_checks(&self) -> Task<Result<(), AdminError>> {
+        self.world().health_checks_failed += 1;
         Box::pin(async { Ok(()) })
     }
 
