@@ -53,8 +53,10 @@ pub mod signal;
 pub mod socket;
 pub mod status;
 pub mod telemetry;
+pub mod termination;
 #[cfg(test)]
 mod testing;
+pub mod timeline;
 
 pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath, Status};
 pub use settings::Settings;
@@ -85,6 +87,11 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
         minimum_drain_duration: drain.minimum_drain_duration,
         exit_on_zero: drain.exit_on_zero,
         drain_delay: drain.drain_delay,
+        not_ready_at: drain.timeline.not_ready,
+        fail_health_checks_at: drain.timeline.fail_health_checks.map_or(
+            timeline::HealthCheckFailAt::Off,
+            timeline::HealthCheckFailAt::After,
+        ),
         exclusions,
         poll_interval: drain.poll_interval,
         // A successor terminates our Envoy at most its handoff deadline plus the parent
@@ -121,6 +128,21 @@ fn warn_about(settings: &Settings) {
                 .unwrap_or_default()
         );
     }
+    let timeline = &settings.drain.timeline;
+    tracing::info!(
+        event = "shutdown_timeline",
+        not_ready_ms = timeline.not_ready.as_millis() as u64,
+        fail_health_checks_ms = timeline.fail_health_checks.map(|d| d.as_millis() as u64),
+        drain_ms = timeline.drain.as_millis() as u64,
+        stop_by_ms = timeline.stop_by.map(|d| d.as_millis() as u64),
+        order = %timeline
+            .steps()
+            .iter()
+            .map(|(step, _)| step.name())
+            .collect::<Vec<_>>()
+            .join(","),
+        "on SIGTERM: {timeline}"
+    );
     let drain = &settings.drain;
     // The deadline rule is the agent's (AgentConfig::drain_deadline): said, not repeated.
     if agent_config(settings).drain_deadline().is_none() {
@@ -348,6 +370,14 @@ async fn serve<P: Proxy>(
         "envoy-agent exiting: {}",
         exit.path
     );
+    let summary = termination::Summary {
+        path: exit.path,
+        code: exit.code(),
+        reason: exit.reason,
+        took: exit.took,
+        still_open: exit.still_open.as_deref(),
+    };
+    settings.termination_message.write(&summary.text());
     match exit.error {
         Some(e) => Err(e).context("running envoy"),
         None => Ok(exit.code()),

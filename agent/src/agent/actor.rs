@@ -28,6 +28,7 @@ use super::shutdown::{Answer, Counted, ListenersRead, Pending, Shutdown, Step, s
 use super::state::{AgentConfig, AgentExit, AgentState, DrainPhase, DrainReason, ExitPath, Via};
 use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
 use crate::signal::{Intent, IntentSource};
+use crate::timeline::Step as TimelineStep;
 
 /// Bound on asking the proxy whether a successor takes over (it asks the admin API).
 const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
@@ -63,9 +64,11 @@ pub(super) enum Mode {
         /// Its callers, answered with its result.
         replies: Vec<Reply<()>>,
     },
-    /// A stop is coming (for `reason`): asking the proxy whether a successor pod takes over.
+    /// A stop is coming (for `reason`, since the signal at `since`): asking the proxy whether
+    /// a successor pod takes over.
     Deciding {
         reason: DrainReason,
+        since: Instant,
         successor: Call<Option<String>>,
     },
     /// The graceful shutdown: delay, drain, wait.
@@ -154,6 +157,8 @@ enum Event {
     Successor(Option<String>),
     /// Envoy's answer to a drain request.
     DrainAnswered(Result<(), ProxyError>),
+    /// Envoy's answer to the request that it fail its health checks.
+    HealthChecksAnswered(Result<(), ProxyError>),
     /// An exit-on-zero count.
     Counted(Counted),
     /// A reading of what each counted listener holds.
@@ -184,6 +189,12 @@ pub(super) struct Actor<P, I> {
     crash_loop: CrashLoop,
     /// When the first drain (or stop) began, for the exit's metric.
     drain_started: Option<Instant>,
+    /// What started the first drain, for the termination message.
+    drain_reason: Option<DrainReason>,
+    /// When the agent decided to stop Envoy.
+    stop_began: Option<Instant>,
+    /// What the counted listeners held at the last reading before the stop.
+    still_open: Option<Vec<envoy_agent_drain::ListenerActivity>>,
     open: Open,
     /// The proxy's run; while recovering from a crash, a stand-in that ends only when the
     /// agent stops.
@@ -202,6 +213,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             intents,
             abort,
             drain_started: None,
+            drain_reason: None,
+            stop_began: None,
+            still_open: None,
             open: Open {
                 intents: true,
                 commands: true,
@@ -265,6 +279,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Event::Command(Some(command)) => self.on_command(command),
             Event::Successor(successor) => self.on_successor(successor),
             Event::DrainAnswered(result) => self.on_drain_answered(result),
+            Event::HealthChecksAnswered(result) => self.on_health_checks_answered(result),
             Event::Counted(counted) => self.on_counted(counted),
             Event::ListenersRead(read) => {
                 if let Mode::ShuttingDown(s) = &mut self.mode {
@@ -315,9 +330,12 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Transition::StopNow(path) => self.stop(path),
             Transition::Decide(reason) => {
                 tracing::info!(%reason, "stopping: is a successor pod taking over?");
-                self.drain_started.get_or_insert_with(Instant::now);
+                let since = Instant::now();
+                self.drain_started.get_or_insert(since);
+                self.drain_reason.get_or_insert(reason);
                 self.mode = Mode::Deciding {
                     reason,
+                    since,
                     successor: self.successor_call(),
                 };
             }
@@ -332,9 +350,20 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         }
         // What a drain's deadline left open, as last read (the operator's next question).
         let still_open = match &self.mode {
-            Mode::ShuttingDown(s) => s.still_open(),
+            Mode::ShuttingDown(s) => {
+                let now = Instant::now();
+                tracing::info!(
+                    event = "shutdown_step",
+                    step = TimelineStep::Stop.name(),
+                    offset_ms = s.offset(now).as_millis() as u64,
+                    "shutdown: stopping envoy"
+                );
+                self.still_open = s.listeners().map(<[_]>::to_vec);
+                s.still_open()
+            }
             _ => None,
         };
+        self.stop_began = Some(Instant::now());
         tracing::info!(
             event = "stopping",
             exit_path = path.name(),
@@ -357,7 +386,8 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         self.abort.cancel();
     }
 
-    fn begin_shutdown(&mut self, reason: DrainReason) {
+    /// Begins the shutdown drain, its timeline counted from `since` (the signal).
+    fn begin_shutdown(&mut self, reason: DrainReason, since: Instant) {
         let config = &self.agent.config;
         tracing::info!(
             %reason,
@@ -366,12 +396,10 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             exit_on_zero = config.exit_on_zero.map(Counting::name),
             "shutting down: draining envoy"
         );
-        self.mode = Mode::ShuttingDown(Box::new(Shutdown::begin(
-            config,
-            reason,
-            Instant::now(),
-            SystemTime::now(),
-        )));
+        let wall = SystemTime::now()
+            .checked_sub(since.elapsed())
+            .unwrap_or_else(SystemTime::now);
+        self.mode = Mode::ShuttingDown(Box::new(Shutdown::begin(config, reason, since, wall)));
     }
 
     fn on_sigusr1(&mut self) {
@@ -475,6 +503,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 let reason = DrainReason::Request(via);
                 tracing::info!(%reason, skip_exit = options.skip_exit, "draining on request: envoy keeps running, the next SIGTERM stops it");
                 self.drain_started.get_or_insert_with(Instant::now);
+                self.drain_reason.get_or_insert(reason);
                 self.mode = Mode::Drained {
                     reason,
                     request: Some(call),
@@ -499,7 +528,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
     }
 
     fn on_successor(&mut self, successor: Option<String>) {
-        let Mode::Deciding { reason, .. } = self.mode else {
+        let Mode::Deciding { reason, since, .. } = self.mode else {
             return;
         };
         match successor {
@@ -513,7 +542,24 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                     reason,
                 };
             }
-            None => self.begin_shutdown(reason),
+            None => self.begin_shutdown(reason, since),
+        }
+    }
+
+    fn on_health_checks_answered(&mut self, result: Result<(), ProxyError>) {
+        match &result {
+            Ok(()) => tracing::info!(
+                event = "healthcheck_fail_accepted",
+                "envoy fails its health checks"
+            ),
+            Err(e) => tracing::warn!(
+                event = "healthcheck_fail_request_failed",
+                error = %e,
+                "cannot fail envoy's health checks: asking again"
+            ),
+        }
+        if let Mode::ShuttingDown(s) = &mut self.mode {
+            s.health_checks_answered(&result, Instant::now());
         }
     }
 
@@ -586,10 +632,48 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             let Mode::ShuttingDown(s) = &self.mode else {
                 return;
             };
+            let offset_ms = s.offset(now).as_millis() as u64;
             match s.poll(now) {
                 Step::Wait(_) => return,
+                Step::NotReady => {
+                    tracing::info!(
+                        event = "shutdown_step",
+                        step = TimelineStep::NotReady.name(),
+                        offset_ms,
+                        "shutdown: readiness off"
+                    );
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.not_ready_said();
+                    }
+                }
+                Step::FailHealthChecks => {
+                    let proxy = self.agent.proxy.clone();
+                    let call: Call<Result<(), ProxyError>> =
+                        Box::pin(async move { proxy.fail_health_checks().await });
+                    let first = match &mut self.mode {
+                        Mode::ShuttingDown(s) => s.health_checks_sent(call),
+                        _ => false,
+                    };
+                    if first {
+                        tracing::info!(
+                            event = "shutdown_step",
+                            step = TimelineStep::FailHealthChecks.name(),
+                            offset_ms,
+                            "shutdown: failing envoy's health checks"
+                        );
+                    }
+                }
                 Step::SendDrain => {
+                    let first = !s.drain_asked();
                     let call = drain_call(&self.agent.proxy, DrainOptions::default());
+                    if first {
+                        tracing::info!(
+                            event = "shutdown_step",
+                            step = TimelineStep::Drain.name(),
+                            offset_ms,
+                            "shutdown: draining envoy"
+                        );
+                    }
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.drain_sent(now, call);
                     }
@@ -644,7 +728,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             self.stop(ExitPath::HandedOver);
         } else if abandoned {
             tracing::warn!(%successor, "the successor is gone without taking over: draining our own envoy");
-            self.begin_shutdown(reason);
+            self.begin_shutdown(reason, Instant::now());
         }
     }
 
@@ -672,11 +756,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 since: now,
                 reason: s.reason(),
                 phase: s.phase(Instant::now()),
+                ready: s.ready(Instant::now()),
             },
-            Mode::Deciding { reason, .. } => AgentState::Draining {
+            Mode::Deciding { reason, since, .. } => AgentState::Draining {
                 since: now,
                 reason: *reason,
                 phase: DrainPhase::Deciding,
+                ready: Instant::now() < *since + self.agent.config.not_ready_at,
             },
             Mode::HandingOver { successor, .. } => AgentState::HandingOver {
                 since: now,
@@ -686,6 +772,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 since: now,
                 reason: *reason,
                 phase: DrainPhase::Draining,
+                ready: false,
             },
             Mode::Running(_) => match proxy.phase {
                 ProxyPhase::Serving => AgentState::Live { since: now },
@@ -769,7 +856,18 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         agent
             .metrics
             .exit(path.name(), self.drain_started.map(|t| t.elapsed()));
-        AgentExit { path, ended, error }
+        // Only a stop the agent was asked for (or decided) has a shutdown to tell of.
+        let took = stopping
+            .and(self.drain_started.or(self.stop_began))
+            .map(|since| since.elapsed());
+        AgentExit {
+            path,
+            reason: self.drain_reason,
+            took,
+            still_open: self.still_open,
+            ended,
+            error,
+        }
     }
 
     /// Logs and counts a crash and what the agent does about it.
@@ -936,6 +1034,7 @@ async fn mode_work(mode: &mut Mode) -> Event {
         Mode::Drained { request, .. } => Event::DrainAnswered(settle(request).await),
         Mode::ShuttingDown(s) => match s.answer().await {
             Answer::Drain(result) => Event::DrainAnswered(result),
+            Answer::HealthChecks(result) => Event::HealthChecksAnswered(result),
             Answer::Count(counted) => Event::Counted(counted),
             Answer::Listeners(read) => Event::ListenersRead(read),
         },
@@ -1034,6 +1133,7 @@ mod tests {
     fn deciding() -> Mode {
         Mode::Deciding {
             reason: DrainReason::Signal(Intent::Terminate),
+            since: Instant::now(),
             successor: Box::pin(std::future::pending()),
         }
     }
