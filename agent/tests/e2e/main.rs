@@ -21,9 +21,11 @@ mod preflight_cache;
 mod run;
 mod security;
 mod shutdown_budget;
+mod shutdown_timeline;
 mod status;
 mod systemd;
 mod telemetry;
+mod termination_message;
 mod upgrade;
 
 use envoy_agent_tests::{AgentBuilder, AgentProcess};
