@@ -64,11 +64,9 @@ pub(super) enum Mode {
         /// Its callers, answered with its result.
         replies: Vec<Reply<()>>,
     },
-    /// A stop is coming (for `reason`, since the signal at `since`): asking the proxy whether
-    /// a successor pod takes over.
+    /// A stop is coming (for `reason`): asking the proxy whether a successor pod takes over.
     Deciding {
         reason: DrainReason,
-        since: Instant,
         successor: Call<Option<String>>,
     },
     /// The graceful shutdown: delay, drain, wait.
@@ -330,12 +328,10 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Transition::StopNow(path) => self.stop(path),
             Transition::Decide(reason) => {
                 tracing::info!(%reason, "stopping: is a successor pod taking over?");
-                let since = Instant::now();
-                self.drain_started.get_or_insert(since);
+                self.drain_started.get_or_insert_with(Instant::now);
                 self.drain_reason.get_or_insert(reason);
                 self.mode = Mode::Deciding {
                     reason,
-                    since,
                     successor: self.successor_call(),
                 };
             }
@@ -386,8 +382,10 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         self.abort.cancel();
     }
 
-    /// Begins the shutdown drain, its timeline counted from `since` (the signal).
-    fn begin_shutdown(&mut self, reason: DrainReason, since: Instant) {
+    /// Begins the shutdown drain. Its timeline counts from here: once no successor takes
+    /// over (a sidecar knows at once; a node proxy asks, bounded by [`SUCCESSOR_TIMEOUT`]), so
+    /// that the drain keeps its whole time after a slow answer.
+    fn begin_shutdown(&mut self, reason: DrainReason) {
         let config = &self.agent.config;
         tracing::info!(
             %reason,
@@ -396,10 +394,12 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             exit_on_zero = config.exit_on_zero.map(Counting::name),
             "shutting down: draining envoy"
         );
-        let wall = SystemTime::now()
-            .checked_sub(since.elapsed())
-            .unwrap_or_else(SystemTime::now);
-        self.mode = Mode::ShuttingDown(Box::new(Shutdown::begin(config, reason, since, wall)));
+        self.mode = Mode::ShuttingDown(Box::new(Shutdown::begin(
+            config,
+            reason,
+            Instant::now(),
+            SystemTime::now(),
+        )));
     }
 
     fn on_sigusr1(&mut self) {
@@ -528,7 +528,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
     }
 
     fn on_successor(&mut self, successor: Option<String>) {
-        let Mode::Deciding { reason, since, .. } = self.mode else {
+        let Mode::Deciding { reason, .. } = self.mode else {
             return;
         };
         match successor {
@@ -542,7 +542,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                     reason,
                 };
             }
-            None => self.begin_shutdown(reason, since),
+            None => self.begin_shutdown(reason),
         }
     }
 
@@ -728,7 +728,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             self.stop(ExitPath::HandedOver);
         } else if abandoned {
             tracing::warn!(%successor, "the successor is gone without taking over: draining our own envoy");
-            self.begin_shutdown(reason, Instant::now());
+            self.begin_shutdown(reason);
         }
     }
 
@@ -758,11 +758,12 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 phase: s.phase(Instant::now()),
                 ready: s.ready(Instant::now()),
             },
-            Mode::Deciding { reason, since, .. } => AgentState::Draining {
+            // The timeline begins once decided: ready meanwhile if its first step is not.
+            Mode::Deciding { reason, .. } => AgentState::Draining {
                 since: now,
                 reason: *reason,
                 phase: DrainPhase::Deciding,
-                ready: Instant::now() < *since + self.agent.config.not_ready_at,
+                ready: !self.agent.config.not_ready_at.is_zero(),
             },
             Mode::HandingOver { successor, .. } => AgentState::HandingOver {
                 since: now,
@@ -1133,7 +1134,6 @@ mod tests {
     fn deciding() -> Mode {
         Mode::Deciding {
             reason: DrainReason::Signal(Intent::Terminate),
-            since: Instant::now(),
             successor: Box::pin(std::future::pending()),
         }
     }
