@@ -1053,6 +1053,41 @@ mod tests {
     }
 
     #[test]
+    fn the_timeline_and_the_termination_message_take_their_flags() {
+        use crate::timeline::Timeline;
+        let defaults = settings(&[]).unwrap();
+        assert_eq!(defaults.drain.timeline, Timeline::default());
+        assert!(
+            !defaults.termination_message.creates(),
+            "the kubelet's file"
+        );
+        let given = settings(&[
+            "--drain-delay",
+            "2s",
+            "--not-ready-at",
+            "4s",
+            "--healthcheck-fail-at",
+            "off",
+            "--termination-message-path",
+            "/tmp/message",
+        ])
+        .unwrap();
+        assert_eq!(
+            given.drain.timeline,
+            Timeline {
+                not_ready: Duration::from_secs(4),
+                fail_health_checks: None,
+                drain: Duration::from_secs(2),
+                stop_by: Some(Duration::from_secs(7)),
+            }
+        );
+        assert!(given.termination_message.creates());
+        let err = settings(&["--healthcheck-fail-at", "6s"]).unwrap_err();
+        assert!(matches!(err, SettingsError::Timeline(_)), "{err}");
+        assert_eq!(err.exit_code(), exit_code::USAGE);
+    }
+
+    #[test]
     fn flags_that_cannot_work_together_are_refused_naming_them() {
         let err = settings(&[
             "--exit-on-zero=requests",
