@@ -23,6 +23,7 @@ use crate::settings::{
     Counting, DrainSettings, DrainStrategy, EnvoySettings, GrpcAddress, HotRestartSettings, RunAs,
     Settings, TelemetrySettings, defaults,
 };
+use crate::timeline::HealthCheckFailAt;
 
 /// Process manager for the Envoy proxy: starts Envoy, keeps it healthy, drains it on shutdown.
 #[derive(Debug, Parser)]
@@ -366,6 +367,34 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_DRAIN_DELAY", value_parser = parse_duration, default_value = "0s")]
     pub drain_delay: Duration,
 
+    /// On SIGTERM (SIGINT, gRPC Stop): when readiness (and gRPC health) goes off, after the
+    /// signal. Later than --drain-delay keeps the pod ready while it already drains (until
+    /// the endpoint removal has propagated); it must come before Envoy's latest stop.
+    #[arg(long, env = "ENVOY_AGENT_NOT_READY_AT", value_parser = parse_duration, default_value = "0s")]
+    pub not_ready_at: Duration,
+
+    /// On SIGTERM (SIGINT, gRPC Stop): when Envoy is told to fail its health checks (POST
+    /// /healthcheck/fail), after the signal: a duration, `drain` (when the drain starts,
+    /// --drain-delay after the signal) or `off`. An HTTP health_check filter then answers 503,
+    /// so load balancers that check through Envoy take it out; Envoy also starts draining every
+    /// listener whose drain_type is DEFAULT (inbound or outbound, new connections still
+    /// accepted). It must come before Envoy's latest stop.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_HEALTHCHECK_FAIL_AT",
+        default_value = "drain",
+        value_name = "DURATION|drain|off"
+    )]
+    pub healthcheck_fail_at: HealthCheckFailAt,
+
+    /// Where the agent writes, as it exits, how it ended (the exit path and code, how long the
+    /// shutdown took, what each listener still held), for `kubectl describe pod`; at most 4096
+    /// bytes, as Kubernetes keeps. The default is written only if it exists (the kubelet
+    /// creates it); a path given is created. A failure to write is a warning. [default:
+    /// /dev/termination-log]
+    #[arg(long, env = "ENVOY_AGENT_TERMINATION_MESSAGE_PATH")]
+    pub termination_message_path: Option<PathBuf>,
+
     /// How often exit-on-zero counts while waiting for zero.
     #[arg(long, env = "ENVOY_AGENT_DRAIN_POLL_INTERVAL", value_parser = parse_positive_duration, default_value = "50ms")]
     pub drain_poll_interval: Duration,
@@ -582,6 +611,23 @@ impl RunArgs {
             )?),
             None => None,
         };
+        let termination_drain_duration = match &shutdown_budget {
+            Some(split) => split.drain,
+            None => self
+                .termination_drain_duration
+                .unwrap_or(crate::settings::defaults::TERMINATION_DRAIN_DURATION),
+        };
+        let timeline = crate::timeline::fit(crate::timeline::Steps {
+            not_ready: self.not_ready_at,
+            fail_health_checks: self.healthcheck_fail_at,
+            drain: self.drain_delay,
+            drain_deadline: crate::timeline::drain_deadline(
+                exit_on_zero,
+                termination_drain_duration,
+                self.minimum_drain_duration,
+            ),
+            budget: self.shutdown_budget,
+        })?;
         Ok(Settings {
             envoy: EnvoySettings {
                 config_path: self.config_path,
@@ -615,18 +661,14 @@ impl RunArgs {
                 extra_args: self.envoy_args,
             },
             drain: DrainSettings {
-                termination_drain_duration: match &shutdown_budget {
-                    Some(split) => split.drain,
-                    None => self
-                        .termination_drain_duration
-                        .unwrap_or(crate::settings::defaults::TERMINATION_DRAIN_DURATION),
-                },
+                termination_drain_duration,
                 minimum_drain_duration: self.minimum_drain_duration,
                 exit_on_zero,
                 drain_delay: self.drain_delay,
                 poll_interval: self.drain_poll_interval,
                 exclude_listener_ports: self.exclude_listener_ports,
                 exclude_listener_prefixes: self.exclude_listener_prefixes,
+                timeline,
             },
             status_address: self.status_address,
             status_address_file: self.status_address_file,
@@ -640,6 +682,9 @@ impl RunArgs {
             hot_restart,
             crash_recovery,
             shutdown_budget,
+            termination_message: crate::termination::MessageFile::from_flag(
+                self.termination_message_path,
+            ),
         })
     }
 
@@ -729,6 +774,9 @@ pub enum SettingsError {
     /// A configured phase of the shutdown does not fit `--shutdown-budget`.
     #[error(transparent)]
     Budget(#[from] crate::budget::BudgetError),
+    /// A step of the shutdown's timeline comes after Envoy's latest stop.
+    #[error(transparent)]
+    Timeline(#[from] crate::timeline::TimelineError),
 }
 
 impl SettingsError {
@@ -1070,6 +1118,41 @@ mod tests {
             (crash.limit, crash.backoff_max),
             (2, defaults::CRASH_BACKOFF_MAX)
         );
+    }
+
+    #[test]
+    fn the_timeline_and_the_termination_message_take_their_flags() {
+        use crate::timeline::Timeline;
+        let defaults = settings(&[]).unwrap();
+        assert_eq!(defaults.drain.timeline, Timeline::default());
+        assert!(
+            !defaults.termination_message.creates(),
+            "the kubelet's file"
+        );
+        let given = settings(&[
+            "--drain-delay",
+            "2s",
+            "--not-ready-at",
+            "4s",
+            "--healthcheck-fail-at",
+            "off",
+            "--termination-message-path",
+            "/tmp/message",
+        ])
+        .unwrap();
+        assert_eq!(
+            given.drain.timeline,
+            Timeline {
+                not_ready: Duration::from_secs(4),
+                fail_health_checks: None,
+                drain: Duration::from_secs(2),
+                stop_by: Some(Duration::from_secs(7)),
+            }
+        );
+        assert!(given.termination_message.creates());
+        let err = settings(&["--healthcheck-fail-at", "6s"]).unwrap_err();
+        assert!(matches!(err, SettingsError::Timeline(_)), "{err}");
+        assert_eq!(err.exit_code(), exit_code::USAGE);
     }
 
     #[test]

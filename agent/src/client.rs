@@ -455,6 +455,33 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
                 String::new()
             }
         );
+        if let Some(t) = &s.shutdown_timeline {
+            // In the order of the proto's fields, which is the agent's order at one instant.
+            let mut steps = vec![("readiness off", span(&t.not_ready))];
+            if t.fail_health_checks.is_some() {
+                steps.push(("health checks fail", span(&t.fail_health_checks)));
+            }
+            steps.push(("drain", span(&t.drain)));
+            let _ = writeln!(
+                out,
+                "{:<20}{}, {}{}",
+                "on SIGTERM:",
+                steps
+                    .iter()
+                    .map(|(step, at)| format!("{step} at {at}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                match &t.stop_by {
+                    Some(_) => format!("stop by {}", span(&t.stop_by)),
+                    None => "stop at zero (no deadline)".to_owned(),
+                },
+                if t.fail_health_checks.is_none() {
+                    "; health checks never fail"
+                } else {
+                    ""
+                }
+            );
+        }
         let _ = writeln!(
             out,
             "{:<20}{} (admin {})",
@@ -791,6 +818,21 @@ mod tests {
                     seconds: 5,
                     nanos: 0,
                 }),
+                shutdown_timeline: Some(pb::ShutdownTimeline {
+                    not_ready: Some(prost_types::Duration::default()),
+                    fail_health_checks: Some(prost_types::Duration {
+                        seconds: 10,
+                        nanos: 0,
+                    }),
+                    drain: Some(prost_types::Duration {
+                        seconds: 0,
+                        nanos: 250_000_000,
+                    }),
+                    stop_by: Some(prost_types::Duration {
+                        seconds: 30,
+                        nanos: 250_000_000,
+                    }),
+                }),
                 ..Default::default()
             }),
             family: Some(pb::Family {
@@ -838,6 +880,9 @@ mod tests {
         has(
             "drain time 45s, termination drain -, drain delay 250ms, exit on zero requests (minimum 5s)",
         );
+        has(
+            "on SIGTERM:         readiness off at 0s, health checks fail at 10s, drain at 250ms, stop by 30.25s",
+        );
     }
 
     #[test]
@@ -855,6 +900,10 @@ mod tests {
         assert_eq!(json["settings"]["exit_on_zero"], "requests");
         assert_eq!(json["drain"]["deadline"], "1970-01-01T00:17:05Z");
         assert_eq!(json["settings"]["drain_delay"], "0.250s");
+        assert_eq!(
+            json["settings"]["shutdown_timeline"]["fail_health_checks"],
+            "10s"
+        );
         assert_eq!(json["family"]["handoffs"][4]["outcome"], "live");
         assert_eq!(json["family"]["wedges"][0]["reason"], "stale_initializing");
         assert_eq!(json["epochs"][0]["state"], "live");

@@ -137,6 +137,12 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
         shutdown_budget: settings
             .shutdown_budget
             .and_then(|split| duration(split.budget)),
+        shutdown_timeline: Some(pb::ShutdownTimeline {
+            not_ready: duration(drain.timeline.not_ready),
+            fail_health_checks: drain.timeline.fail_health_checks.and_then(duration),
+            drain: duration(drain.timeline.drain),
+            stop_by: drain.timeline.stop_by.and_then(duration),
+        }),
     }
 }
 

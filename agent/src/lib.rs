@@ -53,8 +53,10 @@ pub mod signal;
 pub mod socket;
 pub mod status;
 pub mod telemetry;
+pub mod termination;
 #[cfg(test)]
 mod testing;
+pub mod timeline;
 
 pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath, Status};
 pub use settings::Settings;
@@ -85,6 +87,11 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
         minimum_drain_duration: drain.minimum_drain_duration,
         exit_on_zero: drain.exit_on_zero,
         drain_delay: drain.drain_delay,
+        not_ready_at: drain.timeline.not_ready,
+        fail_health_checks_at: drain.timeline.fail_health_checks.map_or(
+            timeline::HealthCheckFailAt::Off,
+            timeline::HealthCheckFailAt::After,
+        ),
         exclusions,
         poll_interval: drain.poll_interval,
         // A successor terminates our Envoy at most its handoff deadline plus the parent
@@ -121,6 +128,21 @@ fn warn_about(settings: &Settings) {
                 .unwrap_or_default()
         );
     }
+    let timeline = &settings.drain.timeline;
+    tracing::info!(
+        event = "shutdown_timeline",
+        not_ready_ms = timeline.not_ready.as_millis() as u64,
+        fail_health_checks_ms = timeline.fail_health_checks.map(|d| d.as_millis() as u64),
+        drain_ms = timeline.drain.as_millis() as u64,
+        stop_by_ms = timeline.stop_by.map(|d| d.as_millis() as u64),
+        order = %timeline
+            .steps()
+            .iter()
+            .map(|(step, _)| step.name())
+            .collect::<Vec<_>>()
+            .join(","),
+        "on SIGTERM: {timeline}"
+    );
     let drain = &settings.drain;
     // The deadline rule is the agent's (AgentConfig::drain_deadline): said, not repeated.
     if agent_config(settings).drain_deadline().is_none() {
@@ -140,7 +162,6 @@ fn warn_about(settings: &Settings) {
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
 /// input (exit [`SetupError::exit_code`]); others are failures of the agent itself.
 pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Result<u8> {
-    warn_about(settings);
     // Unique to this run, not only to this pid: every agent that is PID 1 of its container
     // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one
     // removing its directory on exit must not take the other's. (The `.` keeps it apart from
@@ -208,6 +229,8 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
         ..settings.clone()
     };
     setup::check_extra_args(&proxy)?;
+    // Once the input is known good: a refusal is one line.
+    warn_about(settings);
     // Once the input is known good (a refusal is one line), before anything opens sockets.
     setup::raise_fd_limit();
     let own_runtime_dir = settings.hot_restart.is_some()
@@ -359,6 +382,14 @@ async fn serve<P: Proxy>(
         "envoy-agent exiting: {}",
         exit.path
     );
+    let summary = termination::Summary {
+        path: exit.path,
+        code: exit.code(),
+        reason: exit.reason,
+        took: exit.took,
+        still_open: exit.still_open.as_deref(),
+    };
+    settings.termination_message.write(&summary.text());
     match exit.error {
         Some(e) => Err(e).context("running envoy"),
         None => Ok(exit.code()),

@@ -96,6 +96,8 @@ pub struct Settings {
     pub crash_recovery: Option<CrashRecovery>,
     /// `--shutdown-budget` as split over the shutdown's phases; `None`: not set.
     pub shutdown_budget: Option<crate::budget::Split>,
+    /// Where the agent writes how it ended, for Kubernetes (`--termination-message-path`).
+    pub termination_message: crate::termination::MessageFile,
 }
 
 /// How Envoy is started and stopped: what becomes its command line and its process.
@@ -160,6 +162,9 @@ pub struct DrainSettings {
     /// Listener stat-name prefixes that do not count, besides the built-in ones
     /// (`--exclude-listener-prefixes`).
     pub exclude_listener_prefixes: Vec<String>,
+    /// The shutdown's steps, as offsets from the signal (`--not-ready-at`,
+    /// `--healthcheck-fail-at`, `--drain-delay`, the drain's deadline).
+    pub timeline: crate::timeline::Timeline,
 }
 
 /// The OTLP metrics export as the flags give it. What they leave out comes from the standard

@@ -253,7 +253,8 @@ fn ago(since: SystemTime) -> String {
 async fn ready(State(agent): State<AgentHandle>) -> Response {
     let state = agent.state();
     match state {
-        AgentState::Live { .. } => {}
+        // Live, or a shutdown whose timeline keeps readiness on for now.
+        AgentState::Live { .. } | AgentState::Draining { ready: true, .. } => {}
         AgentState::HandedOver { successor, .. } | AgentState::HandingOver { successor, .. } => {
             return text(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -270,6 +271,7 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
             since,
             reason,
             phase,
+            ready: false,
         } => {
             let (what, asking) = match phase {
                 DrainPhase::Deciding => ("stopping", "; is a successor taking over?"),
@@ -713,6 +715,7 @@ mod tests {
             since: UNIX_EPOCH + Duration::from_secs(1_700_000_000),
             reason: crate::agent::DrainReason::Request(Via::Http),
             phase: DrainPhase::Draining,
+            ready: false,
         };
         let text = agent_metrics(&state);
         assert!(

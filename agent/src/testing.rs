@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Call {
     Drain { skip_exit: bool },
+    FailHealthChecks,
     Stop,
     Successor,
 }
@@ -199,6 +200,11 @@ impl Proxy for FakeProxy {
             true,
             Ok(Vec::new()),
         ))
+    }
+
+    async fn fail_health_checks(&self) -> Result<(), ProxyError> {
+        self.record(Call::FailHealthChecks);
+        Ok(())
     }
 
     async fn hot_restart(&self, _reason: String) -> Result<u32, RestartError> {

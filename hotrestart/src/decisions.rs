@@ -780,6 +780,39 @@ async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn failing_health_checks_during_a_handoff_waits_for_it_and_follows_new_epochs() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().live_after = Some(Duration::from_secs(2));
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let failed = {
+        let handle = f.handle.clone();
+        tokio::spawn(async move { handle.fail_health_checks().await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        f.host.world().health_checks_failed,
+        0,
+        "not while the new epoch may take the admin listener"
+    );
+    assert_eq!(restart.await.unwrap(), Ok(1));
+    failed.await.unwrap().unwrap();
+    assert_eq!(f.host.world().health_checks_failed, 1, "epoch 1, once LIVE");
+    // A process's own state: an epoch that serves later is told too.
+    f.host.world().live_after = Some(Duration::from_millis(50));
+    assert_eq!(f.restart("config change").await.unwrap(), Ok(2));
+    for _ in 0..100 {
+        if f.host.world().health_checks_failed == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(f.host.world().health_checks_failed, 2, "epoch 2 told too");
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_drain_during_a_handoff_waits_for_it_and_ends_hot_restarts() {
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;

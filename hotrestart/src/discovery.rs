@@ -89,7 +89,9 @@ pub(crate) fn decide(
                 info.base_id
             ))
         }
-        Ok(info) if info.state != ServerState::Live => {
+        // DRAINING is a LIVE Envoy whose health checks were failed (its pod shuts down): a
+        // successor still takes it over, so that the node keeps serving.
+        Ok(info) if !matches!(info.state, ServerState::Live | ServerState::Draining) => {
             Discovery::Wait(format!("the node's Envoy is {:?}, not LIVE", info.state))
         }
         Ok(info) => {
@@ -206,6 +208,24 @@ mod tests {
         // A pod that is only waiting serves nothing.
         let waiting = hb("c", NodeState::Waiting, 0);
         assert_eq!(decide_now(&[waiting], &refused_admin()), Discovery::Fresh);
+    }
+
+    #[test]
+    fn a_predecessor_whose_health_checks_failed_is_taken_over_a_starting_one_is_not() {
+        let a = hb("a", NodeState::Serving, 3);
+        let mut draining = live(3);
+        if let Ok(i) = &mut draining {
+            i.state = ServerState::Draining;
+        }
+        assert!(matches!(
+            decide_now(std::slice::from_ref(&a), &draining),
+            Discovery::TakeOver { epoch: 3, .. }
+        ));
+        let mut starting = live(3);
+        if let Ok(i) = &mut starting {
+            i.state = ServerState::Initializing;
+        }
+        assert!(matches!(decide_now(&[a], &starting), Discovery::Wait(_)));
     }
 
     #[test]

@@ -65,6 +65,13 @@ impl SupervisorHandle {
             .unwrap_or_else(|| Err("the supervisor is gone".to_owned()))
     }
 
+    /// Makes the serving epoch fail its health checks, and every epoch that serves after it.
+    pub async fn fail_health_checks(&self) -> Result<(), String> {
+        self.ask(|reply| Command::FailHealthChecks { reply })
+            .await
+            .unwrap_or_else(|| Err("the supervisor is gone".to_owned()))
+    }
+
     /// SIGUSR1 to every epoch that has its handler; how many were signalled.
     pub async fn reopen_logs(&self) -> usize {
         self.ask(|reply| Command::ReopenLogs { reply })
@@ -194,6 +201,13 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
             .drain(options)
             .await
             .map_err(|message| ProxyError::DrainFailed { message })
+    }
+
+    async fn fail_health_checks(&self) -> Result<(), ProxyError> {
+        self.handle
+            .fail_health_checks()
+            .await
+            .map_err(|message| ProxyError::HealthChecksNotFailed { message })
     }
 
     async fn hot_restart(&self, reason: String) -> Result<u32, RestartError> {

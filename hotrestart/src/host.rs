@@ -139,13 +139,15 @@ pub trait Host: Send + Sync + 'static {
     /// `cold`: of a cold handover's new family under that base id (at its own admin address;
     /// an empty reading until it is known).
     fn xds(&self, cold: Option<u32>) -> Task<Result<XdsReading, AdminError>>;
-    /// `POST /drain_listeners` on the family's admin address, bounded.
-    /// Drains the serving epoch's listeners (`scope`, else the configured scope; which ones
+    /// `POST /drain_listeners` on the family's admin address, bounded: drains the serving
+    /// epoch's listeners (`scope`, else the configured scope; which ones
     /// Envoy reports decides, see `envoy_agent_proxy::listeners::plan`).
     fn drain(&self, scope: Scope, skip_exit: bool) -> Task<Result<DrainPlan, AdminError>>;
     /// Tells the Envoy of epoch `epoch` of the family `base_id` that its drain began, through
     /// its drain-notice file (`envoy_agent_proxy::drain_notice`), where the notice is on.
     fn tell_drain(&self, base_id: u32, epoch: u32);
+    /// `POST /healthcheck/fail` on the family's admin address, bounded.
+    fn fail_health_checks(&self) -> Task<Result<(), AdminError>>;
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
     fn hot_restart_version(&self) -> Task<Result<String, String>>;
     /// Pre-flight for a new epoch: the binary's hot-restart version must be `running` (when one
@@ -591,6 +593,14 @@ impl Host for RealHost {
                 epoch,
             );
         }
+    }
+
+    fn fail_health_checks(&self) -> Task<Result<(), AdminError>> {
+        let admin = self.target().admin.with_timeout(DRAIN_TIMEOUT);
+        Box::pin(async move {
+            tracing::info!(admin = %admin.addr(), "failing envoy's health checks");
+            admin.healthcheck_fail().await
+        })
     }
 
     fn newer_epoch(

@@ -90,6 +90,9 @@ pub(crate) enum Command {
         options: DrainOptions,
         reply: DrainReply,
     },
+    FailHealthChecks {
+        reply: oneshot::Sender<Result<(), String>>,
+    },
     ReopenLogs {
         reply: oneshot::Sender<usize>,
     },
@@ -329,6 +332,12 @@ pub(crate) struct Supervisor<H: Host> {
     /// are sent after it is gone, and one made moot by a successor's cold takeover leaves
     /// them for the stop to answer.
     pending_drains: Vec<(DrainOptions, DrainReply)>,
+    /// Envoy was told to fail its health checks: an epoch that serves after a handoff settles
+    /// is told too (the failure is a process's own state, not handed over).
+    health_checks_failed: bool,
+    /// Requests to fail the health checks asked for while a handoff is under way, answered
+    /// once it has settled (as [`Supervisor::pending_drains`]).
+    pending_health_checks: Vec<oneshot::Sender<Result<(), String>>>,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
@@ -395,6 +404,8 @@ impl<H: Host> Supervisor<H> {
             watchdog: Probing::default(),
             admin_ok: now,
             pending_drains: Vec::new(),
+            health_checks_failed: false,
+            pending_health_checks: Vec::new(),
             heartbeat_due: now,
             heartbeat_written: None,
             family,

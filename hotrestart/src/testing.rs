@@ -145,6 +145,8 @@ pub(crate) struct World {
     pub(crate) drains: Vec<(Scope, bool)>,
     /// The drain notices given: family, epoch.
     pub(crate) told: Vec<(u32, u32)>,
+    /// How many times the family's Envoy was told to fail its health checks.
+    pub(crate) health_checks_failed: u32,
     /// Added to the wall clock: real wall and monotonic clocks disagree by a millisecond here
     /// and there (rounding, NTP slewing).
     pub(crate) wall_clock_step_ms: u64,
@@ -206,6 +208,7 @@ impl Default for World {
             wall_clock_step_ms: 0,
             drains: Vec::new(),
             told: Vec::new(),
+            health_checks_failed: 0,
             start: Instant::now(),
         }
     }
@@ -681,6 +684,11 @@ impl Host for FakeHost {
 
     fn tell_drain(&self, base_id: u32, epoch: u32) {
         self.world().told.push((base_id, epoch));
+    }
+
+    fn fail_health_checks(&self) -> Task<Result<(), AdminError>> {
+        self.world().health_checks_failed += 1;
+        Box::pin(async { Ok(()) })
     }
 
     fn hot_restart_version(&self) -> Task<Result<String, String>> {

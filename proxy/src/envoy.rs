@@ -252,6 +252,13 @@ impl Proxy for Envoy {
         Ok(plan)
     }
 
+    async fn fail_health_checks(&self) -> Result<(), ProxyError> {
+        let addr = (*self.admin.borrow()).ok_or(ProxyError::AdminUnknown)?;
+        tracing::info!(admin = %addr, "failing envoy's health checks");
+        AdminClient::new(addr).healthcheck_fail().await?;
+        Ok(())
+    }
+
     async fn hot_restart(&self, _reason: String) -> Result<u32, RestartError> {
         Err(RestartError::Unsupported)
     }

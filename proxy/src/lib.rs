@@ -107,6 +107,13 @@ pub trait Proxy: Send + Sync + 'static {
         options: DrainOptions,
     ) -> impl Future<Output = Result<DrainPlan, ProxyError>> + Send;
 
+    /// Makes every serving Envoy fail its health checks (`POST /healthcheck/fail`): an HTTP
+    /// `health_check` filter answers 503 from then on, so a load balancer that checks through
+    /// Envoy takes it out. Envoy also starts draining every listener whose `drain_type` is
+    /// `DEFAULT` (its listening sockets stay open). Resolves once Envoy accepted it; a
+    /// hot-restart family also fails the health checks of an epoch that starts serving later.
+    fn fail_health_checks(&self) -> impl Future<Output = Result<(), ProxyError>> + Send;
+
     /// Hot-restarts; resolves with the new epoch once it is LIVE, or why not.
     fn hot_restart(&self, reason: String)
     -> impl Future<Output = Result<u32, RestartError>> + Send;
@@ -308,6 +315,12 @@ pub enum ProxyError {
     /// A drain was not accepted.
     #[error("drain failed: {message}")]
     DrainFailed {
+        /// Why.
+        message: String,
+    },
+    /// Envoy was not told to fail its health checks.
+    #[error("cannot fail envoy's health checks: {message}")]
+    HealthChecksNotFailed {
         /// Why.
         message: String,
     },

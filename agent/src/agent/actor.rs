@@ -31,6 +31,7 @@ use super::state::{
 };
 use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
 use crate::signal::{Intent, IntentSource};
+use crate::timeline::Step as TimelineStep;
 
 /// Bound on asking the proxy whether a successor takes over (it asks the admin API).
 const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
@@ -159,6 +160,8 @@ enum Event {
     Successor(Option<String>),
     /// Envoy's answer to a drain request.
     DrainAnswered(Result<DrainPlan, ProxyError>),
+    /// Envoy's answer to the request that it fail its health checks.
+    HealthChecksAnswered(Result<(), ProxyError>),
     /// An exit-on-zero count.
     Counted(Counted),
     /// A reading of what each counted listener holds.
@@ -189,6 +192,12 @@ pub(super) struct Actor<P, I> {
     crash_loop: CrashLoop,
     /// When the first drain (or stop) began, for the exit's metric.
     drain_started: Option<Instant>,
+    /// What started the first drain, for the termination message.
+    drain_reason: Option<DrainReason>,
+    /// When the agent decided to stop Envoy.
+    stop_began: Option<Instant>,
+    /// What the counted listeners held at the last reading before the stop.
+    still_open: Option<Vec<envoy_agent_drain::ListenerActivity>>,
     open: Open,
     /// The proxy's run; while recovering from a crash, a stand-in that ends only when the
     /// agent stops.
@@ -207,6 +216,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             intents,
             abort,
             drain_started: None,
+            drain_reason: None,
+            stop_began: None,
+            still_open: None,
             open: Open {
                 intents: true,
                 commands: true,
@@ -270,6 +282,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Event::Command(Some(command)) => self.on_command(command),
             Event::Successor(successor) => self.on_successor(successor),
             Event::DrainAnswered(result) => self.on_drain_answered(result),
+            Event::HealthChecksAnswered(result) => self.on_health_checks_answered(result),
             Event::Counted(counted) => self.on_counted(counted),
             Event::ListenersRead(read) => {
                 if let Mode::ShuttingDown(s) = &mut self.mode {
@@ -321,6 +334,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Transition::Decide(reason) => {
                 tracing::info!(%reason, "stopping: is a successor pod taking over?");
                 self.drain_started.get_or_insert_with(Instant::now);
+                self.drain_reason.get_or_insert(reason);
                 self.mode = Mode::Deciding {
                     reason,
                     successor: self.successor_call(),
@@ -338,9 +352,23 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         // What a drain's deadline left open, as last read (the operator's next question).
         // At zero nothing is open, whatever the last (older) reading of the listeners said.
         let still_open = match &self.mode {
-            Mode::ShuttingDown(s) if !matches!(path, ExitPath::ZeroActive(_)) => s.still_open(),
+            Mode::ShuttingDown(s) => {
+                let now = Instant::now();
+                tracing::info!(
+                    event = "shutdown_step",
+                    step = TimelineStep::Stop.name(),
+                    offset_ms = s.offset(now).as_millis() as u64,
+                    "shutdown: stopping envoy"
+                );
+                self.still_open = s.listeners().map(<[_]>::to_vec);
+                // At zero nothing is open, whatever the last (older) reading said.
+                (!matches!(path, ExitPath::ZeroActive(_)))
+                    .then(|| s.still_open())
+                    .flatten()
+            }
             _ => None,
         };
+        self.stop_began = Some(Instant::now());
         let drained = match &self.mode {
             Mode::ShuttingDown(s) => s.progress().drained.as_ref(),
             Mode::Drained { progress, .. } => progress.drained.as_ref(),
@@ -370,6 +398,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         self.abort.cancel();
     }
 
+    /// Begins the shutdown drain. Its timeline counts from here: once no successor takes
+    /// over (a sidecar knows at once; a node proxy asks, bounded by [`SUCCESSOR_TIMEOUT`]), so
+    /// that the drain keeps its whole time after a slow answer.
     fn begin_shutdown(&mut self, reason: DrainReason) {
         let config = &self.agent.config;
         tracing::info!(
@@ -493,6 +524,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 let reason = DrainReason::Request(via);
                 tracing::info!(%reason, skip_exit = options.skip_exit, "draining on request: envoy keeps running, the next SIGTERM stops it");
                 self.drain_started.get_or_insert_with(Instant::now);
+                self.drain_reason.get_or_insert(reason);
                 self.mode = Mode::Drained {
                     reason,
                     request: Some(call),
@@ -541,6 +573,23 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 };
             }
             None => self.begin_shutdown(reason),
+        }
+    }
+
+    fn on_health_checks_answered(&mut self, result: Result<(), ProxyError>) {
+        match &result {
+            Ok(()) => tracing::info!(
+                event = "healthcheck_fail_accepted",
+                "envoy fails its health checks"
+            ),
+            Err(e) => tracing::warn!(
+                event = "healthcheck_fail_request_failed",
+                error = %e,
+                "cannot fail envoy's health checks: asking again"
+            ),
+        }
+        if let Mode::ShuttingDown(s) = &mut self.mode {
+            s.health_checks_answered(&result, Instant::now());
         }
     }
 
@@ -623,10 +672,48 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             let Mode::ShuttingDown(s) = &self.mode else {
                 return;
             };
+            let offset_ms = s.offset(now).as_millis() as u64;
             match s.poll(now) {
                 Step::Wait(_) => return,
+                Step::NotReady => {
+                    tracing::info!(
+                        event = "shutdown_step",
+                        step = TimelineStep::NotReady.name(),
+                        offset_ms,
+                        "shutdown: readiness off"
+                    );
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.not_ready_said();
+                    }
+                }
+                Step::FailHealthChecks => {
+                    let proxy = self.agent.proxy.clone();
+                    let call: Call<Result<(), ProxyError>> =
+                        Box::pin(async move { proxy.fail_health_checks().await });
+                    let first = match &mut self.mode {
+                        Mode::ShuttingDown(s) => s.health_checks_sent(call),
+                        _ => false,
+                    };
+                    if first {
+                        tracing::info!(
+                            event = "shutdown_step",
+                            step = TimelineStep::FailHealthChecks.name(),
+                            offset_ms,
+                            "shutdown: failing envoy's health checks"
+                        );
+                    }
+                }
                 Step::SendDrain => {
+                    let first = !s.drain_asked();
                     let call = drain_call(&self.agent.proxy, DrainOptions::default());
+                    if first {
+                        tracing::info!(
+                            event = "shutdown_step",
+                            step = TimelineStep::Drain.name(),
+                            offset_ms,
+                            "shutdown: draining envoy"
+                        );
+                    }
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.drain_sent(now, call);
                     }
@@ -709,11 +796,14 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 since: now,
                 reason: s.reason(),
                 phase: s.phase(Instant::now()),
+                ready: s.ready(Instant::now()),
             },
+            // The timeline begins once decided: ready meanwhile if its first step is not.
             Mode::Deciding { reason, .. } => AgentState::Draining {
                 since: now,
                 reason: *reason,
                 phase: DrainPhase::Deciding,
+                ready: !self.agent.config.not_ready_at.is_zero(),
             },
             Mode::HandingOver { successor, .. } => AgentState::HandingOver {
                 since: now,
@@ -723,6 +813,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 since: now,
                 reason: *reason,
                 phase: DrainPhase::Draining,
+                ready: false,
             },
             Mode::Running(_) => match proxy.phase {
                 ProxyPhase::Serving => AgentState::Live { since: now },
@@ -807,7 +898,18 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         agent
             .metrics
             .exit(path.name(), self.drain_started.map(|t| t.elapsed()));
-        AgentExit { path, ended, error }
+        // Only a stop the agent was asked for (or decided) has a shutdown to tell of.
+        let took = stopping
+            .and(self.drain_started.or(self.stop_began))
+            .map(|since| since.elapsed());
+        AgentExit {
+            path,
+            reason: self.drain_reason,
+            took,
+            still_open: self.still_open,
+            ended,
+            error,
+        }
     }
 
     /// Logs and counts a crash and what the agent does about it.
@@ -963,6 +1065,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             .map(|e| e.pid)
             .collect();
         let admin_port = admin.as_ref().map(|a| a.addr().port());
+        let confirm = drained.is_some();
         // The drained TCP listeners' ports; a QUIC listener's connections only the stats see.
         let ports = drained.as_ref().map(|plan| {
             plan.drained
@@ -979,7 +1082,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 ports,
             )
             .await;
-            if !matches!(kernel, Ok(0)) {
+            // Without a plan (Envoy has not answered the drain: its admin API may be silent)
+            // there is nothing to confirm against, and the kernel's zero stands.
+            if !matches!(kernel, Ok(0)) || !confirm {
                 return (kernel, KERNEL_COUNT_SHARE);
             }
             // Zero stops Envoy: the stats must agree (a QUIC connection, a listener the kernel
@@ -998,9 +1103,11 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                     );
                     (Ok(n), envoy_agent_proxy::admin::BUSY_SHARE)
                 }
+                // The kernel's zero stands for TCP: a silent admin API (a stopped Envoy) must
+                // not hold the exit.
                 Err(e) => {
-                    tracing::debug!(error = %e, "cannot confirm a zero count from envoy's stats");
-                    (Err(e), envoy_agent_proxy::admin::BUSY_SHARE)
+                    tracing::debug!(error = %e, "cannot confirm a zero count from envoy's stats: the kernel's stands");
+                    (kernel, envoy_agent_proxy::admin::BUSY_SHARE)
                 }
             }
         })
@@ -1030,6 +1137,7 @@ async fn mode_work(mode: &mut Mode) -> Event {
         Mode::Drained { request, .. } => Event::DrainAnswered(settle(request).await),
         Mode::ShuttingDown(s) => match s.answer().await {
             Answer::Drain(result) => Event::DrainAnswered(result),
+            Answer::HealthChecks(result) => Event::HealthChecksAnswered(result),
             Answer::Count(counted) => Event::Counted(counted),
             Answer::Listeners(read) => Event::ListenersRead(read),
         },

@@ -2,13 +2,16 @@
 //! `Stop` with no successor pod taking over), holding the whole deadline rule and the calls it
 //! has out.
 //!
-//! Its life, from the signal: the drain delay (readiness is off, Envoy still serves); the
-//! drain request, sent again each [`DRAIN_RETRY`] until Envoy accepts it; in exit-on-zero mode,
-//! counts from the minimum drain duration on, paced by their cost; the stop, at zero, at the
-//! deadline, or when counting fails too often. [`Shutdown::poll`] says what is due at an
-//! instant; the actor makes the calls and reports them back ([`Shutdown::drain_sent`],
-//! [`Shutdown::count_sent`]) and their answers ([`Shutdown::drain_answered`],
-//! [`Shutdown::counted`]). Dropping a `Shutdown` drops its calls (their connections close).
+//! Its life, from the signal, on the timeline the operator set ([`crate::timeline`]):
+//! readiness off (`--not-ready-at`); Envoy's health checks failing (`--healthcheck-fail-at`),
+//! asked again each [`DRAIN_RETRY`] until Envoy accepts, never holding up anything else; the
+//! drain request after the drain delay, sent again each [`DRAIN_RETRY`] until Envoy accepts
+//! it; in exit-on-zero mode, counts from the minimum drain duration on, paced by their cost;
+//! the stop, at zero, at the deadline, or when counting fails too often. [`Shutdown::poll`]
+//! says what is due at an instant; the actor makes the calls and reports them back
+//! ([`Shutdown::drain_sent`], [`Shutdown::count_sent`], ...) and their answers
+//! ([`Shutdown::drain_answered`], [`Shutdown::counted`], ...). Dropping a `Shutdown` drops its
+//! calls (their connections close).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -17,6 +20,8 @@ use std::time::{Duration, SystemTime};
 use envoy_agent_drain::{Counting, DrainError, ListenerActivity};
 use envoy_agent_proxy::{DrainPlan, ProxyError};
 use tokio::time::Instant;
+
+use crate::timeline::HealthCheckFailAt;
 
 use super::state::{AgentConfig, DrainPhase, DrainProgress, DrainReason, ExitPath};
 
@@ -78,6 +83,10 @@ fn named(listeners: Vec<ListenerActivity>, plan: Option<&DrainPlan>) -> Vec<List
 /// What is due at an instant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Step {
+    /// Readiness goes off now (it is a function of time; this says so once).
+    NotReady,
+    /// Tell Envoy to fail its health checks.
+    FailHealthChecks,
     /// Send the drain request.
     SendDrain,
     /// Count what exit-on-zero counts.
@@ -93,6 +102,7 @@ pub(super) enum Step {
 /// An answer to one of the shutdown's calls.
 pub(super) enum Answer {
     Drain(Result<DrainPlan, ProxyError>),
+    HealthChecks(Result<(), ProxyError>),
     Count(Counted),
     Listeners(ListenersRead),
 }
@@ -135,9 +145,31 @@ impl DrainAsk {
     }
 }
 
+/// Where the shutdown's request that Envoy fail its health checks is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HealthAsk {
+    /// It goes out at `at`.
+    Due { at: Instant },
+    /// Out, not answered yet.
+    InFlight,
+    /// Envoy fails its health checks.
+    Accepted,
+    /// It failed: asked again at `retry_at`.
+    Failed { retry_at: Instant },
+}
+
 /// A shutdown drain under way.
 pub(super) struct Shutdown {
     reason: DrainReason,
+    /// The signal: the timeline's offsets count from here.
+    began: Instant,
+    /// Readiness is off from here on.
+    not_ready_at: Instant,
+    /// Whether [`Step::NotReady`] was given.
+    not_ready_said: bool,
+    /// Envoy's health checks; none: they never fail.
+    health: Option<HealthAsk>,
+    health_call: Pending<Result<(), ProxyError>>,
     /// When the drain request goes out (after the delay).
     drain_at: Instant,
     drain: DrainAsk,
@@ -176,6 +208,15 @@ impl Shutdown {
         let deadline = config.drain_deadline();
         Shutdown {
             reason,
+            began: now,
+            not_ready_at: now + config.not_ready_at,
+            not_ready_said: false,
+            health: match config.fail_health_checks_at {
+                HealthCheckFailAt::Off => None,
+                HealthCheckFailAt::Drain => Some(HealthAsk::Due { at: drain_at }),
+                HealthCheckFailAt::After(at) => Some(HealthAsk::Due { at: now + at }),
+            },
+            health_call: None,
             drain_at,
             drain: DrainAsk::Due,
             counting: config.exit_on_zero,
@@ -210,6 +251,16 @@ impl Shutdown {
         &self.progress
     }
 
+    /// How long after the signal `now` is.
+    pub(super) fn offset(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.began)
+    }
+
+    /// Whether readiness is still on at `now` (`--not-ready-at` not reached).
+    pub(super) fn ready(&self, now: Instant) -> bool {
+        now < self.not_ready_at
+    }
+
     /// Where the drain is at `now`: still in its delay until the request goes out.
     pub(super) fn phase(&self, now: Instant) -> DrainPhase {
         if self.drain != DrainAsk::Due || self.drain_at <= now {
@@ -223,6 +274,18 @@ impl Shutdown {
     /// instant is judged, so that a zero termination drain duration stops on a request just
     /// sent (unanswered, not failed).
     pub(super) fn poll(&self, now: Instant) -> Step {
+        if !self.not_ready_said && self.not_ready_at <= now {
+            return Step::NotReady;
+        }
+        let health_due = self.health_call.is_none()
+            && match self.health {
+                Some(HealthAsk::Due { at }) => at <= now,
+                Some(HealthAsk::Failed { retry_at }) => retry_at <= now,
+                Some(HealthAsk::InFlight | HealthAsk::Accepted) | None => false,
+            };
+        if health_due {
+            return Step::FailHealthChecks;
+        }
         let drain_due = self.drain_call.is_none()
             && match &self.drain {
                 DrainAsk::Due => self.drain_at <= now,
@@ -265,6 +328,14 @@ impl Shutdown {
     pub(super) fn next_wake(&self) -> Option<Instant> {
         let mut wake = self.deadline;
         let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
+        if !self.not_ready_said {
+            consider(self.not_ready_at);
+        }
+        match self.health {
+            Some(HealthAsk::Due { at }) => consider(at),
+            Some(HealthAsk::Failed { retry_at }) => consider(retry_at),
+            Some(HealthAsk::InFlight | HealthAsk::Accepted) | None => {}
+        }
         match &self.drain {
             DrainAsk::Due => consider(self.drain_at),
             DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
@@ -320,21 +391,49 @@ impl Shutdown {
     /// What the counted listeners still held at the last reading, for the exit's log: none
     /// before a reading, or when nothing was held.
     pub(super) fn still_open(&self) -> Option<String> {
-        let (listeners, _) = self.progress.listeners.as_ref()?;
-        let parts: Vec<String> = listeners
+        let parts: Vec<String> = self
+            .listeners()?
             .iter()
-            .map(|l| {
-                let mut part = format!("{}: {} connections", l.name, l.connections);
-                if let Some(n) = l.requests {
-                    part.push_str(&format!(", {n} requests"));
-                }
-                if let Some(n) = l.upgrades.filter(|n| *n > 0) {
-                    part.push_str(&format!(", {n} upgraded (WebSocket, CONNECT)"));
-                }
-                part
-            })
+            .map(crate::termination::describe)
             .collect();
         (!parts.is_empty()).then(|| parts.join("; "))
+    }
+
+    /// What the counted listeners held at the last reading; none before one.
+    pub(super) fn listeners(&self) -> Option<&[ListenerActivity]> {
+        self.progress.listeners.as_ref().map(|(l, _)| l.as_slice())
+    }
+
+    /// Whether the drain request has gone out (at least once).
+    pub(super) fn drain_asked(&self) -> bool {
+        self.drain != DrainAsk::Due
+    }
+
+    /// Readiness went off ([`Step::NotReady`] was taken).
+    pub(super) fn not_ready_said(&mut self) {
+        self.not_ready_said = true;
+    }
+
+    /// The request that Envoy fail its health checks went out as `call`; whether it is the
+    /// first (not a retry).
+    pub(super) fn health_checks_sent(
+        &mut self,
+        call: Pin<Box<dyn Future<Output = Result<(), ProxyError>> + Send>>,
+    ) -> bool {
+        let first = matches!(self.health, Some(HealthAsk::Due { .. }));
+        self.health = Some(HealthAsk::InFlight);
+        self.health_call = Some(call);
+        first
+    }
+
+    /// Envoy answered the request that it fail its health checks at `now`.
+    pub(super) fn health_checks_answered(&mut self, result: &Result<(), ProxyError>, now: Instant) {
+        self.health = Some(match result {
+            Ok(()) => HealthAsk::Accepted,
+            Err(_) => HealthAsk::Failed {
+                retry_at: now + DRAIN_RETRY,
+            },
+        });
     }
 
     /// The drain request went out at `now` as `call`.
@@ -365,6 +464,7 @@ impl Shutdown {
     pub(super) async fn answer(&mut self) -> Answer {
         tokio::select! {
             result = settle(&mut self.drain_call) => Answer::Drain(result),
+            result = settle(&mut self.health_call) => Answer::HealthChecks(result),
             counted = settle(&mut self.count_call) => Answer::Count(counted),
             read = settle(&mut self.listeners_call) => Answer::Listeners(read),
         }
@@ -443,12 +543,22 @@ mod tests {
 
     const SIGTERM: DrainReason = DrainReason::Signal(Intent::Terminate);
 
+    /// A shutdown begun now, its steps at the signal taken (readiness off, health checks
+    /// failed) when they are due then.
     fn begin(config: &AgentConfig) -> (Shutdown, Instant) {
         let now = Instant::now();
-        (
-            Shutdown::begin(config, SIGTERM, now, SystemTime::now()),
-            now,
-        )
+        let mut s = Shutdown::begin(config, SIGTERM, now, SystemTime::now());
+        loop {
+            match s.poll(now) {
+                Step::NotReady => s.not_ready_said(),
+                Step::FailHealthChecks => {
+                    s.health_checks_sent(never());
+                    s.health_call = None;
+                    s.health_checks_answered(&Ok(()), now);
+                }
+                _ => return (s, now),
+            }
+        }
     }
 
     fn never<T: Send + 'static>() -> Pin<Box<dyn Future<Output = T> + Send>> {
@@ -464,7 +574,7 @@ mod tests {
     async fn drain(s: &mut Shutdown, now: Instant, result: Result<DrainPlan, ProxyError>) {
         s.drain_sent(now, Box::pin(std::future::ready(result)));
         let Answer::Drain(result) = s.answer().await else {
-            panic!("a count answered")
+            panic!("not the drain answered")
         };
         s.drain_answered(&result, now);
     }
@@ -487,6 +597,9 @@ mod tests {
         assert_eq!(s.poll(t0), Step::Wait(Some(t0 + Duration::from_secs(3))));
         assert_eq!(s.phase(t0), DrainPhase::Delay);
         let at = t0 + Duration::from_secs(3);
+        // Health checks fail when the drain starts (the default), just before it.
+        assert_eq!(s.poll(at), Step::FailHealthChecks);
+        s.health_checks_sent(never());
         assert_eq!(s.poll(at), Step::SendDrain);
         drain(&mut s, at, Ok(accepted())).await;
         assert_eq!(s.phase(at), DrainPhase::Draining);
@@ -494,6 +607,73 @@ mod tests {
         assert_eq!(s.poll(at), Step::Wait(Some(at + Duration::from_secs(5))));
         assert_eq!(
             s.poll(at + Duration::from_secs(5)),
+            Step::Stop(ExitPath::DrainTimeElapsed)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn by_default_readiness_health_checks_and_the_drain_go_at_the_signal_in_that_order() {
+        let now = Instant::now();
+        let mut s = Shutdown::begin(&AgentConfig::default(), SIGTERM, now, SystemTime::now());
+        assert!(!s.ready(now));
+        assert_eq!(s.poll(now), Step::NotReady);
+        s.not_ready_said();
+        assert_eq!(s.poll(now), Step::FailHealthChecks);
+        assert!(s.health_checks_sent(never()), "the first");
+        assert_eq!(s.poll(now), Step::SendDrain);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn each_step_comes_at_its_offset_and_a_failing_health_check_request_never_holds_the_stop()
+    {
+        let secs = Duration::from_secs;
+        // Drain at once, readiness kept until endpoints propagate, health checks failing later.
+        let config = AgentConfig {
+            not_ready_at: secs(10),
+            fail_health_checks_at: HealthCheckFailAt::After(secs(15)),
+            termination_drain_duration: secs(30),
+            ..AgentConfig::default()
+        };
+        let t0 = Instant::now();
+        let mut s = Shutdown::begin(&config, SIGTERM, t0, SystemTime::now());
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        drain(&mut s, t0, Ok(accepted())).await;
+        assert!(s.ready(t0), "ready while it drains");
+        assert_eq!(s.poll(t0), Step::Wait(Some(t0 + secs(10))));
+        assert_eq!(s.poll(t0 + secs(10)), Step::NotReady);
+        s.not_ready_said();
+        assert!(!s.ready(t0 + secs(10)));
+        assert_eq!(s.poll(t0 + secs(10)), Step::Wait(Some(t0 + secs(15))));
+        let at = t0 + secs(15);
+        assert_eq!(s.poll(at), Step::FailHealthChecks);
+        assert!(s.health_checks_sent(never()));
+        s.health_call = None;
+        s.health_checks_answered(&Err(ProxyError::NotRunning), at);
+        assert_eq!(
+            s.poll(at),
+            Step::Wait(Some(at + DRAIN_RETRY)),
+            "asked again"
+        );
+        assert_eq!(s.poll(at + DRAIN_RETRY), Step::FailHealthChecks);
+        assert!(!s.health_checks_sent(never()), "a retry");
+        // Still unanswered at the deadline: the stop is not held up.
+        assert_eq!(
+            s.poll(t0 + secs(30)),
+            Step::Stop(ExitPath::DrainTimeElapsed)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn health_checks_off_are_never_asked_to_fail() {
+        let config = AgentConfig {
+            fail_health_checks_at: HealthCheckFailAt::Off,
+            ..AgentConfig::default()
+        };
+        let (mut s, t0) = begin(&config);
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        drain(&mut s, t0, Ok(accepted())).await;
+        assert_eq!(
+            s.poll(t0 + Duration::from_secs(5)),
             Step::Stop(ExitPath::DrainTimeElapsed)
         );
     }

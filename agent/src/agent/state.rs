@@ -25,9 +25,13 @@ pub struct AgentConfig {
     /// Exit-on-zero: stop as soon as Envoy has no active downstream connections, or requests
     /// (after the minimum). None: drain for the termination drain duration.
     pub exit_on_zero: Option<Counting>,
-    /// On SIGTERM, report not-ready for this long before draining, so load balancers and
+    /// On SIGTERM, the drain starts this long after the signal, so load balancers and
     /// endpoint lists drop the pod first (Istio #36660).
     pub drain_delay: Duration,
+    /// On SIGTERM, readiness goes off this long after the signal.
+    pub not_ready_at: Duration,
+    /// On SIGTERM, when Envoy fails its health checks.
+    pub fail_health_checks_at: crate::timeline::HealthCheckFailAt,
     /// Listeners whose connections and requests do not count.
     pub exclusions: Exclusions,
     /// How often exit-on-zero counts.
@@ -49,6 +53,8 @@ impl Default for AgentConfig {
             minimum_drain_duration: Duration::from_secs(5),
             exit_on_zero: None,
             drain_delay: Duration::ZERO,
+            not_ready_at: Duration::ZERO,
+            fail_health_checks_at: crate::timeline::HealthCheckFailAt::Drain,
             exclusions: Exclusions::with_ports([15021, 15090]),
             poll_interval: Duration::from_millis(50),
             stats_timeout: Duration::from_secs(2),
@@ -65,10 +71,11 @@ impl AgentConfig {
     /// termination drain duration caps it only when it is longer than the minimum (else
     /// nothing would ever be counted): then there is no deadline (Istio's behaviour).
     pub fn drain_deadline(&self) -> Option<Duration> {
-        match self.exit_on_zero {
-            Some(_) if self.termination_drain_duration <= self.minimum_drain_duration => None,
-            _ => Some(self.termination_drain_duration),
-        }
+        crate::timeline::drain_deadline(
+            self.exit_on_zero,
+            self.termination_drain_duration,
+            self.minimum_drain_duration,
+        )
     }
 }
 
@@ -287,6 +294,8 @@ pub enum AgentState {
         reason: DrainReason,
         /// Where.
         phase: DrainPhase,
+        /// Still ready: the shutdown's timeline turns readiness off later (`--not-ready-at`).
+        ready: bool,
     },
     /// A successor pod's Envoy took over from ours (ours drains until it terminates it).
     HandedOver {
@@ -326,15 +335,19 @@ impl fmt::Display for AgentState {
             AgentState::Starting { .. } | AgentState::Live { .. } => f.write_str(self.name()),
             AgentState::Draining {
                 reason,
-                phase: DrainPhase::Deciding,
+                phase,
+                ready,
                 ..
-            } => write!(f, "stopping ({reason}; is a successor taking over?)"),
-            AgentState::Draining {
-                reason,
-                phase: DrainPhase::Delay,
-                ..
-            } => write!(f, "draining soon ({reason}; drain delay)"),
-            AgentState::Draining { reason, .. } => write!(f, "draining ({reason})"),
+            } => {
+                let still = if *ready { "; still ready" } else { "" };
+                match phase {
+                    DrainPhase::Deciding => {
+                        write!(f, "stopping ({reason}; is a successor taking over?{still})")
+                    }
+                    DrainPhase::Delay => write!(f, "draining soon ({reason}; drain delay{still})"),
+                    DrainPhase::Draining => write!(f, "draining ({reason}{still})"),
+                }
+            }
             AgentState::HandedOver { successor, .. } => write!(f, "handed over to {successor}"),
             AgentState::HandingOver { successor, .. } => {
                 write!(f, "handing over to {successor}")
@@ -387,10 +400,14 @@ impl AgentState {
     }
 
     /// Whether the agent serves: the newest Envoy LIVE and nothing draining, handing over or
-    /// stopping. What readiness and gRPC health report (a hot-restart handoff is not a drain:
-    /// the serving epoch serves through it).
+    /// stopping, or a shutdown whose timeline keeps readiness on for now (`--not-ready-at`).
+    /// What readiness and gRPC health report (a hot-restart handoff is not a drain: the
+    /// serving epoch serves through it).
     pub fn serving(&self) -> bool {
-        matches!(self, AgentState::Live { .. })
+        matches!(
+            self,
+            AgentState::Live { .. } | AgentState::Draining { ready: true, .. }
+        )
     }
 
     /// Whether Envoy drains (or is about to): a drain, a handover, an exit.
@@ -408,13 +425,19 @@ impl AgentState {
             (AgentState::Starting { .. }, AgentState::Starting { .. })
             | (AgentState::Live { .. }, AgentState::Live { .. }) => true,
             (
-                AgentState::Draining { reason, phase, .. },
+                AgentState::Draining {
+                    reason,
+                    phase,
+                    ready,
+                    ..
+                },
                 AgentState::Draining {
                     reason: r,
                     phase: p,
+                    ready: s,
                     ..
                 },
-            ) => reason == r && phase == p,
+            ) => reason == r && phase == p && ready == s,
             (
                 AgentState::HandedOver { successor, .. },
                 AgentState::HandedOver { successor: s, .. },
@@ -480,6 +503,14 @@ pub struct DrainProgress {
 pub struct AgentExit {
     /// Why.
     pub path: ExitPath,
+    /// What started the shutdown, when one did.
+    pub reason: Option<DrainReason>,
+    /// From the shutdown's start (or the stop, when nothing drained first) until every Envoy
+    /// was reaped; none when the agent was not asked to stop.
+    pub took: Option<Duration>,
+    /// Exit-on-zero: what each counted listener still held at the last reading before the
+    /// stop; none when never read.
+    pub still_open: Option<Vec<ListenerActivity>>,
     /// How the proxy ended, when it ran.
     pub ended: Option<Ended>,
     /// Why the proxy could not be run, when it could not.

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use crate::crash::{CrashAction, CrashRecovery};
 use crate::signal::Intent;
 use crate::testing::{Call, FakeProxy, epoch, exit};
+use crate::timeline::HealthCheckFailAt;
 use envoy_agent_proxy::{EpochState, FamilyState};
 
 struct Harness {
@@ -49,8 +50,12 @@ impl Harness {
     }
 }
 
+/// The defaults, health checks left alone: the tests of the timeline's steps turn them on.
 fn config() -> AgentConfig {
-    AgentConfig::default()
+    AgentConfig {
+        fail_health_checks_at: HealthCheckFailAt::Off,
+        ..AgentConfig::default()
+    }
 }
 
 fn without_successor(calls: Vec<Call>) -> Vec<Call> {
@@ -89,6 +94,69 @@ async fn sigterm_drains_then_stops_after_the_termination_drain_duration() {
     );
     let stopped = proxy.stopped_at().unwrap() - started;
     assert_eq!(stopped.as_secs(), 5, "stopped after {stopped:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_timeline_keeps_readiness_fails_health_checks_and_drains_at_their_offsets() {
+    let secs = Duration::from_secs;
+    let c = AgentConfig {
+        not_ready_at: secs(2),
+        fail_health_checks_at: HealthCheckFailAt::After(secs(1)),
+        drain_delay: secs(3),
+        ..AgentConfig::default()
+    };
+    let h = start(FakeProxy::default(), c);
+    h.proxy.go_live();
+    h.state(AgentState::serving).await;
+    h.signal(Intent::Terminate).await;
+    h.state(|s| {
+        matches!(
+            s,
+            AgentState::Draining {
+                phase: DrainPhase::Delay,
+                ready: true,
+                ..
+            }
+        )
+    })
+    .await;
+    assert!(h.handle.state().serving(), "ready until --not-ready-at");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(without_successor(h.proxy.calls()), [Call::FailHealthChecks]);
+    assert!(h.handle.state().serving());
+    tokio::time::sleep(secs(1)).await;
+    assert!(!h.handle.state().serving(), "not ready after 2 s");
+    tokio::time::sleep(secs(1)).await;
+    assert_eq!(
+        without_successor(h.proxy.calls()),
+        [Call::FailHealthChecks, Call::Drain { skip_exit: false }]
+    );
+    let (exit, _, _) = h.exit().await;
+    assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+    assert_eq!(exit.reason, Some(DrainReason::Signal(Intent::Terminate)));
+    assert!(exit.took.is_some());
+}
+
+#[tokio::test(start_paused = true)]
+async fn by_default_health_checks_fail_when_the_drain_starts() {
+    let c = AgentConfig {
+        drain_delay: Duration::from_secs(3),
+        ..AgentConfig::default()
+    };
+    let h = start(FakeProxy::default(), c);
+    h.proxy.go_live();
+    h.signal(Intent::Terminate).await;
+    tokio::time::sleep(Duration::from_millis(2900)).await;
+    assert_eq!(without_successor(h.proxy.calls()), []);
+    assert!(!h.handle.state().serving(), "not ready at the signal");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut calls = without_successor(h.proxy.calls());
+    calls.sort_by_key(|c| format!("{c:?}"));
+    assert_eq!(
+        calls,
+        [Call::Drain { skip_exit: false }, Call::FailHealthChecks]
+    );
+    h.exit().await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -145,8 +145,9 @@ async fn a_websocket_held_open_is_named_in_the_drain_status_and_at_the_deadline(
     assert!(head.starts_with("HTTP/1.1 101"), "upgraded: {head}");
 
     agent.signal(Signal::SIGTERM);
-    // Envoy names a listener's stats after its configured address (port 0 for the sidecar).
-    let name = format!("127.0.0.1_{listener_port}");
+    // Named as configured (issue 38), not by its stats name: Envoy names a listener's stats
+    // after its configured address (`127.0.0.1_0` for the sidecar's port 0).
+    let name = "ws".to_owned();
     let held = eventually("the WebSocket in the drain status", PATIENCE, || async {
         let drain = status(&agent).await.drain?;
         drain

@@ -22,9 +22,11 @@ mod run;
 mod security;
 mod shipped;
 mod shutdown_budget;
+mod shutdown_timeline;
 mod status;
 mod systemd;
 mod telemetry;
+mod termination_message;
 mod told;
 mod upgrade;
 

@@ -11,6 +11,7 @@ impl<H: Host> Supervisor<H> {
                 self.request_restart(reason, reply);
             }
             Command::Drain { options, reply } => self.drain(options, reply),
+            Command::FailHealthChecks { reply } => self.fail_health_checks(reply),
             Command::ReopenLogs { reply } => {
                 // Never a starting epoch: SIGUSR1's default action kills a process that has
                 // not installed Envoy's handler yet. Draining parents write logs too.
@@ -146,7 +147,40 @@ impl<H: Host> Supervisor<H> {
         });
     }
 
+    /// Makes whichever Envoy serves fail its health checks, and every epoch that serves
+    /// after it. During a handoff the new epoch may take the admin listener (or become the
+    /// family): asked once it has settled.
+    pub(super) fn fail_health_checks(&mut self, reply: oneshot::Sender<Result<(), String>>) {
+        self.health_checks_failed = true;
+        match &self.handoff {
+            Handoff::Starting { .. } | Handoff::Cold { .. } => {
+                tracing::info!("a handoff is under way: health checks fail once it settles");
+                self.pending_health_checks.push(reply);
+            }
+            _ => self.send_health_checks_fail(vec![reply]),
+        }
+    }
+
+    fn send_health_checks_fail(&mut self, replies: Vec<oneshot::Sender<Result<(), String>>>) {
+        let call = self.host.fail_health_checks();
+        tokio::spawn(async move {
+            let result = call.await.map_err(|e| e.to_string());
+            if let Err(e) = &result {
+                tracing::warn!(error = %e, "cannot fail envoy's health checks");
+            }
+            for reply in replies {
+                let _ = reply.send(result.clone());
+            }
+        });
+    }
+
+    /// Once a handoff has settled: the drains and health-check failures asked meanwhile go to
+    /// whichever Envoy serves now.
     pub(super) fn flush_pending_drains(&mut self) {
+        if self.health_checks_failed {
+            let replies = std::mem::take(&mut self.pending_health_checks);
+            self.send_health_checks_fail(replies);
+        }
         if self.pending_drains.is_empty() {
             return;
         }

@@ -304,6 +304,9 @@ impl<H: Host> Supervisor<H> {
         for (options, reply) in self.pending_drains.drain(..) {
             let _ = reply.send(Ok(DrainPlan::not_serving(options.listeners)));
         }
+        for reply in self.pending_health_checks.drain(..) {
+            let _ = reply.send(Ok(()));
+        }
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
         // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.
