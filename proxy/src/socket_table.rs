@@ -297,6 +297,15 @@ pub fn socket_inodes(pid: u32, into: &mut BTreeSet<u64>) {
     }
 }
 
+/// The inodes of every socket the processes `pids` hold.
+fn sockets_of(pids: &[u32]) -> BTreeSet<u64> {
+    let mut inodes = BTreeSet::new();
+    for pid in pids {
+        socket_inodes(*pid, &mut inodes);
+    }
+    inodes
+}
+
 /// How many connections the processes `pids` hold on their listening TCP ports, but for
 /// the ports in `excluded`: their downstream connections, counted by the kernel. An
 /// upstream connection's local port is an ephemeral one, not a listener's. The table read is
@@ -305,10 +314,7 @@ pub fn downstream_connections(pids: &[u32], excluded: &BTreeSet<u16>) -> Result<
     let Some(first) = pids.first() else {
         return Ok(0);
     };
-    let mut inodes = BTreeSet::new();
-    for pid in pids {
-        socket_inodes(*pid, &mut inodes);
-    }
+    let inodes = sockets_of(pids);
     let mut listening = BTreeSet::new();
     let mut held: Vec<u16> = Vec::new();
     scan(Some(*first), |e| {
@@ -335,10 +341,7 @@ pub fn connections_on_ports(pids: &[u32], ports: &BTreeSet<u16>) -> Result<u64, 
     let Some(first) = pids.first() else {
         return Ok(0);
     };
-    let mut inodes = BTreeSet::new();
-    for pid in pids {
-        socket_inodes(*pid, &mut inodes);
-    }
+    let inodes = sockets_of(pids);
     let mut held = 0u64;
     scan(Some(*first), |e| {
         if e.inode != 0

@@ -494,6 +494,19 @@ impl H1Client {
         )
     }
 
+    /// A request every 200 ms, on a new connection (after that interval) whenever the server
+    /// closes one or says `Connection: close`: a client that keeps asking through a drain.
+    pub fn keeps_asking(addr: SocketAddr) -> H1Client {
+        H1Client::start(
+            addr,
+            false,
+            &ClientOptions {
+                reconnect: true,
+                ..ClientOptions::default()
+            },
+        )
+    }
+
     /// One `GET /`, then only waiting for the server to close the connection.
     pub fn idle(addr: SocketAddr) -> H1Client {
         Self::start(addr, true, &ClientOptions::default())

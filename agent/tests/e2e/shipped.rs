@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::process::Stdio;
 
-use envoy_agent_tests::clients::{ClientOptions, Event, H1Client, H2Client, Kind};
+use envoy_agent_tests::clients::{Event, H1Client, H2Client, Kind};
 use envoy_agent_tests::{NetNs, PATIENCE, TestDir, envoy_path, eventually};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -142,24 +142,39 @@ impl Shipped {
     }
 }
 
-/// Waits for a `200` from `client`.
-async fn answered(client: &H1Client) {
-    client
-        .wait_for("an answer", |e: &Event| {
-            matches!(e.kind, Kind::Response { status: 200, .. }).then_some(())
-        })
-        .await;
+/// An HTTP/1.1 client that keeps asking and an idle HTTP/2 one, both served.
+struct Clients {
+    h1: H1Client,
+    h2: H2Client,
 }
 
-fn h1_requests(addr: std::net::SocketAddr) -> H1Client {
-    H1Client::start(
-        addr,
-        false,
-        &ClientOptions {
-            reconnect: true,
-            ..ClientOptions::default()
-        },
-    )
+impl Clients {
+    async fn on(addr: std::net::SocketAddr) -> Clients {
+        let ok = |e: &Event| matches!(e.kind, Kind::Response { status: 200, .. }).then_some(());
+        let c = Clients {
+            h1: H1Client::keeps_asking(addr),
+            h2: H2Client::idle(addr),
+        };
+        c.h1.wait_for("an HTTP/1.1 answer", ok).await;
+        c.h2.wait_for("the idle HTTP/2 answer", ok).await;
+        c
+    }
+
+    /// Both told: `Connection: close`, a GOAWAY; no request failed.
+    async fn told(&self) {
+        self.h1
+            .wait_for("Connection: close", |e| {
+                matches!(&e.kind, Kind::Response { connection: Some(c), .. } if c == "close")
+                    .then_some(())
+            })
+            .await;
+        self.h2
+            .wait_for("a GOAWAY to the idle HTTP/2 client", |e| {
+                matches!(e.kind, Kind::Goaway { .. }).then_some(())
+            })
+            .await;
+        assert!(self.h1.failures().is_empty(), "{}", self.h1.describe());
+    }
 }
 
 #[tokio::test]
@@ -168,29 +183,15 @@ async fn the_daemonset_as_shipped_tells_its_clients_on_sigterm() {
     let mut agent = Shipped::start(NODE_PROXY, "DaemonSet");
     let serving = "127.0.0.1:10000".parse().unwrap();
     agent.serving(serving).await;
-    let h1 = h1_requests(serving);
-    answered(&h1).await;
-    let h2 = H2Client::idle(serving);
-    h2.wait_for("the idle HTTP/2 answer", |e| {
-        matches!(e.kind, Kind::Response { status: 200, .. }).then_some(())
-    })
-    .await;
+    let clients = Clients::on(serving).await;
 
     agent.signal(Signal::SIGTERM);
     // The shipped listener has no traffic_direction: a node proxy drains it all the same.
     let accepted = agent.event("drain_accepted").await;
     assert_eq!(accepted["drained"], "node_http", "{accepted}");
     assert_eq!(accepted["inbound_only"], false, "{accepted}");
-    h1.wait_for("Connection: close", |e| {
-        matches!(&e.kind, Kind::Response { connection: Some(c), .. } if c == "close").then_some(())
-    })
-    .await;
-    h2.wait_for("a GOAWAY to the idle HTTP/2 client", |e| {
-        matches!(e.kind, Kind::Goaway { .. }).then_some(())
-    })
-    .await;
+    clients.told().await;
     assert!(agent.events("stopping").is_empty(), "told before the stop");
-    assert!(h1.failures().is_empty(), "{}", h1.describe());
     assert_eq!(agent.stop().await, Some(0));
     // The shipped --base-id (7) is the node's, not a test's: its shared memory goes too.
     let _ = std::fs::remove_file("/dev/shm/envoy_shared_memory_70");
@@ -232,13 +233,7 @@ async fn the_sidecar_example_as_shipped_drains_on_its_prestop_and_stops_at_sigte
     let mut agent = Shipped::start(SIDECAR_EXAMPLE, "Deployment");
     let inbound = "127.0.0.1:15006".parse().unwrap();
     agent.serving(inbound).await;
-    let h1 = h1_requests(inbound);
-    answered(&h1).await;
-    let h2 = H2Client::idle(inbound);
-    h2.wait_for("the idle HTTP/2 answer", |e| {
-        matches!(e.kind, Kind::Response { status: 200, .. }).then_some(())
-    })
-    .await;
+    let clients = Clients::on(inbound).await;
 
     // The kubelet runs the preStop hook: the manifest's own command.
     let k = Kustomization::load(SIDECAR_EXAMPLE);
@@ -260,15 +255,7 @@ async fn the_sidecar_example_as_shipped_drains_on_its_prestop_and_stops_at_sigte
         String::from_utf8_lossy(&out.stdout).trim(),
         "draining: inbound_http"
     );
-    h1.wait_for("Connection: close", |e| {
-        matches!(&e.kind, Kind::Response { connection: Some(c), .. } if c == "close").then_some(())
-    })
-    .await;
-    h2.wait_for("a GOAWAY to the idle HTTP/2 client", |e| {
-        matches!(e.kind, Kind::Goaway { .. }).then_some(())
-    })
-    .await;
-    assert!(h1.failures().is_empty(), "{}", h1.describe());
+    clients.told().await;
     // Then SIGTERM: the preStop drained, so the agent stops Envoy at once and exits 0.
     agent.signal(Signal::SIGTERM);
     let stopping = agent.event("stopping").await;

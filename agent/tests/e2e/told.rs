@@ -17,8 +17,8 @@ use envoy_agent::client::connect;
 use envoy_agent::grpc::GrpcAddress;
 use envoy_agent_proto::pb;
 use envoy_agent_tests::clients::{
-    ClientOptions, ClientProcess, DrainBootstrap, Event, H1Client, H2Client, H3Client,
-    HttpUpstream, Kind, Nghttp, QUIC_LISTENER, TlsCert,
+    ClientProcess, DrainBootstrap, Event, H1Client, H2Client, H3Client, HttpUpstream, Kind, Nghttp,
+    QUIC_LISTENER, TlsCert,
 };
 use envoy_agent_tests::{AgentProcess, KeepAlive, PATIENCE, TestDir, eventually};
 use nix::sys::signal::Signal;
@@ -106,18 +106,6 @@ fn data(e: &Event) -> bool {
     matches!(e.kind, Kind::Data { .. })
 }
 
-/// HTTP/1.1 asking every 200 ms, reconnecting when told to close.
-fn h1_requests(addr: SocketAddr) -> H1Client {
-    H1Client::start(
-        addr,
-        false,
-        &ClientOptions {
-            reconnect: true,
-            ..ClientOptions::default()
-        },
-    )
-}
-
 /// The clients a drain must reach, on one listener: HTTP/1.1 asking and idle, HTTP/2 idle and
 /// with a long-lived stream.
 struct Clients {
@@ -130,7 +118,7 @@ struct Clients {
 impl Clients {
     async fn on(addr: SocketAddr) -> Clients {
         let c = Clients {
-            h1: h1_requests(addr),
+            h1: H1Client::keeps_asking(addr),
             h1_idle: H1Client::idle(addr),
             h2_idle: H2Client::idle(addr),
             h2_stream: H2Client::stream(addr, "/stream?seconds=120"),
@@ -271,7 +259,7 @@ both_modes!(a_drain_request_reaches_the_listeners_the_mode_drains);
 /// client of a listener without traffic_direction is told on a node proxy.
 async fn a_drain_request_reaches_the_listeners_the_mode_drains(mode: Mode) {
     let rig = Rig::start(mode, &[DRAIN]).await;
-    let plain = h1_requests(rig.at("plain").await);
+    let plain = H1Client::keeps_asking(rig.at("plain").await);
     heard(&plain, "an answer", |e| {
         matches!(e.kind, Kind::Response { status: 200, .. })
     })
@@ -312,7 +300,7 @@ async fn a_sidecar_without_inbound_listeners_drains_them_all_and_says_so() {
         .args(&[DRAIN])
         .start()
         .await;
-    let plain = h1_requests(agent.listener("plain").await);
+    let plain = H1Client::keeps_asking(agent.listener("plain").await);
     heard(&plain, "an answer", |e| {
         matches!(e.kind, Kind::Response { status: 200, .. })
     })
@@ -369,7 +357,7 @@ async fn a_draining_parent_tells_its_streams_while_its_child_serves() {
         status.epochs
     );
     // A new connection goes to the child.
-    let fresh = h1_requests(plain);
+    let fresh = H1Client::keeps_asking(plain);
     heard(&fresh, "the child's answer", |e| {
         matches!(e.kind, Kind::Response { status: 200, .. })
     })
@@ -489,7 +477,7 @@ async fn a_bootstrap_that_already_uses_the_notice_s_names_runs_without_it() {
             .is_some_and(|r| r.contains("envoy.resource_monitors.injected_resource")),
         "{off}"
     );
-    let h1 = h1_requests(agent.listener("inbound").await);
+    let h1 = H1Client::keeps_asking(agent.listener("inbound").await);
     heard(&h1, "an answer", |e| {
         matches!(e.kind, Kind::Response { status: 200, .. })
     })
