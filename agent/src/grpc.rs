@@ -116,7 +116,7 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
         stop_grace: duration(envoy.stop_grace),
         parent_shutdown_time: hot.and_then(|h| duration(h.parent_shutdown_time)),
         handoff_deadline: hot.and_then(|h| duration(h.handoff_deadline)),
-        admin_unresponsive_deadline: hot.and_then(|h| duration(h.admin_unresponsive_deadline)),
+        admin_unresponsive_deadline: duration(envoy.admin_unresponsive_deadline),
         handover_timeout: hot.and_then(|_| duration(config.handover_timeout)),
         base_id: hot.map(|h| h.base_id),
         state_dir: hot.map(|h| path(&h.state_dir)),

@@ -12,9 +12,9 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::admin::{AdminState, DrainListeners};
 use envoy_agent_proxy::{
-    AdminError, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffKind, HandoffResult,
-    HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
-    ServerState, Signal, Wedge, WedgeReason,
+    AdminError, AdminHealth, DrainOptions, Ended, EpochState, Exit, FamilyState, HandoffKind,
+    HandoffResult, HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState, RestartError,
+    ServerInfo, ServerState, Signal, Wedge, WedgeReason,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -321,6 +321,8 @@ pub(crate) struct Supervisor<H: Host> {
     stand_ins: Vec<StandIn>,
     watchdog: Probing,
     admin_ok: Instant,
+    /// Whether the serving epoch answers the watchdog (readiness follows it).
+    admin_health: AdminHealth,
     /// Drains asked for while an epoch or a cold family starts, applied once that handoff has
     /// settled, to whichever Envoy serves then. Beside the handoff rather than in it: they
     /// are sent after it is gone, and one made moot by a successor's cold takeover leaves
@@ -391,6 +393,7 @@ impl<H: Host> Supervisor<H> {
             stand_ins: Vec::new(),
             watchdog: Probing::default(),
             admin_ok: now,
+            admin_health: AdminHealth::Answering,
             pending_drains: Vec::new(),
             heartbeat_due: now,
             heartbeat_written: None,
@@ -802,6 +805,7 @@ impl<H: Host> Supervisor<H> {
             newest_live: self.newest_live,
             family: Some(self.family.clone()),
             config: self.config_status.clone(),
+            admin: self.admin_health,
         };
         self.state.send_if_modified(|s| {
             if *s == state {
