@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime};
 use envoy_agent_proto::pb;
 use envoy_agent_proto::pb::agent_service_server::{AgentService, AgentServiceServer};
 use envoy_agent_proxy::state::{EpochState, FamilyState, HandoffKind, HandoffStage, Outcome};
-use envoy_agent_proxy::{DrainOptions, ProxyError, RestartError, WedgeReason};
+use envoy_agent_proxy::{DrainOptions, ProxyError, ProxyPhase, RestartError, WedgeReason};
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
@@ -324,6 +324,10 @@ pub fn status_message(
         AgentState::Exiting { path, .. } => path.to_string(),
         AgentState::Recovering { .. } => agent.to_string(),
         AgentState::Live { .. } => status.proxy.ready().err().unwrap_or_default(),
+        // Empty while Envoy starts; what the proxy says when it stops on its own (wedged).
+        AgentState::Starting { .. } if status.proxy.phase != ProxyPhase::Starting => {
+            status.proxy.ready().err().unwrap_or_default()
+        }
         AgentState::Starting { .. } => String::new(),
     };
     let (state, draining_why, exiting_why, successor) = match agent {
@@ -409,6 +413,7 @@ pub fn status_message(
             .config
             .control_plane()
             .map(control_plane_message),
+        admin_silent_since: proxy.admin.silent_since().and_then(timestamp),
     }
 }
 
