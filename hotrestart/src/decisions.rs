@@ -423,11 +423,13 @@ async fn a_silent_admin_turns_readiness_off_and_answers_turn_it_back_on() {
     );
     let why = stale.ready().unwrap_err();
     assert!(why.contains("admin API has not answered"), "{why}");
+    assert!(!f.host.world().marker, "the marker follows readiness");
     f.host.world().live(0);
     let back = f
         .until("answering again", |s| s.admin.silent_since().is_none())
         .await;
     assert!(back.ready().is_ok());
+    assert!(f.host.world().marker, "the marker is back");
     assert!(back.family.unwrap().wedges.is_empty());
     assert!(f.host.world().alive(0));
     f.stop().await;

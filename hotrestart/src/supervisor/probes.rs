@@ -482,6 +482,8 @@ impl<H: Host> Supervisor<H> {
                     self.admin_health = AdminHealth::Silent {
                         since: since.unwrap_or_else(SystemTime::now),
                     };
+                    // The marker is a node proxy's readiness (an exec probe): it follows too.
+                    self.refresh_marker();
                 }
                 if silence == Silence::Wedged {
                     let message =
@@ -510,6 +512,7 @@ impl<H: Host> Supervisor<H> {
                 "envoy's admin API answers again"
             );
             self.admin_health = AdminHealth::Answering;
+            self.refresh_marker();
         }
         self.admin_ok = now;
     }
