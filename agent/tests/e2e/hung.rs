@@ -93,6 +93,13 @@ async fn a_hung_envoy_turns_readiness_off_then_is_judged_wedged(mode: Mode) {
     );
     let silent = agent.events("admin_silent");
     assert_eq!(silent.len(), 1, "logged once: {silent:?}");
+    if matches!(mode, Mode::NodeProxy) {
+        // A node proxy's readiness is its marker file (an exec probe): it follows.
+        eventually("the readiness marker removed", PATIENCE, || async {
+            (!agent.marker_present()).then_some(())
+        })
+        .await;
+    }
     // The status names it, well before the deadline (3 s of silence make it stale, 8 s a
     // wedge): still live, not ready, silent since its last answer.
     let (code, json, _) = cli(&agent, &["status", "--json"]).await;
