@@ -333,6 +333,13 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_STOP_GRACE", value_parser = parse_duration, default_value = "5s")]
     pub stop_grace: Duration,
 
+    /// How long the serving Envoy's admin API may stay silent (the agent asks it /ready about
+    /// once a second) before the agent judges it wedged: it is killed (SIGKILL) and the agent
+    /// exits 75 (with --restart-on-crash, a fresh Envoy starts after the back-off). Both modes.
+    /// Readiness turns 503 sooner: after 3s of silence (half this deadline when shorter).
+    #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_positive_duration, default_value = "30s")]
+    pub admin_unresponsive_deadline: Duration,
+
     /// On SIGTERM: how long Envoy drains before it is stopped. With exit-on-zero, the hard
     /// deadline of the wait for zero when longer than --minimum-drain-duration. [default: 5s;
     /// with --shutdown-budget, what the budget leaves]
@@ -543,11 +550,6 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_HANDOFF_DEADLINE", value_parser = parse_positive_duration, requires = "hot_restart")]
     pub handoff_deadline: Option<Duration>,
 
-    /// With --hot-restart: how long the serving epoch's admin API may stay silent before the
-    /// supervisor declares a wedge and exits 75. [default: 30s]
-    #[arg(long, env = "ENVOY_AGENT_ADMIN_UNRESPONSIVE_DEADLINE", value_parser = parse_positive_duration, requires = "hot_restart")]
-    pub admin_unresponsive_deadline: Option<Duration>,
-
     /// Crash recovery in place: when the serving Envoy dies without the agent asking (exits
     /// non-zero, is killed; with --hot-restart, dies with nothing else serving) after it has
     /// served, start a fresh Envoy (with --hot-restart a fresh family) after a back-off
@@ -658,6 +660,7 @@ impl RunArgs {
                     .zip(self.run_as_gid)
                     .map(|(uid, gid)| RunAs { uid, gid }),
                 stop_grace: self.stop_grace,
+                admin_unresponsive_deadline: self.admin_unresponsive_deadline,
                 extra_args: self.envoy_args,
             },
             drain: DrainSettings {
@@ -721,9 +724,6 @@ impl RunArgs {
                     .map_or(0, |d| d.as_millis() as u64)
             }),
             handoff_deadline: self.handoff_deadline.unwrap_or(defaults::HANDOFF_DEADLINE),
-            admin_unresponsive_deadline: self
-                .admin_unresponsive_deadline
-                .unwrap_or(defaults::ADMIN_UNRESPONSIVE_DEADLINE),
         }))
     }
 
@@ -1082,6 +1082,11 @@ mod tests {
         assert_eq!(sidecar.drain.exit_on_zero, None);
         assert_eq!(sidecar.hot_restart, None);
         assert_eq!(sidecar.crash_recovery, None);
+        assert_eq!(
+            sidecar.envoy.admin_unresponsive_deadline,
+            Duration::from_secs(30),
+            "the wedge watchdog runs in both modes"
+        );
 
         let hot = settings(&HOT).unwrap().hot_restart.unwrap();
         assert_eq!(hot.base_id, 7);
@@ -1089,10 +1094,6 @@ mod tests {
         assert_eq!(hot.state_dir, PathBuf::from("/st"));
         assert_eq!(hot.parent_shutdown_time, defaults::PARENT_SHUTDOWN_TIME);
         assert_eq!(hot.handoff_deadline, defaults::HANDOFF_DEADLINE);
-        assert_eq!(
-            hot.admin_unresponsive_deadline,
-            defaults::ADMIN_UNRESPONSIVE_DEADLINE
-        );
 
         let cold = |extra: &[&str]| {
             let args: Vec<&str> = HOT.iter().chain(extra).copied().collect();

@@ -194,6 +194,15 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
     line("state:", state);
     line("since:", when(&status.state_since, now));
     line("ready:", if status.ready { "yes" } else { "no" }.to_owned());
+    if status.admin_silent_since.is_some() {
+        line(
+            "envoy admin:",
+            format!(
+                "not answering since {}",
+                when(&status.admin_silent_since, now)
+            ),
+        );
+    }
     if let Some(code) = status.exit_code {
         line("exit code:", code.to_string());
     }
@@ -850,6 +859,27 @@ mod tests {
             }),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_summary_names_a_silent_envoy_and_since_when() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
+        let silent = pb::Status {
+            mode: pb::Mode::Sidecar.into(),
+            state: pb::AgentState::Live.into(),
+            reason: "envoy's admin API has not answered for 4s".into(),
+            admin_silent_since: at(996),
+            ..Default::default()
+        };
+        let text = status_text(&silent, now);
+        let has = |needle: &str| assert!(text.contains(needle), "{needle:?} in\n{text}");
+        has("state:              live (envoy's admin API has not answered for 4s)");
+        has("ready:              no");
+        has("envoy admin:        not answering since 1970-01-01T00:16:36Z (4.0s ago)");
+        let json = status_json(&silent);
+        assert_eq!(json["admin_silent_since"], "1970-01-01T00:16:36Z", "{json}");
+        let text = status_text(&node_proxy_draining(), now);
+        assert!(!text.contains("envoy admin:"), "answering: {text}");
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! | [`USAGE`] (64) | bad input: a flag, its value, the bootstrap, the Envoy binary, an address |
 //! | [`UNAVAILABLE`] (69) | something needed is not there now but may come back: `run`'s port in use, a client's agent not reachable |
 //! | [`SOFTWARE`] (70) | the agent itself failed, or could not run Envoy at all |
-//! | [`WEDGED`] (75) | `run --hot-restart`: the serving Envoy wedged and the supervisor gave up on it |
+//! | [`WEDGED`] (75) | `run`: the serving Envoy wedged (its admin API silent past `--admin-unresponsive-deadline`, or, with `--hot-restart`, a new epoch stuck) and the agent gave up on it |
 //!
 //! The numbers are the BSD `sysexits.h` ones, which supervisors (systemd's
 //! `RestartPreventExitStatus=`, a pod's restart policy) and scripts already know how to read.
@@ -26,9 +26,9 @@ pub const UNAVAILABLE: u8 = 69;
 /// internal error ended it.
 pub const SOFTWARE: u8 = 70;
 
-/// `EX_TEMPFAIL`: the hot-restart supervisor found the serving Envoy wedged (its admin API
-/// silent past `--admin-unresponsive-deadline`, or a new epoch stuck) and gave up: restart
-/// the agent. Named by the proxy crate, which decides it.
+/// `EX_TEMPFAIL`: the serving Envoy was found wedged (its admin API silent past
+/// `--admin-unresponsive-deadline`, in both modes; with hot restart, also a new epoch stuck)
+/// and the agent gave up on it: restart the agent. Named by the proxy crate, which decides it.
 pub use envoy_agent_proxy::EXIT_WEDGED as WEDGED;
 
 /// The generic failure, no `sysexits.h` code: a client call the agent refused or failed;

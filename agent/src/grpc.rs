@@ -31,7 +31,7 @@ use envoy_agent_proto::pb::agent_service_server::{AgentService, AgentServiceServ
 use envoy_agent_proxy::listeners::{Direction, Listener};
 use envoy_agent_proxy::state::{EpochState, FamilyState, HandoffKind, HandoffStage, Outcome};
 use envoy_agent_proxy::{
-    DrainOptions, DrainPlan, PlanNote, ProxyError, RestartError, Scope, WedgeReason,
+    DrainOptions, DrainPlan, PlanNote, ProxyError, ProxyPhase, RestartError, Scope, WedgeReason,
 };
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -126,7 +126,7 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
         stop_grace: duration(envoy.stop_grace),
         parent_shutdown_time: hot.and_then(|h| duration(h.parent_shutdown_time)),
         handoff_deadline: hot.and_then(|h| duration(h.handoff_deadline)),
-        admin_unresponsive_deadline: hot.and_then(|h| duration(h.admin_unresponsive_deadline)),
+        admin_unresponsive_deadline: duration(envoy.admin_unresponsive_deadline),
         handover_timeout: hot.and_then(|_| duration(config.handover_timeout)),
         base_id: hot.map(|h| h.base_id),
         state_dir: hot.map(|h| path(&h.state_dir)),
@@ -340,6 +340,10 @@ pub fn status_message(
         AgentState::Exiting { path, .. } => path.to_string(),
         AgentState::Recovering { .. } => agent.to_string(),
         AgentState::Live { .. } => status.proxy.ready().err().unwrap_or_default(),
+        // Empty while Envoy starts; what the proxy says when it stops on its own (wedged).
+        AgentState::Starting { .. } if status.proxy.phase != ProxyPhase::Starting => {
+            status.proxy.ready().err().unwrap_or_default()
+        }
         AgentState::Starting { .. } => String::new(),
     };
     let (state, draining_why, exiting_why, successor) = match agent {
@@ -438,6 +442,7 @@ pub fn status_message(
             .config
             .control_plane()
             .map(control_plane_message),
+        admin_silent_since: proxy.admin.silent_since().and_then(timestamp),
     }
 }
 

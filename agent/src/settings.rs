@@ -29,8 +29,6 @@ pub mod defaults {
     pub const PARENT_SHUTDOWN_TIME: Duration = Duration::from_secs(60);
     /// `--handoff-deadline`.
     pub const HANDOFF_DEADLINE: Duration = Duration::from_secs(60);
-    /// `--admin-unresponsive-deadline`.
-    pub const ADMIN_UNRESPONSIVE_DEADLINE: Duration = Duration::from_secs(30);
     /// `--crash-restart-limit`.
     pub const CRASH_RESTART_LIMIT: u32 = 5;
     /// `--crash-backoff-max`.
@@ -138,6 +136,9 @@ pub struct EnvoySettings {
     pub run_as: Option<RunAs>,
     /// Between SIGTERM and SIGKILL for a stopping Envoy (`--stop-grace`).
     pub stop_grace: Duration,
+    /// How long the serving Envoy's admin API may stay silent before it is judged wedged
+    /// (`--admin-unresponsive-deadline`).
+    pub admin_unresponsive_deadline: Duration,
     /// Arguments passed to Envoy verbatim (after `--`).
     pub extra_args: Vec<String>,
 }
@@ -205,6 +206,4 @@ pub struct HotRestartSettings {
     pub generation: u64,
     /// How long a new epoch may take from spawn to LIVE (`--handoff-deadline`).
     pub handoff_deadline: Duration,
-    /// How long the serving epoch's admin API may stay silent (`--admin-unresponsive-deadline`).
-    pub admin_unresponsive_deadline: Duration,
 }

@@ -141,7 +141,6 @@ pub fn family_config(
     config.ready_marker = hot.ready_marker.clone();
     config.generation = hot.generation;
     config.handoff_deadline = hot.handoff_deadline;
-    config.admin_unresponsive_deadline = hot.admin_unresponsive_deadline;
     config.cold_base_id = hot.cold_base_id;
     config
 }
@@ -485,6 +484,7 @@ pub fn proxy_config(
     config.agent_is_root = nix::unistd::geteuid().is_root();
     config.run_as = envoy.run_as;
     config.stop_grace = envoy.stop_grace;
+    config.admin_unresponsive_deadline = envoy.admin_unresponsive_deadline;
     config.hot_restart = settings
         .hot_restart
         .as_ref()

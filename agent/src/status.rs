@@ -22,7 +22,7 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use envoy_agent_proxy::{ConfigStatus, HandoffKind};
+use envoy_agent_proxy::{ConfigStatus, HandoffKind, ProxyPhase};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -262,10 +262,14 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
             );
         }
         AgentState::Starting { since } => {
-            return text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: envoy is starting (since {})", ago(since)),
-            );
+            // The agent has not started to stop, but its proxy may be stopping on its own (a
+            // wedged Envoy being killed): say what the proxy says then, not "starting".
+            let proxy = agent.status().borrow().proxy.clone();
+            let why = match proxy.ready() {
+                Err(why) if proxy.phase != ProxyPhase::Starting => why,
+                _ => format!("envoy is starting (since {})", ago(since)),
+            };
+            return text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}"));
         }
         AgentState::Draining {
             since,

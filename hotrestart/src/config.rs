@@ -62,8 +62,6 @@ pub struct Config {
     pub ready_marker: Option<PathBuf>,
     /// How long a new epoch may take from spawn to LIVE.
     pub handoff_deadline: Duration,
-    /// How long the serving epoch's admin may stay silent before the family is wedged.
-    pub admin_unresponsive_deadline: Duration,
     /// How long after its parent-shutdown time a draining parent may still run before it is
     /// killed as overdue.
     pub parent_overdue_grace: Duration,
@@ -86,7 +84,6 @@ impl Config {
             heartbeat_period: Duration::from_millis(500),
             ready_marker: None,
             handoff_deadline: Duration::from_secs(60),
-            admin_unresponsive_deadline: Duration::from_secs(30),
             parent_overdue_grace: Duration::from_secs(5),
             cold_base_id: None,
         }

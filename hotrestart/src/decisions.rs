@@ -40,7 +40,7 @@ fn config() -> Config {
     let mut c = Config::new(proxy);
     c.identity = "pod-a-0000aaaa".to_owned();
     c.handoff_deadline = Duration::from_secs(10);
-    c.admin_unresponsive_deadline = Duration::from_secs(5);
+    c.proxy.admin_unresponsive_deadline = Duration::from_secs(5);
     c.cold_base_id = Some(8);
     c
 }
@@ -390,7 +390,49 @@ async fn an_admin_that_stops_answering_is_a_wedge_that_stops_the_family() {
         "not before its deadline"
     );
     assert!(!host.world().alive(0), "stopped");
+    assert_eq!(
+        host.world().signals_to(0),
+        [Signal::SIGKILL],
+        "a silent envoy would not act on SIGTERM"
+    );
     assert!(!host.world().marker);
+}
+
+/// Readiness follows fresh answers: an admin silent for a few seconds (well before the wedge
+/// deadline, 5 s here) makes the state not ready and says why; answers coming back make it ready
+/// again, and nothing was stopped.
+#[tokio::test(start_paused = true)]
+async fn a_silent_admin_turns_readiness_off_and_answers_turn_it_back_on() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    assert!(f.handle.state().borrow().ready().is_ok());
+    let silent_from = tokio::time::Instant::now();
+    f.host.world().admin = Admin::Silent;
+    let stale = f
+        .until("the admin silent", |s| s.admin.silent_since().is_some())
+        .await;
+    assert!(
+        silent_from.elapsed() < Duration::from_secs(5),
+        "before the wedge deadline: {:?}",
+        silent_from.elapsed()
+    );
+    assert_eq!(
+        stale.phase,
+        ProxyPhase::Serving,
+        "still serving: not wedged"
+    );
+    let why = stale.ready().unwrap_err();
+    assert!(why.contains("admin API has not answered"), "{why}");
+    assert!(!f.host.world().marker, "the marker follows readiness");
+    f.host.world().live(0);
+    let back = f
+        .until("answering again", |s| s.admin.silent_since().is_none())
+        .await;
+    assert!(back.ready().is_ok());
+    assert!(f.host.world().marker, "the marker is back");
+    assert!(back.family.unwrap().wedges.is_empty());
+    assert!(f.host.world().alive(0));
+    f.stop().await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -12,7 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::{
-    AdminError, DrainOptions, DrainPlan, Ended, EpochState, Exit, FamilyState, HandoffKind,
+    AdminError, AdminHealth, DrainOptions, DrainPlan, Ended, EpochState, Exit, FamilyState,
+    HandoffKind,
     HandoffResult, HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState, RestartError,
     ServerInfo, ServerState, Signal, Wedge, WedgeReason,
 };
@@ -327,6 +328,8 @@ pub(crate) struct Supervisor<H: Host> {
     stand_ins: Vec<StandIn>,
     watchdog: Probing,
     admin_ok: Instant,
+    /// Whether the serving epoch answers the watchdog (readiness follows it).
+    admin_health: AdminHealth,
     /// Drains asked for while an epoch or a cold family starts, applied once that handoff has
     /// settled, to whichever Envoy serves then. Beside the handoff rather than in it: they
     /// are sent after it is gone, and one made moot by a successor's cold takeover leaves
@@ -403,6 +406,7 @@ impl<H: Host> Supervisor<H> {
             stand_ins: Vec::new(),
             watchdog: Probing::default(),
             admin_ok: now,
+            admin_health: AdminHealth::Answering,
             pending_drains: Vec::new(),
             health_checks_failed: false,
             pending_health_checks: Vec::new(),
@@ -818,6 +822,7 @@ impl<H: Host> Supervisor<H> {
             newest_live: self.newest_live,
             family: Some(self.family.clone()),
             config: self.config_status.clone(),
+            admin: self.admin_health,
         };
         self.state.send_if_modified(|s| {
             if *s == state {

@@ -429,6 +429,50 @@ impl AdminClient {
         Ok(Some(state).filter(|s| s.state == ServerState::Live))
     }
 
+    /// [`AdminClient::ready`] over `kept`'s connection when it has one to this address
+    /// (replaced within the call when Envoy closed it), else over a new one that `kept` then
+    /// keeps: the watchdog's checks, a second apart, cost Envoy a question each, not a
+    /// connection. One that does not answer is a timeout and is not kept.
+    pub async fn ready_kept(&self, kept: &mut KeptConnection) -> Result<Readiness, AdminError> {
+        let reusable = kept
+            .connection
+            .take()
+            .filter(|k| k.connection.addr == self.addr);
+        let exchange = async {
+            let answered = match reusable {
+                Some(mut k) => match k.connection.get("/ready").await {
+                    Ok(answer) => Some((k, answer)),
+                    // Closed by Envoy since (an idle timeout, a drain): not an answer.
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            let (k, (status, body)) = match answered {
+                Some(answered) => answered,
+                None => {
+                    let mut connection = self.connect("/ready").await?;
+                    let answer = connection.get("/ready").await?;
+                    let k = Kept {
+                        connection,
+                        opened: std::time::Instant::now(),
+                        epoch: 0,
+                    };
+                    (k, answer)
+                }
+            };
+            let readiness = match status {
+                StatusCode::OK => Readiness::Ready,
+                StatusCode::SERVICE_UNAVAILABLE => {
+                    Readiness::NotReady(String::from_utf8_lossy(&body).trim().to_owned())
+                }
+                status => return Err(self.status("/ready", status, &body)),
+            };
+            kept.connection = Some(k);
+            Ok(readiness)
+        };
+        self.bounded("/ready", exchange).await
+    }
+
     /// Whether `epoch`, known to hold this address (its admin listener was bound after its
     /// parent's was shut), answers LIVE: `/ready` over `kept`'s connection when it was opened to
     /// that epoch (replaced within the call if Envoy closed it), else over a new one that

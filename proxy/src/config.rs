@@ -191,6 +191,9 @@ pub struct ProxyConfig {
     pub extra_args: Vec<String>,
     /// How long a stopping Envoy gets between SIGTERM and SIGKILL.
     pub stop_grace: Duration,
+    /// How long the serving Envoy's admin API may stay silent before it is judged wedged (and
+    /// killed); readiness turns off sooner (see [`crate::watchdog`]).
+    pub admin_unresponsive_deadline: Duration,
 }
 
 impl ProxyConfig {
@@ -221,6 +224,7 @@ impl ProxyConfig {
             hot_restart: None,
             extra_args: Vec::new(),
             stop_grace: Duration::from_secs(5),
+            admin_unresponsive_deadline: Duration::from_secs(30),
         }
     }
 }

@@ -1,8 +1,11 @@
 //! [`Envoy`]: the [`Proxy`] that runs one real Envoy process (hot restart off).
 //!
 //! `run` spawns Envoy at epoch 0 and publishes its state: `Starting` until its admin API says
-//! LIVE (polled every 50 ms while it starts, then no more), `Serving` after, `Exited`
-//! once reaped. Everything else (drain, config update, log reopening) is a call beside `run`.
+//! LIVE (polled every 50 ms while it starts), `Serving` after, `Exited` once reaped. Once LIVE,
+//! the [`crate::watchdog`] asks it `/ready` about once a second: silent for a few seconds, it is
+//! published as such (readiness off); silent past the unresponsive deadline, it is killed and
+//! `run` ends [`Ended::Wedged`]. Everything else (drain, config update, log reopening) is a call
+//! beside `run`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -12,11 +15,13 @@ use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{AdminClient, Readiness};
+use crate::admin::{AdminClient, KeptConnection, Readiness};
 use crate::config::{AdminAddress, ProxyConfig};
 use crate::process::{EnvoyProcess, signal_pid, wait_admin_file};
-use crate::state::{EpochInfo, EpochState, ProxyPhase, ProxyState};
-use crate::{ConfigApplied, DrainOptions, DrainPlan, Ended, Exit, Proxy, ProxyError, RestartError};
+use crate::state::{AdminHealth, EpochInfo, EpochState, ProxyPhase, ProxyState, WedgeReason};
+use crate::{
+    ConfigApplied, DrainOptions, DrainPlan, Ended, Exit, Proxy, ProxyError, RestartError,
+};
 
 /// How often a starting Envoy's admin API is asked whether it is LIVE.
 const LIVE_POLL: Duration = Duration::from_millis(50);
@@ -132,8 +137,28 @@ impl Envoy {
         }
     }
 
-    /// Resolves once Envoy reports LIVE (publishing it), or never.
-    async fn watch_live(&self, mut info: EpochInfo) {
+    /// Asks the serving Envoy whether it answers (see [`crate::watchdog`]), publishing its
+    /// health as it changes; resolves once it is judged wedged, with what happened.
+    async fn watch_health(&self, addr: SocketAddr) -> String {
+        let client = AdminClient::new(addr).with_timeout(crate::watchdog::CHECK_TIMEOUT);
+        // One check at a time: the connection is lent to it.
+        let kept = std::sync::Mutex::new(KeptConnection::default());
+        let check = || async {
+            let mut connection =
+                std::mem::take(&mut *kept.lock().unwrap_or_else(|p| p.into_inner()));
+            let answer = client.ready_kept(&mut connection).await;
+            *kept.lock().unwrap_or_else(|p| p.into_inner()) = connection;
+            answer.map(|_| ())
+        };
+        let publish = |health: AdminHealth| {
+            self.state.send_modify(|s| s.admin = health);
+        };
+        crate::watchdog::watch(check, self.config.admin_unresponsive_deadline, publish).await
+    }
+
+    /// Resolves once Envoy, having reported LIVE (published), is judged wedged, with what
+    /// happened; never if it is not.
+    async fn watch_live(&self, mut info: EpochInfo) -> String {
         let mut admin = self.admin.subscribe();
         let Ok(addr) = admin.wait_for(Option::is_some).await.map(|a| *a) else {
             return std::future::pending().await;
@@ -162,7 +187,10 @@ impl Envoy {
             "envoy is LIVE"
         );
         self.publish(ProxyPhase::Serving, Some(info));
-        self.watch_config(client).await;
+        tokio::select! {
+            () = self.watch_config(client) => std::future::pending().await,
+            wedged = self.watch_health(addr) => wedged,
+        }
     }
 }
 
@@ -193,27 +221,48 @@ impl Proxy for Envoy {
             started: now,
             since: now,
         };
-        // A fresh Envoy has received nothing yet (a run after a crash).
-        self.state
-            .send_modify(|s| s.config = crate::ConfigStatus::Unknown);
+        // A fresh Envoy has received nothing yet, and nothing is known of its silence (a run
+        // after a crash).
+        self.state.send_modify(|s| {
+            s.config = crate::ConfigStatus::Unknown;
+            s.admin = AdminHealth::Answering;
+        });
         self.publish(ProxyPhase::Starting, Some(info.clone()));
+        let pid = info.pid;
+        let (wedged_tx, wedged_rx) = tokio::sync::oneshot::channel::<String>();
+        let kill = CancellationToken::new();
         let watch_admin = async {
             if let Some(path) = admin_file {
                 let addr = wait_admin_file(&path).await;
                 tracing::info!(%addr, "envoy admin address");
                 self.admin.send_replace(Some(addr));
             }
-            self.watch_live(info).await;
+            let message = self.watch_live(info).await;
+            tracing::error!(
+                event = "wedge",
+                reason = %WedgeReason::AdminUnresponsive,
+                pid,
+                error = %message,
+                "envoy is wedged: killing it"
+            );
+            let _ = wedged_tx.send(message);
+            kill.cancel();
             // Never resolves: the select below ends with Envoy's exit.
             std::future::pending::<Result<Exit, ProxyError>>().await
         };
         let result = tokio::select! {
-            result = process.run(abort) => result,
+            result = process.run_or_kill(abort, kill.cancelled()) => result,
             result = watch_admin => result,
         };
         self.pid.send_replace(None);
         self.publish(ProxyPhase::Exited, None);
         let exit = result?;
+        if let Ok(message) = wedged_rx.await {
+            return Ok(Ended::Wedged {
+                reason: WedgeReason::AdminUnresponsive,
+                message,
+            });
+        }
         Ok(if exit.aborted {
             Ended::Stopped { last: Some(exit) }
         } else {

@@ -55,6 +55,7 @@ pub mod socket_table;
 mod spawner;
 pub mod state;
 mod sys;
+pub mod watchdog;
 
 pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
@@ -69,7 +70,7 @@ pub use listeners::{DrainPlan, PlanNote, Scope};
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
 pub use state::{
-    EpochExit, EpochInfo, EpochState, FamilyState, HISTORY_KEPT, Handoff, HandoffKind,
+    AdminHealth, EpochExit, EpochInfo, EpochState, FamilyState, HISTORY_KEPT, Handoff, HandoffKind,
     HandoffResult, HandoffStage, Outcome, ProxyPhase, ProxyState, Wedge, WedgeReason,
 };
 

@@ -109,12 +109,30 @@ impl EnvoyProcess {
 
     /// Waits for Envoy to exit; cancelling `abort` stops it first (SIGTERM, then SIGKILL to
     /// its process group after the grace). Resolves once Envoy has been reaped.
-    pub async fn run(mut self, abort: CancellationToken) -> Result<Exit, ProxyError> {
+    pub async fn run(self, abort: CancellationToken) -> Result<Exit, ProxyError> {
+        self.run_or_kill(abort, std::future::pending()).await
+    }
+
+    /// [`EnvoyProcess::run`], and SIGKILL to Envoy's process group as soon as `kill` resolves:
+    /// an Envoy judged wedged (silent) would not act on SIGTERM either (a stopped process
+    /// keeps it pending; a stuck main thread never runs its handler). Resolves once Envoy has
+    /// been reaped.
+    pub async fn run_or_kill(
+        mut self,
+        abort: CancellationToken,
+        kill: impl std::future::Future<Output = ()>,
+    ) -> Result<Exit, ProxyError> {
         let (status, aborted) = tokio::select! {
             status = self.child.wait() => (status, false),
             () = abort.cancelled() => {
                 tracing::info!(pid = self.pid, epoch = self.epoch, "stopping envoy");
                 (self.stop().await, true)
+            }
+            () = kill => {
+                tracing::info!(pid = self.pid, epoch = self.epoch, "killing envoy (SIGKILL)");
+                // Not reaped yet: the pid is still Envoy's.
+                let _ = killpg(Pid::from_raw(self.pid as i32), Signal::SIGKILL);
+                (self.child.wait().await, true)
             }
         };
         self.finish(status, aborted).await

@@ -47,6 +47,32 @@ pub struct EpochInfo {
     pub since: SystemTime,
 }
 
+/// Whether the serving Envoy answers the agent's checks of its admin API (`/ready`, about once
+/// a second; see [`crate::watchdog`]). What readiness follows once Envoy serves: an Envoy that
+/// answers nothing (stopped, deadlocked, starved) serves nothing either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AdminHealth {
+    /// It answers, or nothing is asked of it (nothing serves yet).
+    #[default]
+    Answering,
+    /// It has not answered for longer than [`crate::watchdog::stale_after`]: readiness is off
+    /// until it answers again, and past the unresponsive deadline it is judged wedged.
+    Silent {
+        /// Its last answer (or when the checks began).
+        since: SystemTime,
+    },
+}
+
+impl AdminHealth {
+    /// Since when the admin API has been silent, while it is.
+    pub fn silent_since(self) -> Option<SystemTime> {
+        match self {
+            AdminHealth::Answering => None,
+            AdminHealth::Silent { since } => Some(since),
+        }
+    }
+}
+
 /// The proxy's life as a whole.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProxyPhase {
@@ -91,6 +117,8 @@ pub struct ProxyState {
     pub family: Option<FamilyState>,
     /// What the newest LIVE epoch has of its config (its control plane, when dynamic).
     pub config: ConfigStatus,
+    /// Whether the newest LIVE epoch answers its admin API.
+    pub admin: AdminHealth,
 }
 
 impl ProxyState {
@@ -103,6 +131,7 @@ impl ProxyState {
             newest_live: None,
             family: None,
             config: ConfigStatus::Unknown,
+            admin: AdminHealth::Answering,
         }
     }
 
@@ -112,8 +141,17 @@ impl ProxyState {
     }
 
     /// Whether the newest epoch serves with its config (a dynamic bootstrap's: received from
-    /// the control plane once); why not otherwise. What readiness reports.
+    /// the control plane once) and answers its admin API; why not otherwise. What readiness
+    /// reports.
     pub fn ready(&self) -> Result<(), String> {
+        // First: it stays true while a silent Envoy is being stopped as wedged.
+        if let AdminHealth::Silent { since } = self.admin {
+            let silent = since.elapsed().unwrap_or_default();
+            return Err(format!(
+                "envoy's admin API has not answered for {}s",
+                silent.as_secs()
+            ));
+        }
         if !self.serving() {
             return Err(format!("envoy is {}", self.phase.as_str()));
         }

@@ -876,3 +876,63 @@ async fn state_goes_exiting_with_the_path() {
         }
     ));
 }
+
+/// Readiness follows the serving Envoy's answers, whichever proxy publishes them: a silent one
+/// is not ready and says why, while the agent stays live (nothing is decided yet); its answers
+/// make it ready again.
+#[tokio::test(start_paused = true)]
+async fn a_silent_serving_envoy_is_not_ready_until_it_answers_again() {
+    use envoy_agent_proxy::AdminHealth;
+    let h = start(FakeProxy::default(), config());
+    h.proxy.go_live();
+    h.proxy
+        .state
+        .send_modify(|s| s.config = envoy_agent_proxy::ConfigStatus::Static);
+    let mut status = h.handle.status();
+    status.wait_for(Status::ready).await.unwrap();
+    let since = std::time::SystemTime::now() - Duration::from_secs(4);
+    h.proxy
+        .state
+        .send_modify(|s| s.admin = AdminHealth::Silent { since });
+    let silent = status.wait_for(|s| !s.ready()).await.unwrap().clone();
+    assert!(silent.agent.serving(), "still live: {:?}", silent.agent);
+    let why = silent.proxy.ready().unwrap_err();
+    assert_eq!(why, "envoy's admin API has not answered for 4s");
+    h.proxy
+        .state
+        .send_modify(|s| s.admin = AdminHealth::Answering);
+    status.wait_for(Status::ready).await.unwrap();
+    h.signal(Intent::Terminate).await;
+    let (exit, ..) = h.exit().await;
+    assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+}
+
+/// A wedge ends an agent the same way whichever proxy judged it (a sidecar's Envoy or a
+/// family): exit 75 with exit path `wedged`; with crash recovery, after it served, a restart
+/// recorded as a crash of kind `wedged`.
+#[tokio::test(start_paused = true)]
+async fn a_wedge_exits_75_or_is_recovered_as_a_crash_of_kind_wedged() {
+    let wedged = || Ended::Wedged {
+        reason: envoy_agent_proxy::WedgeReason::AdminUnresponsive,
+        message: "envoy admin silent for 4.1s (deadline 4s)".to_owned(),
+    };
+    let h = start(FakeProxy::default(), config());
+    h.proxy.go_live();
+    h.state(AgentState::serving).await;
+    h.proxy.end_with(wedged());
+    let (exit, ..) = h.exit().await;
+    assert_eq!(exit.path.name(), "wedged");
+    assert_eq!(exit.code(), 75);
+
+    let h = start(FakeProxy::default(), recovering(3));
+    h.proxy.go_live();
+    h.state(AgentState::serving).await;
+    h.proxy.end_with(wedged());
+    h.runs(2).await;
+    let crashes = h.crashes();
+    let crash = &crashes.recent[0];
+    assert_eq!((crash.kind.as_str(), crash.code), ("wedged", 75));
+    assert_eq!(crash.action.as_str(), "restart");
+    h.signal(Intent::Terminate).await;
+    h.exit().await;
+}

@@ -215,11 +215,15 @@ async fn get_status_reports_typed_fields(node_proxy: bool, transport: Transport)
         for unset in [
             &s.parent_shutdown_time,
             &s.handoff_deadline,
-            &s.admin_unresponsive_deadline,
             &s.handover_timeout,
         ] {
             assert!(unset.is_none(), "node-proxy settings only there: {s:?}");
         }
+        assert_eq!(
+            span(&s.admin_unresponsive_deadline),
+            Duration::from_secs(30),
+            "both modes: the default"
+        );
         assert_eq!((s.base_id, s.state_dir.as_ref()), (None, None));
     }
 

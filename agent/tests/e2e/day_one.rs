@@ -197,15 +197,7 @@ async fn sub_second_and_zero_durations_are_refused_naming_the_flag() {
             "--handoff-deadline",
         ),
         (
-            &[
-                "--hot-restart",
-                "--base-id",
-                "1",
-                "--state-dir",
-                "/tmp/x",
-                "--admin-unresponsive-deadline",
-                "0s",
-            ][..],
+            &["--admin-unresponsive-deadline", "0s"][..],
             "--admin-unresponsive-deadline",
         ),
         (

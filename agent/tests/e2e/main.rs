@@ -16,6 +16,7 @@ mod exit_paths;
 mod grpc;
 mod handoff_faults;
 mod hot_restart;
+mod hung;
 mod manifests;
 mod preflight_cache;
 mod run;

@@ -254,7 +254,6 @@ async fn hot_restart_flags_without_hot_restart_are_refused_not_ignored() {
         ("--base-id", Some("7")),
         ("--parent-shutdown-time", Some("30s")),
         ("--handoff-deadline", Some("10s")),
-        ("--admin-unresponsive-deadline", Some("10s")),
         ("--watch-config", None),
         ("--ready-marker", Some("/tmp/ready")),
         ("--state-dir", Some("/tmp/state")),

@@ -241,7 +241,7 @@ impl<H: Host> Supervisor<H> {
         self.refresh_marker();
         let now = Instant::now();
         self.want_xds(now);
-        self.admin_ok = now;
+        self.admin_answered(now);
         self.watchdog = Probing {
             next: Some(now + WATCHDOG_POLL),
             in_flight: false,

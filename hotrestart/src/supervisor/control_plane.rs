@@ -138,12 +138,13 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// The readiness marker: our newest epoch LIVE with its config, not drained.
+    /// The readiness marker: our newest epoch LIVE with its config, answering, not drained.
     pub(super) fn refresh_marker(&mut self) {
         let present = matches!(self.life, Life::Running)
             && self.newest_live.is_some()
             && !self.family.drained
-            && self.config_status.ready().is_ok();
+            && self.config_status.ready().is_ok()
+            && self.admin_health == envoy_agent_proxy::AdminHealth::Answering;
         if present || self.marker {
             self.set_marker(present);
         }

@@ -316,8 +316,17 @@ impl<H: Host> Supervisor<H> {
             .rev()
             .map(|c| (c.epoch, c.state))
             .collect();
+        // A silent serving epoch would not act on SIGTERM either (a stopped one keeps it
+        // pending, a stuck main thread never runs Envoy's handler): SIGKILL at once.
+        let silent = match &outcome {
+            Ended::Wedged {
+                reason: WedgeReason::AdminUnresponsive,
+                ..
+            } => self.newest_live,
+            _ => None,
+        };
         for (epoch, state) in targets {
-            let signal = if state == EpochState::Starting && epoch > 0 {
+            let signal = if (state == EpochState::Starting && epoch > 0) || silent == Some(epoch) {
                 Signal::SIGKILL
             } else {
                 Signal::SIGTERM

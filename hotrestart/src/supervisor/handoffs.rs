@@ -228,7 +228,7 @@ impl<H: Host> Supervisor<H> {
         self.host.passed_live(&attempt.checked);
         // Its admin is on the configured address (after a cold family's ephemeral one).
         self.host.switch_family(self.base_id, false);
-        self.admin_ok = Instant::now();
+        self.admin_answered(Instant::now());
         self.epochs.set_state(epoch, EpochState::Live);
         let now = Instant::now();
         self.handoff = match &attempt.parent {

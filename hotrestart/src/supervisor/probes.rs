@@ -1,5 +1,8 @@
 //! Admin probes and what their answers decide: discovery of a predecessor, LIVE, the watchdog
-//! (wedge, lost listener, takeover by a successor), the stop-time successor question.
+//! (stale readiness, wedge, lost listener, takeover by a successor), the stop-time successor
+//! question.
+
+use envoy_agent_proxy::watchdog::{self, Silence};
 
 use super::*;
 
@@ -361,6 +364,8 @@ impl<H: Host> Supervisor<H> {
             "handed over to {successor}"
         )));
         self.watchdog = Probing::default();
+        // The successor's Envoy serves now: ours is no longer asked.
+        self.admin_health = AdminHealth::Answering;
         self.write_heartbeat();
     }
 
@@ -433,17 +438,17 @@ impl<H: Host> Supervisor<H> {
         };
         self.watchdog.next = Some(now + period);
         match result {
-            Ok(_) => self.admin_ok = now,
+            Ok(_) => self.admin_answered(now),
             Err(e) if self.family.successor_starting.is_some() => {
                 // Another pod's starting epoch may hold the admin listener: its handoff, not a
                 // wedge of ours.
                 tracing::debug!(error = %e, "admin silent while a successor starts");
-                self.admin_ok = now;
+                self.admin_answered(now);
             }
             Err(e) if discovery::refused(&e) => {
                 // Our Envoy runs but its admin listener is gone: only a child (ours or another
                 // pod's) takes it, and that child has failed. Only a LIVE child gives it back.
-                self.admin_ok = now;
+                self.admin_answered(now);
                 if self.handoff.is_idle() && self.queue.is_empty() && !self.family.drained {
                     tracing::warn!(error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
                     self.queue
@@ -457,17 +462,32 @@ impl<H: Host> Supervisor<H> {
             }
             Err(e) => {
                 let silent = now - self.admin_ok;
+                let deadline = self.config.proxy.admin_unresponsive_deadline;
                 tracing::warn!(error = %e, silent_for = ?silent, "envoy admin not answering");
-                // Only a call sent once the deadline had passed decides: one sent before it
-                // and answered late (the agent stalled, or was starved) is not the fresh fact a
-                // wedge, which stops the family, needs.
-                if sent.saturating_duration_since(self.admin_ok)
-                    >= self.config.admin_unresponsive_deadline
-                {
-                    let message = format!(
-                        "envoy admin silent for {silent:?} (deadline {:?}): {e}",
-                        self.config.admin_unresponsive_deadline
+                // The same rules as a sidecar's (see `watchdog`): stale after a few seconds; a
+                // wedge only when a call sent once the deadline had passed failed too (one sent
+                // before it and answered late, the agent stalled or starved, is not the fresh
+                // fact a wedge, which stops the family, needs).
+                let silence = watchdog::judge(self.admin_ok, sent, now, deadline);
+                if silence != Silence::Brief && self.admin_health == AdminHealth::Answering {
+                    tracing::warn!(
+                        event = "admin_silent",
+                        epoch = self.newest_live,
+                        silent_for_ms = silent.as_millis() as u64,
+                        deadline_ms = deadline.as_millis() as u64,
+                        error = %e,
+                        "envoy's admin API does not answer: not ready"
                     );
+                    let since = SystemTime::now().checked_sub(silent);
+                    self.admin_health = AdminHealth::Silent {
+                        since: since.unwrap_or_else(SystemTime::now),
+                    };
+                    // The marker is a node proxy's readiness (an exec probe): it follows too.
+                    self.refresh_marker();
+                }
+                if silence == Silence::Wedged {
+                    let message =
+                        format!("envoy admin silent for {silent:?} (deadline {deadline:?}): {e}");
                     self.record_wedge(WedgeReason::AdminUnresponsive, message.clone());
                     self.begin_stop(
                         Ended::Wedged {
@@ -479,6 +499,22 @@ impl<H: Host> Supervisor<H> {
                 }
             }
         }
+    }
+
+    /// The serving epoch answered (or its silence is explained) at `now`: readiness follows it
+    /// again.
+    pub(super) fn admin_answered(&mut self, now: Instant) {
+        if let AdminHealth::Silent { .. } = self.admin_health {
+            tracing::info!(
+                event = "admin_answering",
+                epoch = self.newest_live,
+                silent_for_ms = (now - self.admin_ok).as_millis() as u64,
+                "envoy's admin API answers again"
+            );
+            self.admin_health = AdminHealth::Answering;
+            self.refresh_marker();
+        }
+        self.admin_ok = now;
     }
 
     /// Discovery's next step: the node's epoch lock, then a look at the node.
