@@ -13,9 +13,8 @@ use std::time::{Duration, SystemTime};
 use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::{
     AdminError, AdminHealth, DrainOptions, DrainPlan, Ended, EpochState, Exit, FamilyState,
-    HandoffKind,
-    HandoffResult, HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState, RestartError,
-    ServerInfo, ServerState, Signal, Wedge, WedgeReason,
+    HandoffKind, HandoffResult, HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState,
+    RestartError, ServerInfo, ServerState, Signal, Wedge, WedgeReason,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;

@@ -19,9 +19,7 @@ use crate::admin::{AdminClient, KeptConnection, Readiness};
 use crate::config::{AdminAddress, ProxyConfig};
 use crate::process::{EnvoyProcess, signal_pid, wait_admin_file};
 use crate::state::{AdminHealth, EpochInfo, EpochState, ProxyPhase, ProxyState, WedgeReason};
-use crate::{
-    ConfigApplied, DrainOptions, DrainPlan, Ended, Exit, Proxy, ProxyError, RestartError,
-};
+use crate::{ConfigApplied, DrainOptions, DrainPlan, Ended, Exit, Proxy, ProxyError, RestartError};
 
 /// How often a starting Envoy's admin API is asked whether it is LIVE.
 const LIVE_POLL: Duration = Duration::from_millis(50);
