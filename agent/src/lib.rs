@@ -38,6 +38,7 @@ use tokio_util::task::TaskTracker;
 
 pub mod agent;
 pub mod budget;
+pub mod channel_link;
 pub mod cli;
 pub mod client;
 mod connections;
@@ -201,7 +202,8 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
         .as_ref()
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
-    let (socket_path, extra_args) = setup::hot_restart_channel(settings, extra_args)?;
+    let (socket_path, extra_args) =
+        setup::hot_restart_channel(settings, extra_args, &std::env::temp_dir())?;
     if settings.hot_restart.is_some() {
         tracing::info!(
             event = "hot_restart_channel",

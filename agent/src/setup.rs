@@ -94,14 +94,19 @@ pub enum SetupError {
     /// The channel's socket names would not fit a Unix socket address.
     #[error(
         "hot-restart socket path {path} is too long: Envoy's names below it ({longest}) must fit \
-         in 107 bytes; use a shorter --state-dir or --socket-path"
+         in 107 bytes; {fix}"
     )]
     ChannelTooLong {
         /// The prefix.
         path: PathBuf,
         /// Its longest name.
         longest: String,
+        /// What to shorten.
+        fix: &'static str,
     },
+    /// The short link to the channel's directory cannot be made (`crate::channel_link`).
+    #[error(transparent)]
+    ChannelLink(#[from] crate::channel_link::LinkError),
     /// An extra Envoy argument would break what the agent guarantees.
     #[error("envoy argument {arg} (after --) cannot be passed through: {instead}")]
     RefusedArg {
@@ -343,13 +348,16 @@ pub const CHANNEL_DIR: &str = "hot-restart";
 /// The node proxy's hot-restart channel (who can reach it, and what it lets them do:
 /// `docs/operations.md#security-who-can-reach-what`): a user's own
 /// `--socket-path` (taken out of `extra_args`: the agent passes it to every epoch, and its
-/// stand-ins bind its names), else `<state dir>/hot-restart/envoy`, files of mode 600 in a
-/// directory only the agent's user (or, when the agent is root and runs Envoy as another
-/// user, Envoy's) can enter. An abstract one only with `--allow-abstract-hot-restart-socket`.
-/// Makes the state directory private too. Without hot restart: Envoy's default, untouched.
+/// stand-ins bind its names), else `<temp dir>/envoy-agent-hr-<uid>/<base id>/envoy`, through
+/// the agent's symlink to `<state dir>/hot-restart` (why: [`crate::channel_link`]): files of
+/// mode 600 in a directory only the agent's user (or, when the agent is root and runs Envoy as
+/// another user, Envoy's) can enter. An abstract one only with
+/// `--allow-abstract-hot-restart-socket`. Makes the state directory private too. Without hot
+/// restart: Envoy's default, untouched.
 pub fn hot_restart_channel(
     settings: &Settings,
     extra_args: Vec<String>,
+    temp_dir: &Path,
 ) -> Result<(SocketPath, Vec<String>), SetupError> {
     let Some(hot) = &settings.hot_restart else {
         return Ok((SocketPath::envoy_default(), extra_args));
@@ -366,7 +374,30 @@ pub fn hot_restart_channel(
     let (given, rest) = take_flag(&extra_args, "--socket-path")?;
     let path = match &given {
         Some(text) => SocketPath::parse(text),
-        None => SocketPath::File(state_dir.join(CHANNEL_DIR).join("envoy")),
+        None => {
+            let channel_dir = state_dir.join(CHANNEL_DIR);
+            private_dir(
+                "hot-restart socket directory",
+                &channel_dir,
+                0o700,
+                envoy_user,
+                true,
+            )?;
+            // Absolute and free of symlinks: the link is followed from another directory.
+            let target =
+                std::fs::canonicalize(&channel_dir).map_err(|e| SetupError::PrivateDir {
+                    what: "hot-restart socket directory",
+                    dir: channel_dir.clone(),
+                    why: e.to_string(),
+                })?;
+            let links = crate::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
+            // Ours alone, so that nobody else can plant the link's name; Envoy running as
+            // another user must traverse it.
+            private_dir("hot-restart link directory", &links, state_mode, None, true)?;
+            let link = crate::channel_link::link_path(&links, hot.base_id);
+            crate::channel_link::ensure(&link, &target)?;
+            SocketPath::File(link.join("envoy"))
+        }
     };
     match &path {
         SocketPath::Abstract(_) if !hot.allow_abstract_socket => {
@@ -376,32 +407,44 @@ pub fn hot_restart_channel(
         }
         SocketPath::Abstract(_) => {}
         SocketPath::File(prefix) => {
-            let dir = match prefix.parent() {
-                Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
-                _ => PathBuf::from("."),
-            };
-            // Ours is made (and kept) private; a directory of the user's is only checked.
-            private_dir(
-                "hot-restart socket directory",
-                &dir,
-                0o700,
-                envoy_user,
-                given.is_none(),
-            )?;
-            let longest = format!(
-                "{}_udp_parent_{}",
-                prefix.display(),
-                u64::from(hot.base_id) * 10 + 2
-            );
-            if longest.len() > 107 {
+            if given.is_some() {
+                let dir = match prefix.parent() {
+                    Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+                    _ => PathBuf::from("."),
+                };
+                // A directory of the user's is only checked.
+                private_dir(
+                    "hot-restart socket directory",
+                    &dir,
+                    0o700,
+                    envoy_user,
+                    false,
+                )?;
+            }
+            let base_ids = [Some(hot.base_id), hot.cold_base_id];
+            if let Some(longest) = too_long(prefix, base_ids.into_iter().flatten()) {
                 return Err(SetupError::ChannelTooLong {
                     path: prefix.clone(),
                     longest,
+                    fix: if given.is_some() {
+                        "use a shorter --socket-path"
+                    } else {
+                        "use a shorter temp dir (TMPDIR)"
+                    },
                 });
             }
         }
     }
     Ok((path, rest))
+}
+
+/// The longest socket name Envoy binds below `prefix` for families on `base_ids`
+/// (`<prefix>_udp_parent_<base id × 10 + 2>`), when it does not fit a Unix socket address
+/// (107 bytes and the NUL).
+fn too_long(prefix: &Path, base_ids: impl Iterator<Item = u32>) -> Option<String> {
+    let highest = base_ids.max().map_or(0, |id| u64::from(id) * 10 + 2);
+    let longest = format!("{}_udp_parent_{highest}", prefix.display());
+    (longest.len() > 107).then_some(longest)
 }
 
 /// Where the drain-notice files live (`envoy_agent_proxy::drain_notice`), when the notice is
@@ -636,5 +679,122 @@ mod tests {
         // A missing bootstrap is an error even with the flag.
         let err = resolve_admin(&dir.path().join("nope.yaml"), flag, &[], &run).unwrap_err();
         assert!(err.to_string().contains("nope.yaml"), "{err}");
+    }
+
+    fn node_settings(state_dir: &Path, envoy_args: &[&str]) -> Settings {
+        use clap::Parser;
+        let mut args = vec!["envoy-agent", "run", "-c", "b.yaml", "--hot-restart"];
+        args.extend([
+            "--base-id",
+            "4000000",
+            "--state-dir",
+            state_dir.to_str().unwrap(),
+        ]);
+        args.push("--");
+        args.extend(envoy_args);
+        let cli = crate::cli::Cli::try_parse_from(args).unwrap();
+        let crate::cli::Command::Run(run) = cli.command else {
+            panic!("run expected");
+        };
+        run.into_settings("unix:/run/test/grpc.sock".parse().ok())
+            .unwrap()
+    }
+
+    /// A path of exactly `len` bytes below `dir`.
+    fn deep(dir: &Path, len: usize) -> PathBuf {
+        let mut path = dir.to_path_buf();
+        while path.as_os_str().len() + 11 < len {
+            path.push("0123456789");
+        }
+        let pad = len - path.as_os_str().len() - 1;
+        path.push("s".repeat(pad));
+        assert_eq!(path.as_os_str().len(), len);
+        path
+    }
+
+    #[test]
+    fn the_channel_of_a_deep_state_dir_is_reached_through_a_short_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let tmp = dir.path().join("tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        let state = deep(dir.path(), 150);
+        let (path, rest) = hot_restart_channel(&node_settings(&state, &[]), vec![], &tmp).unwrap();
+        assert!(rest.is_empty());
+        let me = nix::unistd::geteuid().as_raw();
+        let link = tmp.join(format!("envoy-agent-hr-{me}")).join("4000000");
+        assert_eq!(path, SocketPath::File(link.join("envoy")));
+        assert_eq!(
+            std::fs::canonicalize(&link).unwrap(),
+            std::fs::canonicalize(state.join(CHANNEL_DIR)).unwrap()
+        );
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&state.join(CHANNEL_DIR)), 0o700);
+        assert_eq!(mode(link.parent().unwrap()), 0o700);
+        // The same state dir at another path (here through a symlink to its parent; a state
+        // dir that is itself a symlink is refused): the link is kept.
+        let alias = dir.path().join("alias");
+        std::os::unix::fs::symlink(state.parent().unwrap(), &alias).unwrap();
+        let other = alias.join(state.file_name().unwrap());
+        let (again, _) = hot_restart_channel(&node_settings(&other, &[]), vec![], &tmp).unwrap();
+        assert_eq!(again, path);
+        assert_eq!(
+            std::fs::read_link(&link).unwrap(),
+            std::fs::canonicalize(state.join(CHANNEL_DIR)).unwrap()
+        );
+    }
+
+    #[test]
+    fn a_channel_whose_names_cannot_fit_is_refused_naming_what_to_shorten() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        // The user's own path is taken as given.
+        let own = deep(dir.path(), 90).join("envoy");
+        std::fs::create_dir_all(own.parent().unwrap()).unwrap();
+        std::fs::set_permissions(
+            own.parent().unwrap(),
+            std::fs::Permissions::from_mode(0o700),
+        )
+        .unwrap();
+        let settings = node_settings(&state, &[]);
+        let args = vec!["--socket-path".to_owned(), own.display().to_string()];
+        let err = hot_restart_channel(&settings, args, dir.path()).unwrap_err();
+        assert!(
+            matches!(err, SetupError::ChannelTooLong { fix, .. } if fix.contains("--socket-path")),
+            "{err}"
+        );
+        assert_eq!(err.exit_code(), exit_code::USAGE);
+        // The agent's link: only a temp dir that long can make it too long.
+        let tmp = deep(dir.path(), 80);
+        std::fs::create_dir_all(&tmp).unwrap();
+        let err = hot_restart_channel(&settings, vec![], &tmp).unwrap_err();
+        assert!(
+            matches!(err, SetupError::ChannelTooLong { fix, .. } if fix.contains("TMPDIR")),
+            "{err}"
+        );
+        assert_eq!(
+            too_long(
+                Path::new("/tmp/envoy-agent-hr-0/4294967295/envoy"),
+                [u32::MAX].into_iter()
+            ),
+            None,
+            "the longest link and names fit"
+        );
+    }
+
+    #[test]
+    fn something_else_at_the_links_name_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().join("state");
+        let me = nix::unistd::geteuid().as_raw();
+        let planted = dir
+            .path()
+            .join(format!("envoy-agent-hr-{me}"))
+            .join("4000000");
+        std::fs::create_dir_all(&planted).unwrap();
+        let err = hot_restart_channel(&node_settings(&state, &[]), vec![], dir.path()).unwrap_err();
+        assert!(matches!(err, SetupError::ChannelLink(_)), "{err}");
+        assert_eq!(err.exit_code(), exit_code::USAGE);
+        // Nothing was followed or removed.
+        assert!(planted.is_dir());
     }
 }
