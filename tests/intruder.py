@@ -19,6 +19,7 @@ import os
 import socket
 import struct
 import sys
+import tempfile
 import time
 
 ABSTRACT_LEN = 107  # sun_path less the leading NUL, as Envoy pads its names
@@ -105,7 +106,12 @@ def main():
     base_id, port, state_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     lock_seconds = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     address = f"tcp://127.0.0.1:{port}"
-    channels = [("abstract", "envoy_domain_socket"), ("file", f"{state_dir}/hot-restart/envoy")]
+    # The agent's short name for its channel (a symlink to the state dir's), in a directory
+    # of the agent's user's.
+    link = os.path.join(tempfile.gettempdir(), f"envoy-agent-hr-{os.stat(state_dir).st_uid}",
+                        str(base_id), "envoy")
+    channels = [("abstract", "envoy_domain_socket"), ("file", f"{state_dir}/hot-restart/envoy"),
+                ("link", link)]
     result = {"hijack": {}, "terminate": {}, "uid": os.getuid()}
     for kind, prefix in channels:
         for n in range(3):

@@ -16,7 +16,7 @@ use crate::agent;
 use envoy_agent_tests::live_at;
 
 /// Drain 1s, parent shutdown 2s: a handoff is over (parent gone) about 2s after LIVE.
-const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
+pub(crate) const FAST: &[&str] = &["--drain-time", "1s", "--parent-shutdown-time", "2s"];
 
 /// How many hot restarts (not first starts) ended with `outcome`.
 pub(crate) fn restarts(agent: &AgentProcess, outcome: &str) -> usize {
@@ -32,14 +32,14 @@ async fn start(extra: &[&str]) -> AgentProcess {
 }
 
 /// Waits until the agent runs exactly one Envoy (the previous parent has exited).
-async fn one_generation(agent: &AgentProcess) {
+pub(crate) async fn one_generation(agent: &AgentProcess) {
     eventually("the parent to exit", PATIENCE, || async {
         (agent.envoys().len() == 1).then_some(())
     })
     .await;
 }
 
-fn listener(agent: &AgentProcess) -> std::net::SocketAddr {
+pub(crate) fn listener(agent: &AgentProcess) -> std::net::SocketAddr {
     let port = agent.ports.map(|p| p.listener_port).unwrap_or_default();
     std::net::SocketAddr::from(([127, 0, 0, 1], port))
 }

@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod api;
+mod channel;
 mod clients;
 mod cold_handover;
 mod control_plane;

@@ -108,6 +108,12 @@ async fn a_neighbour_gets_no_listener_and_cannot_stop_envoy_or_hold_the_epoch_lo
         tried["lock"].as_str().unwrap().starts_with("open:"),
         "the epoch lock cannot even be opened: {tried}"
     );
+    // The short name stops the neighbour at its directory, which only the agent can enter.
+    assert_eq!(
+        tried["hijack"][format!("link:{}", u64::from(ports.base_id) * 10)],
+        "bind child: EACCES",
+        "{tried}"
+    );
     // A Terminate that got through would stop Envoy within milliseconds: watch a while.
     let until = Instant::now() + Duration::from_secs(3);
     while Instant::now() < until {
@@ -158,12 +164,24 @@ async fn the_state_dir_and_the_channel_are_private_and_an_abstract_channel_is_re
         .pop()
         .expect("the channel is logged at start");
     assert_eq!(started["private"], true, "{started}");
-    // What a successor reads to find the family's channel.
+    // What a successor reads to find the family's channel: a short name that leads to the
+    // state dir's private directory, in a directory of the agent's alone.
     let info = node.admin.server_info().await.unwrap();
-    assert_eq!(
-        info.socket_path,
-        envoy_agent_proxy::SocketPath::File(state.join("hot-restart").join("envoy"))
+    let envoy_agent_proxy::SocketPath::File(prefix) = &info.socket_path else {
+        panic!("a file channel: {:?}", info.socket_path);
+    };
+    let link = prefix.parent().unwrap();
+    assert!(
+        std::fs::symlink_metadata(link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
     );
+    assert_eq!(
+        std::fs::canonicalize(link).unwrap(),
+        std::fs::canonicalize(state.join("hot-restart")).unwrap()
+    );
+    assert_eq!(mode(link.parent().unwrap()), 0o700);
     node.signal(Signal::SIGTERM);
     assert_eq!(node.exit().await.code(), Some(0));
 
