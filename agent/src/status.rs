@@ -497,10 +497,9 @@ pub fn agent_metrics(state: &AgentState) -> String {
 /// plane's connection and how long it has been without it.
 pub fn config_metrics(config: &ConfigStatus) -> String {
     let mut out = format!(
-        "# HELP envoy_agent_config_ready Whether the newest Envoy has its config (from its control plane, when dynamic).
-         # TYPE envoy_agent_config_ready gauge
-envoy_agent_config_ready {}
-",
+        "# HELP envoy_agent_config_ready Whether the newest Envoy has its config (from its control plane, when dynamic).\n\
+         # TYPE envoy_agent_config_ready gauge\n\
+         envoy_agent_config_ready {}\n",
         u8::from(config.ready().is_ok())
     );
     if let Some(cp) = config.control_plane() {
@@ -510,12 +509,12 @@ envoy_agent_config_ready {}
             .map_or(0.0, |d| d.as_secs_f64());
         let _ = writeln!(
             out,
-            "# HELP envoy_agent_control_plane_connected Whether the newest Envoy's xDS stream is up (control_plane.connected_state).
-             # TYPE envoy_agent_control_plane_connected gauge
-envoy_agent_control_plane_connected {}
-             # HELP envoy_agent_control_plane_disconnected_seconds How long the newest Envoy has been without its control plane (0 while connected).
-             # TYPE envoy_agent_control_plane_disconnected_seconds gauge
-envoy_agent_control_plane_disconnected_seconds {without:.3}",
+            "# HELP envoy_agent_control_plane_connected Whether the newest Envoy's xDS stream is up (control_plane.connected_state).\n\
+             # TYPE envoy_agent_control_plane_connected gauge\n\
+             envoy_agent_control_plane_connected {}\n\
+             # HELP envoy_agent_control_plane_disconnected_seconds How long the newest Envoy has been without its control plane (0 while connected).\n\
+             # TYPE envoy_agent_control_plane_disconnected_seconds gauge\n\
+             envoy_agent_control_plane_disconnected_seconds {without:.3}",
             u8::from(cp.connected.unwrap_or(false))
         );
     }
@@ -758,5 +757,24 @@ mod tests {
         assert!((90.0..100.0).contains(&without), "{text}");
         let text = config_metrics(&ConfigStatus::Unknown);
         assert!(text.contains("envoy_agent_config_ready 0"), "{text}");
+    }
+
+    #[test]
+    fn every_line_of_the_agents_metrics_starts_at_the_first_column() {
+        let down = ConfigStatus::Dynamic(envoy_agent_proxy::ControlPlane {
+            epoch: 0,
+            types: Vec::new(),
+            connected: Some(false),
+            disconnected_since: None,
+        });
+        let text = agent_metrics(&AgentState::Starting {
+            since: SystemTime::now(),
+        }) + &config_metrics(&down);
+        for line in text.lines() {
+            assert!(
+                !line.starts_with(char::is_whitespace) && !line.is_empty(),
+                "{line:?}"
+            );
+        }
     }
 }
