@@ -937,11 +937,21 @@ class Bench:
             "handoff_duration_ms_max": mx(durations),
         }
 
+    def agent_has_flag(self, flag):
+        """Whether the agent under test knows `flag` (an older release may not)."""
+        out = subprocess.run([self.args.agent, "run", "--help"], capture_output=True, text=True)
+        return flag in out.stdout
+
     def drain(self, size, node):
         mode = "node" if node else "sidecar"
         d = self.rundir(size, mode + "-drain")
         extra = ["--exit-on-zero-active-connections", "--minimum-drain-duration", "0s",
                  "--termination-drain-duration", "12s"]
+        # A drain held open by the idle connection for the whole window: the drain notice
+        # would have Envoy close it within seconds (docs/operations.md, "What each client is
+        # told"), and the window measures what a held drain costs.
+        if self.agent_has_flag("--drain-notice"):
+            extra += ["--drain-notice", "off"]
         proc, agent_log, envoy_pid, _ = self.start_agent(size, d, node, extra)
         conn = None
         try:

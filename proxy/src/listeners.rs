@@ -76,6 +76,9 @@ pub struct Listener {
     pub udp: bool,
 }
 
+/// How many drained listeners a log line names.
+pub const LOGGED_NAMES: usize = 20;
+
 /// Which listeners a drain is asked to reach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub enum Scope {
@@ -143,7 +146,7 @@ impl DrainPlan {
         }
     }
 
-    /// The drained listeners' names, comma-separated, for logs.
+    /// The drained listeners' names, comma-separated, for logs: the first [`LOGGED_NAMES`].
     pub fn drained_names(&self) -> String {
         if self.drained.is_empty() {
             return match &self.note {
@@ -152,11 +155,18 @@ impl DrainPlan {
                 _ => "none".into(),
             };
         }
-        self.drained
+        // A log line, not the list: a large config drains hundreds (the status has them all).
+        let mut names = self
+            .drained
             .iter()
+            .take(LOGGED_NAMES)
             .map(|l| l.name.as_str())
             .collect::<Vec<_>>()
-            .join(",")
+            .join(",");
+        if self.drained.len() > LOGGED_NAMES {
+            names.push_str(&format!(" and {} more", self.drained.len() - LOGGED_NAMES));
+        }
+        names
     }
 
     /// The configured name of the listener whose stats are named `stat_name`, if known.
@@ -481,6 +491,18 @@ mod tests {
         assert!(!p.inbound_only);
         assert_eq!(p.drained_names(), "all (unknown)");
         assert!(plan(Scope::Inbound, false, Err(String::new())).inbound_only);
+    }
+
+    #[test]
+    fn a_log_line_names_the_first_listeners_of_a_large_drain() {
+        let many: Vec<Listener> = (0..25)
+            .map(|i| listener(&format!("l{i}"), Direction::Unspecified))
+            .collect();
+        let names = plan(Scope::All, false, Ok(many)).drained_names();
+        assert!(
+            names.starts_with("l0,l1,") && names.ends_with(",l19 and 5 more"),
+            "{names}"
+        );
         assert!(!plan(Scope::All, true, Err(String::new())).inbound_only);
     }
 
