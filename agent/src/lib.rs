@@ -52,6 +52,7 @@ pub mod settings;
 pub mod setup;
 pub mod signal;
 pub mod socket;
+pub mod stats_query;
 pub mod status;
 pub mod telemetry;
 pub mod termination;

@@ -18,7 +18,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
-use axum::extract::{ConnectInfo, State};
+use axum::extract::{ConnectInfo, RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -27,6 +27,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentHandle, AgentState, DrainPhase, Via};
+use crate::stats_query::{EnvoyRefusal, StatsQuery};
 
 /// Bound on the admin calls a status request makes to Envoy.
 const ENVOY_CALL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -361,18 +362,34 @@ async fn quit(
     }
 }
 
-async fn prometheus(State(agent): State<AgentHandle>) -> Response {
+/// `/stats/prometheus[?query]`: the agent's own metrics, then Envoy's for `query` (see
+/// [`crate::stats_query`]), passed on as they arrive. A query Envoy does not take is refused
+/// (400, naming the parameter) before Envoy is asked; one Envoy refuses (a bad regex) is
+/// refused with Envoy's words. Envoy's `filter` and `usedonly` apply to Envoy's stats only:
+/// the agent's own families are always there, so a scrape always says whether Envoy's stats
+/// could be read (`envoy_agent_envoy_stats_up`).
+async fn prometheus(State(agent): State<AgentHandle>, RawQuery(raw): RawQuery) -> Response {
+    let query = match StatsQuery::parse(raw.as_deref().unwrap_or_default()) {
+        Ok(query) => query,
+        Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    let envoy = match agent.admin() {
+        Some(admin) => match admin
+            .with_timeout(ENVOY_CALL_TIMEOUT)
+            .prometheus_stream(&query.to_query_string())
+            .await
+        {
+            Ok(stats) => Ok(stats),
+            Err(e) => match EnvoyRefusal::from_admin_error(&e) {
+                Some(refusal) => return text(StatusCode::BAD_REQUEST, refusal.to_string()),
+                None => Err(e.to_string()),
+            },
+        },
+        None => Err("envoy admin address unknown".to_owned()),
+    };
     let state = agent.state();
     let mut body = agent_metrics(&state);
     body.push_str(&config_metrics(&agent.status().borrow().proxy.config));
-    let envoy = match agent.admin() {
-        Some(admin) => admin
-            .with_timeout(ENVOY_CALL_TIMEOUT)
-            .prometheus_stream()
-            .await
-            .map_err(|e| e.to_string()),
-        None => Err("envoy admin address unknown".to_owned()),
-    };
     let up = u8::from(envoy.is_ok());
     let _ = writeln!(
         body,
@@ -710,6 +727,27 @@ mod tests {
         );
         assert!(body.contains("envoy_agent_draining 0"), "{body}");
         assert!(body.contains("envoy_agent_envoy_stats_up 0"), "{body}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prometheus_refuses_a_query_envoy_does_not_take_naming_the_parameter() {
+        let f = fixture();
+        for (query, parameter) in [
+            ("format=json", "format"),
+            ("usedonly&filter=a&filter=b", "filter"),
+            ("usedonly=false", "usedonly"),
+        ] {
+            let (status, body) = call(
+                &f,
+                Method::GET,
+                &format!("/stats/prometheus?{query}"),
+                REMOTE,
+            )
+            .await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{query}");
+            assert!(body.contains(&format!("{parameter:?}")), "{query}: {body}");
+        }
+        assert!(f.proxy.calls().is_empty(), "nothing reached the proxy");
     }
 
     #[test]

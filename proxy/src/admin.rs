@@ -591,11 +591,18 @@ impl AdminClient {
         self.call_ok(Method::GET, "/stats/prometheus").await
     }
 
-    /// `GET /stats/prometheus`, its body passed on as it arrives: on a large config it is
-    /// tens of MiB, never to be held whole. The answer's head comes within the client's
-    /// timeout; the body is the caller's to bound.
-    pub async fn prometheus_stream(&self) -> Result<StreamedBody, AdminError> {
-        let endpoint = "/stats/prometheus";
+    /// `GET /stats/prometheus?<query>` (`query` already encoded; empty for none), its body
+    /// passed on as it arrives: on a large config it is tens of MiB, never to be held whole.
+    /// The answer's head comes within the client's timeout; the body is the caller's to bound.
+    /// An answer other than 200 (Envoy refusing the query: a regex it cannot compile) is an
+    /// [`AdminError::Status`] with the start of Envoy's words.
+    pub async fn prometheus_stream(&self, query: &str) -> Result<StreamedBody, AdminError> {
+        let endpoint = if query.is_empty() {
+            "/stats/prometheus".to_owned()
+        } else {
+            format!("/stats/prometheus?{query}")
+        };
+        let endpoint = endpoint.as_str();
         let exchange = async {
             let mut connection = self.connect(endpoint).await?;
             let response = connection.send(Method::GET, endpoint).await?;

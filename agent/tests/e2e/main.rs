@@ -21,6 +21,7 @@ mod hung;
 mod manifests;
 mod preflight_cache;
 mod run;
+mod scrape;
 mod security;
 mod shipped;
 mod shutdown_budget;
