@@ -39,10 +39,13 @@ struct Rig {
 
 impl Rig {
     async fn start(mode: Mode, args: &[&str]) -> Rig {
+        Rig::start_with(agent_in(mode), args).await
+    }
+
+    async fn start_with(builder: envoy_agent_tests::AgentBuilder, args: &[&str]) -> Rig {
         let dir = TestDir::new();
         let upstream = HttpUpstream::start().await;
         let cert = TlsCert::generate(&dir);
-        let builder = agent_in(mode);
         let mut bootstrap = DrainBootstrap::new(upstream.addr())
             .max_connection_duration(Duration::from_secs(86_400))
             .quic(&cert);
@@ -490,4 +493,37 @@ async fn rig_settings(agent: &AgentProcess) -> pb::Settings {
     let addr: GrpcAddress = agent.grpc.parse().unwrap();
     let mut client = connect(&addr, PATIENCE).await.unwrap();
     get_status(&mut client).await.settings.unwrap()
+}
+
+both_modes!(as_pid_1_a_sigterm_still_tells_every_client);
+
+/// As PID 1 of its own PID namespace (every pod's agent is), with the defaults: SIGTERM tells
+/// an HTTP/1.1 client and an idle HTTP/2 one of the drained listener before Envoy stops.
+async fn as_pid_1_a_sigterm_still_tells_every_client(mode: Mode) {
+    let builder = agent_in(mode).wrapper(&[
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        "--",
+    ]);
+    let rig = Rig::start_with(builder, &[DRAIN]).await;
+    let inbound = rig.at("inbound").await;
+    let h1 = H1Client::keeps_asking(inbound);
+    let h2 = H2Client::idle(inbound);
+    for c in [&*h1, &*h2] {
+        heard(c, "an answer", |e| {
+            matches!(e.kind, Kind::Response { status: 200, .. })
+        })
+        .await;
+    }
+    rig.agent.signal_agent(Signal::SIGTERM);
+    heard(&h1, "Connection: close", close_header).await;
+    heard(&h2, "a GOAWAY", goaway).await;
+    assert!(
+        rig.agent.events("stopping").is_empty(),
+        "told before the stop"
+    );
+    assert!(h1.failures().is_empty(), "{}", h1.describe());
 }
