@@ -439,27 +439,7 @@ impl AdminClient {
             .take()
             .filter(|k| k.connection.addr == self.addr);
         let exchange = async {
-            let answered = match reusable {
-                Some(mut k) => match k.connection.get("/ready").await {
-                    Ok(answer) => Some((k, answer)),
-                    // Closed by Envoy since (an idle timeout, a drain): not an answer.
-                    Err(_) => None,
-                },
-                None => None,
-            };
-            let (k, (status, body)) = match answered {
-                Some(answered) => answered,
-                None => {
-                    let mut connection = self.connect("/ready").await?;
-                    let answer = connection.get("/ready").await?;
-                    let k = Kept {
-                        connection,
-                        opened: std::time::Instant::now(),
-                        epoch: 0,
-                    };
-                    (k, answer)
-                }
-            };
+            let (k, (status, body)) = self.ready_over(reusable, 0).await?;
             let readiness = match status {
                 StatusCode::OK => Readiness::Ready,
                 StatusCode::SERVICE_UNAVAILABLE => {
@@ -488,26 +468,7 @@ impl AdminClient {
             .take()
             .filter(|k| k.connection.addr == self.addr && k.epoch == epoch);
         let exchange = async {
-            let answered = match reusable {
-                Some(mut k) => match k.connection.get("/ready").await {
-                    Ok(answer) => Some((k, answer)),
-                    Err(_) => None,
-                },
-                None => None,
-            };
-            let (k, (status, body)) = match answered {
-                Some(answered) => answered,
-                None => {
-                    let mut connection = self.connect("/ready").await?;
-                    let answer = connection.get("/ready").await?;
-                    let k = Kept {
-                        connection,
-                        opened: std::time::Instant::now(),
-                        epoch,
-                    };
-                    (k, answer)
-                }
-            };
+            let (k, (status, body)) = self.ready_over(reusable, epoch).await?;
             match self.ready_state(status, &body)? {
                 ServerState::Live => Ok(Some(AdminState {
                     epoch,
@@ -521,6 +482,29 @@ impl AdminClient {
             }
         };
         self.bounded("/ready", exchange).await
+    }
+
+    /// `GET /ready` on `reusable` when there is one and it still answers (Envoy may have closed
+    /// it since: an idle timeout, a drain), else on a new connection, kept as opened to
+    /// `epoch`. Unbounded: the caller bounds the exchange.
+    async fn ready_over(
+        &self,
+        reusable: Option<Kept>,
+        epoch: u32,
+    ) -> Result<(Kept, (StatusCode, Bytes)), AdminError> {
+        if let Some(mut k) = reusable {
+            if let Ok(answer) = k.connection.get("/ready").await {
+                return Ok((k, answer));
+            }
+        }
+        let mut connection = self.connect("/ready").await?;
+        let answer = connection.get("/ready").await?;
+        let k = Kept {
+            connection,
+            opened: std::time::Instant::now(),
+            epoch,
+        };
+        Ok((k, answer))
     }
 
     /// `/server_info` on `connection`.
