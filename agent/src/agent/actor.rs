@@ -350,16 +350,10 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             return;
         }
         // What a drain's deadline left open, as last read (the operator's next question).
-        // At zero nothing is open, whatever the last (older) reading of the listeners said.
         let still_open = match &self.mode {
             Mode::ShuttingDown(s) => {
                 let now = Instant::now();
-                tracing::info!(
-                    event = "shutdown_step",
-                    step = TimelineStep::Stop.name(),
-                    offset_ms = s.offset(now).as_millis() as u64,
-                    "shutdown: stopping envoy"
-                );
+                step_taken(TimelineStep::Stop, s.offset(now).as_millis() as u64);
                 self.still_open = s.listeners().map(<[_]>::to_vec);
                 // At zero nothing is open, whatever the last (older) reading said.
                 (!matches!(path, ExitPath::ZeroActive(_)))
@@ -676,12 +670,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             match s.poll(now) {
                 Step::Wait(_) => return,
                 Step::NotReady => {
-                    tracing::info!(
-                        event = "shutdown_step",
-                        step = TimelineStep::NotReady.name(),
-                        offset_ms,
-                        "shutdown: readiness off"
-                    );
+                    step_taken(TimelineStep::NotReady, offset_ms);
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.not_ready_said();
                     }
@@ -695,24 +684,14 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                         _ => false,
                     };
                     if first {
-                        tracing::info!(
-                            event = "shutdown_step",
-                            step = TimelineStep::FailHealthChecks.name(),
-                            offset_ms,
-                            "shutdown: failing envoy's health checks"
-                        );
+                        step_taken(TimelineStep::FailHealthChecks, offset_ms);
                     }
                 }
                 Step::SendDrain => {
                     let first = !s.drain_asked();
                     let call = drain_call(&self.agent.proxy, DrainOptions::default());
                     if first {
-                        tracing::info!(
-                            event = "shutdown_step",
-                            step = TimelineStep::Drain.name(),
-                            offset_ms,
-                            "shutdown: draining envoy"
-                        );
+                        step_taken(TimelineStep::Drain, offset_ms);
                     }
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.drain_sent(now, call);
@@ -1160,6 +1139,22 @@ fn stopped_run(abort: &CancellationToken) -> Call<Result<Ended, ProxyError>> {
         abort.cancelled().await;
         Ok(Ended::Stopped { last: None })
     })
+}
+
+/// Logs a step of the shutdown's timeline as it is taken, `offset_ms` after its start.
+fn step_taken(step: TimelineStep, offset_ms: u64) {
+    let what = match step {
+        TimelineStep::NotReady => "readiness off",
+        TimelineStep::FailHealthChecks => "failing envoy's health checks",
+        TimelineStep::Drain => "draining envoy",
+        TimelineStep::Stop => "stopping envoy",
+    };
+    tracing::info!(
+        event = "shutdown_step",
+        step = step.name(),
+        offset_ms,
+        "shutdown: {what}"
+    );
 }
 
 /// A plan's note, for logs: none when it drains as asked.

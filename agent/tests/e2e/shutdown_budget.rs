@@ -114,27 +114,7 @@ async fn a_phase_that_cannot_fit_is_refused_at_start_naming_it() {
         ),
     ];
     for (mode, args, env, named) in cases {
-        let mut builder = agent_in(mode).args(args).no_wait();
-        for (key, value) in env {
-            builder = builder.env(key, value);
-        }
-        let mut agent = builder.start().await;
-        let code = tokio::time::timeout(PATIENCE, agent.exit())
-            .await
-            .expect("refused at start")
-            .code();
-        let stderr = agent.stderr();
-        assert_eq!(code, Some(64), "{args:?} {env:?}: {stderr}");
-        for name in named {
-            assert!(
-                stderr.contains(name),
-                "{args:?} {env:?} names {name}: {stderr}"
-            );
-        }
-        assert!(
-            agent.events("epoch_starting").is_empty(),
-            "no envoy started: {stderr}"
-        );
+        refused_at_start(mode, args, env, named).await;
     }
     // Allowed with room to spare, for contrast: the same node proxy with a budget that fits.
     let mut agent = agent_in(Mode::NodeProxy)
@@ -153,4 +133,35 @@ async fn a_phase_that_cannot_fit_is_refused_at_start_naming_it() {
     .await;
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+/// The agent in `mode` with `args` and `env` exits 64 at start, naming each of `named`, and
+/// starts no Envoy.
+pub(crate) async fn refused_at_start(
+    mode: Mode,
+    args: &[&str],
+    env: &[(&str, &str)],
+    named: &[&str],
+) {
+    let mut builder = agent_in(mode).args(args).no_wait();
+    for (key, value) in env {
+        builder = builder.env(key, value);
+    }
+    let mut agent = builder.start().await;
+    let code = tokio::time::timeout(PATIENCE, agent.exit())
+        .await
+        .expect("refused at start")
+        .code();
+    let stderr = agent.stderr();
+    assert_eq!(code, Some(64), "{args:?} {env:?}: {stderr}");
+    for name in named {
+        assert!(
+            stderr.contains(name),
+            "{args:?} {env:?} names {name}: {stderr}"
+        );
+    }
+    assert!(
+        agent.events("epoch_starting").is_empty(),
+        "no envoy started: {stderr}"
+    );
 }

@@ -217,26 +217,6 @@ async fn a_timeline_that_cannot_fit_is_refused_at_start_naming_the_flags() {
         ),
     ];
     for (args, env, named) in cases {
-        let mut builder = agent_in(Mode::NodeProxy).args(args).no_wait();
-        for (key, value) in env {
-            builder = builder.env(key, value);
-        }
-        let mut agent = builder.start().await;
-        let code = tokio::time::timeout(PATIENCE, agent.exit())
-            .await
-            .expect("refused at start")
-            .code();
-        let stderr = agent.stderr();
-        assert_eq!(code, Some(64), "{args:?} {env:?}: {stderr}");
-        for name in named {
-            assert!(
-                stderr.contains(name),
-                "{args:?} {env:?} names {name}: {stderr}"
-            );
-        }
-        assert!(
-            agent.events("epoch_starting").is_empty(),
-            "no envoy started: {stderr}"
-        );
+        crate::shutdown_budget::refused_at_start(Mode::NodeProxy, args, env, named).await;
     }
 }
