@@ -119,7 +119,7 @@ impl EnvoyLogLevel {
         tracing::info!(
             event = "log_level",
             change = %change,
-            level = %level,
+            log_level = %level,
             envoys,
             "envoy's log level set"
         );
@@ -170,14 +170,14 @@ impl EnvoyLogLevel {
                 event = "log_level",
                 epoch,
                 pid,
-                level = %level,
+                log_level = %level,
                 "envoy's log level set on an epoch that started before it was changed"
             ),
             Err(e) => tracing::warn!(
                 event = "log_level",
                 epoch,
                 pid,
-                level = %level,
+                log_level = %level,
                 error = %e,
                 "cannot set envoy's log level on an epoch that started before it was changed"
             ),

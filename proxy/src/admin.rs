@@ -703,6 +703,13 @@ impl AdminClient {
         self.bounded(endpoint, exchange).await
     }
 
+    /// Every logger's level, as Envoy lists them (`POST /logging` without a change: Envoy takes
+    /// no `GET` there): `  upstream: debug` lines.
+    pub async fn loggers(&self) -> Result<String, AdminError> {
+        let body = self.call_ok(Method::POST, "/logging").await?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
     /// `POST /logging?...` for each query of `change` ([`LogLevel::admin_queries`]), in order;
     /// the first refusal ends it (Envoy checks component names before it changes anything).
     ///
