@@ -186,10 +186,11 @@ fn parse_get(method: &str) -> Result<String, String> {
     if method.eq_ignore_ascii_case("GET") {
         Ok("GET".to_owned())
     } else {
-        Err(format!(
+        Err(
             "only GET is passed on to envoy's admin API; for a change use envoy-agent \
              stop|quit|drain|log-level|restart"
-        ))
+                .to_owned(),
+        )
     }
 }
 
