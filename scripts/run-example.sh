@@ -2,7 +2,7 @@
 # Runs envoy-agent on the bundled example bootstrap with a real Envoy (installed first when
 # needed). Try it from another terminal:
 #   curl http://127.0.0.1:10000/            # served by Envoy
-#   curl http://127.0.0.1:9901/server_info  # Envoy's admin API
+#   target/debug/envoy-agent admin GET /server_info  # Envoy's admin API, through the agent
 # Ctrl-C stops it. Extra arguments go to `envoy-agent run`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -12,5 +12,5 @@ if [ -z "${ENVOY_PATH:-}" ]; then
   export ENVOY_PATH
 fi
 cargo build --locked --quiet -p envoy-agent
-echo "run-example.sh: Envoy will answer on http://127.0.0.1:10000/ (admin on 127.0.0.1:9901); Ctrl-C to stop" >&2
-exec target/debug/envoy-agent run -c examples/bootstrap.yaml "$@"
+echo "run-example.sh: Envoy will answer on http://127.0.0.1:10000/ (its admin API: target/debug/envoy-agent admin GET /server_info); Ctrl-C to stop" >&2
+exec target/debug/envoy-agent run -c examples/bootstrap.yaml --envoy-admin socket "$@"
