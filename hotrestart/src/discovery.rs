@@ -61,6 +61,7 @@ pub(crate) fn refused(error: &AdminError) -> bool {
 pub(crate) fn decide(
     others: &[Heartbeat],
     admin: &Result<ServerInfo, AdminError>,
+    our_admin: &str,
     base_ids: &[u32],
     version: &str,
     generation: u64,
@@ -72,9 +73,29 @@ pub(crate) fn decide(
             NodeState::Serving | NodeState::Starting | NodeState::HandedOver
         )
     };
+    // A family whose Envoy answers elsewhere cannot be found, nor handed over: not ours.
+    if let Some(h) = others
+        .iter()
+        .filter(claims_to_serve)
+        .find(|h| !h.admin_address.is_empty() && h.admin_address != our_admin)
+    {
+        return Discovery::Wait(format!(
+            "{}'s envoy answers admin calls at {}, ours at {our_admin}: pods with different \
+             admin addresses cannot hand envoy over (give this pod the same --envoy-admin and \
+             bootstrap admin, or restart the node's pods instead of a surge rollout)",
+            h.identity, h.admin_address
+        ));
+    }
     match admin {
         Err(e) if refused(e) => match others.iter().find(claims_to_serve) {
             None => Discovery::Fresh,
+            Some(h) if h.admin_address.is_empty() => Discovery::Wait(format!(
+                "{} says it runs epoch {} but nothing answers at the admin address {our_admin} \
+                 (a starting epoch may hold it; or it is an agent of an earlier release whose \
+                 envoy answers elsewhere, a TCP admin port: then give this pod the same admin, \
+                 --envoy-admin bootstrap)",
+                h.identity, h.newest_epoch
+            )),
             Some(h) => Discovery::Wait(format!(
                 "{} says it runs epoch {} but nothing answers at the admin address (a starting \
                  epoch may hold it)",
@@ -156,6 +177,7 @@ mod tests {
     use crate::node::FORMAT;
 
     const NOW: u64 = 1_000_000;
+    const OURS: &str = "unix:/tmp/envoy-agent-hr-0/7/envoy_admin_7";
 
     fn hb(identity: &str, state: NodeState, epoch: u32) -> Heartbeat {
         Heartbeat {
@@ -173,6 +195,7 @@ mod tests {
             cold_takeover_of: None,
             handover: None,
             socket_path: String::new(),
+        admin_address: String::new(),
             generation: 0,
         }
     }
@@ -198,7 +221,7 @@ mod tests {
     }
 
     fn decide_now(others: &[Heartbeat], admin: &Result<ServerInfo, AdminError>) -> Discovery {
-        decide(others, admin, &[7], "11.104", 5, NOW)
+        decide(others, admin, OURS, &[7], "11.104", 5, NOW)
     }
 
     #[test]
@@ -246,6 +269,32 @@ mod tests {
             decide_now(&[a], &refused_admin()),
             Discovery::Wait(_)
         ));
+    }
+
+    /// A predecessor whose Envoy answers admin calls elsewhere (another --envoy-admin, another
+    /// bootstrap admin) is never taken over, nor started beside: whatever answers at ours.
+    #[test]
+    fn a_predecessor_on_another_admin_address_is_waited_for_naming_both() {
+        let mut a = hb("a", NodeState::Serving, 3);
+        a.admin_address = "127.0.0.1:15000".to_owned();
+        for admin in [refused_admin(), live(3)] {
+            let Discovery::Wait(why) = decide_now(std::slice::from_ref(&a), &admin) else {
+                panic!("not a wait");
+            };
+            assert!(why.contains("127.0.0.1:15000") && why.contains(OURS), "{why}");
+        }
+        // The same address: taken over as ever.
+        a.admin_address = OURS.to_owned();
+        assert!(matches!(
+            decide_now(std::slice::from_ref(&a), &live(3)),
+            Discovery::TakeOver { epoch: 3, .. }
+        ));
+        // An agent of an earlier release says nothing: a wait that says what may be the cause.
+        a.admin_address = String::new();
+        let Discovery::Wait(why) = decide_now(&[a], &refused_admin()) else {
+            panic!("not a wait");
+        };
+        assert!(why.contains("--envoy-admin bootstrap"), "{why}");
     }
 
     /// Issue 31: an older agent (ours is generation 5) never takes over from a newer pod's
@@ -349,7 +398,7 @@ mod tests {
         // A heartbeat of the other base id does not speak for the family that answers.
         let stale = hb("z", NodeState::Serving, 9);
         assert_eq!(
-            decide(&[stale, a], &info, &[7, 8], "11.104", 5, NOW),
+            decide(&[stale, a], &info, OURS, &[7, 8], "11.104", 5, NOW),
             Discovery::TakeOver {
                 epoch: 4,
                 base_id: 8,
@@ -357,7 +406,7 @@ mod tests {
             }
         );
         assert!(matches!(
-            decide(&[], &info, &[7], "11.104", 5, NOW),
+            decide(&[], &info, OURS, &[7], "11.104", 5, NOW),
             Discovery::Wait(_)
         ));
     }

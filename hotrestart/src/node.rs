@@ -114,6 +114,13 @@ pub struct Heartbeat {
     /// from agents that did not say (they used Envoy's default, `@envoy_domain_socket`).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub socket_path: String,
+    /// Where its family's Envoy answers admin calls (the configured admin address: `ip:port`,
+    /// or `unix:<path>` for the agent's socket); empty from agents that did not say. Pods
+    /// whose admin addresses differ cannot hand Envoy over to each other: a successor would
+    /// look for its predecessor's Envoy where it is not, and the predecessor would see its
+    /// admin API vanish under it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub admin_address: String,
     /// Its pod's generation (`--pod-generation`, else its agent's start time in Unix ms): a
     /// later pod of a rollout has a larger one. A recovering agent never takes over from, nor
     /// starts a family beside, a family whose owner is newer. 0 from agents that did not say.
@@ -426,6 +433,7 @@ mod tests {
             cold_takeover_of: None,
             handover: None,
             socket_path: String::new(),
+            admin_address: String::new(),
             generation: 0,
         }
     }

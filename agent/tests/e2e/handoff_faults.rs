@@ -507,6 +507,7 @@ fn heartbeat(identity: &str, base_id: u32, epoch: u32, updated_unix_ms: u64) -> 
         cold_takeover_of: None,
         handover: None,
         socket_path: String::new(),
+        admin_address: String::new(),
         generation: 0,
     }
 }

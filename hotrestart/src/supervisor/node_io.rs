@@ -82,6 +82,17 @@ impl<H: Host> Supervisor<H> {
         others
     }
 
+    /// The configured admin address, as a heartbeat says it
+    /// ([`crate::node::Heartbeat::admin_address`]): every pod of the node must have the same.
+    pub(super) fn admin_address(&self) -> String {
+        self.config
+            .proxy
+            .admin
+            .known()
+            .map(|a| a.to_string())
+            .unwrap_or_default()
+    }
+
     pub(super) fn write_heartbeat(&mut self) {
         if !self.host.has_node() {
             return;
@@ -140,6 +151,7 @@ impl<H: Host> Supervisor<H> {
                     },
                 }),
             socket_path: self.host.socket_path().to_string(),
+            admin_address: self.admin_address(),
             generation: self.config.generation,
         };
         if let Some((last, at)) = &mut self.heartbeat_written {

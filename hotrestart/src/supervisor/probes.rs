@@ -42,6 +42,7 @@ impl<H: Host> Supervisor<H> {
         let decision = discovery::decide(
             &others,
             &result,
+            &self.admin_address(),
             &self.base_ids(),
             &ours,
             self.config.generation,
