@@ -48,6 +48,7 @@ pub mod exit_code;
 pub mod grpc;
 pub mod notify;
 pub mod peer;
+pub mod scrape;
 pub mod settings;
 pub mod setup;
 pub mod signal;
