@@ -15,10 +15,11 @@ bootstrap and measures, with Envoy at --concurrency 1:
   scrape   A sidecar again (the agent at debug level, for its `scrape_walk` events): Prometheus
            scrapes through the agent's /stats/prometheus, each --scrape-repeats times (medians):
            one of everything, one `?usedonly`, and two of everything started together. For each,
-           the bytes, the wall time, Envoy's CPU time over the scrape (its main thread walks the
-           stats) and the walks of Envoy's stats the agent logged (two concurrent scrapes of one
-           query share one; an agent without shared walks logs none); then the agent's peak RSS
-           (VmHWM). --scrapes-only runs this part alone.
+           the bytes, the share of answers with Envoy's stats in them, the wall time, Envoy's CPU
+           time over the scrape (its main thread walks the stats) and the walks of Envoy's stats
+           the agent logged (two concurrent scrapes of one query share one; an agent without
+           shared walks logs none); then the agent's peak RSS (VmHWM). --scrapes-only runs this
+           part alone.
 
 The poller opens a new connection every 2 ms without waiting for earlier answers, and tells the
 epochs apart by the admin port's listening socket (asked of the kernel), not only by a non-200:
@@ -498,15 +499,20 @@ def scrape(address_file, query=""):
         with socket.create_connection((host, int(port)), timeout=60) as sock:
             sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
             total = 0
+            # The agent's own metrics come first: whether Envoy's stats came with them.
+            start = b""
             while True:
                 chunk = sock.recv(1 << 16)
                 if not chunk:
                     break
                 total += len(chunk)
-        return {"scrape_mib": total / (1 << 20), "scrape_s": time.monotonic() - started}
+                if len(start) < 8192:
+                    start += chunk[:8192]
+        return {"scrape_mib": total / (1 << 20), "scrape_s": time.monotonic() - started,
+                "stats_up": float(b"\nenvoy_agent_envoy_stats_up 1\n" in start)}
     except (OSError, ValueError) as e:
         log(f"scrape failed: {e}")
-        return {"scrape_mib": None, "scrape_s": None}
+        return {"scrape_mib": None, "scrape_s": None, "stats_up": None}
 
 
 def measure_cpu(pids_, window_s):
@@ -921,6 +927,8 @@ class Bench:
                         raise RuntimeError(f"{size.name} scrape {name}: a scrape failed")
                     runs.append({
                         "mib": statistics.mean(a["scrape_mib"] for a in answers),
+                        # The share of the answers that had Envoy's stats.
+                        "stats_up": statistics.mean(a["stats_up"] for a in answers),
                         "wall_s": wall,
                         "envoy_cpu_s": cpu_after - cpu_before
                         if cpu_before is not None and cpu_after is not None else None,
