@@ -394,6 +394,7 @@ impl Walk {
                 () = after.cancelled() => {}
                 () = tokio::time::sleep(self.limits.wait) => {}
                 () = self.gone() => {
+                    self.close();
                     self.log(Outcome::Abandoned, t0, t0);
                     return;
                 }
@@ -1130,6 +1131,27 @@ mod tests {
         let _again = envoy.scrape(&walks, "");
         settle().await;
         assert_eq!(envoy.started(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_next_walk_whose_scrapes_all_went_away_never_starts() {
+        let walks = walks(0);
+        let envoy = Arc::new(Envoy::default());
+        let a = tokio::spawn(read(envoy.scrape(&walks, "")));
+        settle().await;
+        envoy.answer(0, Ok(()));
+        envoy.send(0, "a");
+        settle().await;
+        let next = envoy.scrape(&walks, "");
+        assert_eq!(next.share(), Share::Waits);
+        settle().await;
+        drop(next);
+        settle().await;
+        envoy.end(0);
+        assert_eq!(a.await.unwrap().unwrap(), "a");
+        tokio::time::sleep(Limits::default().wait * 2).await;
+        assert_eq!(envoy.started(), 1, "Envoy was not asked for no one");
+        assert_eq!(walks.in_flight(), 0, "nothing left behind");
     }
 
     #[tokio::test(start_paused = true)]
