@@ -20,8 +20,8 @@ use crate::duration::{
 };
 use crate::exit_code;
 use crate::settings::{
-    Counting, DrainSettings, DrainStrategy, EnvoySettings, GrpcAddress, HotRestartSettings, RunAs,
-    Settings, TelemetrySettings, defaults,
+    Counting, DrainSettings, DrainStrategy, EnvoyAdmin, EnvoySettings, GrpcAddress,
+    HotRestartSettings, RunAs, Settings, TelemetrySettings, defaults,
 };
 use crate::timeline::HealthCheckFailAt;
 
@@ -201,6 +201,17 @@ impl ScopeArg {
     }
 }
 
+/// Where Envoy's admin API listens (`--envoy-admin`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum EnvoyAdminArg {
+    /// `socket` for a node proxy unless --admin-address is given, `bootstrap` for a sidecar.
+    Auto,
+    /// The agent's own Unix socket.
+    Socket,
+    /// The bootstrap's address (or --admin-address).
+    Bootstrap,
+}
+
 /// On or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Switch {
@@ -244,6 +255,20 @@ pub struct RunArgs {
     /// Envoy's admin address, when not the bootstrap's (e.g. 127.0.0.1:15000).
     #[arg(long, env = "ENVOY_AGENT_ADMIN_ADDRESS")]
     pub admin_address: Option<SocketAddr>,
+
+    /// Where Envoy's admin API listens. `socket`: on a Unix socket (mode 0600) in a directory
+    /// only the agent's user (and Envoy's) can enter, whatever the bootstrap says: no other
+    /// process can stop or steer Envoy (`envoy-agent admin GET /stats` reads it through the
+    /// agent). `bootstrap`: where the bootstrap (or --admin-address) says; a TCP address there
+    /// is open to every process that reaches it. `auto`: `socket` for a node proxy
+    /// (--hot-restart) unless --admin-address is given, `bootstrap` for a sidecar.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_ENVOY_ADMIN",
+        value_enum,
+        default_value = "auto"
+    )]
+    pub envoy_admin: EnvoyAdminArg,
 
     /// Envoy's log level, Istio style: `warning` or `info,upstream:debug` (component levels).
     #[arg(long, env = "ENVOY_AGENT_PROXY_LOG_LEVEL", default_value = "warning")]
@@ -635,6 +660,16 @@ impl RunArgs {
                 config_path: self.config_path,
                 envoy_path: self.envoy_path,
                 admin_address: self.admin_address,
+                admin: match self.envoy_admin {
+                    EnvoyAdminArg::Socket => EnvoyAdmin::Socket,
+                    EnvoyAdminArg::Bootstrap => EnvoyAdmin::Bootstrap,
+                    EnvoyAdminArg::Auto
+                        if hot_restart.is_some() && self.admin_address.is_none() =>
+                    {
+                        EnvoyAdmin::Socket
+                    }
+                    EnvoyAdminArg::Auto => EnvoyAdmin::Bootstrap,
+                },
                 log_level: self.proxy_log_level,
                 component_log_level: self.proxy_component_log_level,
                 log_as_json: self.proxy_log_as_json,

@@ -326,7 +326,7 @@ pub fn status_message(
     status: &AgentStatus,
     mode: pb::Mode,
     settings: &pb::Settings,
-    admin: Option<SocketAddr>,
+    admin: Option<&envoy_agent_proxy::admin::Address>,
 ) -> pb::Status {
     let agent = &status.agent;
     let reason = match agent {
@@ -525,8 +525,13 @@ impl Service {
     }
 
     fn status_now(&self, status: &AgentStatus) -> pb::Status {
-        let admin = self.agent.admin().map(|a| a.addr());
-        status_message(status, self.mode, &self.settings, admin)
+        let admin = self.agent.admin();
+        status_message(
+            status,
+            self.mode,
+            &self.settings,
+            admin.as_ref().map(|a| a.addr()),
+        )
     }
 
     /// Whether the caller may change anything. A Unix socket is guarded by its mode (0600).

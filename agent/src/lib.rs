@@ -177,11 +177,14 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
         std::env::temp_dir().join(format!("envoy-agent-{}.{started:x}", std::process::id()));
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let envoy = &settings.envoy;
-    let (admin, extra_args) = setup::resolve_admin(
+    let temp_dir = std::env::temp_dir();
+    let admin_socket = setup::admin_socket(settings, &runtime_dir, &temp_dir)?;
+    let (admin, extra_args, replaced) = setup::resolve_admin(
         &envoy.config_path,
         envoy.admin_address,
         &envoy.extra_args,
         &runtime_dir,
+        admin_socket,
     )?;
     setup::check_status_address(settings.status_address, &admin)?;
     let binary = setup::resolve_envoy(&envoy.envoy_path, std::env::var_os("PATH").as_deref())?;
@@ -204,8 +207,7 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
         .as_ref()
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
-    let (socket_path, extra_args) =
-        setup::hot_restart_channel(settings, extra_args, &std::env::temp_dir())?;
+    let (socket_path, extra_args) = setup::hot_restart_channel(settings, extra_args, &temp_dir)?;
     if settings.hot_restart.is_some() {
         tracing::info!(
             event = "hot_restart_channel",
@@ -235,14 +237,22 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     setup::check_extra_args(&proxy)?;
     // Once the input is known good: a refusal is one line.
     warn_about(settings);
+    setup::log_admin(
+        &proxy.admin,
+        replaced.as_ref(),
+        settings.hot_restart.is_some(),
+    );
     // Once the input is known good (a refusal is one line), before anything opens sockets.
     setup::raise_fd_limit();
     let own_runtime_dir = settings.hot_restart.is_some()
-        || matches!(&proxy.admin, AdminAddress::FromFile(p) if p.starts_with(&runtime_dir))
+        || matches!(&proxy.admin, AdminAddress::FromFile(p) | AdminAddress::Socket(p) if p.starts_with(&runtime_dir))
         || proxy.drain_notice.as_deref() == Some(runtime_dir.as_path());
     if own_runtime_dir {
         std::fs::create_dir_all(&runtime_dir)
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
+    }
+    if settings.hot_restart.is_none() && matches!(proxy.admin, AdminAddress::Socket(_)) {
+        setup::make_admin_socket_dir(settings, &runtime_dir)?;
     }
     let code = match &settings.hot_restart {
         Some(hot) => {

@@ -98,6 +98,26 @@ pub struct Settings {
     pub termination_message: crate::termination::MessageFile,
 }
 
+/// Where Envoy's admin API listens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnvoyAdmin {
+    /// On the agent's own Unix socket, whatever the bootstrap says: only the agent's user (and
+    /// Envoy's) can reach it.
+    Socket,
+    /// Where the bootstrap (or `--admin-address`) says.
+    Bootstrap,
+}
+
+impl EnvoyAdmin {
+    /// As the flag takes it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EnvoyAdmin::Socket => "socket",
+            EnvoyAdmin::Bootstrap => "bootstrap",
+        }
+    }
+}
+
 /// How Envoy is started and stopped: what becomes its command line and its process.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EnvoySettings {
@@ -107,6 +127,8 @@ pub struct EnvoySettings {
     pub envoy_path: PathBuf,
     /// Envoy's admin address when not the bootstrap's (`--admin-address`).
     pub admin_address: Option<SocketAddr>,
+    /// Where Envoy's admin API listens (`--envoy-admin`, `auto` resolved).
+    pub admin: EnvoyAdmin,
     /// Envoy's log level, Istio style (`--proxy-log-level`).
     pub log_level: String,
     /// Envoy's component log levels (`--proxy-component-log-level`).

@@ -8,11 +8,12 @@ use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use envoy_agent_proxy::admin::Address;
 use envoy_agent_proxy::bootstrap::{self, BootstrapError};
 use envoy_agent_proxy::{AdminAddress, ProxyConfig, SocketPath};
 
 use crate::exit_code;
-use crate::settings::{HotRestartSettings, Settings};
+use crate::settings::{EnvoyAdmin, HotRestartSettings, Settings};
 
 /// Input the agent cannot start with. Each maps to an exit code: see [`SetupError::exit_code`].
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +104,18 @@ pub enum SetupError {
         longest: String,
         /// What to shorten.
         fix: &'static str,
+    },
+    /// Envoy's admin socket's path, or the one a cold handover's family uses beside it, would
+    /// not fit a Unix socket address.
+    #[error(
+        "envoy's admin socket {longest} is {len} bytes, longer than a Unix socket address \
+         takes (107): use a shorter temp dir (TMPDIR)"
+    )]
+    AdminSocketTooLong {
+        /// The longest path.
+        longest: String,
+        /// Its length.
+        len: usize,
     },
     /// The short link to the channel's directory cannot be made (`crate::channel_link`).
     #[error(transparent)]
@@ -235,33 +248,137 @@ fn interpreter(path: &Path) -> Option<PathBuf> {
 }
 
 /// Where the agent reaches Envoy's admin API, and the extra args with any
-/// `--admin-address-path` taken out (the agent passes it itself, exactly once).
+/// `--admin-address-path` taken out (the agent passes it itself, exactly once). With `socket`
+/// (`--envoy-admin socket`), the agent's socket, whatever the bootstrap says (which may then
+/// have no admin at all); the bootstrap's address it replaces comes back too, for the log.
 pub fn resolve_admin(
     config_path: &Path,
     flag: Option<SocketAddr>,
     extra_args: &[String],
     runtime_dir: &Path,
-) -> Result<(AdminAddress, Vec<String>), SetupError> {
+    socket: Option<PathBuf>,
+) -> Result<(AdminAddress, Vec<String>, Option<Address>), SetupError> {
     // The bootstrap must be readable whatever the flag says: Envoy needs it.
     let from_bootstrap = match bootstrap::admin_address(config_path) {
         Ok(addr) => Some(addr),
-        Err(BootstrapError::NoAdmin { .. }) if flag.is_some() => None,
+        Err(BootstrapError::NoAdmin { .. }) if flag.is_some() || socket.is_some() => None,
         Err(e) => return Err(e.into()),
     };
     let (user_path, rest) = take_admin_address_path(extra_args)?;
-    let addr = flag.or(from_bootstrap);
+    if let Some(path) = socket {
+        return Ok((AdminAddress::Socket(path), rest, from_bootstrap));
+    }
+    let addr = flag.map(Address::Tcp).or(from_bootstrap);
     let admin = match (addr, user_path) {
-        (Some(addr), None) if addr.port() != 0 => AdminAddress::Fixed(addr),
+        (Some(addr), None) if addr.tcp().is_none_or(|a| a.port() != 0) => AdminAddress::Fixed(addr),
         (_, Some(path)) => AdminAddress::FromFile(path),
         (_, None) => AdminAddress::FromFile(runtime_dir.join("admin-address")),
     };
-    Ok((admin, rest))
+    Ok((admin, rest, None))
+}
+
+/// Where Envoy's admin socket goes with `--envoy-admin socket`: a node proxy's
+/// `<temp dir>/envoy-agent-hr-<uid>/<base id>/envoy_admin_<base id>`, through the agent's link
+/// to `<state dir>/hot-restart` (the channel's private directory; [`crate::channel_link`] says
+/// why a link), so that every epoch, a cold handover's family and a successor pod reach the
+/// same socket whatever path their state dir is mounted at; a sidecar's
+/// `<runtime dir>/admin/envoy.sock` ([`admin_socket_dir`]). `None` without it. Refused when the
+/// path (or the one a cold handover's family takes beside it) would not fit a socket address.
+pub fn admin_socket(
+    settings: &Settings,
+    runtime_dir: &Path,
+    temp_dir: &Path,
+) -> Result<Option<PathBuf>, SetupError> {
+    if settings.envoy.admin == EnvoyAdmin::Bootstrap {
+        return Ok(None);
+    }
+    let (path, cold) = match &settings.hot_restart {
+        Some(hot) => {
+            let links = crate::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
+            let link = crate::channel_link::link_path(&links, hot.base_id);
+            let path = link.join(format!("envoy_admin_{}", hot.base_id));
+            (path, hot.cold_base_id)
+        }
+        None => (admin_socket_dir(runtime_dir).join("envoy.sock"), None),
+    };
+    let longest = match cold {
+        Some(base_id) => envoy_agent_proxy::ephemeral_socket(&path, base_id),
+        None => path.clone(),
+    };
+    let len = longest.as_os_str().len();
+    if len > 107 {
+        return Err(SetupError::AdminSocketTooLong {
+            longest: longest.display().to_string(),
+            len,
+        });
+    }
+    Ok(Some(path))
+}
+
+/// A sidecar's admin socket directory, in the agent's runtime directory: made by
+/// [`make_admin_socket_dir`].
+pub fn admin_socket_dir(runtime_dir: &Path) -> PathBuf {
+    runtime_dir.join("admin")
+}
+
+/// Makes a sidecar's admin socket directory (its runtime directory must exist): 0700, Envoy's
+/// when the agent is root and runs Envoy as another user (Envoy binds the socket there).
+pub fn make_admin_socket_dir(settings: &Settings, runtime_dir: &Path) -> Result<(), SetupError> {
+    let envoy_user = settings
+        .envoy
+        .run_as
+        .map(|run_as| run_as.uid)
+        .filter(|_| nix::unistd::geteuid().is_root());
+    private_dir(
+        "envoy admin socket directory",
+        &admin_socket_dir(runtime_dir),
+        0o700,
+        envoy_user,
+        true,
+    )
+}
+
+/// Says at start who can reach Envoy's admin API: the agent's socket, or (a warning) a TCP
+/// address any process of the network namespace can use to stop or steer Envoy.
+pub fn log_admin(admin: &AdminAddress, replaced: Option<&Address>, node_proxy: bool) {
+    let who = if node_proxy {
+        "every process of the node's network namespace (with hostNetwork: every process on the node)"
+    } else {
+        "every process of the pod's network namespace (every container of the pod)"
+    };
+    match admin {
+        AdminAddress::Socket(path) => tracing::info!(
+            event = "envoy_admin",
+            placement = "socket",
+            path = %path.display(),
+            replaced = replaced.map(tracing::field::display),
+            "envoy's admin API is on the agent's socket: only the agent's user (and envoy's) can reach it"
+        ),
+        AdminAddress::Fixed(Address::Unix(path)) => tracing::info!(
+            event = "envoy_admin",
+            placement = "bootstrap",
+            path = %path.display(),
+            "envoy's admin API is on the bootstrap's socket: who can reach it is whom its directory and mode let in"
+        ),
+        AdminAddress::Fixed(Address::Tcp(addr)) => tracing::warn!(
+            event = "envoy_admin_open",
+            address = %addr,
+            reachable_by = who,
+            "envoy's admin API listens on TCP: {who} can stop or steer envoy through it (POST /quitquitquit, /drain_listeners, /healthcheck/fail); --envoy-admin socket puts it where only the agent reaches it"
+        ),
+        AdminAddress::FromFile(_) => tracing::warn!(
+            event = "envoy_admin_open",
+            address = "port 0 (envoy picks)",
+            reachable_by = who,
+            "envoy's admin API listens on TCP: {who} can stop or steer envoy through it (POST /quitquitquit, /drain_listeners, /healthcheck/fail); --envoy-admin socket puts it where only the agent reaches it"
+        ),
+    }
 }
 
 /// Refuses a status address on Envoy's admin port (the same address, or a wildcard on either
 /// side). An admin address read from a file is only known once Envoy binds it.
 pub fn check_status_address(status: SocketAddr, admin: &AdminAddress) -> Result<(), SetupError> {
-    let AdminAddress::Fixed(admin) = admin else {
+    let AdminAddress::Fixed(Address::Tcp(admin)) = admin else {
         return Ok(());
     };
     let overlap =
@@ -372,32 +489,31 @@ pub fn hot_restart_channel(
     let state_mode = if envoy_user.is_some() { 0o711 } else { 0o700 };
     private_dir("state directory", state_dir, state_mode, None, true)?;
     let (given, rest) = take_flag(&extra_args, "--socket-path")?;
+    // Made whatever the channel's path: Envoy's admin socket lives there too
+    // ([`admin_socket`]).
+    let channel_dir = state_dir.join(CHANNEL_DIR);
+    private_dir(
+        "hot-restart socket directory",
+        &channel_dir,
+        0o700,
+        envoy_user,
+        true,
+    )?;
+    // Absolute and free of symlinks: the link is followed from another directory.
+    let target = std::fs::canonicalize(&channel_dir).map_err(|e| SetupError::PrivateDir {
+        what: "hot-restart socket directory",
+        dir: channel_dir.clone(),
+        why: e.to_string(),
+    })?;
+    let links = crate::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
+    // Ours alone, so that nobody else can plant the link's name; Envoy running as another user
+    // must traverse it.
+    private_dir("hot-restart link directory", &links, state_mode, None, true)?;
+    let link = crate::channel_link::link_path(&links, hot.base_id);
+    crate::channel_link::ensure(&link, &target)?;
     let path = match &given {
         Some(text) => SocketPath::parse(text),
-        None => {
-            let channel_dir = state_dir.join(CHANNEL_DIR);
-            private_dir(
-                "hot-restart socket directory",
-                &channel_dir,
-                0o700,
-                envoy_user,
-                true,
-            )?;
-            // Absolute and free of symlinks: the link is followed from another directory.
-            let target =
-                std::fs::canonicalize(&channel_dir).map_err(|e| SetupError::PrivateDir {
-                    what: "hot-restart socket directory",
-                    dir: channel_dir.clone(),
-                    why: e.to_string(),
-                })?;
-            let links = crate::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
-            // Ours alone, so that nobody else can plant the link's name; Envoy running as
-            // another user must traverse it.
-            private_dir("hot-restart link directory", &links, state_mode, None, true)?;
-            let link = crate::channel_link::link_path(&links, hot.base_id);
-            crate::channel_link::ensure(&link, &target)?;
-            SocketPath::File(link.join("envoy"))
-        }
+        None => SocketPath::File(link.join("envoy")),
     };
     match &path {
         SocketPath::Abstract(_) if !hot.allow_abstract_socket => {
@@ -612,14 +728,14 @@ mod tests {
             dir.path(),
             "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 9901}}}",
         );
-        let (admin, _) = resolve_admin(&fixed, None, &[], &run).unwrap();
+        let (admin, _, _) = resolve_admin(&fixed, None, &[], &run, None).unwrap();
         assert_eq!(
             admin,
             AdminAddress::Fixed("127.0.0.1:9901".parse().unwrap())
         );
 
         let flag = Some("127.0.0.1:15000".parse().unwrap());
-        let (admin, _) = resolve_admin(&fixed, flag, &[], &run).unwrap();
+        let (admin, _, _) = resolve_admin(&fixed, flag, &[], &run, None).unwrap();
         assert_eq!(
             admin,
             AdminAddress::Fixed("127.0.0.1:15000".parse().unwrap())
@@ -629,7 +745,7 @@ mod tests {
             dir.path(),
             "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 0}}}",
         );
-        let (admin, _) = resolve_admin(&zero, None, &[], &run).unwrap();
+        let (admin, _, _) = resolve_admin(&zero, None, &[], &run, None).unwrap();
         assert_eq!(admin, AdminAddress::FromFile(run.join("admin-address")));
 
         let extra = [
@@ -637,11 +753,11 @@ mod tests {
             "/x/a".to_owned(),
             "-l".to_owned(),
         ];
-        let (admin, rest) = resolve_admin(&zero, None, &extra, &run).unwrap();
+        let (admin, rest, _) = resolve_admin(&zero, None, &extra, &run, None).unwrap();
         assert_eq!(admin, AdminAddress::FromFile(PathBuf::from("/x/a")));
         assert_eq!(rest, ["-l"]);
         let extra = ["--admin-address-path=/y".to_owned()];
-        let (admin, rest) = resolve_admin(&zero, None, &extra, &run).unwrap();
+        let (admin, rest, _) = resolve_admin(&zero, None, &extra, &run, None).unwrap();
         assert_eq!(admin, AdminAddress::FromFile(PathBuf::from("/y")));
         assert!(rest.is_empty());
     }
@@ -672,13 +788,62 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path().join("run");
         let none = bootstrap(dir.path(), "static_resources: {}");
-        let err = resolve_admin(&none, None, &[], &run).unwrap_err();
+        let err = resolve_admin(&none, None, &[], &run, None).unwrap_err();
         assert!(err.to_string().contains("no admin address"), "{err}");
         let flag = Some("127.0.0.1:15000".parse().unwrap());
-        assert!(resolve_admin(&none, flag, &[], &run).is_ok());
+        assert!(resolve_admin(&none, flag, &[], &run, None).is_ok());
         // A missing bootstrap is an error even with the flag.
-        let err = resolve_admin(&dir.path().join("nope.yaml"), flag, &[], &run).unwrap_err();
+        let err = resolve_admin(&dir.path().join("nope.yaml"), flag, &[], &run, None).unwrap_err();
         assert!(err.to_string().contains("nope.yaml"), "{err}");
+    }
+
+    #[test]
+    fn the_agents_socket_replaces_the_bootstraps_admin_or_stands_in_for_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let socket = PathBuf::from("/tmp/envoy-agent-hr-0/7/envoy_admin_7");
+        let tcp = bootstrap(
+            dir.path(),
+            "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 9901}}}",
+        );
+        let extra = ["--admin-address-path=/y".to_owned()];
+        let (admin, rest, replaced) =
+            resolve_admin(&tcp, None, &extra, &run, Some(socket.clone())).unwrap();
+        assert_eq!(admin, AdminAddress::Socket(socket.clone()));
+        assert!(
+            rest.is_empty(),
+            "the agent passes --admin-address-path itself"
+        );
+        assert_eq!(
+            replaced,
+            Some(Address::Tcp("127.0.0.1:9901".parse().unwrap()))
+        );
+        let none = bootstrap(dir.path(), "static_resources: {}");
+        let (admin, _, replaced) =
+            resolve_admin(&none, None, &[], &run, Some(socket.clone())).unwrap();
+        assert_eq!(admin, AdminAddress::Socket(socket.clone()));
+        assert_eq!(replaced, None);
+        // A broken bootstrap is still named.
+        std::fs::write(&none, "admin: [").unwrap();
+        let err = resolve_admin(&none, None, &[], &run, Some(socket)).unwrap_err();
+        assert!(err.to_string().contains("bootstrap.yaml"), "{err}");
+    }
+
+    #[test]
+    fn a_pipe_in_the_bootstrap_is_a_fixed_unix_address() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("run");
+        let pipe = bootstrap(
+            dir.path(),
+            "admin: {address: {pipe: {path: /run/e/admin.sock}}}",
+        );
+        let (admin, _, _) = resolve_admin(&pipe, None, &[], &run, None).unwrap();
+        assert_eq!(
+            admin,
+            AdminAddress::Fixed(Address::Unix(PathBuf::from("/run/e/admin.sock")))
+        );
+        // The status server's port check has nothing to compare with.
+        assert!(check_status_address("127.0.0.1:15000".parse().unwrap(), &admin).is_ok());
     }
 
     fn node_settings(state_dir: &Path, envoy_args: &[&str]) -> Settings {

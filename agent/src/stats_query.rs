@@ -262,7 +262,7 @@ mod tests {
 
     fn status_error(status: StatusCode, body: &str) -> AdminError {
         AdminError::Status {
-            addr: SocketAddr::from(([127, 0, 0, 1], 9901)),
+            addr: SocketAddr::from(([127, 0, 0, 1], 9901)).into(),
             endpoint: "/stats/prometheus?filter=%28".to_owned(),
             status,
             body: body.to_owned(),

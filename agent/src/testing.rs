@@ -230,7 +230,7 @@ impl Proxy for FakeProxy {
         self.successor.lock().unwrap().clone()
     }
 
-    fn admin_address(&self) -> Option<std::net::SocketAddr> {
+    fn admin_address(&self) -> Option<envoy_agent_proxy::admin::Address> {
         None
     }
 

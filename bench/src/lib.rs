@@ -239,7 +239,7 @@ async fn envoy_alone(idle: &mut Idle) {
         "b.yaml",
         &envoy_agent_tests::bootstrap_yaml_on(admin_port, free_port(), "x"),
     );
-    let admin = AdminClient::new(([127, 0, 0, 1], admin_port).into());
+    let admin = AdminClient::new(std::net::SocketAddr::from(([127, 0, 0, 1], admin_port)));
     let (starts, validations) = (&mut idle.starts, &mut idle.validations);
     {
         let started = Instant::now();
@@ -388,7 +388,7 @@ async fn bare_hot_restarts(config: &BenchConfig, restarts: u32) -> BareBatch {
         "b.yaml",
         &envoy_agent_tests::bootstrap_yaml_on(admin_port, listener_port, "hello"),
     );
-    let admin = AdminClient::new(([127, 0, 0, 1], admin_port).into());
+    let admin = AdminClient::new(std::net::SocketAddr::from(([127, 0, 0, 1], admin_port)));
     let spawn = |epoch: u32| {
         envoy_command(&bootstrap)
             .args(["--base-id", &base_id.to_string()])

@@ -1,10 +1,10 @@
 //! The supervisor's settings, and what it refuses to run with.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use envoy_agent_proxy::{AdminAddress, ProxyConfig};
+use envoy_agent_proxy::ProxyConfig;
+use envoy_agent_proxy::admin::Address;
 
 /// Why a config cannot run.
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +90,7 @@ impl Config {
     }
 
     /// Checks what the supervisor cannot work with; the admin address and base id.
-    pub fn validate(&self) -> Result<(SocketAddr, u32), ConfigError> {
+    pub fn validate(&self) -> Result<(Address, u32), ConfigError> {
         let hot = self
             .proxy
             .hot_restart
@@ -106,8 +106,8 @@ impl Config {
         if self.cold_base_id == Some(hot.base_id) {
             return Err(ConfigError::ColdBaseIdSame(hot.base_id));
         }
-        match &self.proxy.admin {
-            AdminAddress::Fixed(addr) if addr.port() != 0 => Ok((*addr, hot.base_id)),
+        match self.proxy.admin.known() {
+            Some(addr) if addr.tcp().is_none_or(|a| a.port() != 0) => Ok((addr, hot.base_id)),
             _ => Err(ConfigError::AdminPortZero),
         }
     }

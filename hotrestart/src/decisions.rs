@@ -26,7 +26,7 @@ fn config() -> Config {
     let mut proxy = ProxyConfig::new(
         "/fake/envoy".into(),
         "/fake/bootstrap.yaml".into(),
-        AdminAddress::Fixed(([127, 0, 0, 1], 9901).into()),
+        AdminAddress::Fixed(std::net::SocketAddr::from(([127, 0, 0, 1], 9901)).into()),
     );
     proxy.drain_duration = Duration::from_secs(1);
     proxy.stop_grace = Duration::from_secs(5);

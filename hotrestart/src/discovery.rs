@@ -52,8 +52,7 @@ pub(crate) enum Discovery {
 
 /// Whether an admin error means nothing listens on the port.
 pub(crate) fn refused(error: &AdminError) -> bool {
-    matches!(error, AdminError::Connect { source, .. }
-        if source.kind() == std::io::ErrorKind::ConnectionRefused)
+    error.nothing_listens()
 }
 
 /// Decides, from the other supervisors' fresh heartbeats of our base ids, the admin port's
@@ -192,7 +191,7 @@ mod tests {
 
     fn refused_admin() -> Result<ServerInfo, AdminError> {
         Err(AdminError::Connect {
-            addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+            addr: SocketAddr::from(([127, 0, 0, 1], 1)).into(),
             endpoint: "/server_info".to_owned(),
             source: std::io::ErrorKind::ConnectionRefused.into(),
         })
@@ -236,7 +235,7 @@ mod tests {
         }
         assert!(matches!(decide_now(&[], &other), Discovery::Wait(_)));
         let timeout = Err(AdminError::Timeout {
-            addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+            addr: SocketAddr::from(([127, 0, 0, 1], 1)).into(),
             endpoint: "/server_info".to_owned(),
             timeout: std::time::Duration::from_secs(2),
         });

@@ -8,7 +8,7 @@
 //! tell the supervisor to expect the content (so its config watch does not restart a second
 //! time), write atomically, then hot-restart, all under one lock.
 
-use std::net::SocketAddr;
+use envoy_agent_proxy::admin::Address;
 use std::sync::{Arc, Mutex};
 
 use envoy_agent_proxy::preflight::cache::PreflightCache;
@@ -94,7 +94,7 @@ impl SupervisorHandle {
 /// A hot-restart family of Envoy epochs, run by its supervisor actor.
 pub struct EnvoyFamily<H: Host = RealHost> {
     config: Config,
-    admin: SocketAddr,
+    admin: Address,
     host: Arc<H>,
     handle: SupervisorHandle,
     supervisor: Mutex<Option<Supervisor<H>>>,
@@ -248,9 +248,9 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
         self.handle.successor().await
     }
 
-    fn admin_address(&self) -> Option<SocketAddr> {
+    fn admin_address(&self) -> Option<Address> {
         // After a cold handover, until the next hot restart: the new family's ephemeral one.
-        self.host.admin_address().or(Some(self.admin))
+        self.host.admin_address().or(Some(self.admin.clone()))
     }
 
     fn cleanup(&self) {

@@ -178,7 +178,7 @@ pub trait Host: Send + Sync + 'static {
     fn switch_family(&self, base_id: u32, cold: bool);
     /// Where the family's admin answers now (the configured address, but for a cold family's
     /// first epoch).
-    fn admin_address(&self) -> Option<std::net::SocketAddr>;
+    fn admin_address(&self) -> Option<envoy_agent_proxy::admin::Address>;
     /// Validates ahead of a restart (a config still settling, given as `content`, or a new
     /// binary on disk), so that the restart finds the verdict ready. Errors are only logged.
     fn prevalidate(&self, content: Option<Vec<u8>>, running: Option<String>) -> Task<()>;
@@ -542,8 +542,8 @@ impl Host for RealHost {
         self.cold_admin_file(0).is_some()
     }
 
-    fn admin_address(&self) -> Option<std::net::SocketAddr> {
-        Some(self.target().admin.addr())
+    fn admin_address(&self) -> Option<envoy_agent_proxy::admin::Address> {
+        Some(self.target().admin.addr().clone())
     }
 
     fn shm_usable(&self, hot_restart_version: &str) -> Result<(), String> {
@@ -817,11 +817,13 @@ mod tests {
         let proxy = ProxyConfig::new(
             binary.to_owned(),
             binary.with_file_name("bootstrap.yaml"),
-            envoy_agent_proxy::AdminAddress::Fixed(([127, 0, 0, 1], 1).into()),
+            envoy_agent_proxy::AdminAddress::Fixed(
+                std::net::SocketAddr::from(([127, 0, 0, 1], 1)).into(),
+            ),
         );
         RealHost::new(
             proxy,
-            AdminClient::new(([127, 0, 0, 1], 1).into()),
+            AdminClient::new(std::net::SocketAddr::from(([127, 0, 0, 1], 1))),
             1,
             None,
             None,

@@ -312,17 +312,18 @@ async fn answer(
     admin: Admin,
     endpoint: &str,
 ) -> Result<(u32, ServerState, u64, String, Duration), AdminError> {
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], 9901));
+    let addr =
+        envoy_agent_proxy::admin::Address::Tcp(std::net::SocketAddr::from(([127, 0, 0, 1], 9901)));
     match admin {
         Admin::Refused => Err(AdminError::Connect {
-            addr,
+            addr: addr.clone(),
             endpoint: endpoint.to_owned(),
             source: std::io::ErrorKind::ConnectionRefused.into(),
         }),
         Admin::Silent => {
             tokio::time::sleep(Duration::from_secs(2)).await;
             Err(AdminError::Timeout {
-                addr,
+                addr: addr.clone(),
                 endpoint: endpoint.to_owned(),
                 timeout: Duration::from_secs(2),
             })
@@ -330,7 +331,7 @@ async fn answer(
         Admin::SilentFor(timeout) => {
             tokio::time::sleep(timeout).await;
             Err(AdminError::Timeout {
-                addr,
+                addr: addr.clone(),
                 endpoint: endpoint.to_owned(),
                 timeout,
             })
@@ -569,8 +570,8 @@ impl Host for FakeHost {
         self.world().cold_possible
     }
 
-    fn admin_address(&self) -> Option<std::net::SocketAddr> {
-        Some(([127, 0, 0, 1], 9901).into())
+    fn admin_address(&self) -> Option<envoy_agent_proxy::admin::Address> {
+        Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9901)).into())
     }
 
     fn shm_usable(&self, _hot_restart_version: &str) -> Result<(), String> {
@@ -599,7 +600,7 @@ impl Host for FakeHost {
             let (_, _, _, version, _) = ask.await?;
             if version.is_empty() {
                 return Err(AdminError::Decode {
-                    addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9901)),
+                    addr: std::net::SocketAddr::from(([127, 0, 0, 1], 9901)).into(),
                     endpoint: "/hot_restart_version".to_owned(),
                     message: "the answer names no hot-restart version".to_owned(),
                 });

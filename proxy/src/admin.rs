@@ -13,6 +13,7 @@
 //! at ~570k stats, and the main thread also applies xDS and serves the admin API).
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,13 +21,90 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
-use tokio::net::TcpStream;
+use tokio::net::{TcpStream, UnixStream};
 
 /// The default bound on one admin call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The largest admin response we read (a full `/stats` of a big Envoy is a few MiB).
 const MAX_BODY: usize = 64 << 20;
+
+/// Where Envoy's admin API listens: a TCP address, or a Unix socket (`admin.address.pipe`),
+/// which only those who may enter its directory can reach (`docs/operations.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Address {
+    /// `admin.address.socket_address`: anyone of the network namespace can connect.
+    Tcp(SocketAddr),
+    /// `admin.address.pipe`: a path, reached through the file system's permissions.
+    Unix(PathBuf),
+}
+
+impl Address {
+    /// As Envoy writes it to `--admin-address-path`: `ip:port`, or the socket's path.
+    pub fn parse(text: &str) -> Option<Address> {
+        let text = text.trim();
+        if text.starts_with('/') {
+            return Some(Address::Unix(PathBuf::from(text)));
+        }
+        if let Some(path) = text.strip_prefix("unix:") {
+            return (!path.is_empty()).then(|| Address::Unix(PathBuf::from(path)));
+        }
+        text.parse().ok().map(Address::Tcp)
+    }
+
+    /// The TCP address, if it is one.
+    pub fn tcp(&self) -> Option<SocketAddr> {
+        match self {
+            Address::Tcp(addr) => Some(*addr),
+            Address::Unix(_) => None,
+        }
+    }
+
+    /// The socket's path, if it is one.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Address::Tcp(_) => None,
+            Address::Unix(path) => Some(path),
+        }
+    }
+
+    /// The `Host` header of a request to it.
+    fn host(&self) -> String {
+        match self {
+            Address::Tcp(addr) => addr.to_string(),
+            Address::Unix(_) => "localhost".to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Display for Address {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Address::Tcp(addr) => write!(f, "{addr}"),
+            Address::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+impl std::str::FromStr for Address {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Address::parse(text).ok_or_else(|| format!("{text:?} is neither ip:port nor a socket path"))
+    }
+}
+
+impl From<SocketAddr> for Address {
+    fn from(addr: SocketAddr) -> Self {
+        Address::Tcp(addr)
+    }
+}
+
+impl From<PathBuf> for Address {
+    fn from(path: PathBuf) -> Self {
+        Address::Unix(path)
+    }
+}
 
 /// Why an admin call failed. Every variant names the admin address and the endpoint.
 #[derive(Debug, thiserror::Error)]
@@ -36,7 +114,7 @@ pub enum AdminError {
     #[error("envoy admin {addr}{endpoint}: cannot connect: {source}")]
     Connect {
         /// Admin address.
-        addr: SocketAddr,
+        addr: Address,
         /// Path and query called.
         endpoint: String,
         /// The connect error.
@@ -46,7 +124,7 @@ pub enum AdminError {
     #[error("envoy admin {addr}{endpoint}: no answer within {timeout:?}")]
     Timeout {
         /// Admin address.
-        addr: SocketAddr,
+        addr: Address,
         /// Path and query called.
         endpoint: String,
         /// The bound that ran out.
@@ -56,7 +134,7 @@ pub enum AdminError {
     #[error("envoy admin {addr}{endpoint}: {message}")]
     Http {
         /// Admin address.
-        addr: SocketAddr,
+        addr: Address,
         /// Path and query called.
         endpoint: String,
         /// What went wrong.
@@ -66,7 +144,7 @@ pub enum AdminError {
     #[error("envoy admin {addr}{endpoint}: HTTP {status}: {body}")]
     Status {
         /// Admin address.
-        addr: SocketAddr,
+        addr: Address,
         /// Path and query called.
         endpoint: String,
         /// The status code.
@@ -78,7 +156,7 @@ pub enum AdminError {
     #[error("envoy admin {addr}{endpoint}: unexpected response: {message}")]
     Decode {
         /// Admin address.
-        addr: SocketAddr,
+        addr: Address,
         /// Path and query called.
         endpoint: String,
         /// What did not parse.
@@ -87,6 +165,19 @@ pub enum AdminError {
 }
 
 impl AdminError {
+    /// Whether nothing listens at the address: a TCP connection refused; for a Unix socket,
+    /// also no socket at the path (none was bound yet, or the directory is gone).
+    pub fn nothing_listens(&self) -> bool {
+        let AdminError::Connect { addr, source, .. } = self else {
+            return false;
+        };
+        match source.kind() {
+            std::io::ErrorKind::ConnectionRefused => true,
+            std::io::ErrorKind::NotFound => matches!(addr, Address::Unix(_)),
+            _ => false,
+        }
+    }
+
     /// Whether the call failed for want of the agent's own resources (file descriptors,
     /// memory, local ports, buffer space) before anything reached Envoy: such an error says
     /// nothing of Envoy, and must never be taken for Envoy being silent.
@@ -306,7 +397,7 @@ pub struct ListenerStatus {
 /// A client for one Envoy admin address.
 #[derive(Debug, Clone)]
 pub struct AdminClient {
-    addr: SocketAddr,
+    addr: Address,
     timeout: Duration,
 }
 
@@ -314,17 +405,17 @@ pub struct AdminClient {
 
 impl AdminClient {
     /// A client with [`DEFAULT_TIMEOUT`].
-    pub fn new(addr: SocketAddr) -> Self {
+    pub fn new(addr: impl Into<Address>) -> Self {
         AdminClient {
-            addr,
+            addr: addr.into(),
             timeout: DEFAULT_TIMEOUT,
         }
     }
 
     /// A client with the same bound for another address.
-    pub fn at(&self, addr: SocketAddr) -> Self {
+    pub fn at(&self, addr: impl Into<Address>) -> Self {
         AdminClient {
-            addr,
+            addr: addr.into(),
             timeout: self.timeout,
         }
     }
@@ -336,8 +427,8 @@ impl AdminClient {
     }
 
     /// The admin address.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
+    pub fn addr(&self) -> &Address {
+        &self.addr
     }
 
     /// `GET /server_info`.
@@ -537,7 +628,7 @@ impl AdminClient {
         match tokio::time::timeout(self.timeout, exchange).await {
             Ok(result) => result,
             Err(_) => Err(AdminError::Timeout {
-                addr: self.addr,
+                addr: self.addr.clone(),
                 endpoint: endpoint.to_owned(),
                 timeout: self.timeout,
             }),
@@ -696,7 +787,7 @@ impl AdminClient {
         match tokio::time::timeout(self.timeout, self.exchange(method, endpoint)).await {
             Ok(result) => result,
             Err(_) => Err(AdminError::Timeout {
-                addr: self.addr,
+                addr: self.addr.clone(),
                 endpoint: endpoint.to_owned(),
                 timeout: self.timeout,
             }),
@@ -716,26 +807,43 @@ impl AdminClient {
 
     /// A new HTTP/1.1 connection to the admin address (`endpoint`: for errors).
     async fn connect(&self, endpoint: &str) -> Result<Connection, AdminError> {
-        let stream = TcpStream::connect(self.addr)
-            .await
-            .map_err(|source| AdminError::Connect {
-                addr: self.addr,
-                endpoint: endpoint.to_owned(),
-                source,
-            })?;
-        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| AdminError::Http {
-                addr: self.addr,
-                endpoint: endpoint.to_owned(),
-                message: format!("handshake: {e}"),
-            })?;
+        let connect_error = |source| AdminError::Connect {
+            addr: self.addr.clone(),
+            endpoint: endpoint.to_owned(),
+            source,
+        };
+        let handshake_error = |e: hyper::Error| AdminError::Http {
+            addr: self.addr.clone(),
+            endpoint: endpoint.to_owned(),
+            message: format!("handshake: {e}"),
+        };
         // The connection task ends once the sender is dropped (with the `Connection`).
-        tokio::spawn(async move {
-            let _ = connection.await;
-        });
+        let sender = match &self.addr {
+            Address::Tcp(addr) => {
+                let stream = TcpStream::connect(addr).await.map_err(connect_error)?;
+                let (sender, connection) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                        .await
+                        .map_err(handshake_error)?;
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+                sender
+            }
+            Address::Unix(path) => {
+                let stream = UnixStream::connect(path).await.map_err(connect_error)?;
+                let (sender, connection) =
+                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
+                        .await
+                        .map_err(handshake_error)?;
+                tokio::spawn(async move {
+                    let _ = connection.await;
+                });
+                sender
+            }
+        };
         Ok(Connection {
-            addr: self.addr,
+            addr: self.addr.clone(),
             sender,
         })
     }
@@ -743,7 +851,7 @@ impl AdminClient {
     fn status(&self, endpoint: &str, status: StatusCode, body: &[u8]) -> AdminError {
         let text = String::from_utf8_lossy(body);
         AdminError::Status {
-            addr: self.addr,
+            addr: self.addr.clone(),
             endpoint: endpoint.to_owned(),
             status,
             body: text.trim().chars().take(200).collect(),
@@ -752,7 +860,7 @@ impl AdminClient {
 
     fn decode(&self, endpoint: &str, e: impl std::fmt::Display) -> AdminError {
         AdminError::Decode {
-            addr: self.addr,
+            addr: self.addr.clone(),
             endpoint: endpoint.to_owned(),
             message: e.to_string(),
         }
@@ -779,7 +887,7 @@ impl std::fmt::Debug for KeptConnection {
         let kept = self
             .connection
             .as_ref()
-            .map(|k| (k.connection.addr, k.opened, k.epoch));
+            .map(|k| (&k.connection.addr, k.opened, k.epoch));
         f.debug_struct("KeptConnection")
             .field("connection", &kept)
             .finish()
@@ -813,7 +921,7 @@ impl hyper::body::Body for StreamedBody {
 
 /// One connection to the admin API, for one request after another.
 struct Connection {
-    addr: SocketAddr,
+    addr: Address,
     sender: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
 }
 
@@ -829,7 +937,7 @@ impl Connection {
         endpoint: &str,
     ) -> Result<http::Response<hyper::body::Incoming>, AdminError> {
         let http = |message: String| AdminError::Http {
-            addr: self.addr,
+            addr: self.addr.clone(),
             endpoint: endpoint.to_owned(),
             message,
         };
@@ -840,7 +948,7 @@ impl Connection {
         let request = Request::builder()
             .method(method)
             .uri(endpoint)
-            .header(http::header::HOST, self.addr.to_string())
+            .header(http::header::HOST, self.addr.host())
             .body(Empty::<Bytes>::new())
             .map_err(|e| http(format!("building request: {e}")))?;
         self.sender
@@ -855,9 +963,9 @@ impl Connection {
         endpoint: &str,
     ) -> Result<(StatusCode, Bytes), AdminError> {
         let response = self.send(method, endpoint).await?;
-        let addr = self.addr;
+        let addr = &self.addr;
         let http = |message: String| AdminError::Http {
-            addr,
+            addr: addr.clone(),
             endpoint: endpoint.to_owned(),
             message,
         };

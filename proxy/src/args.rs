@@ -211,17 +211,8 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
             crate::drain_notice::overlay(&file),
         );
     }
-    let ephemeral_admin = config
-        .hot_restart
-        .as_ref()
-        .and_then(|h| h.ephemeral_admin.as_ref());
-    if let (Some(_), AdminAddress::Fixed(addr)) = (ephemeral_admin, &config.admin) {
-        overlay.insert(
-            "admin".to_owned(),
-            serde_json::json!({ "address": { "socket_address": {
-                "address": addr.ip().to_string(), "port_value": 0
-            } } }),
-        );
+    if let Some(admin) = admin_overlay(config) {
+        overlay.insert("admin".to_owned(), admin);
     }
     if !overlay.is_empty() {
         args.push("--config-yaml".to_owned());
@@ -236,7 +227,7 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
             args.push("--admin-address-path".to_owned());
             args.push(path.display().to_string());
         }
-        (AdminAddress::Fixed(_), Some(hot)) => {
+        (AdminAddress::Fixed(_) | AdminAddress::Socket(_), Some(hot)) => {
             if let Some(path) = &hot.ephemeral_admin {
                 args.push("--admin-address-path".to_owned());
                 args.push(path.display().to_string());
@@ -245,11 +236,37 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
                 args.push(admin_address_file(dir, epoch).display().to_string());
             }
         }
-        (AdminAddress::Fixed(_), None) => {}
+        (AdminAddress::Fixed(_) | AdminAddress::Socket(_), None) => {}
     }
     args.extend(extra.iter().cloned());
     EnvoyArgs { args, warnings }
 }
+
+/// The `admin` part of the agent's overlay: the agent's own socket
+/// ([`AdminAddress::Socket`]); for a cold handover's new family, whose predecessor holds the
+/// configured address, an ephemeral port of its IP, or a socket beside the configured one
+/// ([`crate::config::ephemeral_socket`]); otherwise none (the bootstrap's).
+fn admin_overlay(config: &ProxyConfig) -> Option<serde_json::Value> {
+    use crate::admin::Address;
+    let pipe = |path: &std::path::Path| serde_json::json!({ "address": { "pipe": { "path": path, "mode": ADMIN_SOCKET_MODE } } });
+    let hot = config.hot_restart.as_ref();
+    let ephemeral = hot.filter(|h| h.ephemeral_admin.is_some());
+    match (&config.admin, ephemeral) {
+        (AdminAddress::Fixed(Address::Tcp(addr)), Some(_)) => Some(serde_json::json!({
+            "address": { "socket_address": {
+                "address": addr.ip().to_string(), "port_value": 0
+            } }
+        })),
+        (AdminAddress::Fixed(Address::Unix(path)) | AdminAddress::Socket(path), Some(hot)) => {
+            Some(pipe(&crate::config::ephemeral_socket(path, hot.base_id)))
+        }
+        (AdminAddress::Socket(path), None) => Some(pipe(path)),
+        _ => None,
+    }
+}
+
+/// The mode Envoy gives its admin socket: the owner's alone (Envoy's user, and root).
+pub const ADMIN_SOCKET_MODE: u32 = 0o600;
 
 /// Whether epoch `epoch` of `config` takes over from a serving Envoy: a hot restart's child (in
 /// this pod or a predecessor's), or a cold handover's new family. Such an epoch must not go
@@ -422,7 +439,7 @@ mod tests {
         let mut c = ProxyConfig::new(
             "/usr/bin/envoy".into(),
             "/etc/envoy.yaml".into(),
-            AdminAddress::Fixed(([127, 0, 0, 1], 9901).into()),
+            AdminAddress::Fixed(std::net::SocketAddr::from(([127, 0, 0, 1], 9901)).into()),
         );
         c.hot_restart = Some(HotRestart {
             base_id: 42,
@@ -468,6 +485,55 @@ mod tests {
         assert_eq!(
             value(&envoy_args(&c, 4).args, "--admin-address-path"),
             Some("/run/agent/admin-address.4")
+        );
+    }
+
+    #[test]
+    fn the_agents_admin_socket_is_an_overlay_and_a_cold_family_takes_one_beside_it() {
+        let overlay = |c: &ProxyConfig, epoch| -> serde_json::Value {
+            serde_json::from_str(value(&envoy_args(c, epoch).args, "--config-yaml").unwrap())
+                .unwrap()
+        };
+        let mut c = config();
+        c.admin = AdminAddress::Socket(PathBuf::from("/tmp/hr/7/envoy_admin_7"));
+        let pipe = &overlay(&c, 0)["admin"]["address"]["pipe"];
+        assert_eq!(pipe["path"], "/tmp/hr/7/envoy_admin_7");
+        assert_eq!(pipe["mode"], 0o600);
+        c.hot_restart = Some(HotRestart {
+            base_id: 7,
+            parent_shutdown_time: Duration::from_secs(60),
+            admin_address_dir: Some(PathBuf::from("/run/agent")),
+            ephemeral_admin: None,
+            socket_path: SocketPath::envoy_default(),
+        });
+        // Every epoch of the family: the same socket (a child binds it after its parent
+        // closed it), and the hint file as before.
+        assert_eq!(
+            overlay(&c, 3)["admin"]["address"]["pipe"]["path"],
+            "/tmp/hr/7/envoy_admin_7"
+        );
+        assert_eq!(
+            value(&envoy_args(&c, 3).args, "--admin-address-path"),
+            Some("/run/agent/admin-address.3")
+        );
+        // A cold handover's new family, on base id 8, while the old one holds the socket.
+        if let Some(hot) = &mut c.hot_restart {
+            hot.base_id = 8;
+            hot.ephemeral_admin = Some(PathBuf::from("/run/agent/cold-admin-address.8"));
+        }
+        assert_eq!(
+            overlay(&c, 0)["admin"]["address"]["pipe"]["path"],
+            "/tmp/hr/7/envoy_admin_7.8"
+        );
+        assert_eq!(
+            value(&envoy_args(&c, 0).args, "--admin-address-path"),
+            Some("/run/agent/cold-admin-address.8")
+        );
+        // A bootstrap's own TCP admin gets no admin overlay but the cold family's port 0.
+        let c = config();
+        assert!(
+            value(&envoy_args(&c, 0).args, "--config-yaml")
+                .is_none_or(|o| !o.contains("\"admin\""))
         );
     }
 

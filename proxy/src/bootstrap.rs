@@ -1,12 +1,15 @@
 //! Reading what the agent needs from an Envoy bootstrap: the admin address.
 //!
-//! Only the `admin.address.socket_address` part is looked at; Envoy itself validates the rest.
+//! Only the `admin.address` part (`socket_address` or `pipe`) is looked at; Envoy itself
+//! validates the rest.
 //! YAML and JSON bootstraps both parse (JSON is YAML).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+
+use crate::admin::Address as Address_;
 
 /// Why the admin address could not be read from a bootstrap. Every variant names the file.
 #[derive(Debug, thiserror::Error)]
@@ -28,10 +31,11 @@ pub enum BootstrapError {
         /// The parser's message.
         message: String,
     },
-    /// No `admin.address.socket_address` in the file.
+    /// No `admin.address.socket_address` or `admin.address.pipe` in the file.
     #[error(
-        "bootstrap {path} has no admin address (admin.address.socket_address): \
-         the agent needs Envoy's admin API; add one or pass --admin-address"
+        "bootstrap {path} has no admin address (admin.address.socket_address or \
+         admin.address.pipe): the agent needs Envoy's admin API; add one, pass --admin-address, \
+         or let the agent put it on its own socket (--envoy-admin socket)"
     )]
     NoAdmin {
         /// The bootstrap.
@@ -48,6 +52,18 @@ pub enum BootstrapError {
         /// What the file says.
         address: String,
     },
+    /// The admin socket is an abstract name (`@name`): any process of the network namespace
+    /// can reach it, and the agent does not.
+    #[error(
+        "bootstrap {path}: admin pipe {name:?} is an abstract socket, which any process of the \
+         network namespace can reach: use a path (or --envoy-admin socket)"
+    )]
+    AbstractPipe {
+        /// The bootstrap.
+        path: PathBuf,
+        /// The name.
+        name: String,
+    },
 }
 
 #[derive(Deserialize)]
@@ -63,6 +79,12 @@ struct Admin {
 #[derive(Deserialize)]
 struct Address {
     socket_address: Option<SocketAddress>,
+    pipe: Option<Pipe>,
+}
+
+#[derive(Deserialize)]
+struct Pipe {
+    path: String,
 }
 
 #[derive(Deserialize)]
@@ -75,7 +97,7 @@ struct SocketAddress {
 /// The address to reach the admin API of a bootstrap's Envoy. A wildcard bind (`0.0.0.0`,
 /// `::`) is reached on loopback of the same family. Port 0 means "Envoy picks": see
 /// [`crate::AdminAddress::FromFile`].
-pub fn admin_address(path: &Path) -> Result<SocketAddr, BootstrapError> {
+pub fn admin_address(path: &Path) -> Result<Address_, BootstrapError> {
     let read = |source| BootstrapError::Read {
         path: path.to_owned(),
         source,
@@ -93,12 +115,12 @@ pub fn admin_address(path: &Path) -> Result<SocketAddr, BootstrapError> {
 /// one (the YAML parser holds a document's every event: tens of MiB for thousands of
 /// clusters). The whole document is parsed only when that finds no address (flow style, an
 /// alias), so that a broken bootstrap is still named as such.
-pub fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, BootstrapError> {
+pub fn admin_address_from_str(path: &Path, text: &str) -> Result<Address_, BootstrapError> {
     let found = |b: &Bootstrap| {
         b.admin
             .as_ref()
             .and_then(|a| a.address.as_ref())
-            .is_some_and(|a| a.socket_address.is_some())
+            .is_some_and(|a| a.socket_address.is_some() || a.pipe.is_some())
     };
     let json = text
         .trim_start()
@@ -117,13 +139,28 @@ pub fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, Boo
             message: e.to_string(),
         })?,
     };
-    let socket = bootstrap
+    let address = bootstrap
         .admin
         .and_then(|a| a.address)
-        .and_then(|a| a.socket_address)
+        .filter(|a| a.socket_address.is_some() || a.pipe.is_some())
         .ok_or_else(|| BootstrapError::NoAdmin {
             path: path.to_owned(),
         })?;
+    let socket = match (address.socket_address, address.pipe) {
+        (Some(socket), _) => socket,
+        (None, Some(pipe)) if pipe.path.starts_with('@') => {
+            return Err(BootstrapError::AbstractPipe {
+                path: path.to_owned(),
+                name: pipe.path,
+            });
+        }
+        (None, Some(pipe)) => return Ok(Address_::Unix(PathBuf::from(pipe.path))),
+        (None, None) => {
+            return Err(BootstrapError::NoAdmin {
+                path: path.to_owned(),
+            });
+        }
+    };
     // As Envoy takes it: an IP, IPv6 without brackets (Envoy refuses `[::1]`).
     let ip: IpAddr = socket
         .address
@@ -137,7 +174,7 @@ pub fn admin_address_from_str(path: &Path, text: &str) -> Result<SocketAddr, Boo
         IpAddr::V6(v6) if v6.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
         ip => ip,
     };
-    Ok(SocketAddr::new(ip, socket.port_value))
+    Ok(Address_::Tcp(SocketAddr::new(ip, socket.port_value)))
 }
 
 /// The lines of a YAML document's top-level `key:` block: the key's line and those after it
@@ -165,6 +202,7 @@ mod tests {
 
     fn parse(text: &str) -> Result<SocketAddr, BootstrapError> {
         admin_address_from_str(Path::new("b.yaml"), text)
+            .map(|a| a.tcp().expect("a TCP admin address"))
     }
 
     #[test]
@@ -202,8 +240,23 @@ mod tests {
         let err = parse("static_resources: {}").unwrap_err();
         assert!(matches!(err, BootstrapError::NoAdmin { .. }), "{err}");
         assert!(err.to_string().contains("b.yaml"), "{err}");
-        let err = parse("admin: {address: {pipe: {path: /tmp/admin}}}").unwrap_err();
+        let err = parse("admin: {access_log: []}").unwrap_err();
         assert!(matches!(err, BootstrapError::NoAdmin { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_pipe_is_a_unix_socket_and_an_abstract_one_is_refused() {
+        let at = |text| admin_address_from_str(Path::new("b.yaml"), text);
+        let yaml = "admin:\n  address:\n    pipe: {path: /run/envoy/admin.sock, mode: 384}\n";
+        assert_eq!(
+            at(yaml).unwrap(),
+            Address_::Unix(PathBuf::from("/run/envoy/admin.sock"))
+        );
+        let json = r#"{"admin":{"address":{"pipe":{"path":"/a.sock"}}}}"#;
+        assert_eq!(at(json).unwrap(), Address_::Unix(PathBuf::from("/a.sock")));
+        let err = at("admin: {address: {pipe: {path: '@envoy_admin'}}}").unwrap_err();
+        assert!(matches!(err, BootstrapError::AbstractPipe { .. }), "{err}");
+        assert!(err.to_string().contains("@envoy_admin"), "{err}");
     }
 
     #[test]

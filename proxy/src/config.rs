@@ -1,7 +1,6 @@
 //! What the agent knows about the Envoy it runs: Istio's `ProxyConfig` plus the hot-restart
 //! fields. Plain data; [`crate::args::envoy_args`] turns it into a command line.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -128,10 +127,34 @@ pub struct RunAs {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AdminAddress {
     /// A fixed address, known before Envoy starts (the bootstrap's, or `--admin-address`).
-    Fixed(SocketAddr),
+    Fixed(crate::admin::Address),
     /// The bootstrap asks for port 0: Envoy writes the bound address to this file
     /// (`--admin-address-path`) and the agent reads it once Envoy has started.
     FromFile(PathBuf),
+    /// The agent's own Unix socket (`--envoy-admin socket`): every Envoy it starts gets its
+    /// admin here, whatever the bootstrap says (an overlay, `admin.address.pipe` with mode
+    /// 0600), in a directory only the agent's user (and Envoy's) can enter.
+    Socket(PathBuf),
+}
+
+impl AdminAddress {
+    /// The address, when it is known before Envoy starts.
+    pub fn known(&self) -> Option<crate::admin::Address> {
+        match self {
+            AdminAddress::Fixed(addr) => Some(addr.clone()),
+            AdminAddress::Socket(path) => Some(crate::admin::Address::Unix(path.clone())),
+            AdminAddress::FromFile(_) => None,
+        }
+    }
+}
+
+/// Where a cold handover's new family, on `base_id`, puts its admin socket while the old family
+/// still holds `configured`: beside it, `<configured>.<base id>`. Each family of a node has its
+/// own base id, so no two families share it.
+pub fn ephemeral_socket(configured: &std::path::Path, base_id: u32) -> PathBuf {
+    let mut path = configured.as_os_str().to_owned();
+    path.push(format!(".{base_id}"));
+    PathBuf::from(path)
 }
 
 /// Everything needed to start Envoy. Mirrors Istio's `ProxyConfig` field by field, plus the

@@ -427,7 +427,7 @@ mod tests {
         let config = crate::ProxyConfig::new(
             bin,
             config_path,
-            crate::AdminAddress::Fixed(([127, 0, 0, 1], 9901).into()),
+            crate::AdminAddress::Fixed(std::net::SocketAddr::from(([127, 0, 0, 1], 9901)).into()),
         );
         let at = |port: u16| {
             format!(

@@ -7,7 +7,6 @@
 //! `run` ends [`Ended::Wedged`]. Everything else (drain, config update, log reopening) is a call
 //! beside `run`.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
@@ -15,6 +14,7 @@ use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::Address;
 use crate::admin::{AdminClient, KeptConnection, Readiness};
 use crate::config::{AdminAddress, ProxyConfig};
 use crate::process::{EnvoyProcess, signal_pid, wait_admin_file};
@@ -36,7 +36,7 @@ pub(crate) const CONFIG_POLL_STEADY: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct Envoy {
     config: ProxyConfig,
-    admin: watch::Sender<Option<SocketAddr>>,
+    admin: watch::Sender<Option<Address>>,
     pid: watch::Sender<Option<u32>>,
     state: watch::Sender<ProxyState>,
     /// One config update at a time.
@@ -48,10 +48,7 @@ pub struct Envoy {
 impl Envoy {
     /// An Envoy that will run with `config`. Nothing starts until [`Proxy::run`].
     pub fn new(config: ProxyConfig) -> Self {
-        let admin = match &config.admin {
-            AdminAddress::Fixed(addr) => Some(*addr),
-            AdminAddress::FromFile(_) => None,
-        };
+        let admin = config.admin.known();
         Envoy {
             config,
             admin: watch::Sender::new(admin),
@@ -67,7 +64,7 @@ impl Envoy {
     }
 
     /// The admin address once known (at once when fixed, after start when Envoy picks it).
-    pub fn watch_admin_address(&self) -> watch::Receiver<Option<SocketAddr>> {
+    pub fn watch_admin_address(&self) -> watch::Receiver<Option<Address>> {
         self.admin.subscribe()
     }
 
@@ -137,7 +134,7 @@ impl Envoy {
 
     /// Asks the serving Envoy whether it answers (see [`crate::watchdog`]), publishing its
     /// health as it changes; resolves once it is judged wedged, with what happened.
-    async fn watch_health(&self, addr: SocketAddr) -> String {
+    async fn watch_health(&self, addr: Address) -> String {
         let client = AdminClient::new(addr).with_timeout(crate::watchdog::CHECK_TIMEOUT);
         // One check at a time: the connection is lent to it.
         let kept = std::sync::Mutex::new(KeptConnection::default());
@@ -158,13 +155,13 @@ impl Envoy {
     /// happened; never if it is not.
     async fn watch_live(&self, mut info: EpochInfo) -> String {
         let mut admin = self.admin.subscribe();
-        let Ok(addr) = admin.wait_for(Option::is_some).await.map(|a| *a) else {
+        let Ok(addr) = admin.wait_for(Option::is_some).await.map(|a| a.clone()) else {
             return std::future::pending().await;
         };
         let Some(addr) = addr else {
             return std::future::pending().await;
         };
-        let client = AdminClient::new(addr).with_timeout(LIVE_CALL_TIMEOUT);
+        let client = AdminClient::new(addr.clone()).with_timeout(LIVE_CALL_TIMEOUT);
         // `/ready`, not `/server_info`: the same state in a few bytes (Envoy 1.40's server
         // info is ~120 KB, read, buffered and parsed at every poll of a start).
         loop {
@@ -201,7 +198,7 @@ impl Proxy for Envoy {
                 self.admin.send_replace(None);
                 Some(path.clone())
             }
-            AdminAddress::Fixed(_) => None,
+            AdminAddress::Fixed(_) | AdminAddress::Socket(_) => None,
         };
         let process = match EnvoyProcess::spawn(&self.config, 0).await {
             Ok(p) => p,
@@ -282,7 +279,7 @@ impl Proxy for Envoy {
         )
         .await
         .ok()
-        .and_then(|r| r.ok().and_then(|a| *a))
+        .and_then(|r| r.ok().and_then(|a| a.clone()))
         .ok_or(ProxyError::AdminUnknown)?;
         let scope = match options.listeners {
             crate::Scope::Auto => self.config.drain_scope,
@@ -300,7 +297,11 @@ impl Proxy for Envoy {
     }
 
     async fn fail_health_checks(&self) -> Result<(), ProxyError> {
-        let addr = (*self.admin.borrow()).ok_or(ProxyError::AdminUnknown)?;
+        let addr = self
+            .admin
+            .borrow()
+            .clone()
+            .ok_or(ProxyError::AdminUnknown)?;
         tracing::info!(admin = %addr, "failing envoy's health checks");
         AdminClient::new(addr).healthcheck_fail().await?;
         Ok(())
@@ -333,8 +334,8 @@ impl Proxy for Envoy {
         self.signal(Signal::SIGUSR1).map(|()| 1)
     }
 
-    fn admin_address(&self) -> Option<SocketAddr> {
-        *self.admin.borrow()
+    fn admin_address(&self) -> Option<Address> {
+        self.admin.borrow().clone()
     }
 
     fn cleanup(&self) {

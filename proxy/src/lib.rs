@@ -31,7 +31,6 @@
 //!   mix, and a rejected config or a failed write leaves the old file in place.
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::Duration;
@@ -59,7 +58,9 @@ pub mod watchdog;
 
 pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
-pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs, SocketPath};
+pub use config::{
+    AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs, SocketPath, ephemeral_socket,
+};
 pub use config_file::{
     MAX_CONFIG_SIZE, read_config, replace_atomically, replace_config, replace_privately,
     validate_candidate, validate_candidate_cached, write_atomically,
@@ -139,7 +140,7 @@ pub trait Proxy: Send + Sync + 'static {
     }
 
     /// Envoy's admin API address, when known (Envoy may pick it at start).
-    fn admin_address(&self) -> Option<SocketAddr>;
+    fn admin_address(&self) -> Option<crate::admin::Address>;
 
     /// Removes what the proxy left behind once it has exited (generated bootstrap, files).
     fn cleanup(&self);

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::process::Command;
 
+use crate::admin::Address;
 use crate::config::ProxyConfig;
 use crate::spawner;
 
@@ -186,21 +187,27 @@ pub async fn validate(config: &ProxyConfig) -> Result<(), PreflightError> {
 /// unseen, and be killed at the handoff deadline. Refused before anything starts. An address
 /// Envoy picks (port 0) or one that cannot be read here is left to Envoy.
 fn admin_unchanged(config: &ProxyConfig) -> Result<(), PreflightError> {
+    // The agent's own socket is put in place whatever the bootstrap says.
     let crate::AdminAddress::Fixed(running) = &config.admin else {
         return Ok(());
     };
-    match crate::bootstrap::admin_address(&config.config_path) {
-        Ok(new) if new.port() != running.port() && new.port() != 0 => {
-            Err(PreflightError::Invalid {
-                path: config.config_path.clone(),
-                message: format!(
-                    "it moves Envoy's admin address to {new}, but the agent reaches Envoy at \
-                     {running} (as does every epoch's successor): restart the agent to move it"
-                ),
-            })
-        }
-        _ => Ok(()),
+    let Ok(new) = crate::bootstrap::admin_address(&config.config_path) else {
+        return Ok(());
+    };
+    let moved = match (&new, running) {
+        (Address::Tcp(new), Address::Tcp(old)) => new.port() != old.port() && new.port() != 0,
+        (new, old) => new != old && new.tcp().is_none_or(|n| n.port() != 0),
+    };
+    if !moved {
+        return Ok(());
     }
+    Err(PreflightError::Invalid {
+        path: config.config_path.clone(),
+        message: format!(
+            "it moves Envoy's admin address to {new}, but the agent reaches Envoy at \
+             {running} (as does every epoch's successor): restart the agent to move it"
+        ),
+    })
 }
 
 /// `envoy --hot-restart-version` of `binary` (Envoy prints it on stderr), e.g. `11.104`.

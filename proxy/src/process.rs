@@ -6,7 +6,6 @@
 //! and its tail kept for error messages.
 
 use std::collections::VecDeque;
-use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{ExitStatus, Stdio};
@@ -258,13 +257,14 @@ fn command(config: &ProxyConfig, epoch: u32) -> Command {
     command
 }
 
-/// Reads an address Envoy wrote with `--admin-address-path`, if it is there yet.
-pub fn read_admin_file(path: &Path) -> Option<SocketAddr> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+/// Reads an address Envoy wrote with `--admin-address-path` (`ip:port`, or a Unix socket's
+/// path), if it is there yet.
+pub fn read_admin_file(path: &Path) -> Option<crate::admin::Address> {
+    crate::admin::Address::parse(&std::fs::read_to_string(path).ok()?)
 }
 
 /// Waits until Envoy has written its admin address to `path`.
-pub async fn wait_admin_file(path: &Path) -> SocketAddr {
+pub async fn wait_admin_file(path: &Path) -> crate::admin::Address {
     let mut poll = tokio::time::interval(ADMIN_FILE_POLL);
     loop {
         poll.tick().await;

@@ -25,6 +25,20 @@ pub struct HotRestartPorts {
     pub listener_port: u16,
 }
 
+impl HotRestartPorts {
+    /// Where the agent reaches Envoy's admin API by default: its own socket
+    /// ([`crate::node_admin_socket`]); `admin_port` is the bootstrap's, used only with
+    /// `--envoy-admin bootstrap`.
+    pub fn admin(&self) -> envoy_agent_proxy::admin::Address {
+        crate::node_admin_socket(self.base_id)
+    }
+
+    /// The bootstrap's TCP admin address (`--envoy-admin bootstrap`).
+    pub fn admin_tcp(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.admin_port))
+    }
+}
+
 /// Builds an [`AgentProcess`].
 #[derive(Debug)]
 pub struct AgentBuilder {
@@ -256,8 +270,32 @@ impl AgentBuilder {
         } else {
             Some(crate::admin_address_from_file(&status_file).await)
         };
+        // Where the agent puts it: its own socket for a node proxy, unless the test says.
+        let bootstrap_admin = self
+            .args
+            .windows(2)
+            .any(|w| w[0] == "--envoy-admin" && w[1] == "bootstrap")
+            || self.args.iter().any(|a| a == "--envoy-admin=bootstrap")
+            || self.args.iter().any(|a| a.starts_with("--admin-address"));
+        let socket_admin = self
+            .args
+            .windows(2)
+            .any(|w| w[0] == "--envoy-admin" && w[1] == "socket")
+            || self.args.iter().any(|a| a == "--envoy-admin=socket");
         let admin = match self.hot_restart {
-            Some(p) => AdminClient::new(SocketAddr::from(([127, 0, 0, 1], p.admin_port))),
+            Some(p) if bootstrap_admin => AdminClient::new(p.admin_tcp()),
+            Some(p) => AdminClient::new(p.admin()),
+            None if socket_admin => AdminClient::new(
+                eventually(
+                    "the agent to name envoy's admin socket",
+                    PATIENCE,
+                    || async {
+                        let text = stderr.lock().ok()?.clone();
+                        crate::admin_socket_in_log(&text)
+                    },
+                )
+                .await,
+            ),
             None => AdminClient::new(crate::admin_address_from_file(&admin_file).await),
         };
         if self.wait_live {

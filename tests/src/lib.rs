@@ -559,6 +559,55 @@ pub async fn http_request_with(
         .map_err(|_| std::io::Error::other(format!("{method} {addr}{path}: no answer")))?
 }
 
+/// `method path` to Envoy's admin API at `addr` (TCP, or a Unix socket), on a fresh
+/// connection with `Connection: close`, bounded by [`PATIENCE`].
+pub async fn admin_request(
+    addr: &envoy_agent_proxy::admin::Address,
+    method: &str,
+    path: &str,
+) -> std::io::Result<Response> {
+    use envoy_agent_proxy::admin::Address;
+    let unix = match addr {
+        Address::Tcp(tcp) => return http_request(*tcp, method, path).await,
+        Address::Unix(unix) => unix,
+    };
+    let exchange = async {
+        let mut stream = tokio::net::UnixStream::connect(unix).await?;
+        let request = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        stream.write_all(request.as_bytes()).await?;
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await?;
+        parse_response(&raw)
+    };
+    tokio::time::timeout(PATIENCE, exchange)
+        .await
+        .map_err(|_| std::io::Error::other(format!("{method} {addr}{path}: no answer")))?
+}
+
+/// The admin socket an agent's JSON log names (its `envoy_admin` event's `path`), if logged yet.
+pub fn admin_socket_in_log(log: &str) -> Option<envoy_agent_proxy::admin::Address> {
+    log.lines()
+        .filter(|line| line.starts_with('{'))
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|v| v.get("event").and_then(|e| e.as_str()) == Some("envoy_admin"))
+        .find_map(|v| v.get("path")?.as_str().map(PathBuf::from))
+        .map(envoy_agent_proxy::admin::Address::Unix)
+}
+
+/// Where a node proxy's agent (`--hot-restart`, `--envoy-admin` left at `auto`) puts Envoy's
+/// admin socket for `base_id`, with the test process's temp dir and user.
+pub fn node_admin_socket(base_id: u32) -> envoy_agent_proxy::admin::Address {
+    let uid = nix::unistd::geteuid().as_raw();
+    envoy_agent_proxy::admin::Address::Unix(
+        std::env::temp_dir()
+            .join(format!("envoy-agent-hr-{uid}"))
+            .join(base_id.to_string())
+            .join(format!("envoy_admin_{base_id}")),
+    )
+}
+
 fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
     let text = String::from_utf8_lossy(raw);
     let bad = || std::io::Error::other(format!("not an HTTP response: {text:?}"));

@@ -54,6 +54,7 @@ impl Running {
             .await
             .expect("envoy publishes its admin address")
             .expect("envoy is running")
+            .clone()
             .expect("address");
         let admin = AdminClient::new(addr);
         eventually("envoy to be LIVE", PATIENCE, || async {

@@ -1043,7 +1043,11 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             .iter()
             .map(|e| e.pid)
             .collect();
-        let admin_port = admin.as_ref().map(|a| a.addr().port());
+        // A Unix admin socket holds no TCP connection to leave out of the count.
+        let admin_port = admin
+            .as_ref()
+            .and_then(|a| a.addr().tcp())
+            .map(|a| a.port());
         let confirm = drained.is_some();
         // The drained TCP listeners' ports; a QUIC listener's connections only the stats see.
         let ports = drained.as_ref().map(|plan| {

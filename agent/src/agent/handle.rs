@@ -68,7 +68,7 @@ pub(super) enum Command {
 pub struct AgentHandle {
     pub(super) commands: mpsc::Sender<Command>,
     pub(super) status: watch::Receiver<Status>,
-    pub(super) admin: Arc<dyn Fn() -> Option<std::net::SocketAddr> + Send + Sync>,
+    pub(super) admin: Arc<dyn Fn() -> Option<envoy_agent_proxy::admin::Address> + Send + Sync>,
 }
 
 impl fmt::Debug for AgentHandle {

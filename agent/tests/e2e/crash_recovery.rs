@@ -80,7 +80,7 @@ async fn a_killed_serving_envoy_is_replaced_in_place_and_the_crash_reported(mode
             .as_ref()
             .and_then(|s| s.admin_address.as_deref())
             .unwrap()
-            .parse()
+            .parse::<envoy_agent_proxy::admin::Address>()
             .unwrap(),
     );
     let listener = admin

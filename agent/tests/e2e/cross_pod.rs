@@ -78,7 +78,7 @@ impl Node {
     }
 
     pub(crate) fn admin(&self) -> AdminClient {
-        AdminClient::new(([127, 0, 0, 1], self.ports.admin_port).into())
+        AdminClient::new(self.ports.admin())
     }
 
     pub(crate) fn listener(&self) -> std::net::SocketAddr {

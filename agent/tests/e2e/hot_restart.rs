@@ -258,7 +258,8 @@ async fn a_bad_config_is_rejected_and_the_old_epoch_keeps_serving() {
 /// before anything starts, saying why; the serving epoch serves on.
 #[tokio::test]
 async fn a_config_that_moves_the_admin_port_is_refused_and_the_old_epoch_keeps_serving() {
-    let mut agent = start(&["--watch-config"]).await;
+    // The bootstrap's TCP admin, which the agent reaches Envoy at.
+    let mut agent = start(&["--watch-config", "--envoy-admin", "bootstrap"]).await;
     let p = agent.ports.unwrap();
     let path = agent.dir.join("bootstrap.yaml");
     let load = Load::start(listener(&agent), "/", 2, 2);
@@ -282,6 +283,32 @@ async fn a_config_that_moves_the_admin_port_is_refused_and_the_old_epoch_keeps_s
     live_at(&agent.admin, 1).await;
     let report = load.stop().await;
     assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+/// On the agent's admin socket (a node proxy's default), the bootstrap's own admin address is
+/// not where the agent reaches Envoy: a config that moves it is applied, and the new epoch's
+/// admin is on the socket, not on the bootstrap's port.
+#[tokio::test]
+async fn with_the_agents_admin_socket_a_config_that_moves_the_bootstraps_admin_port_applies() {
+    let mut agent = start(&["--watch-config"]).await;
+    let p = agent.ports.unwrap();
+    assert_eq!(agent.admin.addr(), &p.admin());
+    let path = agent.dir.join("bootstrap.yaml");
+    let elsewhere = envoy_agent_tests::free_port();
+    envoy_agent_proxy::write_atomically(
+        &path,
+        bootstrap_yaml_on(elsewhere, p.listener_port, "moved").as_bytes(),
+    )
+    .unwrap();
+    live_at(&agent.admin, 1).await;
+    for port in [p.admin_port, elsewhere] {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+            "nothing listens on the bootstrap's admin port {port}"
+        );
+    }
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }

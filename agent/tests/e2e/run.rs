@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use envoy_agent_proxy::ServerState;
 use envoy_agent_tests::{
-    PATIENCE, TestDir, envoy_path, eventually, http_get, http_request, process_alive,
+    PATIENCE, TestDir, admin_request, envoy_path, eventually, http_get, process_alive,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -38,7 +38,7 @@ async fn run_serves_traffic_and_passes_on_sigkill_as_137() {
 async fn envoy_exiting_zero_makes_the_agent_exit_zero() {
     let mut agent = agent().start().await;
     // Envoy's own /quitquitquit: it exits 0 by itself.
-    let response = http_request(agent.admin.addr(), "POST", "/quitquitquit")
+    let response = admin_request(agent.admin.addr(), "POST", "/quitquitquit")
         .await
         .unwrap();
     assert_eq!(response.status, 200);

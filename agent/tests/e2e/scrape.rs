@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use envoy_agent_tests::{AgentProcess, PATIENCE, eventually, http_get};
+use envoy_agent_tests::{AgentProcess, PATIENCE, admin_request, eventually, http_get};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::io::AsyncWriteExt;
@@ -25,8 +25,11 @@ fn families(body: &str) -> (BTreeSet<String>, BTreeSet<String>) {
 }
 
 /// The families Envoy itself answers for `query`, asked directly.
-async fn envoy_families(admin: std::net::SocketAddr, query: &str) -> BTreeSet<String> {
-    let response = http_get(admin, &format!("/stats/prometheus?{query}"))
+async fn envoy_families(
+    admin: &envoy_agent_proxy::admin::Address,
+    query: &str,
+) -> BTreeSet<String> {
+    let response = admin_request(admin, "GET", &format!("/stats/prometheus?{query}"))
         .await
         .unwrap();
     assert_eq!(response.status, 200, "{}", response.body);
@@ -63,7 +66,7 @@ async fn usedonly_and_filter_reach_envoy_and_the_agents_own_families_stay() {
         .args(&["--termination-drain-duration", "0s"])
         .start()
         .await;
-    let admin = agent.admin.addr();
+    let admin = agent.admin.addr().clone();
     let all = scrape(agent.status(), "").await;
     assert!(all.len() > 50, "{all:?}");
 
@@ -74,14 +77,14 @@ async fn usedonly_and_filter_reach_envoy_and_the_agents_own_families_stay() {
         server.iter().all(|f| f.starts_with("envoy_server_")),
         "{server:?}"
     );
-    assert_eq!(server, envoy_families(admin, "filter=%5Eserver%5C.").await);
+    assert_eq!(server, envoy_families(&admin, "filter=%5Eserver%5C.").await);
     let inverted = scrape(agent.status(), "filter=%5Eserver%5C.&invert_filter").await;
     assert!(inverted.is_disjoint(&server), "{inverted:?}");
 
     // usedonly: what Envoy says is used, which only grows between two looks.
-    let before = envoy_families(admin, "usedonly").await;
+    let before = envoy_families(&admin, "usedonly").await;
     let used = scrape(agent.status(), "usedonly").await;
-    let after = envoy_families(admin, "usedonly").await;
+    let after = envoy_families(&admin, "usedonly").await;
     assert!(before.is_subset(&used), "{before:?} ⊄ {used:?}");
     assert!(used.is_subset(&after), "{used:?} ⊄ {after:?}");
     assert!(
