@@ -151,6 +151,54 @@ pub enum ClientCommand {
         #[arg(long, default_value = "envoy-agent restart")]
         reason: String,
     },
+    /// Read one of Envoy's admin views through the agent (`admin GET /config_dump`), printed
+    /// as it streams.
+    ///
+    /// What `curl localhost:15000/...` was for, wherever Envoy's admin API listens (with
+    /// --envoy-admin socket, only the agent reaches it). Read-only endpoints only: /stats,
+    /// /stats/prometheus, /config_dump, /clusters, /listeners, /server_info, /certs, /ready,
+    /// /memory, /runtime, /hot_restart_version, the query passed on as given (quote it for the
+    /// shell). Endpoints that change Envoy are refused, naming the envoy-agent verb to use.
+    Admin {
+        /// The HTTP method: GET (nothing else is passed on).
+        #[arg(value_parser = parse_get)]
+        method: String,
+        /// The endpoint and its query, percent-encoded as Envoy takes it (e.g.
+        /// '/stats?filter=^http' or '/config_dump?resource=dynamic_listeners').
+        path: String,
+    },
+    /// Set Envoy's log level through the agent, kept across hot restarts (LEVEL as
+    /// --proxy-log-level: `debug`, or `info,upstream:debug`, or `upstream:debug`).
+    ///
+    /// Every Envoy whose admin API the agent reaches takes it (POST /logging), and every Envoy
+    /// started later (a hot restart's next epoch, a crash recovery's) starts with it. A global
+    /// level resets the component levels, as in Envoy. `envoy-agent status` shows the level in
+    /// force.
+    LogLevel {
+        /// The level, Istio style.
+        #[arg(value_parser = parse_log_level)]
+        level: String,
+    },
+}
+
+/// `GET`, the only method `envoy-agent admin` passes on.
+fn parse_get(method: &str) -> Result<String, String> {
+    if method.eq_ignore_ascii_case("GET") {
+        Ok("GET".to_owned())
+    } else {
+        Err(
+            "only GET is passed on to envoy's admin API; for a change use envoy-agent \
+             stop|quit|drain|log-level|restart"
+                .to_owned(),
+        )
+    }
+}
+
+/// A log level as `envoy-agent log-level` takes it (checked again by the agent).
+fn parse_log_level(level: &str) -> Result<String, String> {
+    envoy_agent_proxy::LogLevel::parse(level)
+        .map(|_| level.to_owned())
+        .map_err(|e| e.to_string())
 }
 
 impl From<ClientCommand> for client::Call {
@@ -175,6 +223,8 @@ impl From<ClientCommand> for client::Call {
             ClientCommand::ReopenLogs => Call::ReopenLogs,
             ClientCommand::UpdateConfig { file, reason } => Call::UpdateConfig { file, reason },
             ClientCommand::Restart { reason } => Call::Restart { reason },
+            ClientCommand::Admin { method: _, path } => Call::Admin { path },
+            ClientCommand::LogLevel { level } => Call::LogLevel { level },
         }
     }
 }
@@ -1087,6 +1137,26 @@ mod tests {
             call(&["status", "--json"]),
             client::Call::Status { json: true }
         );
+        assert_eq!(
+            call(&["admin", "get", "/stats?filter=%5Ehttp"]),
+            client::Call::Admin {
+                path: "/stats?filter=%5Ehttp".to_owned()
+            }
+        );
+        assert_eq!(
+            call(&["log-level", "info,upstream:debug"]),
+            client::Call::LogLevel {
+                level: "info,upstream:debug".to_owned()
+            }
+        );
+        for refused in [
+            &["admin", "POST", "/quitquitquit"][..],
+            &["log-level", "loud"],
+            &["log-level", "a:b:c"],
+        ] {
+            let err = Cli::try_parse_from(["envoy-agent"].iter().chain(refused)).unwrap_err();
+            assert!(err.use_stderr(), "{refused:?}: a usage error (exit 64)");
+        }
     }
 
     fn settings(args: &[&str]) -> Result<Settings, SettingsError> {

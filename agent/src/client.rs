@@ -1,5 +1,9 @@
 //! The client subcommands (`status`, `watch`, `drain`, `stop`, `quit`, `reopen-logs`,
-//! `restart`, `update-config`): one RPC each to a running agent's gRPC service.
+//! `restart`, `update-config`, `admin`, `log-level`): one RPC each to a running agent's gRPC
+//! service.
+//!
+//! `admin GET PATH` writes Envoy's answer to stdout as its chunks arrive (never held whole);
+//! an error after the first chunk ends the output where it was, and says so on stderr.
 //!
 //! `status` and `watch` print a summary for people, or with `--json` the status message as one
 //! JSON object per line (see [`status_json`] for its form).
@@ -56,6 +60,16 @@ pub enum Call {
     Restart {
         /// Why, for the agent's logs and status.
         reason: String,
+    },
+    /// `AdminGet`: one of Envoy's read-only admin views, to stdout.
+    Admin {
+        /// Path and query.
+        path: String,
+    },
+    /// `SetLogLevel`.
+    LogLevel {
+        /// Istio style: `debug`, `info,upstream:debug`.
+        level: String,
     },
 }
 
@@ -498,6 +512,9 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
             s.config_path,
             s.admin_address.as_deref().unwrap_or("not known yet")
         );
+        if !s.proxy_log_level.is_empty() {
+            let _ = writeln!(out, "{:<20}{}", "envoy log level:", s.proxy_log_level);
+        }
     }
     out
 }
@@ -750,7 +767,59 @@ pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
                 Err(e) => failed("restart", &e),
             }
         }
+        C::Admin { path } => {
+            let request = pb::AdminGetRequest { path: path.clone() };
+            match client.admin_get(request).await {
+                Ok(r) => print_view(r.into_inner()).await,
+                Err(e) => failed("admin", &e),
+            }
+        }
+        C::LogLevel { level } => {
+            let request = pb::SetLogLevelRequest {
+                level: level.clone(),
+            };
+            match client.set_log_level(request).await {
+                Ok(r) => {
+                    let r = r.into_inner();
+                    match r.envoys {
+                        0 => println!(
+                            "envoy's log level is {} (no envoy serves now: the next one starts with it)",
+                            r.level
+                        ),
+                        n => println!(
+                            "envoy's log level is {} ({n} envoy process(es) took it)",
+                            r.level
+                        ),
+                    }
+                    0
+                }
+                Err(e) => failed("log-level", &e),
+            }
+        }
     }
+}
+
+/// Writes each chunk of an admin view to stdout as it arrives; the exit code.
+async fn print_view(mut stream: tonic::Streaming<pb::AdminGetResponse>) -> u8 {
+    use std::io::Write as _;
+    let stdout = std::io::stdout();
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(r) => {
+                let mut stdout = stdout.lock();
+                // A reader that went away (`| head`) took what it wanted.
+                if stdout
+                    .write_all(&r.chunk)
+                    .and_then(|()| stdout.flush())
+                    .is_err()
+                {
+                    return 0;
+                }
+            }
+            Err(e) => return failed("admin", &e),
+        }
+    }
+    0
 }
 
 #[cfg(test)]
@@ -822,6 +891,7 @@ mod tests {
                     nanos: 250_000_000,
                 }),
                 config_path: "/etc/envoy/envoy.yaml".into(),
+                proxy_log_level: "warning,upstream:debug".into(),
                 exit_on_zero: pb::ExitOnZero::Requests.into(),
                 minimum_drain_duration: Some(prost_types::Duration {
                     seconds: 5,
@@ -907,6 +977,7 @@ mod tests {
         has("    0.0.0.0_8080:   2 connections, 3 requests, 1 upgraded (WebSocket, CONNECT)");
         assert!(!text.contains("epoch 1 live"), "only the last 3: {text}");
         has("wedge:              stale_initializing: cleared");
+        has("envoy log level:    warning,upstream:debug");
         has(
             "drain time 45s, termination drain -, drain delay 250ms, exit on zero requests (minimum 5s)",
         );

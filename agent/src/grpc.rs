@@ -9,8 +9,12 @@
 //! are taken only from a loopback peer whose socket the kernel says belongs to the agent's own
 //! user, root or a `--control-allow-uid` ([`crate::peer`]; with hostNetwork every process of the
 //! node shares the loopback), else refused (PERMISSION_DENIED), unless `--grpc-allow-remote`; a
-//! Unix socket is guarded by its mode (0600). Reading RPCs are open to any peer. Reflection is built at its first request (decoding its
-//! descriptor sets is most of the agent's heap, and most agents are never asked).
+//! Unix socket is guarded by its mode (0600). Reading RPCs are open to any peer, except
+//! `AdminGet`: Envoy's admin views carry its config and certificates, so they are served to the
+//! callers mutating RPCs are ([`crate::admin_view`] decides which views there are).
+//! `SetLogLevel` is a change ([`crate::log_level`] keeps the level in force). Reflection is
+//! built at its first request (decoding its descriptor sets is most of the agent's heap, and
+//! most agents are never asked).
 //!
 //! # The status message
 //!
@@ -19,7 +23,8 @@
 //! has a proto enum whose zero is `*_UNSPECIFIED`, "does not apply"), `SystemTime` to
 //! `Timestamp`, `Duration` to `Duration`, `Option` to an absent field. The settings in force are
 //! a snapshot taken at start ([`settings`], from the same [`Settings`] the agent was built from);
-//! only Envoy's admin address is filled in per call, since Envoy may pick it at start.
+//! only Envoy's admin address (Envoy may pick it at start) and its log level (`SetLogLevel`
+//! changes it) are filled in per call.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -37,11 +42,13 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::admin_view::{Bounds, View, ViewError};
 use crate::agent::{
     AgentConfig, AgentError, AgentHandle, AgentState, Counting, DrainPhase, DrainReason, ExitPath,
     Status as AgentStatus, Via,
 };
 use crate::crash::{CrashAction, CrashKind, Crashes};
+use crate::log_level::{EnvoyLogLevel, SetError};
 pub use crate::settings::GrpcAddress;
 use crate::settings::{DrainStrategy, Settings};
 use crate::signal::Intent;
@@ -57,6 +64,8 @@ pub struct Service {
     agent: AgentHandle,
     mode: pb::Mode,
     settings: pb::Settings,
+    /// Envoy's log level in force, and how to change it.
+    log_level: EnvoyLogLevel,
     /// `WatchStatus` streams open, at most [`MAX_WATCHERS`]: each holds a copy of the status
     /// and a stream's buffers, and a client with a zero window never reads them.
     watchers: Arc<tokio::sync::Semaphore>,
@@ -143,6 +152,11 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
             drain: duration(drain.timeline.drain),
             stop_by: drain.timeline.stop_by.and_then(duration),
         }),
+        proxy_log_level: envoy_agent_proxy::LogLevel::from_flags(
+            &envoy.log_level,
+            &envoy.component_log_level,
+        )
+        .to_string(),
     }
 }
 
@@ -514,30 +528,47 @@ fn crash_recovery_message(crashes: &Crashes, agent: &AgentState) -> Option<pb::C
 
 impl Service {
     /// A service over the agent behind `agent`, which runs in `mode` with `settings` (see
-    /// [`settings`]; `grpc_allow_remote` there decides who may call mutating RPCs).
-    pub fn new(agent: AgentHandle, mode: pb::Mode, settings: pb::Settings) -> Self {
+    /// [`settings`]; `grpc_allow_remote` there decides who may call mutating RPCs) and Envoy's
+    /// log level `log_level`.
+    pub fn new(
+        agent: AgentHandle,
+        mode: pb::Mode,
+        settings: pb::Settings,
+        log_level: EnvoyLogLevel,
+    ) -> Self {
         Service {
             agent,
             mode,
             settings,
+            log_level,
             watchers: Arc::new(tokio::sync::Semaphore::new(MAX_WATCHERS)),
         }
     }
 
     fn status_now(&self, status: &AgentStatus) -> pb::Status {
         let admin = self.agent.admin();
-        status_message(
+        let mut message = status_message(
             status,
             self.mode,
             &self.settings,
             admin.as_ref().map(|a| a.addr()),
-        )
+        );
+        if let Some(settings) = &mut message.settings {
+            settings.proxy_log_level = self.log_level.in_force().to_string();
+        }
+        message
     }
 
-    /// Whether the caller may change anything. A Unix socket is guarded by its mode (0600).
-    /// Over TCP: a loopback peer whose socket (per the kernel's socket table) belongs to the
-    /// agent's own user, root or an allowed uid; anyone with `--grpc-allow-remote`.
+    /// Whether the caller may change anything: [`Service::check_caller`] for a mutating call.
     async fn check_mutation<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        self.check_caller(request, "mutating calls").await
+    }
+
+    /// Whether the caller may make `calls` (mutating calls, Envoy's admin views). A Unix
+    /// socket is guarded by its mode (0600). Over TCP: a loopback peer whose socket (per the
+    /// kernel's socket table) belongs to the agent's own user, root or an allowed uid; anyone
+    /// with `--grpc-allow-remote`.
+    async fn check_caller<T>(&self, request: &Request<T>, calls: &str) -> Result<(), Status> {
         let (Some(peer), Some(local)) = (request.remote_addr(), request.local_addr()) else {
             return Ok(());
         };
@@ -545,18 +576,31 @@ impl Service {
             return Ok(());
         }
         if !peer.ip().to_canonical().is_loopback() {
-            tracing::warn!(event = "grpc_refused", %peer, "refused a mutating gRPC call from a non-loopback peer");
+            tracing::warn!(event = "grpc_refused", %peer, calls, "refused a gRPC call from a non-loopback peer");
             return Err(Status::permission_denied(format!(
-                "{peer} is not a loopback peer (the agent allows mutating calls from loopback only; see --grpc-allow-remote)"
+                "{peer} is not a loopback peer (the agent allows {calls} from loopback only; see --grpc-allow-remote)"
             )));
         }
         let callers = crate::peer::Callers {
             uids: self.settings.control_allow_uids.clone(),
         };
         callers.check(peer, local).await.map_err(|refusal| {
-            tracing::warn!(event = "grpc_refused", %peer, uid = refusal.uid(), error = %refusal, "refused a mutating gRPC call");
-            Status::permission_denied(refusal.to_string())
+            tracing::warn!(event = "grpc_refused", %peer, uid = refusal.uid(), calls, error = %refusal, "refused a gRPC call");
+            Status::permission_denied(format!("{calls}: {refusal}"))
         })
+    }
+}
+
+/// A view's failure as the call's status: Envoy's refusal FAILED_PRECONDITION (its words), a
+/// bound run out DEADLINE_EXCEEDED, Envoy not reachable UNAVAILABLE.
+fn view_error(e: ViewError) -> Status {
+    match &e {
+        ViewError::Admin(envoy_agent_proxy::AdminError::Status { .. }) => {
+            Status::failed_precondition(e.to_string())
+        }
+        ViewError::Admin(envoy_agent_proxy::AdminError::Timeout { .. })
+        | ViewError::Timeout { .. } => Status::deadline_exceeded(e.to_string()),
+        _ => Status::unavailable(e.to_string()),
     }
 }
 
@@ -585,6 +629,7 @@ fn agent_error(e: AgentError) -> Status {
 }
 
 type StatusStream = Pin<Box<dyn Stream<Item = Result<pb::WatchStatusResponse, Status>> + Send>>;
+type ViewStream = Pin<Box<dyn Stream<Item = Result<pb::AdminGetResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl AgentService for Service {
@@ -738,6 +783,62 @@ impl AgentService for Service {
             restarted: applied.restarted_epoch.is_some(),
             epoch: applied.restarted_epoch,
         }))
+    }
+
+    type AdminGetStream = ViewStream;
+
+    async fn admin_get(
+        &self,
+        request: Request<pb::AdminGetRequest>,
+    ) -> Result<Response<Self::AdminGetStream>, Status> {
+        self.check_caller(&request, "envoy's admin views").await?;
+        let peer = request.remote_addr();
+        let path = request.into_inner().path;
+        let view = View::parse(&path).map_err(|refused| {
+            tracing::info!(event = "admin_view", path, ?peer, refused = %refused, "refused an admin view");
+            Status::invalid_argument(refused.to_string())
+        })?;
+        tracing::info!(
+            event = "admin_view",
+            endpoint = view.endpoint(),
+            ?peer,
+            "admin view"
+        );
+        let mut chunks = crate::admin_view::stream(self.agent.admin(), view, Bounds::default());
+        // The first chunk decides the call's status: Envoy refusing or silent is an error of
+        // the call (which a client reads as such), not an answer that ends oddly.
+        let first = match chunks.next().await {
+            None => None,
+            Some(Ok(chunk)) => Some(chunk),
+            Some(Err(e)) => return Err(view_error(e)),
+        };
+        let stream: ViewStream = Box::pin(tokio_stream::iter(first.map(Ok)).chain(chunks).map(
+            |chunk| match chunk {
+                Ok(chunk) => Ok(pb::AdminGetResponse {
+                    chunk: chunk.to_vec(),
+                }),
+                Err(e) => Err(view_error(e)),
+            },
+        ));
+        Ok(Response::new(stream))
+    }
+
+    async fn set_log_level(
+        &self,
+        request: Request<pb::SetLogLevelRequest>,
+    ) -> Result<Response<pb::SetLogLevelResponse>, Status> {
+        self.check_mutation(&request).await?;
+        let level = request.into_inner().level;
+        match self.log_level.set(&level, &self.agent).await {
+            Ok(applied) => Ok(Response::new(pb::SetLogLevelResponse {
+                level: applied.level.to_string(),
+                envoys: applied.envoys,
+            })),
+            Err(e @ (SetError::Level(_) | SetError::Refused { .. })) => {
+                Err(Status::invalid_argument(e.to_string()))
+            }
+            Err(e @ SetError::Unreachable { .. }) => Err(Status::unavailable(e.to_string())),
+        }
     }
 }
 
@@ -1143,7 +1244,12 @@ mod tests {
         let proxy = std::sync::Arc::new(crate::testing::FakeProxy::default());
         let (_agent, handle) =
             crate::agent::Agent::new(proxy, crate::agent::AgentConfig::default());
-        let service = Service::new(handle, pb::Mode::Sidecar, pb::Settings::default());
+        let service = Service::new(
+            handle,
+            pb::Mode::Sidecar,
+            pb::Settings::default(),
+            EnvoyLogLevel::new("warning", "", envoy_agent_proxy::LogLevelCell::default()),
+        );
         let mut open = Vec::new();
         for _ in 0..MAX_WATCHERS {
             let stream = service

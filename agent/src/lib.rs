@@ -36,6 +36,7 @@ use envoy_agent_proxy::{AdminAddress, Envoy, Proxy};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub mod admin_view;
 pub mod agent;
 pub mod budget;
 pub mod channel_link;
@@ -46,6 +47,7 @@ pub mod crash;
 pub mod duration;
 pub mod exit_code;
 pub mod grpc;
+pub mod log_level;
 pub mod notify;
 pub mod peer;
 pub mod scrape;
@@ -226,6 +228,13 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     );
     let mut proxy = proxy;
     proxy.drain_notice = setup::drain_notice_dir(settings, &runtime_dir)?;
+    // Shared with every clone of the proxy's config: a level set at run time reaches every
+    // Envoy started later.
+    let log_level = log_level::EnvoyLogLevel::new(
+        &proxy.log_level,
+        &proxy.component_log_level,
+        proxy.log_level_set.clone(),
+    );
     // What GetStatus says is in force: the notice may be off because of the bootstrap.
     let settings = &Settings {
         envoy: settings::EnvoySettings {
@@ -264,7 +273,15 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
             tracing::info!(identity = %config.identity, "node identity");
             let family = envoy_agent_hotrestart::EnvoyFamily::new(config, metrics)
                 .map_err(SetupError::from)?;
-            serve(settings, Arc::new(family), agent_metrics, intents, true).await
+            serve(
+                settings,
+                Arc::new(family),
+                agent_metrics,
+                intents,
+                true,
+                log_level,
+            )
+            .await
         }
         None => {
             serve(
@@ -273,6 +290,7 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
                 agent_metrics,
                 intents,
                 false,
+                log_level,
             )
             .await
         }
@@ -290,13 +308,14 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
 
 /// Runs `proxy` under an [`Agent`] with the status and gRPC servers: the one path of both
 /// modes. `node_proxy`: a surge successor may find its ports taken by its predecessor, and
-/// waits for them instead of failing.
+/// waits for them instead of failing. `log_level`: Envoy's, as set in the proxy's config.
 async fn serve<P: Proxy>(
     settings: &Settings,
     proxy: Arc<P>,
     metrics: telemetry::AgentMetrics,
     intents: impl IntentSource,
     node_proxy: bool,
+    log_level: log_level::EnvoyLogLevel,
 ) -> anyhow::Result<u8> {
     let config = agent_config(settings);
     // What GetStatus reports as the settings in force: taken once, here, from the same
@@ -363,7 +382,8 @@ async fn serve<P: Proxy>(
     } else {
         envoy_agent_proto::pb::Mode::Sidecar
     };
-    let service = grpc::Service::new(handle.clone(), mode, reported);
+    tracker.spawn(log_level.clone().follow(handle.clone(), cancel.clone()));
+    let service = grpc::Service::new(handle.clone(), mode, reported, log_level);
     tracker.spawn(
         grpc::serve(
             settings.grpc_address.clone(),

@@ -33,7 +33,7 @@ pub enum ConfigError {
     /// The admin port must be fixed.
     #[error(
         "hot restart needs a fixed admin port (every epoch binds the same one); \
-         the bootstrap asks for port 0: set one or pass --admin-address"
+         the bootstrap asks for port 0: set one, pass --admin-address, or use --envoy-admin socket"
     )]
     AdminPortZero,
 }

@@ -76,15 +76,15 @@ pub(crate) fn decide(
         Err(e) if refused(e) => match others.iter().find(claims_to_serve) {
             None => Discovery::Fresh,
             Some(h) => Discovery::Wait(format!(
-                "{} says it runs epoch {} but nothing answers on the admin port (a starting \
+                "{} says it runs epoch {} but nothing answers at the admin address (a starting \
                  epoch may hold it)",
                 h.identity, h.newest_epoch
             )),
         },
-        Err(e) => Discovery::Wait(format!("the admin port does not answer: {e}")),
+        Err(e) => Discovery::Wait(format!("the admin address does not answer: {e}")),
         Ok(info) if !base_ids.iter().any(|b| u64::from(*b) == info.base_id) => {
             Discovery::Wait(format!(
-                "the admin port answers for another Envoy family (base id {}, ours {base_ids:?})",
+                "the admin address answers for another Envoy family (base id {}, ours {base_ids:?})",
                 info.base_id
             ))
         }

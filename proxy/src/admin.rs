@@ -667,17 +667,22 @@ impl AdminClient {
     }
 
     /// `GET /stats/prometheus?<query>` (`query` already encoded; empty for none), its body
-    /// passed on as it arrives: on a large config it is tens of MiB, never to be held whole.
-    /// The answer's head comes within the client's timeout; the body is the caller's to bound.
-    /// An answer other than 200 (Envoy refusing the query: a regex it cannot compile) is an
-    /// [`AdminError::Status`] with the start of Envoy's words.
+    /// passed on as it arrives (see [`AdminClient::get_stream`]).
     pub async fn prometheus_stream(&self, query: &str) -> Result<StreamedBody, AdminError> {
         let endpoint = if query.is_empty() {
             "/stats/prometheus".to_owned()
         } else {
             format!("/stats/prometheus?{query}")
         };
-        let endpoint = endpoint.as_str();
+        self.get_stream(&endpoint).await
+    }
+
+    /// `GET <endpoint>` (path and query, already encoded), its body passed on as it arrives:
+    /// a large config's `/stats` or `/config_dump` is tens of MiB, never to be held whole.
+    /// The answer's head comes within the client's timeout; the body is the caller's to bound.
+    /// An answer other than 200 (Envoy refusing the query: a regex it cannot compile) is an
+    /// [`AdminError::Status`] with the start of Envoy's words.
+    pub async fn get_stream(&self, endpoint: &str) -> Result<StreamedBody, AdminError> {
         let exchange = async {
             let mut connection = self.connect(endpoint).await?;
             let response = connection.send(Method::GET, endpoint).await?;
@@ -696,6 +701,28 @@ impl AdminClient {
             })
         };
         self.bounded(endpoint, exchange).await
+    }
+
+    /// Every logger's level, as Envoy lists them (`POST /logging` without a change: Envoy takes
+    /// no `GET` there): `  upstream: debug` lines.
+    pub async fn loggers(&self) -> Result<String, AdminError> {
+        let body = self.call_ok(Method::POST, "/logging").await?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// `POST /logging?...` for each query of `change` ([`LogLevel::admin_queries`]), in order;
+    /// the first refusal ends it (Envoy checks component names before it changes anything).
+    ///
+    /// [`LogLevel::admin_queries`]: crate::log_level::LogLevel::admin_queries
+    pub async fn set_log_level(
+        &self,
+        change: &crate::log_level::LogLevel,
+    ) -> Result<(), AdminError> {
+        for query in change.admin_queries() {
+            self.call_ok(Method::POST, &format!("/logging?{query}"))
+                .await?;
+        }
+        Ok(())
     }
 
     /// `POST /drain_listeners?...`.

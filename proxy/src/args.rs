@@ -167,22 +167,27 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
         args.push(config.file_flush_min_size_kb.to_string());
     }
 
-    let levels = LogLevels::parse(&config.log_level);
-    warnings.extend(
-        levels
-            .dropped
-            .iter()
-            .map(|t| format!("log level token {t:?} has more than one ':' and is ignored")),
-    );
+    // A level set at run time wins over the command line's: a later epoch keeps it.
+    let (global, components) =
+        match config.log_level_set.get() {
+            Some(set) => (set.global_or_default().to_owned(), set.components_arg()),
+            None => {
+                let levels = LogLevels::parse(&config.log_level);
+                warnings.extend(levels.dropped.iter().map(|t| {
+                    format!("log level token {t:?} has more than one ':' and is ignored")
+                }));
+                let components = if levels.components.is_empty() {
+                    config.component_log_level.clone()
+                } else {
+                    levels.components.join(",")
+                };
+                (levels.global.unwrap_or("warning").to_owned(), components)
+            }
+        };
     if !theirs(&["-l", "--log-level"]) {
         args.push("-l".to_owned());
-        args.push(levels.global.unwrap_or("warning").to_owned());
+        args.push(global);
     }
-    let components = if levels.components.is_empty() {
-        config.component_log_level.clone()
-    } else {
-        levels.components.join(",")
-    };
     if !components.is_empty() && !theirs(&["--component-log-level"]) {
         args.push("--component-log-level".to_owned());
         args.push(components);
@@ -590,6 +595,18 @@ mod tests {
             value(&args(&c), "--component-log-level"),
             Some("http:debug")
         );
+    }
+
+    #[test]
+    fn a_level_set_at_run_time_wins_for_every_later_envoy() {
+        let mut c = config();
+        c.log_level = "info,upstream:debug".to_owned();
+        let later = c.clone();
+        c.log_level_set
+            .set(crate::log_level::LogLevel::parse("debug,http:trace").unwrap());
+        let a = args(&later);
+        assert_eq!(value(&a, "-l"), Some("debug"));
+        assert_eq!(value(&a, "--component-log-level"), Some("http:trace"));
     }
 
     #[test]

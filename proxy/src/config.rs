@@ -167,6 +167,9 @@ pub struct ProxyConfig {
     pub log_level: String,
     /// Component levels (`a:b,c:d`) used when `log_level` names none (Istio's deprecated flag).
     pub component_log_level: String,
+    /// The level set at run time (`envoy-agent log-level`), shared by every clone of this
+    /// config: when set, every Envoy started from then on gets it instead of the two above.
+    pub log_level_set: crate::log_level::LogLevelCell,
     /// The node's IP addresses: Envoy gets `--local-address-ip-version v6` only when every
     /// parseable one is IPv6.
     pub node_ips: Vec<String>,
@@ -225,6 +228,7 @@ impl ProxyConfig {
         ProxyConfig {
             log_level: "warning".to_owned(),
             component_log_level: String::new(),
+            log_level_set: crate::log_level::LogLevelCell::default(),
             node_ips: Vec::new(),
             sidecar: true,
             drain_scope: crate::listeners::Scope::Auto,

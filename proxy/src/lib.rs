@@ -47,6 +47,7 @@ pub mod control_plane;
 pub mod drain_notice;
 mod envoy;
 pub mod listeners;
+pub mod log_level;
 pub mod preflight;
 mod process;
 pub mod reaper;
@@ -68,6 +69,7 @@ pub use config_file::{
 pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
 pub use envoy::Envoy;
 pub use listeners::{DrainPlan, PlanNote, Scope};
+pub use log_level::{LogLevel, LogLevelCell, LogLevelError};
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
 pub use state::{

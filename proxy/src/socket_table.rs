@@ -257,7 +257,7 @@ fn parse_line(line: &str) -> Option<Entry> {
 
 /// `0100007F:1F90` (IPv4) or 32 hex digits `:port` (IPv6): the address as the kernel prints
 /// it, each 32-bit word in the machine's byte order, the port in hex.
-fn parse_address(text: &str) -> Option<SocketAddr> {
+pub fn parse_address(text: &str) -> Option<SocketAddr> {
     let (ip, port) = text.split_once(':')?;
     let port = u16::from_str_radix(port, 16).ok()?;
     // A word's bytes as they are in memory: the address's bytes, in order.

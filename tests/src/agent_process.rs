@@ -48,6 +48,7 @@ pub struct AgentBuilder {
     bootstrap_path: Option<PathBuf>,
     args: Vec<String>,
     wait_live: bool,
+    admin_at: Option<envoy_agent_proxy::admin::Address>,
     wrapper: Vec<String>,
     envoy_path: Option<PathBuf>,
     hot_restart: Option<HotRestartPorts>,
@@ -68,6 +69,13 @@ impl AgentBuilder {
     /// The bootstrap YAML (default: [`crate::bootstrap_yaml`] answering `hello`).
     pub fn bootstrap(mut self, yaml: String) -> Self {
         self.bootstrap = Some(yaml);
+        self
+    }
+
+    /// Where the test reaches Envoy's admin API, when the kit cannot tell (an agent in a mount
+    /// namespace of its own, whose temp dir the test does not see).
+    pub fn admin_at(mut self, addr: envoy_agent_proxy::admin::Address) -> Self {
+        self.admin_at = Some(addr);
         self
     }
 
@@ -282,10 +290,17 @@ impl AgentBuilder {
             .windows(2)
             .any(|w| w[0] == "--envoy-admin" && w[1] == "socket")
             || self.args.iter().any(|a| a == "--envoy-admin=socket");
-        let admin = match self.hot_restart {
-            Some(p) if bootstrap_admin => AdminClient::new(p.admin_tcp()),
-            Some(p) => AdminClient::new(p.admin()),
-            None if socket_admin => AdminClient::new(
+        // The agent's temp dir: the test's, unless it gives the agent another.
+        let temp_dir = self
+            .env
+            .iter()
+            .find(|(k, _)| k == "TMPDIR")
+            .map_or_else(std::env::temp_dir, |(_, v)| PathBuf::from(v));
+        let admin = match (self.hot_restart, self.admin_at.take()) {
+            (_, Some(addr)) => AdminClient::new(addr),
+            (Some(p), None) if bootstrap_admin => AdminClient::new(p.admin_tcp()),
+            (Some(p), None) => AdminClient::new(crate::node_admin_socket_in(&temp_dir, p.base_id)),
+            (None, None) if socket_admin => AdminClient::new(
                 eventually(
                     "the agent to name envoy's admin socket",
                     PATIENCE,
@@ -296,7 +311,7 @@ impl AgentBuilder {
                 )
                 .await,
             ),
-            None => AdminClient::new(crate::admin_address_from_file(&admin_file).await),
+            (None, None) => AdminClient::new(crate::admin_address_from_file(&admin_file).await),
         };
         if self.wait_live {
             eventually("envoy to be LIVE", PATIENCE, || async {
@@ -375,6 +390,7 @@ impl AgentProcess {
             bootstrap_path: None,
             args: Vec::new(),
             wait_live: true,
+            admin_at: None,
             wrapper: Vec::new(),
             envoy_path: None,
             hot_restart: None,

@@ -599,11 +599,26 @@ pub fn admin_socket_in_log(log: &str) -> Option<envoy_agent_proxy::admin::Addres
 /// Where a node proxy's agent (`--hot-restart`, `--envoy-admin` left at `auto`) puts Envoy's
 /// admin socket for `base_id`, with the test process's temp dir and user.
 pub fn node_admin_socket(base_id: u32) -> envoy_agent_proxy::admin::Address {
+    node_admin_socket_in(&std::env::temp_dir(), base_id)
+}
+
+/// [`node_admin_socket`] for an agent whose temp dir is `temp_dir`.
+pub fn node_admin_socket_in(temp_dir: &Path, base_id: u32) -> envoy_agent_proxy::admin::Address {
     let uid = nix::unistd::geteuid().as_raw();
     envoy_agent_proxy::admin::Address::Unix(
-        std::env::temp_dir()
+        temp_dir
             .join(format!("envoy-agent-hr-{uid}"))
             .join(base_id.to_string())
+            .join(format!("envoy_admin_{base_id}")),
+    )
+}
+
+/// The node proxy's admin socket where it really is: in `<state dir>/hot-restart`, whatever
+/// link the agents reach it through (for a test that does not share the agents' temp dir).
+pub fn node_admin_socket_at(state_dir: &Path, base_id: u32) -> envoy_agent_proxy::admin::Address {
+    envoy_agent_proxy::admin::Address::Unix(
+        state_dir
+            .join("hot-restart")
             .join(format!("envoy_admin_{base_id}")),
     )
 }
@@ -656,6 +671,65 @@ pub async fn silent_server() -> SocketAddr {
 /// The pids of `pid`'s children.
 pub fn children_of(pid: u32) -> Vec<u32> {
     envoy_agent_proxy::reaper::children(pid)
+}
+
+/// A socket a process listens on.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Listening {
+    /// A TCP port (any local address).
+    Tcp(SocketAddr),
+    /// A Unix stream socket bound to a path (as the process bound it: through any symlink).
+    Unix(PathBuf),
+}
+
+impl std::fmt::Display for Listening {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listening::Tcp(addr) => write!(f, "tcp:{addr}"),
+            Listening::Unix(path) => write!(f, "unix:{}", path.display()),
+        }
+    }
+}
+
+/// Every TCP and Unix stream socket `pid` listens on: its open sockets (`/proc/<pid>/fd`) that
+/// its network namespace's tables (`/proc/<pid>/net/{tcp,tcp6,unix}`) list as listening.
+/// Read as root; `[]` for a process that is gone.
+pub fn listening_sockets(pid: u32) -> Vec<Listening> {
+    let inodes: std::collections::HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|link| {
+            let link = link.to_string_lossy().into_owned();
+            Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let mut found = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local_address st ... inode: fields 1, 3 and 9; 0A is LISTEN.
+            if f.len() > 9 && f[3] == "0A" && inodes.contains(f[9]) {
+                if let Some(addr) = envoy_agent_proxy::socket_table::parse_address(f[1]) {
+                    found.push(Listening::Tcp(addr));
+                }
+            }
+        }
+    }
+    let text = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).unwrap_or_default();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        // Num RefCount Protocol Flags Type St Inode Path: a listening stream socket has
+        // __SO_ACCEPTCON (00010000) in its flags, type 0001 and state 01.
+        if f.len() > 7 && f[3] == "00010000" && f[4] == "0001" && inodes.contains(f[6]) {
+            found.push(Listening::Unix(PathBuf::from(f[7])));
+        }
+    }
+    found.sort();
+    found.dedup();
+    found
 }
 
 /// The children of `pid` that are hot-restart Envoys (their command line has

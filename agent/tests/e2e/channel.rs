@@ -96,6 +96,7 @@ async fn pod_at(node: &Node, name: &str, mounted: &Path) -> AgentProcess {
         .bootstrap_path(node.dir.join("bootstrap.yaml"))
         .wrapper(&wrapper)
         .env("TMPDIR", tmp.to_str().unwrap())
+        .admin_at(node.admin_socket())
         .args(&["--state-dir", mounted.to_str().unwrap()])
         .args(FAST)
         .args(&["--identity", name])

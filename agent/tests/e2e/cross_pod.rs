@@ -77,8 +77,14 @@ impl Node {
             .args(&["--identity", name])
     }
 
+    /// Envoy's admin API: the node's admin socket where it is, in the state dir (each pod
+    /// reaches it through a link in its own temp dir).
     pub(crate) fn admin(&self) -> AdminClient {
-        AdminClient::new(self.ports.admin())
+        AdminClient::new(self.admin_socket())
+    }
+
+    pub(crate) fn admin_socket(&self) -> envoy_agent_proxy::admin::Address {
+        envoy_agent_tests::node_admin_socket_at(&self.state_dir(), self.ports.base_id)
     }
 
     pub(crate) fn listener(&self) -> std::net::SocketAddr {

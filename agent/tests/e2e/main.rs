@@ -4,6 +4,7 @@
 // Test code: a panic is the failure report.
 #![allow(clippy::unwrap_used)]
 
+mod admin_view;
 mod api;
 mod channel;
 mod clients;

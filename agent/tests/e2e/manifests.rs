@@ -449,14 +449,14 @@ fn the_node_proxy_bootstrap_has_fixed_ports() {
     assert!(files.iter().any(|f| f == file), "the ConfigMap has {file}");
     let bootstrap = yaml_docs(&repo().join(NODE_PROXY).join(file)).remove(0);
 
-    // Every epoch, and the successor pod's Envoy, binds the same admin port; on the node's
-    // loopback only.
-    let admin = &bootstrap["admin"]["address"]["socket_address"];
+    // No TCP admin port, which every process on the node could use to stop Envoy: the agent
+    // puts Envoy's admin on its own socket, which every epoch and the successor pod's Envoy
+    // bind in turn.
     assert!(
-        admin["port_value"].as_u64().is_some_and(|p| p > 0),
-        "a fixed admin port"
+        bootstrap["admin"].is_null(),
+        "no admin address in the shipped bootstrap"
     );
-    assert_eq!(admin["address"], "127.0.0.1", "the admin API on loopback");
+    assert_eq!(flag(&args, "--envoy-admin"), Some("socket"));
     // Envoy hands listening sockets over by their configured address.
     for listener in bootstrap["static_resources"]["listeners"]
         .as_sequence()

@@ -127,6 +127,19 @@ impl Shipped {
         .await
     }
 
+    /// The Envoys the agent runs (not its pre-flight runs of the binary).
+    fn envoys(&self) -> Vec<u32> {
+        let envoy = std::fs::canonicalize(envoy_path()).unwrap();
+        envoy_agent_tests::children_of(self.child.id().unwrap())
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|exe| exe == envoy)
+                    && std::fs::read(format!("/proc/{pid}/cmdline"))
+                        .is_ok_and(|c| !c.windows(6).any(|w| w == b"--mode"))
+            })
+            .collect()
+    }
+
     fn signal(&self, signal: Signal) {
         kill(Pid::from_raw(self.child.id().unwrap() as i32), signal).unwrap();
     }
@@ -178,6 +191,32 @@ impl Clients {
 }
 
 #[tokio::test]
+async fn the_daemonset_as_shipped_keeps_envoys_admin_from_a_neighbour() {
+    let _netns = NetNs::enter();
+    let mut agent = Shipped::start(NODE_PROXY, "DaemonSet");
+    let serving = "127.0.0.1:10000".parse().unwrap();
+    agent.serving(serving).await;
+    a_neighbour_cannot_reach_envoys_admin(&mut agent, serving).await;
+    agent.signal(Signal::SIGTERM);
+    agent.event("drain_accepted").await;
+    assert_eq!(agent.stop().await, Some(0));
+    let _ = std::fs::remove_file("/dev/shm/envoy_shared_memory_70");
+}
+
+#[tokio::test]
+async fn the_sidecar_example_as_shipped_keeps_envoys_admin_from_the_pods_other_containers() {
+    let _netns = NetNs::enter();
+    app_on_8080().await;
+    let mut agent = Shipped::start(SIDECAR_EXAMPLE, "Deployment");
+    let inbound = "127.0.0.1:15006".parse().unwrap();
+    agent.serving(inbound).await;
+    a_neighbour_cannot_reach_envoys_admin(&mut agent, inbound).await;
+    agent.signal(Signal::SIGTERM);
+    agent.event("drain_accepted").await;
+    assert_eq!(agent.stop().await, Some(0));
+}
+
+#[tokio::test]
 async fn the_daemonset_as_shipped_tells_its_clients_on_sigterm() {
     let _netns = NetNs::enter();
     let mut agent = Shipped::start(NODE_PROXY, "DaemonSet");
@@ -195,6 +234,84 @@ async fn the_daemonset_as_shipped_tells_its_clients_on_sigterm() {
     assert_eq!(agent.stop().await, Some(0));
     // The shipped --base-id (7) is the node's, not a test's: its shared memory goes too.
     let _ = std::fs::remove_file("/dev/shm/envoy_shared_memory_70");
+}
+
+/// Envoy's admin API as shipped: on the agent's socket, where a neighbour (uid 65534, in the
+/// same network namespace) can reach none of it. Every TCP port and Unix socket the agent's
+/// Envoys listen on, but the configured listeners (`served`), is tried with `/quitquitquit`,
+/// `/drain_listeners` and `/healthcheck/fail`; each is refused, and Envoy serves on, LIVE.
+async fn a_neighbour_cannot_reach_envoys_admin(agent: &mut Shipped, served: std::net::SocketAddr) {
+    use envoy_agent_tests::Listening;
+    let admin = agent.event("envoy_admin").await;
+    assert_eq!(admin["placement"], "socket", "{admin}");
+    let socket = PathBuf::from(admin["path"].as_str().unwrap());
+    let envoys = agent.envoys();
+    assert!(!envoys.is_empty());
+    let mut targets: Vec<Listening> = envoys
+        .iter()
+        .flat_map(|pid| envoy_agent_tests::listening_sockets(*pid))
+        .filter(|l| !matches!(l, Listening::Tcp(a) if a.port() == served.port()))
+        .map(|l| match l {
+            // A wildcard is reached on loopback.
+            Listening::Tcp(a) if a.ip().is_unspecified() => {
+                Listening::Tcp(([127, 0, 0, 1], a.port()).into())
+            }
+            l => l,
+        })
+        .collect();
+    assert_eq!(
+        targets,
+        [Listening::Unix(socket.clone())],
+        "envoy listens on its admin socket and its listener, nothing else"
+    );
+    // Also where the link leads: the socket's own directory.
+    targets.push(Listening::Unix(std::fs::canonicalize(&socket).unwrap()));
+
+    let shared = tempfile::Builder::new()
+        .prefix("neighbour")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(
+        shared.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let script = shared.path().join("admin_neighbour.py");
+    std::fs::copy(repo().join("tests/admin_neighbour.py"), &script).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let output = tokio::time::timeout(
+        PATIENCE,
+        tokio::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg("/usr/bin/python3")
+            .arg(&script)
+            .args(targets.iter().map(ToString::to_string))
+            .output(),
+    )
+    .await
+    .expect("the neighbour ends")
+    .expect("setpriv and /usr/bin/python3 run (util-linux, Debian's python3)");
+    assert!(output.status.success(), "{output:?}");
+    let tried: Vec<serde_json::Value> = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(tried.last().unwrap()["uid"], 65534);
+    let tries = &tried[..tried.len() - 1];
+    assert_eq!(tries.len(), targets.len() * 3, "{tried:?}");
+    for t in tries {
+        let outcome = t["outcome"].as_str().unwrap();
+        assert!(
+            outcome.starts_with("error "),
+            "the neighbour got through: {t}"
+        );
+    }
+
+    // Envoy serves on: the same processes, LIVE (not draining, not failing health checks).
+    let info = envoy_agent_proxy::AdminClient::new(socket)
+        .server_info()
+        .await
+        .unwrap();
+    assert_eq!(info.state, envoy_agent_proxy::ServerState::Live);
+    assert_eq!(agent.envoys(), envoys);
+    agent.serving(served).await;
 }
 
 /// The sidecar example's app: 200 `app` to every request, keep-alive.

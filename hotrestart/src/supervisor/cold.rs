@@ -430,7 +430,7 @@ impl<H: Host> Supervisor<H> {
         let gone = matches!(&result, Err(e) if discovery::refused(e));
         if !gone {
             *kill_at = Some(Instant::now() + FOREIGN_PARENT_CHECK);
-            tracing::debug!(%predecessor, "the predecessor's envoy still holds the admin port");
+            tracing::debug!(%predecessor, "the predecessor's envoy still holds the admin address");
             return;
         }
         tracing::info!(
