@@ -12,6 +12,14 @@ bootstrap and measures, with Envoy at --concurrency 1:
            config unchanged): how much later than an independent poller of Envoy's /ready the
            agent logged the new epoch LIVE (its `handoff` event), and the pre-flight time of that
            (cached) restart; then the same drain as the sidecar's.
+  scrape   A sidecar again (the agent at debug level, for its `scrape_walk` events): Prometheus
+           scrapes through the agent's /stats/prometheus, each --scrape-repeats times (medians):
+           one of everything, one `?usedonly`, and two of everything started together. For each,
+           the bytes, the share of answers with Envoy's stats in them, the wall time, Envoy's CPU
+           time over the scrape (its main thread walks the stats) and the walks of Envoy's stats
+           the agent logged (two concurrent scrapes of one query share one; an agent without
+           shared walks logs none); then the agent's peak RSS (VmHWM). --scrapes-only runs this
+           part alone.
 
 The poller opens a new connection every 2 ms without waiting for earlier answers, and tells the
 epochs apart by the admin port's listening socket (asked of the kernel), not only by a non-200:
@@ -135,6 +143,10 @@ def parse_args(argv):
                    help="listeners,clusters of the small config (default: 30,500)")
     p.add_argument("--ready-timeout-s", type=positive_float, default=180.0,
                    help="bound on every wait for Envoy to be ready or LIVE (default: %(default)s)")
+    p.add_argument("--scrape-repeats", type=non_negative_int, default=3,
+                   help="times each scrape measurement is repeated (default: %(default)s)")
+    p.add_argument("--scrapes-only", action="store_true",
+                   help="measure only the scrapes (the scrape part), not the rest")
     p.add_argument("--keep-dir", action="store_true",
                    help="keep the temporary directory (bootstraps, logs) and print its path")
     args = p.parse_args(argv)
@@ -276,12 +288,13 @@ class Tracker:
             return base
         raise RuntimeError("no unused base id found")
 
-    def popen(self, argv, logfile):
+    def popen(self, argv, logfile, env=None):
         f = open(logfile, "ab")
         try:
             # A new session: a Ctrl-C reaches this script only, which then stops them in order.
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=f,
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    env={**os.environ, **env} if env else None)
         finally:
             f.close()
         self.procs.append(proc)
@@ -476,24 +489,30 @@ def stop(proc, timeout=60.0):
     return proc.returncode
 
 
-def scrape(address_file):
-    """GET /stats/prometheus from the agent's status server, read to the end."""
+def scrape(address_file, query=""):
+    """GET /stats/prometheus[?query] from the agent's status server, read to the end."""
     try:
         with open(address_file) as f:
             host, port = f.read().strip().rsplit(":", 1)
         started = time.monotonic()
+        path = "/stats/prometheus" + (f"?{query}" if query else "")
         with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.sendall(b"GET /stats/prometheus HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
             total = 0
+            # The agent's own metrics come first: whether Envoy's stats came with them.
+            start = b""
             while True:
                 chunk = sock.recv(1 << 16)
                 if not chunk:
                     break
                 total += len(chunk)
-        return {"scrape_mib": total / (1 << 20), "scrape_s": time.monotonic() - started}
+                if len(start) < 8192:
+                    start += chunk[:8192]
+        return {"scrape_mib": total / (1 << 20), "scrape_s": time.monotonic() - started,
+                "stats_up": float(b"\nenvoy_agent_envoy_stats_up 1\n" in start)}
     except (OSError, ValueError) as e:
         log(f"scrape failed: {e}")
-        return {"scrape_mib": None, "scrape_s": None}
+        return {"scrape_mib": None, "scrape_s": None, "stats_up": None}
 
 
 def measure_cpu(pids_, window_s):
@@ -546,6 +565,11 @@ class AgentLog:
             except ValueError:
                 pass
         return self.events
+
+    def walks(self):
+        """The agent's walks of Envoy's stats for scrapes (debug level; one event per walk, at
+        its end)."""
+        return [e for e in self.read() if e.get("event") == "scrape_walk"]
 
     def handoffs(self, first=False):
         return [e for e in self.read() if e.get("event") == "handoff" and bool(e.get("first")) == first]
@@ -786,11 +810,11 @@ class Bench:
         argv += ["--", "--concurrency", "1"]
         return argv
 
-    def start_agent(self, size, d, node, extra=()):
+    def start_agent(self, size, d, node, extra=(), env=None):
         argv = self.agent_argv(size, d, node, extra)
         agent_log = AgentLog(os.path.join(d, "agent.log"))
         t0 = time.monotonic()
-        proc = self.t.popen(argv, agent_log.path)
+        proc = self.t.popen(argv, agent_log.path, env)
         what = f"{size.name} {'node' if node else 'sidecar'}"
         try:
             wait_for(f"{what}: Envoy /ready 200", lambda: http_status(size.admin_port) == 200,
@@ -864,6 +888,63 @@ class Bench:
             self.note_problems(size, mode, agent_log)
         log(f"{size.name} {mode}: agent exited {code} {time.monotonic() - t0:.1f} s after SIGTERM")
         result["agent_stop_s"] = time.monotonic() - t0
+        return result
+
+    def scrapes(self, size):
+        """What a Prometheus scrape through the agent costs Envoy: one of everything, one
+        `?usedonly`, and two of everything at once (which the agent answers with one walk of
+        Envoy's stats); medians of --scrape-repeats."""
+        d = self.rundir(size, "scrape")
+        proc, agent_log, envoy_pid, _ = self.start_agent(
+            size, d, node=False, env={"ENVOY_AGENT_LOG_LEVEL": "debug"})
+        address = os.path.join(d, "status-address")
+        result = {}
+        try:
+            self.settle(proc)
+            rss = status_kib(proc.pid, "VmRSS")
+            result["agent_rss_before_mib"] = rss / 1024 if rss is not None else None
+            for name, query, together in (("full", "", 1), ("usedonly", "usedonly", 1), ("full_x2", "", 2)):
+                runs = []
+                for _ in range(max(1, self.args.scrape_repeats)):
+                    walks_before = len(agent_log.walks())
+                    start = threading.Barrier(together)
+                    answers = [None] * together
+
+                    def one(i, query=query, start=start, answers=answers):
+                        start.wait()
+                        answers[i] = scrape(address, query)
+
+                    threads = [threading.Thread(target=one, args=(i,)) for i in range(together)]
+                    cpu_before = cpu_s(envoy_pid)
+                    t0 = time.monotonic()
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join(timeout=120)
+                    wall = time.monotonic() - t0
+                    cpu_after = cpu_s(envoy_pid)
+                    if any(a is None or a["scrape_mib"] is None for a in answers):
+                        raise RuntimeError(f"{size.name} scrape {name}: a scrape failed")
+                    runs.append({
+                        "mib": statistics.mean(a["scrape_mib"] for a in answers),
+                        # The share of the answers that had Envoy's stats.
+                        "stats_up": statistics.mean(a["stats_up"] for a in answers),
+                        "wall_s": wall,
+                        "envoy_cpu_s": cpu_after - cpu_before
+                        if cpu_before is not None and cpu_after is not None else None,
+                        # A walk logs its event before its scrapes get their last bytes:
+                        # all there by now.
+                        "walks": len(agent_log.walks()) - walks_before,
+                    })
+                result[name] = {k: statistics.median(r[k] for r in runs) for k in runs[0]
+                                if all(r[k] is not None for r in runs)}
+                result[name]["walks_max"] = max(r["walks"] for r in runs)
+                log(f"{size.name} scrape {name}: {result[name]}")
+            hwm = status_kib(proc.pid, "VmHWM")
+            result["agent_peak_rss_mib"] = hwm / 1024 if hwm is not None else None
+        finally:
+            stop(proc)
+            self.note_problems(size, "scrape", agent_log)
         return result
 
     def hot_restarts(self, size, proc, agent_log):
@@ -1142,11 +1223,15 @@ def main(argv=None):
         bench = Bench(args, workdir, tracker)
         for n, size in configs.items():
             log(f"=== {n}: {size.listeners} listeners, {size.clusters} clusters")
+            if args.scrapes_only:
+                sizes[n]["scrape"] = bench.scrapes(size)
+                continue
             sizes[n]["alone"] = bench.envoy_alone(size)
             sizes[n]["sidecar"] = bench.idle_under_agent(size, node=False)
             sizes[n]["node"] = bench.idle_under_agent(size, node=True)
             sizes[n]["sidecar"].update(bench.drain(size, node=False))
             sizes[n]["node"].update(bench.drain(size, node=True))
+            sizes[n]["scrape"] = bench.scrapes(size)
     except (KeyboardInterrupt, Interrupted) as e:
         log(f"interrupted ({str(e) or 'Ctrl-C'}): stopping everything")
         failed = True

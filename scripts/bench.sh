@@ -5,8 +5,9 @@
 #
 # scripts/bench.sh --scale [ARGS]: instead, the scale benchmark (bench/scale.py): what the agent
 # costs Envoy on a large static config (300 listeners, 5000 clusters) versus a 10x smaller one
-# (idle CPU, RSS, hot-restart LIVE latency, pre-flight, a drain's load). Builds only the release
-# agent; writes target/bench/scale.json; ARGS go to scale.py (e.g. --only large, --idle-s 10).
+# (idle CPU, RSS, hot-restart LIVE latency, pre-flight, a drain's load, a Prometheus scrape's cost
+# and how concurrent scrapes share Envoy's walk). Builds only the release agent; writes
+# target/bench/scale.json; ARGS go to scale.py (e.g. --only large, --idle-s 10, --scrapes-only).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "${ENVOY_PATH:-}" ]; then

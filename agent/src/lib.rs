@@ -50,6 +50,7 @@ pub mod grpc;
 pub mod log_level;
 pub mod notify;
 pub mod peer;
+pub mod scrape;
 pub mod settings;
 pub mod setup;
 pub mod signal;

@@ -15,6 +15,7 @@
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -27,7 +28,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentHandle, AgentState, DrainPhase, Via};
-use crate::stats_query::{EnvoyRefusal, StatsQuery};
+use crate::scrape::{SharedBody, WalkFailure, WalkKey, Walks};
+use crate::stats_query::StatsQuery;
 
 /// Bound on the admin calls a status request makes to Envoy.
 const ENVOY_CALL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -56,6 +58,7 @@ pub fn router(agent: AgentHandle) -> Router {
         .route("/drain", post(drain))
         .route("/quitquitquit", post(quit))
         .route("/stats/prometheus", get(prometheus))
+        .layer(axum::Extension(Arc::new(Walks::default())))
         .with_state(agent)
 }
 
@@ -363,28 +366,44 @@ async fn quit(
 }
 
 /// `/stats/prometheus[?query]`: the agent's own metrics, then Envoy's for `query` (see
-/// [`crate::stats_query`]), passed on as they arrive. A query Envoy does not take is refused
+/// [`crate::stats_query`]), passed on as they arrive; scrapes of one query that arrive together
+/// share one walk of Envoy's stats ([`crate::scrape`]). A query Envoy does not take is refused
 /// (400, naming the parameter) before Envoy is asked; one Envoy refuses (a bad regex) is
 /// refused with Envoy's words. Envoy's `filter` and `usedonly` apply to Envoy's stats only:
 /// the agent's own families are always there, so a scrape always says whether Envoy's stats
 /// could be read (`envoy_agent_envoy_stats_up`).
-async fn prometheus(State(agent): State<AgentHandle>, RawQuery(raw): RawQuery) -> Response {
+async fn prometheus(
+    State(agent): State<AgentHandle>,
+    axum::Extension(walks): axum::Extension<Arc<Walks>>,
+    RawQuery(raw): RawQuery,
+) -> Response {
     let query = match StatsQuery::parse(raw.as_deref().unwrap_or_default()) {
         Ok(query) => query,
         Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
     };
     let envoy = match agent.admin() {
-        Some(admin) => match admin
-            .with_timeout(ENVOY_CALL_TIMEOUT)
-            .prometheus_stream(&query.to_query_string())
-            .await
-        {
-            Ok(stats) => Ok(stats),
-            Err(e) => match EnvoyRefusal::from_admin_error(&e) {
-                Some(refusal) => return text(StatusCode::BAD_REQUEST, refusal.to_string()),
-                None => Err(e.to_string()),
-            },
-        },
+        Some(admin) => {
+            let query = query.to_query_string();
+            let key = WalkKey {
+                // After a hot restart the newest epoch answers: its walk is another.
+                envoy: admin.addr().to_string(),
+                query: query.clone(),
+            };
+            let mut share = walks.join(key, move || async move {
+                admin
+                    .with_timeout(ENVOY_CALL_TIMEOUT)
+                    .prometheus_stream(&query)
+                    .await
+                    .map_err(WalkFailure::from)
+            });
+            match share.head().await {
+                Ok(()) => Ok(share.into_body()),
+                Err(WalkFailure::Refused(refusal)) => {
+                    return text(StatusCode::BAD_REQUEST, refusal.to_string());
+                }
+                Err(e) => Err(e.to_string()),
+            }
+        }
         None => Err("envoy admin address unknown".to_owned()),
     };
     let state = agent.state();
@@ -406,7 +425,6 @@ async fn prometheus(State(agent): State<AgentHandle>, RawQuery(raw): RawQuery) -
     let scrape = Scrape {
         head: Some(body.into()),
         envoy,
-        deadline: Box::pin(tokio::time::sleep(ENVOY_STATS_BODY_TIMEOUT)),
     };
     (
         StatusCode::OK,
@@ -419,15 +437,11 @@ async fn prometheus(State(agent): State<AgentHandle>, RawQuery(raw): RawQuery) -
         .into_response()
 }
 
-/// How long Envoy's stats may take to arrive, whole (tens of MiB on a large config).
-const ENVOY_STATS_BODY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// A scrape's answer: the agent's own metrics, then Envoy's passed on as they arrive (on a
-/// large config tens of MiB, never held whole by the agent), within a bound.
+/// A scrape's answer: the agent's own metrics, then Envoy's as its walk passes them on (on a
+/// large config tens of MiB, never held whole by the agent; bounded in time by the walk).
 struct Scrape {
     head: Option<axum::body::Bytes>,
-    envoy: Option<envoy_agent_proxy::admin::StreamedBody>,
-    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+    envoy: Option<SharedBody>,
 }
 
 impl hyper::body::Body for Scrape {
@@ -444,27 +458,11 @@ impl hyper::body::Body for Scrape {
         if let Some(head) = this.head.take() {
             return Poll::Ready(Some(Ok(hyper::body::Frame::data(head))));
         }
-        let Some(envoy) = this.envoy.as_mut() else {
-            return Poll::Ready(None);
-        };
-        if this.deadline.as_mut().poll(cx).is_ready() {
-            this.envoy = None;
-            return Poll::Ready(Some(Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "envoy's stats did not arrive in time",
-            ))));
-        }
-        match std::pin::Pin::new(envoy).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
-            Poll::Ready(Some(Err(e))) => {
-                this.envoy = None;
-                Poll::Ready(Some(Err(std::io::Error::other(e))))
-            }
-            Poll::Ready(None) => {
-                this.envoy = None;
-                Poll::Ready(None)
-            }
-            Poll::Pending => Poll::Pending,
+        match this.envoy.as_mut() {
+            Some(envoy) => std::pin::Pin::new(envoy)
+                .poll_frame(cx)
+                .map_err(std::io::Error::other),
+            None => Poll::Ready(None),
         }
     }
 }
