@@ -711,10 +711,13 @@ pub fn listening_sockets(pid: u32) -> Vec<Listening> {
         for line in text.lines().skip(1) {
             let f: Vec<&str> = line.split_whitespace().collect();
             // local_address st ... inode: fields 1, 3 and 9; 0A is LISTEN.
-            if f.len() > 9 && f[3] == "0A" && inodes.contains(f[9]) {
-                if let Some(addr) = envoy_agent_proxy::socket_table::parse_address(f[1]) {
-                    found.push(Listening::Tcp(addr));
-                }
+            let listening = f.len() > 9 && f[3] == "0A" && inodes.contains(f[9]);
+            if let Some(addr) = f
+                .get(1)
+                .filter(|_| listening)
+                .and_then(|a| envoy_agent_proxy::socket_table::parse_address(a))
+            {
+                found.push(Listening::Tcp(addr));
             }
         }
     }
