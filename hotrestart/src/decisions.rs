@@ -151,6 +151,7 @@ fn heartbeat(identity: &str, state: NodeState, epoch: u32, host: &FakeHost) -> H
         cold_takeover_of: None,
         handover: None,
         socket_path: String::new(),
+        admin_address: String::new(),
         generation: 0,
     }
 }

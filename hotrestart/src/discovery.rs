@@ -195,7 +195,7 @@ mod tests {
             cold_takeover_of: None,
             handover: None,
             socket_path: String::new(),
-        admin_address: String::new(),
+            admin_address: String::new(),
             generation: 0,
         }
     }
@@ -281,7 +281,10 @@ mod tests {
             let Discovery::Wait(why) = decide_now(std::slice::from_ref(&a), &admin) else {
                 panic!("not a wait");
             };
-            assert!(why.contains("127.0.0.1:15000") && why.contains(OURS), "{why}");
+            assert!(
+                why.contains("127.0.0.1:15000") && why.contains(OURS),
+                "{why}"
+            );
         }
         // The same address: taken over as ever.
         a.admin_address = OURS.to_owned();
