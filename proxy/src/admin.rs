@@ -844,29 +844,14 @@ impl AdminClient {
             endpoint: endpoint.to_owned(),
             message: format!("handshake: {e}"),
         };
-        // The connection task ends once the sender is dropped (with the `Connection`).
         let sender = match &self.addr {
             Address::Tcp(addr) => {
                 let stream = TcpStream::connect(addr).await.map_err(connect_error)?;
-                let (sender, connection) =
-                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                        .await
-                        .map_err(handshake_error)?;
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                });
-                sender
+                handshake(stream).await.map_err(handshake_error)?
             }
             Address::Unix(path) => {
                 let stream = UnixStream::connect(path).await.map_err(connect_error)?;
-                let (sender, connection) =
-                    hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                        .await
-                        .map_err(handshake_error)?;
-                tokio::spawn(async move {
-                    let _ = connection.await;
-                });
-                sender
+                handshake(stream).await.map_err(handshake_error)?
             }
         };
         Ok(Connection {
@@ -892,6 +877,21 @@ impl AdminClient {
             message: e.to_string(),
         }
     }
+}
+
+/// HTTP/1.1 over `stream`, TCP or Unix. The connection task ends once the sender is dropped
+/// (with its `Connection`).
+async fn handshake<S>(
+    stream: S,
+) -> Result<hyper::client::conn::http1::SendRequest<Empty<Bytes>>, hyper::Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(sender)
 }
 
 /// A connection to an admin address kept between calls of [`AdminClient::state_kept`] or

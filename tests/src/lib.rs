@@ -544,19 +544,24 @@ pub async fn http_request_with(
         .iter()
         .map(|(k, v)| format!("{k}: {v}\r\n"))
         .collect();
-    let exchange = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        let request = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
-        );
-        stream.write_all(request.as_bytes()).await?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
-        parse_response(&raw)
-    };
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    let exchange = async { exchange(TcpStream::connect(addr).await?, &request).await };
     tokio::time::timeout(PATIENCE, exchange)
         .await
         .map_err(|_| std::io::Error::other(format!("{method} {addr}{path}: no answer")))?
+}
+
+/// Sends `request` on `stream` and reads the response to its end (`Connection: close`).
+async fn exchange<S>(mut stream: S, request: &str) -> std::io::Result<Response>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    stream.write_all(request.as_bytes()).await?;
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await?;
+    parse_response(&raw)
 }
 
 /// `method path` to Envoy's admin API at `addr` (TCP, or a Unix socket), on a fresh
@@ -571,16 +576,10 @@ pub async fn admin_request(
         Address::Tcp(tcp) => return http_request(*tcp, method, path).await,
         Address::Unix(unix) => unix,
     };
-    let exchange = async {
-        let mut stream = tokio::net::UnixStream::connect(unix).await?;
-        let request = format!(
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-        );
-        stream.write_all(request.as_bytes()).await?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
-        parse_response(&raw)
-    };
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    let exchange = async { exchange(tokio::net::UnixStream::connect(unix).await?, &request).await };
     tokio::time::timeout(PATIENCE, exchange)
         .await
         .map_err(|_| std::io::Error::other(format!("{method} {addr}{path}: no answer")))?

@@ -5,7 +5,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use envoy_agent_tests::{AgentProcess, PATIENCE};
+use envoy_agent_tests::AgentProcess;
 use nix::sys::signal::Signal;
 
 use crate::agent;
@@ -163,21 +163,7 @@ async fn over_tcp_a_neighbour_is_refused_the_views_and_the_log_level() {
     let binary = dir.join("envoy-agent");
     std::fs::copy(crate::AGENT, &binary).unwrap();
     std::fs::set_permissions(&binary, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let as_nobody = |args: &[&str]| {
-        let mut command = tokio::process::Command::new("setpriv");
-        command
-            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
-            .arg(&binary)
-            .args(["--grpc-address", &grpc])
-            .args(args)
-            .stdin(std::process::Stdio::null());
-        async move {
-            tokio::time::timeout(PATIENCE, command.output())
-                .await
-                .expect("the client ends")
-                .expect("setpriv runs (util-linux)")
-        }
-    };
+    let as_nobody = |args: &[&str]| crate::security::client_as_nobody(&binary, &grpc, args);
     for args in [
         &["admin", "GET", "/config_dump"][..],
         &["admin", "GET", "/certs"],

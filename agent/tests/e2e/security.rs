@@ -446,21 +446,7 @@ async fn over_loopback_tcp_only_the_agents_own_user_may_change_anything() {
     std::fs::copy(dir.join("bootstrap.yaml"), &candidate).unwrap();
     std::fs::set_permissions(&candidate, std::fs::Permissions::from_mode(0o644)).unwrap();
     let candidate = candidate.to_str().unwrap().to_owned();
-    let as_nobody = |args: &[&str]| {
-        let mut command = tokio::process::Command::new("setpriv");
-        command
-            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
-            .arg(&binary)
-            .args(["--grpc-address", &grpc])
-            .args(args)
-            .stdin(std::process::Stdio::null());
-        async move {
-            tokio::time::timeout(PATIENCE, command.output())
-                .await
-                .expect("the client ends")
-                .expect("setpriv runs (util-linux)")
-        }
-    };
+    let as_nobody = |args: &[&str]| client_as_nobody(&binary, &grpc, args);
 
     let denied = as_nobody(&["update-config", &candidate]).await;
     let err = String::from_utf8_lossy(&denied.stderr);
@@ -507,6 +493,28 @@ async fn a_sidecars_quitquitquit_is_open_to_its_pods_other_users() {
     assert_eq!(post_as_nobody(agent.status(), "/quitquitquit").await, 200);
     assert_eq!(agent.exit().await.code(), Some(0));
     agent.wait_event("exit", "exit_path", "quitquitquit").await;
+}
+
+/// The agent's client subcommand `args`, run as uid 65534 from `binary` (a copy of the agent it
+/// can run) against the agent's gRPC address `grpc`; its output.
+pub(crate) fn client_as_nobody(
+    binary: &Path,
+    grpc: &str,
+    args: &[&str],
+) -> impl std::future::Future<Output = std::process::Output> + use<> {
+    let mut command = tokio::process::Command::new("setpriv");
+    command
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(binary)
+        .args(["--grpc-address", grpc])
+        .args(args)
+        .stdin(std::process::Stdio::null());
+    async move {
+        tokio::time::timeout(PATIENCE, command.output())
+            .await
+            .expect("the client ends")
+            .expect("setpriv runs (util-linux)")
+    }
 }
 
 /// `POST http://addr/path` from uid 65534 (Debian's python3); the HTTP status.
