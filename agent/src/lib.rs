@@ -269,7 +269,9 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
                 .as_ref()
                 .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
                 .unwrap_or_default();
-            let config = setup::family_config(hot, proxy);
+            let mut config = setup::family_config(hot, proxy);
+            // Only a family that is restarted after a crash can hand a draining parent on.
+            config.keep_draining_parent = settings.crash_recovery.is_some();
             tracing::info!(identity = %config.identity, "node identity");
             let family = envoy_agent_hotrestart::EnvoyFamily::new(config, metrics)
                 .map_err(SetupError::from)?;

@@ -69,6 +69,12 @@ pub struct Config {
     /// configured one (and the configured one when it runs under this): families alternate
     /// between the two. `None`: no cold handover; a restart hot restart cannot do is refused.
     pub cold_base_id: Option<u32>,
+    /// When the serving epoch dies while its parent drains and the family ends (a crash),
+    /// leave that parent running, to finish its in-flight requests by its own deadline, and
+    /// hand it to the next run, which starts beside it under the other base id. Only for a
+    /// family that is run again after a crash (`--restart-on-crash`); `false`: the parent is
+    /// stopped with the family.
+    pub keep_draining_parent: bool,
 }
 
 impl Config {
@@ -86,6 +92,7 @@ impl Config {
             handoff_deadline: Duration::from_secs(60),
             parent_overdue_grace: Duration::from_secs(5),
             cold_base_id: None,
+            keep_draining_parent: false,
         }
     }
 

@@ -1883,3 +1883,103 @@ async fn a_cold_family_waiting_for_its_control_plane_is_no_wedge_and_the_handove
     }
     f.stop().await;
 }
+
+/// A family that its crash recovery runs again, with `config`: the first run's [`Family`],
+/// and what starts the next run.
+fn rerunnable(host: &FakeHost, config: Config) -> (Family, impl Fn() -> Family + use<>) {
+    let family = Arc::new(
+        EnvoyFamily::with_host(config, Arc::new(host.clone()), SupervisorMetrics::default())
+            .unwrap(),
+    );
+    let (host, handle) = (host.clone(), family.handle());
+    let run = move || {
+        let abort = CancellationToken::new();
+        let task = tokio::spawn({
+            let (family, abort) = (family.clone(), abort.clone());
+            async move { family.run(abort).await }
+        });
+        Family {
+            host: host.clone(),
+            handle: handle.clone(),
+            abort,
+            task,
+        }
+    };
+    (run(), run)
+}
+
+/// Issue 40: the serving epoch killed while its parent drains, with crash recovery on
+/// (`keep_draining_parent`). The family ends on the crash as before (the agent counts it and
+/// backs off), but the parent is not signalled: it keeps its in-flight requests. The next run
+/// starts epoch 0 beside it under the cold base id (the parent holds the configured one's
+/// shared memory and socket names), and terminates it at its own deadline, the parent-shutdown
+/// time after its child's LIVE.
+#[tokio::test(start_paused = true)]
+async fn a_draining_parent_outlives_its_crashed_child_until_its_own_deadline() {
+    let host = FakeHost::default();
+    let mut config = config();
+    config.keep_draining_parent = true;
+    let parent_shutdown = config.parent_shutdown_time();
+    let (f, run_again) = rerunnable(&host, config);
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    let child_live = tokio::time::Instant::now();
+    host.world().exit(1, killed(9));
+    let (ended, host) = f.ended().await;
+    assert_eq!(ended.code(), 137, "a crash, as before: {ended:?}");
+    {
+        let w = host.world();
+        assert!(w.alive_in(7, 0), "the draining parent still runs");
+        assert!(w.signals_to(0).is_empty(), "and was never signalled");
+    }
+
+    let again = run_again();
+    let s = again.serving_at(0).await;
+    {
+        let w = host.world();
+        assert_eq!(w.spawns, [0, 1, 0]);
+        assert_eq!(w.base_id, 8, "the fresh family is under the cold base id");
+        assert!(w.alive_in(8, 0) && w.alive_in(7, 0), "beside the parent");
+    }
+    let family = s.family.unwrap();
+    assert_eq!(family.base_id, 8);
+    assert_eq!(
+        family.retiring.iter().map(|e| e.epoch).collect::<Vec<_>>(),
+        [0],
+        "the kept parent is shown as retiring"
+    );
+    again
+        .until("the kept parent gone", |s| {
+            s.family.as_ref().is_some_and(|f| f.retiring.is_empty())
+        })
+        .await;
+    let gone = tokio::time::Instant::now();
+    assert!(
+        gone >= child_live + parent_shutdown,
+        "not before its own deadline: {:?} after the child's LIVE",
+        gone - child_live
+    );
+    assert!(gone < child_live + parent_shutdown + Duration::from_secs(1));
+    assert_eq!(
+        host.world().family_signals,
+        [(7, 0, Signal::SIGTERM)],
+        "SIGTERM at its deadline, the only signal; the new family untouched"
+    );
+    assert!(again.handle.state().borrow().phase == ProxyPhase::Serving);
+    again.stop().await;
+}
+
+/// Without crash recovery the agent exits after the crash, so every Envoy must be gone: the
+/// draining parent is stopped with its crashed child, as before.
+#[tokio::test(start_paused = true)]
+async fn without_crash_recovery_a_draining_parent_stops_with_its_crashed_child() {
+    let host = FakeHost::default();
+    let (f, _) = rerunnable(&host, config());
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    host.world().exit(1, killed(9));
+    let (ended, host) = f.ended().await;
+    assert_eq!(ended.code(), 137, "{ended:?}");
+    assert_eq!(host.world().signals_to(0), [Signal::SIGTERM]);
+    assert!(!host.world().alive_in(7, 0));
+}

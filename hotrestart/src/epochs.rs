@@ -57,6 +57,12 @@ impl Epochs {
         self.children.sort_by_key(|c| c.epoch);
     }
 
+    /// Takes over a process another run of the supervisor started (a kept draining parent).
+    pub(crate) fn insert(&mut self, child: Child) {
+        self.children.push(child);
+        self.children.sort_by_key(|c| c.epoch);
+    }
+
     pub(crate) fn remove(&mut self, epoch: u32, pid: u32) -> Option<Child> {
         let i = self
             .children

@@ -36,6 +36,7 @@ mod commands;
 mod control_plane;
 mod exits;
 mod handoffs;
+mod kept;
 mod node_io;
 mod probes;
 
@@ -360,6 +361,10 @@ pub(crate) struct Supervisor<H: Host> {
     xds: Probing,
     /// How long the last reading took: the next ones are paced by it.
     xds_cost: Duration,
+    /// A draining parent kept through its child's crash (see `kept`).
+    kept: kept::KeptParent,
+    /// The last run's event channel while its kept parent runs: its exit comes there.
+    old_events: Option<mpsc::UnboundedReceiver<Event>>,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -420,6 +425,8 @@ impl<H: Host> Supervisor<H> {
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
             xds: Probing::default(),
             xds_cost: Duration::ZERO,
+            kept: kept::KeptParent::None,
+            old_events: None,
         }
     }
 
@@ -472,11 +479,17 @@ impl<H: Host> Supervisor<H> {
         fresh.family.handoffs = handoffs;
         fresh.family.wedges = wedges;
         fresh.family.last_handoff = last_handoff;
+        if let kept::KeptParent::Handed { .. } = self.kept {
+            // The kept parent's waiter sends its exit to this run's channel.
+            fresh.kept = self.kept;
+            fresh.old_events = Some(self.events);
+        }
         fresh
     }
 
     async fn supervise(&mut self, abort: CancellationToken) -> Ended {
         let now = Instant::now();
+        self.adopt_kept_parent();
         if self.host.has_node() {
             self.life = Life::Discovering {
                 deadline: Some(now + self.discovery_bound()),
@@ -514,6 +527,7 @@ impl<H: Host> Supervisor<H> {
                 biased;
                 () = abort.cancelled(), if !stopping => Event::Abort,
                 Some(event) = self.events.recv() => event,
+                Some(event) = kept::old_exit(&mut self.old_events) => event,
                 Some(command) = self.commands.recv() => Event::Command(command),
                 changed = watch_changed(&mut self.watch) => match changed {
                     Some(crate::watch::Change::Settled) => Event::ConfigChanged,
@@ -686,6 +700,7 @@ impl<H: Host> Supervisor<H> {
             _ => {}
         }
         consider(self.cold_wake());
+        consider(self.kept_wake());
         if self.handoff.is_idle() && !self.queue.is_empty() && self.can_restart() {
             consider(Some(self.queue_retry_at()));
         }
@@ -710,6 +725,9 @@ impl<H: Host> Supervisor<H> {
             self.read_node();
             self.write_heartbeat();
         }
+        // Before the life's own timers: a kept parent retires at its deadline also while the
+        // family discovers or stops.
+        self.kept_timers(now);
         match &self.life {
             Life::Stopping {
                 kill_at, give_up, ..

@@ -350,6 +350,7 @@ impl<H: Host> Supervisor<H> {
             retired = true,
             "an envoy of the old family exited"
         );
+        self.kept_exited(child.pid);
         let ours_retire = matches!(self.handoff, Handoff::Retiring { foreign: None, .. });
         if self.retiring.is_empty() && ours_retire {
             self.handoff = Handoff::Idle;

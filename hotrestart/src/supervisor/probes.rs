@@ -267,6 +267,9 @@ impl<H: Host> Supervisor<H> {
                 if matches!(self.life, Life::Stopping { .. } | Life::HandedOver { .. }) {
                     return;
                 }
+                // Nothing serves: the family stops. A draining parent may keep its in-flight
+                // requests through the crash (then it is not stopped with the rest).
+                self.keep_draining_parent();
                 let code = exit.code();
                 if code == 0 {
                     let message = format!(

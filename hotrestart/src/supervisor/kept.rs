@@ -1,0 +1,224 @@
+//! A draining parent kept through a crash of its child (issue 40).
+//!
+//! Seen on Envoy 1.40: when the serving epoch is killed while its parent drains, the parent
+//! lives on. Its listeners were stopped at the child's LIVE (new connections are refused), its
+//! admin listener was shut at the child's start, but its accepted connections keep being
+//! served: an in-flight request completes. Nothing terminates it anymore (its child would
+//! have, at `--parent-shutdown-time`). A fresh family (epoch 0) starts beside it under the
+//! other base id (no shared memory or hot-restart socket in common; listeners through
+//! `SO_REUSEPORT`, the configured admin address free) and serves at once.
+//!
+//! So, when the family ends because its serving epoch died and nothing else serves, with
+//! [`Config::keep_draining_parent`](crate::Config) (`--restart-on-crash`: the family is run
+//! again after the crash back-off):
+//!
+//! - **Keep**: the draining parent is taken out of the family's epochs before the stop, not
+//!   signalled ([`KeptParent::Handed`]). The run ends as any crash does (the agent counts it
+//!   and backs off); the parent goes on serving what it holds.
+//! - **Adopt**: the next run starts its family under the other base id, takes the parent into
+//!   its `retiring` books ([`KeptParent::Draining`]) and listens for its exit on the old run's
+//!   event channel (its waiter sends there).
+//! - **Retire**: at the parent's own deadline (the parent-shutdown time after its child's
+//!   LIVE, when that child would have terminated it) it gets SIGTERM (it has no living parent
+//!   or child for the signal to reach), SIGKILL after `parent_overdue_grace`. A stop of the
+//!   family meanwhile stops it with the rest.
+//!
+//! Without the flag the agent exits after the crash, and every Envoy must be gone first: the
+//! parent is stopped with the family, as before. Without a cold base id
+//! (`--no-cold-handover`) no fresh family can start beside it: it is stopped too.
+
+use super::*;
+
+/// What becomes of a draining parent whose child (the serving epoch) died.
+pub(crate) enum KeptParent {
+    /// No parent is kept.
+    None,
+    /// This run ended and left the parent running: the next run adopts it under `base_id`'s
+    /// other family.
+    Handed {
+        child: crate::epochs::Child,
+        until: Moment,
+        /// The base id the next run's family starts under.
+        next_base_id: u32,
+    },
+    /// This run adopted the parent (in `retiring`); it goes at `until`.
+    Draining {
+        epoch: u32,
+        pid: u32,
+        until: Instant,
+        stage: Retire,
+    },
+}
+
+/// How far a kept parent's retirement went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Retire {
+    /// Before its deadline: it finishes its in-flight requests.
+    Waiting,
+    /// Sent SIGTERM at its deadline.
+    Terminated,
+    /// Sent SIGKILL: it ignored SIGTERM past the grace.
+    Killed,
+}
+
+impl<H: Host> Supervisor<H> {
+    /// The serving epoch died and nothing else serves (the family is about to stop): keep our
+    /// draining parent running for the next run, when allowed and possible.
+    pub(super) fn keep_draining_parent(&mut self) {
+        if !self.config.keep_draining_parent {
+            return;
+        }
+        let Handoff::ParentDraining {
+            parent: DrainingParent::Ours(parent),
+            until,
+        } = &self.handoff
+        else {
+            return;
+        };
+        let (parent, until) = (*parent, *until);
+        if self.epochs.get(parent).is_none_or(|c| c.stopped.is_some()) {
+            return;
+        }
+        let Some(next_base_id) = self.base_id_beside() else {
+            tracing::warn!(
+                epoch = parent,
+                "no other base id (cold handovers are off): the draining parent is stopped with the family"
+            );
+            return;
+        };
+        let Some(pid) = self.epochs.get(parent).map(|c| c.pid) else {
+            return;
+        };
+        let Some(child) = self.epochs.remove(parent, pid) else {
+            return;
+        };
+        self.handoff = Handoff::Idle;
+        tracing::info!(
+            event = "draining_parent_kept",
+            epoch = parent,
+            pid,
+            until_ms = until
+                .at
+                .saturating_duration_since(Instant::now())
+                .as_millis() as u64,
+            next_base_id,
+            "the serving epoch died while its parent drains: the parent keeps its in-flight requests until its deadline; the next family starts beside it"
+        );
+        self.kept = KeptParent::Handed {
+            child,
+            until,
+            next_base_id,
+        };
+    }
+
+    /// The base id a family beside the running one takes (the families alternate between
+    /// `--base-id` and `--cold-base-id`).
+    fn base_id_beside(&self) -> Option<u32> {
+        let cold = self.config.cold_base_id?;
+        let configured = self.config.proxy.hot_restart.as_ref()?.base_id;
+        Some(if self.base_id == cold {
+            configured
+        } else {
+            cold
+        })
+    }
+
+    /// At the start of a run: adopts the parent the last run kept, and starts under the base
+    /// id beside it.
+    pub(super) fn adopt_kept_parent(&mut self) {
+        let KeptParent::Handed {
+            child,
+            until,
+            next_base_id,
+        } = std::mem::replace(&mut self.kept, KeptParent::None)
+        else {
+            return;
+        };
+        self.base_id = next_base_id;
+        self.family.base_id = next_base_id;
+        self.host.switch_family(next_base_id, false);
+        let (epoch, pid) = (child.epoch, child.pid);
+        tracing::info!(
+            event = "kept_parent_adopted",
+            epoch,
+            pid,
+            base_id = next_base_id,
+            "a draining parent of the crashed family still serves its in-flight requests; this family starts beside it"
+        );
+        self.retiring.insert(child);
+        self.kept = KeptParent::Draining {
+            epoch,
+            pid,
+            until: until.at,
+            stage: Retire::Waiting,
+        };
+    }
+
+    /// When the kept parent's retirement needs the loop next.
+    pub(super) fn kept_wake(&self) -> Option<Instant> {
+        match &self.kept {
+            KeptParent::Draining {
+                until,
+                stage: Retire::Waiting,
+                ..
+            } => Some(*until),
+            KeptParent::Draining {
+                until,
+                stage: Retire::Terminated,
+                ..
+            } => Some(*until + self.config.parent_overdue_grace),
+            _ => None,
+        }
+    }
+
+    /// Terminates the kept parent at its deadline, kills it past the grace.
+    pub(super) fn kept_timers(&mut self, now: Instant) {
+        let grace = self.config.parent_overdue_grace;
+        let KeptParent::Draining {
+            epoch,
+            until,
+            stage,
+            ..
+        } = &mut self.kept
+        else {
+            return;
+        };
+        let signal = match *stage {
+            Retire::Waiting if now >= *until => {
+                *stage = Retire::Terminated;
+                Signal::SIGTERM
+            }
+            Retire::Terminated if now >= *until + grace => {
+                *stage = Retire::Killed;
+                Signal::SIGKILL
+            }
+            _ => return,
+        };
+        let epoch = *epoch;
+        tracing::info!(event = "kept_parent_retired", epoch, %signal, "the kept parent's deadline passed");
+        self.retiring.signal(epoch, signal, Some(Stop::Overdue));
+    }
+
+    /// A retired process exited: if it was the kept parent, nothing is left of the old run.
+    pub(super) fn kept_exited(&mut self, pid: u32) {
+        if matches!(&self.kept, KeptParent::Draining { pid: p, .. } if *p == pid) {
+            self.kept = KeptParent::None;
+            self.old_events = None;
+        }
+    }
+}
+
+/// The next event of the last run's channel that still matters here (the kept parent's exit).
+pub(super) async fn old_exit(events: &mut Option<mpsc::UnboundedReceiver<Event>>) -> Option<Event> {
+    let Some(rx) = events else {
+        return std::future::pending().await;
+    };
+    loop {
+        match rx.recv().await {
+            Some(event @ Event::Exited { .. }) => return Some(event),
+            // Answers to the last run's questions: moot.
+            Some(_) => continue,
+            None => return None,
+        }
+    }
+}
