@@ -8,12 +8,17 @@ use envoy_agent::client::connect;
 use envoy_agent::grpc::GrpcAddress;
 use envoy_agent_proto::pb;
 use envoy_agent_proxy::AdminClient;
-use envoy_agent_tests::{AgentProcess, PATIENCE, eventually, http_get, process_alive};
+use std::time::Duration;
+
+use envoy_agent_tests::{
+    AgentProcess, Load, PATIENCE, eventually, http_get, live_at, process_alive, slow_request,
+};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 use crate::exit_paths::{Mode, agent_in, both_modes};
 use crate::grpc::{cli, get_status};
+use crate::hot_restart::listener;
 
 both_modes!(
     a_killed_serving_envoy_is_replaced_in_place_and_the_crash_reported,
@@ -201,4 +206,95 @@ async fn a_wedge_is_recovered_in_place_with_restart_on_crash() {
 
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
+}
+
+/// Issue 40: the serving Envoy SIGKILLed while its parent drains, with `--restart-on-crash`,
+/// under load. Measured on Envoy 1.40: the parent's listeners and admin are closed by then
+/// (new connections are refused until something serves again), but it keeps serving the
+/// connections it holds, and a fresh family starts beside it under the cold base id. So the
+/// parent is no longer stopped with the crashed family ("stopping every epoch"): a slow
+/// request in flight on it completes, the parent goes at its own deadline (its
+/// parent-shutdown time), and the fresh family serves after the crash back-off.
+#[tokio::test]
+async fn a_draining_parent_keeps_its_in_flight_request_when_its_child_is_killed() {
+    let mut agent = crate::agent()
+        .hot_restart()
+        .args(&[
+            "--restart-on-crash",
+            "--drain-time",
+            "8s",
+            "--parent-shutdown-time",
+            "12s",
+        ])
+        .start()
+        .await;
+    let hello = listener(&agent);
+    let load = Load::start(hello, "/", 2, 2);
+    let slow = slow_request(hello, Duration::from_secs(6));
+    // In flight on epoch 0 before its child starts.
+    eventually("the slow request in flight", PATIENCE, || async {
+        let stats = agent
+            .admin
+            .stats("downstream_rq_active", false)
+            .await
+            .ok()?;
+        stats
+            .lines()
+            .any(|l| l.trim() == "http.hello.downstream_rq_active: 1")
+            .then_some(())
+    })
+    .await;
+    let parent = status(&agent).await.epochs[0].pid;
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    let child = eventually("epoch 1 in the status", PATIENCE, || async {
+        let s = status(&agent).await;
+        s.epochs
+            .iter()
+            .find(|e| e.epoch == 1 && e.state() == pb::EpochState::Live)
+            .map(|e| e.pid)
+    })
+    .await;
+
+    kill(Pid::from_raw(child as i32), Signal::SIGKILL).unwrap();
+    let kept = agent.wait_event("draining_parent_kept", "epoch", "0").await;
+    assert_eq!(kept["pid"], parent, "{kept}");
+    let crashed = agent.wait_event("envoy_crashed", "signal", "9").await;
+    assert_eq!(crashed["action"], "restart", "{crashed}");
+    assert!(
+        process_alive(parent),
+        "the parent was not stopped with its child"
+    );
+
+    let answer = slow.await.unwrap().expect("the slow request was answered");
+    assert_eq!(answer.status, 200, "the parent kept its in-flight request");
+
+    let adopted = agent.wait_event("kept_parent_adopted", "epoch", "0").await;
+    assert_eq!(adopted["pid"], parent, "{adopted}");
+    live_at(&agent.admin, 0).await;
+    assert_eq!(
+        http_get(hello, "/").await.unwrap().status,
+        200,
+        "the fresh family serves"
+    );
+    let after = live_envoy(&agent, Some(parent)).await;
+    assert_ne!(after.epochs[0].pid, child);
+
+    // The parent goes at its own deadline, not before, and not left behind.
+    agent
+        .wait_event("kept_parent_retired", "signal", "SIGTERM")
+        .await;
+    eventually("the kept parent gone", PATIENCE, || async {
+        (!process_alive(parent)).then_some(())
+    })
+    .await;
+    let report = load.stop().await;
+    assert!(report.ok > 0, "{report:?}");
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    assert!(
+        agent.events("envoy_crashed").len() == 1,
+        "one crash: {:?}",
+        agent.events("envoy_crashed")
+    );
 }
