@@ -298,3 +298,105 @@ async fn a_draining_parent_keeps_its_in_flight_request_when_its_child_is_killed(
         agent.events("envoy_crashed")
     );
 }
+
+/// What one kill of a streak cost: how long the listener refused (no 200 on a fresh
+/// connection), and the back-off the agent announced.
+struct Dark {
+    kill: usize,
+    backoff_ms: Option<u64>,
+    action: String,
+    dark: Option<Duration>,
+}
+
+/// Issue 40's trade, measured: the node proxy's serving Envoy SIGKILLed every `spacing` (or
+/// as soon as it serves again, if later) under load until the agent gives up; prints the
+/// seconds dark per kill and when the agent exited. Run by hand (`--ignored --nocapture`);
+/// the figures are in docs/performance.md.
+async fn crash_streak(extra: &[&str], spacing: Duration) -> (Vec<Dark>, Duration, Option<i32>) {
+    let mut agent = crate::agent()
+        .hot_restart()
+        .args(&["--restart-on-crash"])
+        .args(extra)
+        .start()
+        .await;
+    let hello = listener(&agent);
+    let load = Load::start(hello, "/", 2, 2);
+    let mut kills: Vec<Dark> = Vec::new();
+    let mut last_kill = tokio::time::Instant::now();
+    loop {
+        let serving = live_envoy(&agent, None).await.epochs[0].pid;
+        tokio::time::sleep_until(last_kill + spacing).await;
+        last_kill = tokio::time::Instant::now();
+        kill(Pid::from_raw(serving as i32), Signal::SIGKILL).unwrap();
+        let n = kills.len() + 1;
+        let crash = eventually("the crash reported", PATIENCE, || async {
+            agent.events("envoy_crashed").get(n - 1).cloned()
+        })
+        .await;
+        let action = crash["action"].as_str().unwrap_or_default().to_owned();
+        let backoff_ms = crash["backoff_ms"].as_u64();
+        if action == "give_up" {
+            kills.push(Dark {
+                kill: n,
+                backoff_ms,
+                action,
+                dark: None,
+            });
+            break;
+        }
+        let dark = tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                if http_get(hello, "/").await.is_ok_and(|r| r.status == 200) {
+                    return last_kill.elapsed();
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .ok();
+        kills.push(Dark {
+            kill: n,
+            backoff_ms,
+            action,
+            dark,
+        });
+    }
+    let status = agent.exit().await;
+    let exited_after = last_kill.elapsed();
+    let report = load.stop().await;
+    println!("crash streak {extra:?}, a kill every {spacing:?} (or once it serves again):");
+    for k in &kills {
+        println!(
+            "  kill {}: {} after a back-off of {:?} ms, dark for {:?}",
+            k.kill, k.action, k.backoff_ms, k.dark
+        );
+    }
+    println!(
+        "agent exited {exited_after:?} after the last kill, code {:?}; load: {} ok, {} failed",
+        status.code(),
+        report.ok,
+        report.failed
+    );
+    (kills, exited_after, status.code())
+}
+
+#[tokio::test]
+#[ignore = "a measurement (about 70 s), run by hand"]
+async fn measure_a_crash_streak_at_the_defaults() {
+    let (kills, _, code) = crash_streak(&[], Duration::from_secs(10)).await;
+    let backoffs: Vec<_> = kills.iter().filter_map(|k| k.backoff_ms).collect();
+    assert_eq!(backoffs, [1000, 2000, 4000, 8000, 16000]);
+    assert_eq!(kills.len(), 6, "the sixth crash ends the agent");
+    assert_eq!(code, Some(137));
+}
+
+#[tokio::test]
+#[ignore = "a measurement (about 60 s), run by hand"]
+async fn measure_a_crash_streak_with_a_short_backoff() {
+    let (kills, _, code) =
+        crash_streak(&["--crash-backoff-max", "500ms"], Duration::from_secs(10)).await;
+    let backoffs: Vec<_> = kills.iter().filter_map(|k| k.backoff_ms).collect();
+    assert_eq!(backoffs, [500; 5]);
+    assert_eq!(kills.len(), 6, "the sixth crash ends the agent");
+    assert_eq!(code, Some(137));
+}
