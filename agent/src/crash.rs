@@ -18,7 +18,9 @@
 //!   once, as without the flag; a first family wedged before it served exits 75).
 //! - **What a restart is.** The proxy's `run` again: one fresh Envoy, or a fresh hot-restart
 //!   family (discovery on the node, then a cold epoch 0, which recreates the shared memory
-//!   the crashed one left). Nothing runs during the back-off: readiness answers 503, gRPC
+//!   the crashed one left; under the other base id when the crashed family's draining parent
+//!   was kept to finish its in-flight requests, see the hot-restart crate's
+//!   `supervisor::kept`). Nothing new runs during the back-off: readiness answers 503, gRPC
 //!   health is NOT_SERVING, a node proxy's readiness marker and heartbeat are gone.
 //! - **Back-off and limit.** The n-th crash in a row waits `backoff * 2^(n-1)`, at most
 //!   `backoff_max`. The crash after `limit` restarts in a row ends the agent with that crash's
