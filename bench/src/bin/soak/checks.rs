@@ -259,6 +259,21 @@ impl Checker {
                 return;
             }
             let target = self.shared.target();
+            // Before anything that would only say "no answer": an agent gone is named as such
+            // (e.g. `crash_loop` with --crash-restart-limit 5: its exit event is in the log).
+            if !envoy_agent_tests::process_alive(target.pid) {
+                if self.shared.target().pid == target.pid && !self.shared.state().ending {
+                    self.shared.fail(
+                        "agent_runs",
+                        &format!(
+                            "the agent (pid {}) exited before the end: its `exit` event in the \
+                             agents' log says how",
+                            target.pid
+                        ),
+                    );
+                }
+                return;
+            }
             self.generations();
             load_seen = self.load_failures(load_seen);
             h2_seen = self.h2_failures(h2_seen);

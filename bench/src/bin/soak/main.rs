@@ -391,6 +391,17 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
     let _ = checker.await;
     let load = Arc::try_unwrap(load).map_err(|_| anyhow::anyhow!("the load is still shared"))?;
     let report = load.stop().await;
+    let h2_failures = h2
+        .events()
+        .iter()
+        .filter(|e| matches!(e.kind, envoy_agent_tests::clients::Kind::Failure { .. }))
+        .count();
+    println!(
+        "soak: HTTP/2 client: {} responses, {h2_failures} failures, {} GOAWAYs{}",
+        h2.responses().len(),
+        h2.goaways().len(),
+        if h2.ended() { " (it ended early)" } else { "" }
+    );
     drop(h2);
     let passed_so_far = !shared.failed();
     let end = schedule.end;
@@ -652,10 +663,17 @@ impl World<'_> {
                     envoy.epoch,
                     envoys_now.len()
                 ));
-                let what = if envoys_now.len() > 1 {
+                // Two Envoys: the newest is LIVE (its parent drains: known finding 1) or still
+                // starting (its parent serves); the admin socket answers for the LIVE one.
+                let what = if envoys_now.len() < 2 {
+                    "kill-serving"
+                } else if self.agent.admin.server_info().await.is_ok_and(|i| {
+                    i.state == envoy_agent_proxy::ServerState::Live
+                        && i.restart_epoch == envoy.epoch
+                }) {
                     "kill-serving (a parent drains)"
                 } else {
-                    "kill-serving"
+                    "kill-serving (the child starts)"
                 };
                 let window = self.shared.open_window(what);
                 let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGKILL);
@@ -944,10 +962,16 @@ impl World<'_> {
             );
         }
         let r = &state.resources;
+        // A successor pod watched for less than the warm-up has no "after" yet.
+        let after = if r.max == (0, 0) {
+            "no sample after it".to_owned()
+        } else {
+            format!("at most {} KiB and {} files after it", r.max.0, r.max.1)
+        };
         println!(
-            "soak: the last agent's footprint: RSS {} KiB and {} files after the warm-up, at \
-             most {} KiB and {} files after it, {} KiB and {} files last",
-            r.base.0, r.base.1, r.max.0, r.max.1, r.last.0, r.last.1
+            "soak: the last agent's footprint: RSS {} KiB and {} files in the warm-up, {after}, \
+             {} KiB and {} files last",
+            r.base.0, r.base.1, r.last.0, r.last.1
         );
     }
 }
