@@ -411,6 +411,14 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
         false
     };
     world.summary(&report);
+    // A broken run kills the agent (dropped: SIGKILL, and Envoy follows it); anything of the run
+    // still running then (a stopped Envoy does not act on SIGTERM) must not outlive it.
+    drop(world);
+    let marker = setup.marker();
+    for envoy in envoys(&marker) {
+        let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGKILL);
+        let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGCONT);
+    }
     // Whatever happened, leave no shared memory behind for the next run on this machine.
     for base_id in [ports.base_id, ports.base_id + 1] {
         let _ = std::fs::remove_file(shm(base_id));
