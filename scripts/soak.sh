@@ -29,6 +29,9 @@ rm -f "$log.out"
 if [ -n "$seed" ]; then
   mv "$log" "target/soak/$seed.log"
   log="target/soak/$seed.log"
+elif [ ! -s "$log" ]; then
+  # --help, or a bad command line: nothing ran.
+  rm -f "$log"
 fi
 if [ "$status" -ne 0 ]; then
   echo "::: the soak failed ($status); the last lines of the agents' log ($log):"
