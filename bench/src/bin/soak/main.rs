@@ -831,6 +831,11 @@ impl World<'_> {
                     .log(&format!("{what}: serving again after {length:?}"));
                 return;
             }
+            // Another invariant broke meanwhile (the agent gone, say): nothing to wait for.
+            if self.shared.failed() {
+                self.shared.close_window(window);
+                return;
+            }
             if Instant::now() >= deadline {
                 self.shared.close_window(window);
                 self.shared.fail(
@@ -946,6 +951,10 @@ impl World<'_> {
     }
 
     fn summary(&self, load: &envoy_agent_tests::LoadReport) {
+        // How the watched agent ended, in its own words, when it did (an early exit included).
+        if let Some(exit) = self.agent.events("exit").pop() {
+            println!("soak: the agent's exit event: {exit}");
+        }
         let state = self.shared.state();
         println!(
             "soak: load {} answered, {} failed (first errors: {:?})",
