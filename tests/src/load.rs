@@ -220,6 +220,31 @@ impl Load {
         self.counters.0.ok.load(Ordering::Relaxed)
     }
 
+    /// Requests failed so far.
+    pub fn failed(&self) -> u64 {
+        self.counters.0.failed.load(Ordering::Relaxed)
+    }
+
+    /// When each failure so far was seen (Unix milliseconds), oldest first, with the first
+    /// failures' errors: for a harness that checks failures while the load runs (the soak).
+    pub fn failures_so_far(&self) -> (Vec<u64>, Vec<String>) {
+        let times = self
+            .counters
+            .0
+            .failure_times
+            .lock()
+            .map(|t| t.clone())
+            .unwrap_or_default();
+        let errors = self
+            .counters
+            .0
+            .errors
+            .lock()
+            .map(|e| e.clone())
+            .unwrap_or_default();
+        (times, errors)
+    }
+
     /// Stops the workers (each finishes its request in flight) and reports.
     pub async fn stop(self) -> LoadReport {
         self.stop.store(true, Ordering::Relaxed);
