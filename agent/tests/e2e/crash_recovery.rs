@@ -308,10 +308,11 @@ struct Dark {
     dark: Option<Duration>,
 }
 
-/// Issue 40's trade, measured: the node proxy's serving Envoy SIGKILLed every `spacing` (or
-/// as soon as it serves again, if later) under load until the agent gives up; prints the
-/// seconds dark per kill and when the agent exited. Run by hand (`--ignored --nocapture`);
-/// the figures are in docs/performance.md.
+/// Issue 40's trade: the node proxy's serving Envoy SIGKILLed every `spacing` (or as soon as
+/// it serves again, if later) under load until the agent gives up; prints the seconds dark per
+/// kill and when the agent exited (`--nocapture`: the figures in docs/performance.md were
+/// taken so, at a 10 s spacing). The tests assert the policy (the announced back-offs, the
+/// give-up and its code), not the timings.
 async fn crash_streak(extra: &[&str], spacing: Duration) -> (Vec<Dark>, Duration, Option<i32>) {
     let mut agent = crate::agent()
         .hot_restart()
@@ -381,9 +382,8 @@ async fn crash_streak(extra: &[&str], spacing: Duration) -> (Vec<Dark>, Duration
 }
 
 #[tokio::test]
-#[ignore = "a measurement (about 70 s), run by hand"]
-async fn measure_a_crash_streak_at_the_defaults() {
-    let (kills, _, code) = crash_streak(&[], Duration::from_secs(10)).await;
+async fn a_crash_streak_at_the_defaults_backs_off_doubling_and_gives_up_at_the_sixth() {
+    let (kills, _, code) = crash_streak(&[], Duration::from_secs(2)).await;
     let backoffs: Vec<_> = kills.iter().filter_map(|k| k.backoff_ms).collect();
     assert_eq!(backoffs, [1000, 2000, 4000, 8000, 16000]);
     assert_eq!(kills.len(), 6, "the sixth crash ends the agent");
@@ -391,10 +391,9 @@ async fn measure_a_crash_streak_at_the_defaults() {
 }
 
 #[tokio::test]
-#[ignore = "a measurement (about 60 s), run by hand"]
-async fn measure_a_crash_streak_with_a_short_backoff() {
+async fn a_crash_streak_with_a_short_backoff_is_dark_for_less_and_gives_up_the_same() {
     let (kills, _, code) =
-        crash_streak(&["--crash-backoff-max", "500ms"], Duration::from_secs(10)).await;
+        crash_streak(&["--crash-backoff-max", "500ms"], Duration::from_secs(2)).await;
     let backoffs: Vec<_> = kills.iter().filter_map(|k| k.backoff_ms).collect();
     assert_eq!(backoffs, [500; 5]);
     assert_eq!(kills.len(), 6, "the sixth crash ends the agent");
