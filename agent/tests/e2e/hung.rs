@@ -91,7 +91,12 @@ async fn a_hung_envoy_turns_readiness_off_then_is_judged_wedged(mode: Mode) {
         body.starts_with("not ready: envoy's admin API has not answered for "),
         "{body}"
     );
-    let silent = agent.events("admin_silent");
+    // Logged as readiness turns: the kit reads the agent's stderr beside the test, so wait
+    // for the line rather than assume it was read first.
+    let silent = eventually("the admin_silent event", PATIENCE, || async {
+        Some(agent.events("admin_silent")).filter(|e| !e.is_empty())
+    })
+    .await;
     assert_eq!(silent.len(), 1, "logged once: {silent:?}");
     if matches!(mode, Mode::NodeProxy) {
         // A node proxy's readiness is its marker file (an exec probe): it follows.
