@@ -47,6 +47,7 @@ fn config() -> Config {
 
 struct Family {
     host: FakeHost,
+    family: Arc<EnvoyFamily<FakeHost>>,
     handle: SupervisorHandle,
     abort: CancellationToken,
     task: JoinHandle<Result<Ended, ProxyError>>,
@@ -70,6 +71,7 @@ fn start(host: FakeHost, config: Config) -> Family {
     });
     Family {
         host,
+        family,
         handle,
         abort,
         task,
@@ -132,6 +134,15 @@ impl Family {
     async fn stop(self) -> (Ended, FakeHost) {
         self.abort.cancel();
         self.ended().await
+    }
+
+    /// Stops the family, then cleans up as the agent does before it exits: how often the
+    /// family's files were removed.
+    async fn stop_and_clean_up(self) -> u32 {
+        let family = self.family.clone();
+        let (_, host) = self.stop().await;
+        family.cleanup();
+        host.world().family_files_removed
     }
 }
 
@@ -469,6 +480,50 @@ async fn stopping_kills_a_starting_epoch_and_terminates_the_serving_one() {
     );
     assert_eq!(w.signals_to(0), [Signal::SIGTERM]);
     assert!(w.repairs >= 1, "the killed epoch's flag was checked");
+}
+
+/// The soak's finding: a node proxy's clean exit left its family's shared memory and
+/// hot-restart sockets behind. A family that served and was not handed over is cleaned up.
+#[tokio::test(start_paused = true)]
+async fn a_family_that_served_has_its_files_removed_at_the_end() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    assert_eq!(f.stop_and_clean_up().await, 1);
+}
+
+/// ... and after hot restarts too (the files are the family's, whatever its newest epoch).
+#[tokio::test(start_paused = true)]
+async fn a_family_that_hot_restarted_has_its_files_removed_at_the_end() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    assert_eq!(f.stop_and_clean_up().await, 1);
+}
+
+/// A family whose first epoch never served leaves everything as it found it: what is there
+/// may be another pod's.
+#[tokio::test(start_paused = true)]
+async fn a_family_that_never_served_removes_nothing() {
+    let host = FakeHost::default();
+    host.world().live_after = None;
+    let f = start(host, config());
+    f.spawned(&[0]).await;
+    assert_eq!(f.stop_and_clean_up().await, 0);
+}
+
+/// A family handed over to a successor pod is the successor's: nothing of it is removed.
+#[tokio::test(start_paused = true)]
+async fn a_family_handed_over_removes_nothing() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let b = heartbeat("pod-b-2222", NodeState::Starting, 1, &f.host);
+    f.host.world().others = vec![b];
+    f.host.world().live(1);
+    f.until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    assert_eq!(f.stop_and_clean_up().await, 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1297,6 +1352,7 @@ async fn a_family_that_ended_on_a_crash_runs_again_as_a_fresh_family_at_epoch_ze
     };
     let f = Family {
         host: host.clone(),
+        family: family.clone(),
         handle: handle.clone(),
         abort: CancellationToken::new(),
         task: run(CancellationToken::new()),
@@ -1318,6 +1374,7 @@ async fn a_family_that_ended_on_a_crash_runs_again_as_a_fresh_family_at_epoch_ze
     let abort = CancellationToken::new();
     let again = Family {
         host: host.clone(),
+        family: family.clone(),
         handle,
         abort: abort.clone(),
         task: run(abort),
@@ -1900,6 +1957,7 @@ fn rerunnable(host: &FakeHost, config: Config) -> (Family, impl Fn() -> Family +
         });
         Family {
             host: host.clone(),
+            family: family.clone(),
             handle: handle.clone(),
             abort,
             task,

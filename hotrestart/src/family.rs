@@ -102,6 +102,8 @@ pub struct EnvoyFamily<H: Host = RealHost> {
     updates: tokio::sync::Mutex<()>,
     /// Pre-flight verdicts, shared with the real host's restarts.
     cache: PreflightCache,
+    /// The last run's family was ours to the end: [`Proxy::cleanup`] removes its files.
+    files_ours: std::sync::atomic::AtomicBool,
 }
 
 impl<H: Host> std::fmt::Debug for EnvoyFamily<H> {
@@ -162,6 +164,7 @@ impl<H: Host> EnvoyFamily<H> {
             supervisor: Mutex::new(Some(supervisor)),
             updates: tokio::sync::Mutex::new(()),
             cache: PreflightCache::new(),
+            files_ours: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -186,6 +189,10 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
             .take()
             .ok_or(ProxyError::NotRunning)?;
         let ended = supervisor.run(abort).await;
+        self.files_ours.store(
+            supervisor.family_files_ours(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         if let Ok(mut slot) = self.supervisor.lock() {
             *slot = Some(supervisor.into_fresh());
         }
@@ -256,6 +263,24 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
     fn cleanup(&self) {
         if self.config.proxy.config_cleanup {
             let _ = std::fs::remove_file(&self.config.proxy.config_path);
+        }
+        // Envoy removes neither its shared memory nor its hot-restart sockets. A family handed
+        // over to a successor pod is the successor's; one that never served was someone
+        // else's (or nothing).
+        if !self.files_ours.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        match self.host.remove_family_files() {
+            Ok(removed) => tracing::info!(
+                event = "family_files_removed",
+                removed = ?removed,
+                "removed what the family's Envoys left behind"
+            ),
+            Err(why) => tracing::info!(
+                event = "family_files_kept",
+                %why,
+                "left the family's shared memory and sockets in place"
+            ),
         }
     }
 }

@@ -212,6 +212,12 @@ pub trait Host: Send + Sync + 'static {
     fn remove_heartbeat(&self, identity: &str);
     /// Takes the node's epoch lock if free.
     fn try_lock(&self) -> std::io::Result<Option<Guard>>;
+    /// Removes what the family's Envoys leave behind once every one of them is gone: the
+    /// shared memory segment, the hot-restart channel's socket files and the admin socket.
+    /// Under the node's epoch lock (a successor pod that holds it is about to use them) and
+    /// only while nothing answers on the admin address. Returns what was removed, or why
+    /// nothing was.
+    fn remove_family_files(&self) -> Result<Vec<PathBuf>, String>;
     /// Now, in Unix milliseconds (heartbeat times).
     fn now_unix_ms(&self) -> u64;
 }
@@ -804,6 +810,67 @@ impl Host for RealHost {
 
     fn now_unix_ms(&self) -> u64 {
         node::unix_ms()
+    }
+
+    fn remove_family_files(&self) -> Result<Vec<PathBuf>, String> {
+        let _lock = match self.try_lock() {
+            Ok(Some(lock)) => lock,
+            Ok(None) => return Err("another agent holds the node's epoch lock".to_owned()),
+            Err(e) => return Err(format!("cannot take the node's epoch lock: {e}")),
+        };
+        let target = self.target();
+        let admin = target.admin.addr().clone();
+        if answers(&admin) {
+            return Err(format!("something answers on the admin address {admin}"));
+        }
+        let mut removed = Vec::new();
+        let mut remove = |path: PathBuf| {
+            if std::fs::remove_file(&path).is_ok() {
+                removed.push(path);
+            }
+        };
+        if let envoy_agent_proxy::admin::Address::Unix(path) = &admin
+            && is_socket(path)
+        {
+            remove(path.clone());
+        }
+        if let SocketPath::File(prefix) = &target.socket_path {
+            // Every epoch's id is `base_id * 10 + epoch % 3`.
+            for n in 0..3 {
+                let id = u64::from(target.base_id) * 10 + n;
+                for role in ["parent", "child", "udp_parent", "udp_child"] {
+                    let mut path = prefix.clone().into_os_string();
+                    path.push(format!("_{role}_{id}"));
+                    let path = PathBuf::from(path);
+                    if is_socket(&path) {
+                        remove(path);
+                    }
+                }
+            }
+        }
+        let segment = crate::shm::path(target.base_id);
+        if segment.is_file() {
+            remove(segment);
+        }
+        Ok(removed)
+    }
+}
+
+/// Whether `path` is a Unix socket (never follows a link: a link is not ours to remove).
+fn is_socket(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+}
+
+/// Whether something accepts a connection on `admin` (bounded: a loopback or local socket).
+fn answers(admin: &envoy_agent_proxy::admin::Address) -> bool {
+    match admin {
+        envoy_agent_proxy::admin::Address::Tcp(addr) => {
+            std::net::TcpStream::connect_timeout(addr, Duration::from_millis(500)).is_ok()
+        }
+        envoy_agent_proxy::admin::Address::Unix(path) => {
+            std::os::unix::net::UnixStream::connect(path).is_ok()
+        }
     }
 }
 

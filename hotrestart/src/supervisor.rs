@@ -365,6 +365,9 @@ pub(crate) struct Supervisor<H: Host> {
     kept: kept::KeptParent,
     /// The last run's event channel while its kept parent runs: its exit comes there.
     old_events: Option<mpsc::UnboundedReceiver<Event>>,
+    /// An epoch of ours has served: the family's files (shared memory, sockets) are ours to
+    /// remove once it is gone, unless a successor took it over.
+    served: bool,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -427,6 +430,7 @@ impl<H: Host> Supervisor<H> {
             xds_cost: Duration::ZERO,
             kept: kept::KeptParent::None,
             old_events: None,
+            served: false,
         }
     }
 
@@ -451,6 +455,12 @@ impl<H: Host> Supervisor<H> {
         while self.commands.try_recv().is_ok() {}
         tracing::info!(outcome = ?ended, code = ended.code(), "supervisor done");
         ended
+    }
+
+    /// Whether the family that ended was ours to the end: an epoch of ours served and no
+    /// successor took it over. Its files are then left to nobody but us.
+    pub(crate) fn family_files_ours(&self) -> bool {
+        self.served && self.family.handed_over_to.is_none()
     }
 
     /// The supervisor of a fresh family after this one ended (crash recovery in place): the

@@ -126,6 +126,8 @@ pub(crate) struct World {
     pub(crate) family_signals: Vec<(u64, u32, Signal)>,
     pub(crate) marker: bool,
     pub(crate) marker_writes: Vec<bool>,
+    /// How often the family's files were removed ([`Host::remove_family_files`]).
+    pub(crate) family_files_removed: u32,
     pub(crate) node: bool,
     /// Other supervisors' heartbeats on the node.
     pub(crate) others: Vec<Heartbeat>,
@@ -193,6 +195,7 @@ impl Default for World {
             family_signals: Vec::new(),
             marker: true,
             marker_writes: Vec::new(),
+            family_files_removed: 0,
             node: false,
             others: Vec::new(),
             ours: None,
@@ -811,6 +814,12 @@ impl Host for FakeHost {
         }
         w.our_lock = true;
         Ok(Some(Box::new(LockGuard(self.world.clone()))))
+    }
+
+    fn remove_family_files(&self) -> Result<Vec<std::path::PathBuf>, String> {
+        let mut w = self.world();
+        w.family_files_removed += 1;
+        Ok(Vec::new())
     }
 
     fn now_unix_ms(&self) -> u64 {

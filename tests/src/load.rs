@@ -197,7 +197,13 @@ impl Load {
                         Ok(Ok(r)) => counters
                             .0
                             .fail("new-connection", format!("status {}", r.status)),
-                        Ok(Err(e)) => counters.0.fail("new-connection", e.to_string()),
+                        Ok(Err(e)) => {
+                            counters.0.fail("new-connection", e.to_string());
+                            // A refused connect fails at once: without a pause the worker
+                            // spins (75k failures a second while Envoy is down), starving
+                            // the test's own task and, on 2 cores, the other tests.
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
                         Err(_) => counters.0.fail("new-connection", "timed out".to_owned()),
                     }
                 }

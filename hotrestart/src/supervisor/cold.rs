@@ -232,6 +232,7 @@ impl<H: Host> Supervisor<H> {
         self.base_id = child.base_id;
         self.family.base_id = child.base_id;
         self.newest_live = Some(0);
+        self.served = true;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
         // the next epoch must match, not the old family's: its binary may be another by now.
         self.ask_version();

@@ -264,6 +264,7 @@ impl<H: Host> Supervisor<H> {
             _ => Handoff::Idle,
         };
         self.newest_live = Some(epoch);
+        self.served = true;
         // Our epoch is LIVE: the next successor (or restart) may allocate.
         drop(lock);
         self.metrics.epoch(epoch);
