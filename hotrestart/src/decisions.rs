@@ -566,6 +566,32 @@ async fn a_crashed_serving_envoy_ends_the_family_with_its_code() {
     assert_eq!(ended.code(), 137, "{ended:?}");
 }
 
+/// The soak's fourth finding: the agent itself stopped (SIGSTOP) past a draining parent's
+/// deadline. The parent had exited in time, but its exit was not reaped yet when the overdue
+/// check ran first: the agent recorded a `parent_overdue` wedge, SIGKILLed the zombie and stood
+/// in for it. A parent that no longer runs is not overdue: its exit is waited for.
+#[tokio::test(start_paused = true)]
+async fn a_parent_that_exited_but_is_not_reaped_yet_is_not_judged_overdue() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    assert_eq!(f.restart("first").await.unwrap(), Ok(1));
+    let parent = f.host.world().pid_of(0).unwrap();
+    f.host.world().unreaped.insert(parent);
+    // Past the parent-shutdown time (2 s) and the grace (5 s).
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    {
+        let w = f.host.world();
+        assert!(w.signals_to(0).is_empty(), "{:?}", w.signals_to(0));
+        assert!(w.stand_ins.is_empty());
+    }
+    // The exit arrives: the queue goes on, and no wedge was recorded.
+    f.host.world().exit(0, code(0));
+    assert_eq!(f.restart("second").await.unwrap(), Ok(2));
+    let family = f.handle.state().borrow().clone().family.unwrap();
+    assert!(family.wedges.is_empty(), "{:?}", family.wedges);
+    f.stop().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_overdue_draining_parent_is_killed_stood_in_for_and_the_queue_goes_on() {
     let f = start(FakeHost::default(), config());

@@ -190,6 +190,10 @@ pub trait Host: Send + Sync + 'static {
     fn binary_changed(&self) -> bool;
     /// Clears a stale INITIALIZING flag. Only called when no Envoy of the family initializes.
     fn repair_initializing(&self, hot_restart_version: &str) -> Repair;
+    /// Whether process `pid` still runs: `false` once it has exited, even before it is reaped
+    /// (a zombie), so that a deadline judged late (the agent itself was stopped or starved)
+    /// does not blame a process whose exit is on its way.
+    fn still_runs(&self, pid: u32) -> bool;
     /// Binds the hot-restart socket names of dead (or gone) `parent_epoch` and answers its
     /// child's requests. Fails while the parent still holds them.
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard>;
@@ -732,6 +736,17 @@ impl Host for RealHost {
         }
     }
 
+    fn still_runs(&self, pid: u32) -> bool {
+        // `/proc/<pid>/stat`: `pid (comm) state ...`; the comm may hold spaces and parentheses.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            return false;
+        };
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next());
+        !matches!(state, Some("Z" | "X" | "x") | None)
+    }
+
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {
         let target = self.target();
         let owner = self
@@ -879,6 +894,32 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// A zombie (exited, not reaped) no longer runs; a running child does; a gone pid not.
+    #[test]
+    fn a_process_that_exited_unreaped_does_not_run() {
+        let dir = std::env::temp_dir();
+        let host = host_for(&dir.join("envoy"));
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        assert!(host.still_runs(child.id()));
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        // Not reaped: a zombie until `wait`.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while host.still_runs(child.id()) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!host.still_runs(child.id()), "a zombie is not running");
+        assert!(std::path::Path::new(&format!("/proc/{}", child.id())).exists());
+        child.wait().unwrap();
+        assert!(!host.still_runs(child.id()));
+    }
 
     fn host_for(binary: &std::path::Path) -> RealHost {
         let proxy = ProxyConfig::new(

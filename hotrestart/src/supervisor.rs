@@ -302,6 +302,9 @@ impl Probing {
     }
 }
 
+/// How soon an exited process whose exit has not arrived yet is looked at again.
+const EXIT_ON_ITS_WAY: Duration = Duration::from_millis(50);
+
 /// The hot-restart supervisor. See the crate docs for its rules.
 pub(crate) struct Supervisor<H: Host> {
     config: Config,
@@ -695,9 +698,15 @@ impl<H: Host> Supervisor<H> {
                 parent: DrainingParent::Ours(p),
                 until,
             } => {
-                let killed = self.epochs.get(*p).is_none_or(|c| c.stopped.is_some());
-                if !killed {
-                    consider(Some(until.at + self.config.parent_overdue_grace));
+                let overdue_at = until.at + self.config.parent_overdue_grace;
+                match self.epochs.get(*p).filter(|c| c.stopped.is_none()) {
+                    // Exited but not reaped yet (see `handoff_timers`): looked at again in a
+                    // moment rather than at once, over and over.
+                    Some(c) if Instant::now() >= overdue_at && !self.host.still_runs(c.pid) => {
+                        consider(Some(Instant::now() + EXIT_ON_ITS_WAY));
+                    }
+                    Some(_) => consider(Some(overdue_at)),
+                    None => {}
                 }
             }
             Handoff::ParentDraining {

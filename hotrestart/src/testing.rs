@@ -128,6 +128,9 @@ pub(crate) struct World {
     pub(crate) marker_writes: Vec<bool>,
     /// How often the family's files were removed ([`Host::remove_family_files`]).
     pub(crate) family_files_removed: u32,
+    /// Processes that have exited but whose exit the supervisor has not been told of yet (the
+    /// agent stopped or starved: a zombie not reaped yet).
+    pub(crate) unreaped: std::collections::BTreeSet<u32>,
     pub(crate) node: bool,
     /// Other supervisors' heartbeats on the node.
     pub(crate) others: Vec<Heartbeat>,
@@ -196,6 +199,7 @@ impl Default for World {
             marker: true,
             marker_writes: Vec::new(),
             family_files_removed: 0,
+            unreaped: std::collections::BTreeSet::new(),
             node: false,
             others: Vec::new(),
             ours: None,
@@ -243,6 +247,14 @@ impl World {
             Admin::Answers { epoch, .. } => Some(*epoch),
             _ => None,
         }
+    }
+
+    /// The pid of our process at `epoch` (of the family the host serves now), if it lives.
+    pub(crate) fn pid_of(&self, epoch: u32) -> Option<u32> {
+        self.processes
+            .iter()
+            .find(|(_, p)| p.family == self.base_id && p.epoch == epoch && p.alive)
+            .map(|(pid, _)| *pid)
     }
 
     /// Whether our process at `epoch` lives (of the family the host serves now).
@@ -753,6 +765,11 @@ impl Host for FakeHost {
         } else {
             Repair::Clean
         }
+    }
+
+    fn still_runs(&self, pid: u32) -> bool {
+        let w = self.world();
+        w.processes.get(&pid).is_some_and(|p| p.alive) && !w.unreaped.contains(&pid)
     }
 
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {

@@ -426,6 +426,42 @@ async fn a_killed_draining_parent_does_not_take_the_child_down() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// The soak's fourth finding (docs/soak.md, `freeze-agent`): the agent itself stopped past its
+/// draining parent's deadline. The parent ended on time (its child terminated it), but the
+/// agent, continued, judged it overdue before it had reaped it: a `parent_overdue` wedge, a
+/// SIGKILL to a zombie, a stand-in. Fresh facts first: none of that, and nothing fails.
+#[tokio::test]
+async fn an_agent_stopped_past_its_parents_deadline_judges_nothing_from_its_own_stall() {
+    let mut agent = agent()
+        .hot_restart()
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "2s"])
+        .start()
+        .await;
+    let load = Load::start(listener(&agent), "/", 2, 2);
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    agent.signal(Signal::SIGSTOP);
+    // Past the parent-shutdown time (2 s) and the overdue grace (5 s): the parent has exited,
+    // unreaped, by the time the agent runs again.
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    agent.signal(Signal::SIGCONT);
+    let exited = agent.wait_event("epoch_exited", "epoch", "0").await;
+    // A misjudgment comes before the exit is seen.
+    assert!(
+        !exited["how"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("killed"),
+        "{exited}"
+    );
+    assert_eq!(agent.events("wedge"), Vec::<serde_json::Value>::new());
+    assert_eq!(agent.events("stand_in"), Vec::<serde_json::Value>::new());
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
+
 #[tokio::test]
 async fn a_killed_serving_epoch_ends_the_supervisor_with_its_code() {
     let mut agent = start(&[]).await;

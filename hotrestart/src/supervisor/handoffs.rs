@@ -422,7 +422,15 @@ impl<H: Host> Supervisor<H> {
                 until,
             } if now >= until.at + self.config.parent_overdue_grace => {
                 let p = *p;
-                if self.epochs.get(p).is_some_and(|c| c.stopped.is_none()) {
+                let running = self.epochs.get(p).filter(|c| c.stopped.is_none());
+                // Fresh facts first: judged late (the agent stopped or starved past the
+                // deadline), a parent that exited in time is a zombie whose exit is on its way.
+                if running.is_some_and(|c| !self.host.still_runs(c.pid)) {
+                    tracing::debug!(
+                        epoch = p,
+                        "the overdue parent has exited; its exit is on its way"
+                    );
+                } else if running.is_some() {
                     let message = format!(
                         "draining parent epoch {p} still runs {:?} after its parent-shutdown \
                          time: killed it (SIGKILL); a stand-in answers its child, and queued \
