@@ -270,7 +270,15 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
         if !self.files_ours.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        match self.host.remove_family_files() {
+        let mut base_ids: Vec<u32> = self
+            .config
+            .proxy
+            .hot_restart
+            .iter()
+            .map(|h| h.base_id)
+            .collect();
+        base_ids.extend(self.config.cold_base_id);
+        match self.host.remove_family_files(&base_ids) {
             Ok(removed) => tracing::info!(
                 event = "family_files_removed",
                 removed = ?removed,

@@ -216,12 +216,13 @@ pub trait Host: Send + Sync + 'static {
     fn remove_heartbeat(&self, identity: &str);
     /// Takes the node's epoch lock if free.
     fn try_lock(&self) -> std::io::Result<Option<Guard>>;
-    /// Removes what the family's Envoys leave behind once every one of them is gone: the
-    /// shared memory segment, the hot-restart channel's socket files and the admin socket.
-    /// Under the node's epoch lock (a successor pod that holds it is about to use them) and
-    /// only while nothing answers on the admin address. Returns what was removed, or why
-    /// nothing was.
-    fn remove_family_files(&self) -> Result<Vec<PathBuf>, String>;
+    /// Removes what the families under `base_ids` (the configured one and the cold one: a
+    /// crash recovery or a cold handover moves the family between them) leave behind once
+    /// every Envoy is gone: the shared memory segments, the hot-restart channel's socket files
+    /// and the admin socket. Under the node's epoch lock (a starting successor pod that holds
+    /// it is about to use them) and only while nothing answers on the admin address. Returns
+    /// what was removed, or why nothing was.
+    fn remove_family_files(&self, base_ids: &[u32]) -> Result<Vec<PathBuf>, String>;
     /// Now, in Unix milliseconds (heartbeat times).
     fn now_unix_ms(&self) -> u64;
 }
@@ -827,7 +828,7 @@ impl Host for RealHost {
         node::unix_ms()
     }
 
-    fn remove_family_files(&self) -> Result<Vec<PathBuf>, String> {
+    fn remove_family_files(&self, base_ids: &[u32]) -> Result<Vec<PathBuf>, String> {
         let _lock = match self.try_lock() {
             Ok(Some(lock)) => lock,
             Ok(None) => return Err("another agent holds the node's epoch lock".to_owned()),
@@ -849,23 +850,33 @@ impl Host for RealHost {
         {
             remove(path.clone());
         }
-        if let SocketPath::File(prefix) = &target.socket_path {
-            // Every epoch's id is `base_id * 10 + epoch % 3`.
-            for n in 0..3 {
-                let id = u64::from(target.base_id) * 10 + n;
-                for role in ["parent", "child", "udp_parent", "udp_child"] {
-                    let mut path = prefix.clone().into_os_string();
-                    path.push(format!("_{role}_{id}"));
-                    let path = PathBuf::from(path);
-                    if is_socket(&path) {
-                        remove(path);
+        let mut prefixes = vec![target.socket_path.clone()];
+        let configured = configured_socket_path(&self.proxy);
+        if !prefixes.contains(&configured) {
+            prefixes.push(configured);
+        }
+        for base_id in base_ids {
+            for prefix in &prefixes {
+                let SocketPath::File(prefix) = prefix else {
+                    continue;
+                };
+                // Every epoch's id is `base_id * 10 + epoch % 3`.
+                for n in 0..3 {
+                    let id = u64::from(*base_id) * 10 + n;
+                    for role in ["parent", "child", "udp_parent", "udp_child"] {
+                        let mut path = prefix.clone().into_os_string();
+                        path.push(format!("_{role}_{id}"));
+                        let path = PathBuf::from(path);
+                        if is_socket(&path) {
+                            remove(path);
+                        }
                     }
                 }
             }
-        }
-        let segment = crate::shm::path(target.base_id);
-        if segment.is_file() {
-            remove(segment);
+            let segment = crate::shm::path(*base_id);
+            if segment.is_file() {
+                remove(segment);
+            }
         }
         Ok(removed)
     }

@@ -833,7 +833,7 @@ impl Host for FakeHost {
         Ok(Some(Box::new(LockGuard(self.world.clone()))))
     }
 
-    fn remove_family_files(&self) -> Result<Vec<std::path::PathBuf>, String> {
+    fn remove_family_files(&self, _base_ids: &[u32]) -> Result<Vec<std::path::PathBuf>, String> {
         let mut w = self.world();
         w.family_files_removed += 1;
         Ok(Vec::new())

@@ -297,6 +297,16 @@ async fn a_draining_parent_keeps_its_in_flight_request_when_its_child_is_killed(
         "one crash: {:?}",
         agent.events("envoy_crashed")
     );
+    // Nothing of either family is left: the kept parent's (the configured base id) and the
+    // fresh one's (the cold base id, as the kept parent held the other): the soak found the
+    // first left behind.
+    let base_id = agent.ports.unwrap().base_id;
+    for id in [base_id, base_id + 1] {
+        let segment = envoy_agent_hotrestart::shm::path(id);
+        assert!(!segment.exists(), "{} left behind", segment.display());
+    }
+    let removed = agent.events("family_files_removed");
+    assert_eq!(removed.len(), 1, "{}", agent.stderr());
 }
 
 /// What one kill of a streak cost: how long the listener refused (no 200 on a fresh
