@@ -8,6 +8,12 @@ Modes:
   requests  a GET every --interval-ms; after a GOAWAY the next request goes on a new
             connection; counts failures (a reset or refused stream, a connection lost with a
             request in flight, a non-200 answer)
+  streams   a long-lived stream at all times, as a gRPC client keeps one: a GET of a streaming
+            path; when its connection gets a GOAWAY, the next stream opens at once on a new
+            connection (the old one runs on until it ends); when a stream ends without one,
+            the next opens after --interval-ms. A stream that ends other than cleanly (a reset,
+            a lost connection) with no GOAWAY first on its connection was cut without being
+            told: a failure
 
 Events (one JSON object a line, `t` Unix seconds; `conn` counts connections from 1):
   {"event":"connected","conn":1}
@@ -151,6 +157,47 @@ async def single(args, end):
     emit("done", responses=len(conn.statuses), failures=0, connections=1, goaways=int(conn.goaway is not None))
 
 
+async def streams(args, end):
+    """streams: one long-lived stream at all times; a stream cut untold is a failure."""
+    counts = {"responses": 0, "failures": 0, "connections": 0, "goaways": 0}
+    background = set()
+
+    async def judged(conn, future):
+        outcome = await future
+        if outcome[0] == "ok":
+            counts["responses"] += 1
+        elif conn.goaway is None:
+            counts["failures"] += 1
+            emit("failure", conn=conn.n, reason="stream cut without a goaway: %s %s" % outcome)
+        conn.task.cancel()
+        conn.close()
+
+    while time.monotonic() < end:
+        counts["connections"] += 1
+        try:
+            conn = await asyncio.wait_for(connect(counts["connections"], args.host, args.port), args.timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            counts["failures"] += 1
+            emit("failure", conn=counts["connections"], reason="connect: %s" % e)
+            await asyncio.sleep(0.05)
+            continue
+        _, future = conn.request(args.path)
+        task = asyncio.create_task(judged(conn, future))
+        background.add(task)
+        task.add_done_callback(background.discard)
+        # Until the stream ends or its connection is told to go, whichever is first.
+        while not task.done() and conn.goaway is None and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        if conn.goaway is not None:
+            counts["goaways"] += 1
+        elif task.done():
+            await asyncio.sleep(args.interval_ms / 1000)
+    for task in list(background):
+        task.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
+    emit("done", **counts)
+
+
 async def requests(args, end):
     responses = failures = goaways = connections = 0
     conn = None
@@ -192,7 +239,7 @@ async def requests(args, end):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["idle", "stream", "requests"])
+    parser.add_argument("mode", choices=["idle", "stream", "streams", "requests"])
     parser.add_argument("host")
     parser.add_argument("port", type=int)
     parser.add_argument("--path", default=None, help="default / (idle, requests), /stream?seconds=60 (stream)")
@@ -201,9 +248,10 @@ def main():
     parser.add_argument("--timeout", type=float, default=10, help="bound on one request (requests)")
     args = parser.parse_args()
     if args.path is None:
-        args.path = "/stream?seconds=60" if args.mode == "stream" else "/"
+        args.path = "/stream?seconds=60" if args.mode in ("stream", "streams") else "/"
     end = time.monotonic() + args.duration
-    asyncio.run(requests(args, end) if args.mode == "requests" else single(args, end))
+    run = {"requests": requests, "streams": streams}.get(args.mode, single)
+    asyncio.run(run(args, end))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ certificate is not verified (the kit's listener has a self-signed one).
 Modes:
   idle      one GET --path, then hold the connection open: reports H3 GOAWAY frames and the
             connection's end (CONNECTION_CLOSE with its error code)
-  requests  a GET every --interval-ms; after a GOAWAY or a close the next request goes on a
-            new connection; counts failures
+  requests  a GET every --interval-ms; after a GOAWAY, a close or a request that timed out
+            (--timeout) the next request goes on a new connection; counts failures
 
 aioquic's H3Connection reads a GOAWAY and drops it, so this client also reads the server's
 control stream itself (the unidirectional stream of type 0x00) and reports each GOAWAY frame.
@@ -224,6 +224,12 @@ async def requests(args, end):
         else:
             failures += 1
             emit("failure", conn=client.n, reason="%s %s" % outcome)
+            if outcome[0] == "timeout":
+                # Nothing came back for the whole timeout: over UDP no reset says that the
+                # server is gone (a killed Envoy), so the connection is given up, as a
+                # browser gives up one that does not answer.
+                await session.close()
+                session = client = None
         await asyncio.sleep(args.interval_ms / 1000)
     if session is not None:
         goaways += int(client.goaway is not None)

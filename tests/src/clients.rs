@@ -533,6 +533,10 @@ pub enum Mode {
     Idle,
     /// One long request to a streaming path (HTTP/2 only).
     Stream,
+    /// A long-lived stream at all times (HTTP/2 only): a long request to a streaming path,
+    /// the next one at once on a new connection after a GOAWAY; a stream cut without a GOAWAY
+    /// first is a `Failure`.
+    Streams,
     /// A request every interval; a new connection after a GOAWAY.
     Requests,
 }
@@ -542,6 +546,7 @@ impl Mode {
         match self {
             Mode::Idle => "idle",
             Mode::Stream => "stream",
+            Mode::Streams => "streams",
             Mode::Requests => "requests",
         }
     }
@@ -610,10 +615,10 @@ impl H3Client {
         Self::start(Mode::Requests, addr, &options)
     }
 
-    /// The client in `mode` ([`Mode::Stream`] is not one of HTTP/3's: it runs as `idle` on
-    /// `options.path`) with `options`.
+    /// The client in `mode` ([`Mode::Stream`] and [`Mode::Streams`] are not HTTP/3's: they
+    /// run as `idle` on `options.path`) with `options`.
     pub fn start(mode: Mode, addr: SocketAddr, options: &ClientOptions) -> H3Client {
-        let mode = if mode == Mode::Stream {
+        let mode = if matches!(mode, Mode::Stream | Mode::Streams) {
             Mode::Idle
         } else {
             mode
@@ -811,7 +816,13 @@ client_newtype!(HttpUpstream);
 impl HttpUpstream {
     /// Starts it and waits for its port.
     pub async fn start() -> HttpUpstream {
-        let process = ClientProcess::python("http_upstream.py", &os(&["--duration", "900"]));
+        HttpUpstream::start_for(Duration::from_secs(900)).await
+    }
+
+    /// Starts it, to exit by itself after `duration`, and waits for its port.
+    pub async fn start_for(duration: Duration) -> HttpUpstream {
+        let duration = duration.as_secs().to_string();
+        let process = ClientProcess::python("http_upstream.py", &os(&["--duration", &duration]));
         let addr = listening(&process).await;
         HttpUpstream(process, addr)
     }
@@ -912,6 +923,10 @@ pub struct DrainBootstrap {
     fixed: Option<(u16, Vec<u16>)>,
     /// The TCP listeners, by name and direction.
     listeners: Vec<(&'static str, Option<&'static str>)>,
+    /// The direct answer's body.
+    body: String,
+    /// Listeners and clusters also from the ADS server there.
+    ads: Option<SocketAddr>,
 }
 
 impl DrainBootstrap {
@@ -924,7 +939,34 @@ impl DrainBootstrap {
             quic: None,
             fixed: None,
             listeners: TCP_LISTENERS.to_vec(),
+            body: "direct\n".to_owned(),
+            ads: None,
         }
+    }
+
+    /// The body of the direct 200 (default `direct\n`): a config change that changes nothing
+    /// else. Plain text, no quotes or backslashes.
+    pub fn body(mut self, body: &str) -> Self {
+        self.body = body.to_owned();
+        self
+    }
+
+    /// Also takes listeners and clusters (LDS and CDS over ADS, Envoy's default initial-fetch
+    /// timeout) from the ADS server at `xds` (the static cluster `xds`, HTTP/2).
+    pub fn ads(mut self, xds: SocketAddr) -> Self {
+        self.ads = Some(xds);
+        self
+    }
+
+    /// With [`DrainBootstrap::fixed_ports`]: where the listener `name` (a TCP one, or
+    /// [`QUIC_LISTENER`]) is.
+    pub fn listener_addr(&self, name: &str) -> Option<SocketAddr> {
+        let (_, ports) = self.fixed.as_ref()?;
+        let i = match name {
+            QUIC_LISTENER => self.quic.as_ref().map(|_| self.listeners.len())?,
+            _ => self.listeners.iter().position(|(n, _)| *n == name)?,
+        };
+        ports.get(i).map(|p| SocketAddr::from(([127, 0, 0, 1], *p)))
     }
 
     /// Fixed ports (for hot restart, whose epochs hand listeners over by their configured
@@ -1020,11 +1062,26 @@ impl DrainBootstrap {
         if let Some(grpc) = self.grpc_upstream {
             yaml.push_str(&cluster("grpc_upstream", grpc, true));
         }
+        if let Some(xds) = self.ads {
+            yaml.push_str(&cluster("xds", xds, true));
+            yaml.push_str(
+                r#"node: { id: test, cluster: test }
+dynamic_resources:
+  ads_config:
+    api_type: GRPC
+    transport_api_version: V3
+    grpc_services: [{ envoy_grpc: { cluster_name: xds } }]
+  lds_config: { ads: {}, resource_api_version: V3 }
+  cds_config: { ads: {}, resource_api_version: V3 }
+"#,
+            );
+        }
         yaml
     }
 
     /// The HTTP connection manager of the listener `name`, as an item of `filters:`.
     fn hcm(&self, name: &str, codec: &str) -> String {
+        let body = &self.body;
         let mut options = String::new();
         if let Some(d) = self.max_connection_duration {
             let _ = writeln!(
@@ -1056,7 +1113,7 @@ impl DrainBootstrap {
               - match: {{ prefix: "/stream" }}
                 route: {{ cluster: http_upstream, timeout: 0s }}
 {grpc_route}              - match: {{ prefix: "/" }}
-                direct_response: {{ status: 200, body: {{ inline_string: "direct\n" }} }}
+                direct_response: {{ status: 200, body: {{ inline_string: "{body}" }} }}
           http_filters:
           - name: envoy.filters.http.router
             typed_config:

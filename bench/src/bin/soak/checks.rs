@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use envoy_agent_tests::clients::{H2Client, Kind as ClientKind};
+use envoy_agent_tests::clients::{ClientProcess, Kind as ClientKind};
 use envoy_agent_tests::{Load, unix_ms};
 
 /// How often the checker looks.
@@ -45,6 +45,10 @@ const WARM_UP: Duration = Duration::from_secs(30);
 /// flood after the warm-up must fit; a leak grows past it in a long run.
 const RSS_GROWTH_KIB: u64 = 16 * 1024;
 const FD_GROWTH: usize = 64;
+/// The Python clients' bound on one request (their `--timeout` default).
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long after the agent is continued its answers are not judged yet.
+const AFTER_FREEZE: Duration = Duration::from_secs(3);
 /// Events kept for a failure's report.
 const LAST_EVENTS: usize = 20;
 
@@ -97,6 +101,11 @@ pub(crate) struct State {
     pub(crate) ending: bool,
     /// A status flood holds connections to the agent: its open files are the flood's.
     pub(crate) flooding: bool,
+    /// Freezes of the agent so far (a `freeze-agent` event), whether it is frozen now, and
+    /// when it was last continued: its status server cannot answer meanwhile.
+    freezes: u64,
+    agent_frozen: bool,
+    agent_back_at: Option<Instant>,
 }
 
 /// The agent's footprint over the run.
@@ -131,6 +140,9 @@ impl Shared {
                 violation: None,
                 ending: false,
                 flooding: false,
+                freezes: 0,
+                agent_frozen: false,
+                agent_back_at: None,
             }),
             started: Instant::now(),
         })
@@ -223,6 +235,35 @@ impl Shared {
         state.serve_check_off_until = Some(Instant::now() + after);
     }
 
+    /// The agent is stopped (`true`) or continued: its answers are not judged meanwhile, nor
+    /// for a moment after (the looks it owes are answered late).
+    pub(crate) fn agent_frozen(&self, frozen: bool) {
+        let mut state = self.state();
+        if frozen {
+            state.freezes += 1;
+        } else {
+            state.agent_back_at = Some(Instant::now());
+        }
+        state.agent_frozen = frozen;
+    }
+
+    /// Freezes so far: a look of the agent is judged only if no freeze started or lasted
+    /// through it ([`Shared::agent_judgeable`]).
+    pub(crate) fn freezes(&self) -> u64 {
+        self.state().freezes
+    }
+
+    /// Whether a look of the agent that began when [`Shared::freezes`] said `before` may be
+    /// judged: the agent was not frozen during it, nor continued a moment ago.
+    pub(crate) fn agent_judgeable(&self, before: u64) -> bool {
+        let state = self.state();
+        state.freezes == before
+            && !state.agent_frozen
+            && state
+                .agent_back_at
+                .is_none_or(|t| t.elapsed() >= AFTER_FREEZE)
+    }
+
     /// Watches another agent (a successor pod), with a new resource baseline.
     pub(crate) fn retarget(&self, target: Target) {
         let mut state = self.state();
@@ -239,9 +280,12 @@ impl Shared {
 /// What the checker looks at besides the shared record.
 pub(crate) struct Checker {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) listener: SocketAddr,
+    /// Every listener that must answer while readiness says 200: the static one and the
+    /// control plane's.
+    pub(crate) listeners: Vec<SocketAddr>,
     pub(crate) load: Arc<Load>,
-    pub(crate) h2: Arc<H2Client>,
+    /// The clients beside the load, by name: each failure they report is judged.
+    pub(crate) clients: Vec<(&'static str, Arc<ClientProcess>)>,
     /// What every Envoy of the run has on its command line (the run's dir).
     pub(crate) marker: String,
     /// Envoy processes allowed at once (a node proxy: a serving epoch and its draining parent).
@@ -253,7 +297,7 @@ impl Checker {
     /// Looks every [`TICK`] until the run ends or an invariant breaks.
     pub(crate) async fn run(self) {
         let mut load_seen = 0usize;
-        let mut h2_seen = 0usize;
+        let mut clients_seen = vec![0usize; self.clients.len()];
         let mut last_status = Instant::now();
         let mut last_resources = Instant::now() - RESOURCES_EVERY;
         loop {
@@ -279,7 +323,9 @@ impl Checker {
             }
             self.generations();
             load_seen = self.load_failures(load_seen);
-            h2_seen = self.h2_failures(h2_seen);
+            for (i, seen) in clients_seen.iter_mut().enumerate() {
+                *seen = self.client_failures(i, *seen);
+            }
             self.readiness(&target).await;
             if last_status.elapsed() >= STATUS_EVERY {
                 last_status = Instant::now();
@@ -315,9 +361,11 @@ impl Checker {
         times.len()
     }
 
-    fn h2_failures(&self, seen: usize) -> usize {
-        let failures: Vec<(f64, String)> = self
-            .h2
+    /// Client `i`'s failures after the first `seen` are judged; a client that exited before
+    /// the end breaks `clients_run`. Returns how many it reported.
+    fn client_failures(&self, i: usize, seen: usize) -> usize {
+        let (name, client) = &self.clients[i];
+        let failures: Vec<(f64, String)> = client
             .events()
             .into_iter()
             .filter_map(|e| match e.kind {
@@ -326,7 +374,23 @@ impl Checker {
             })
             .collect();
         for (t, reason) in failures.iter().skip(seen) {
-            self.judge_failure((t * 1000.0) as u64, &format!("HTTP/2 client: {reason}"));
+            // A request that timed out was sent a client timeout earlier: a QUIC request to a
+            // killed Envoy hears nothing (no reset over UDP) until then.
+            let sent = if reason.starts_with("timeout") {
+                t - CLIENT_TIMEOUT.as_secs_f64()
+            } else {
+                *t
+            };
+            self.judge_failure((sent * 1000.0) as u64, &format!("{name}: {reason}"));
+        }
+        if client.ended() && !self.shared.state().ending {
+            self.shared.fail(
+                "clients_run",
+                &format!(
+                    "the {name} client exited before the end: {}",
+                    client.describe()
+                ),
+            );
         }
         failures.len()
     }
@@ -358,11 +422,15 @@ impl Checker {
     /// Readiness answers within its bound, and says 200 only while the listener serves.
     async fn readiness(&self, target: &Target) {
         let before = self.shared.state().events_started;
+        let freezes = self.shared.freezes();
         let ready = tokio::time::timeout(
             READY_BOUND,
             envoy_agent_tests::http_get(target.status, "/healthz/ready"),
         )
         .await;
+        if !self.shared.agent_judgeable(freezes) {
+            return;
+        }
         let status = match ready {
             Err(_) => {
                 // The target may just have changed (a successor pod), or the run be ending.
@@ -386,7 +454,10 @@ impl Checker {
         if status != 200 {
             return;
         }
-        let answer = answer(self.listener, SERVE_BOUND).await;
+        let mut answer = Ok(());
+        for listener in &self.listeners {
+            answer = answer.and(self::answer(*listener, SERVE_BOUND).await);
+        }
         let state = self.shared.state();
         let judged = state.events_started == before
             && state.serve_check_off == 0
@@ -407,6 +478,7 @@ impl Checker {
 
     /// `envoy-agent status` answers within its bound.
     async fn status(&self, target: &Target) {
+        let freezes = self.shared.freezes();
         let run = tokio::process::Command::new(&self.agent_binary)
             .args(["--grpc-address", &target.grpc, "status"])
             .stdin(std::process::Stdio::null())
@@ -415,7 +487,10 @@ impl Checker {
             .kill_on_drop(true)
             .output();
         let outcome = tokio::time::timeout(STATUS_BOUND, run).await;
-        if self.shared.target().pid != target.pid || self.shared.state().ending {
+        if self.shared.target().pid != target.pid
+            || self.shared.state().ending
+            || !self.shared.agent_judgeable(freezes)
+        {
             return;
         }
         match outcome {

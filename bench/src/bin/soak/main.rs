@@ -36,8 +36,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use envoy_agent_tests::clients::{ClientOptions, H2Client, Mode as ClientMode};
-use envoy_agent_tests::{AgentBuilder, AgentProcess, HotRestartPorts, Load, TestDir};
+use envoy_agent_tests::clients::{
+    ClientOptions, ClientProcess, DrainBootstrap, H2Client, H3Client, HttpUpstream,
+    Mode as ClientMode, QUIC_LISTENER, TlsCert,
+};
+use envoy_agent_tests::{
+    AgentBuilder, AgentProcess, ControlPlane, HotRestartPorts, Load, Snapshot, TestDir,
+};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -51,6 +56,9 @@ const WEDGE_DEADLINE: Duration = Duration::from_secs(4);
 /// Bound on "something serves again" after a fault: the crash back-off (at most
 /// `--crash-backoff-max`), a fresh Envoy's start and a pre-flight fit many times over.
 const SERVES_AGAIN_BOUND: Duration = Duration::from_secs(60);
+/// How long a `control-plane` event keeps the control plane down: longer than a hot
+/// restart's start, shorter than Envoy's 15 s initial-fetch timeout.
+const CONTROL_PLANE_DOWN: Duration = Duration::from_secs(5);
 /// Bound on a client subcommand (`restart` waits for the new epoch's LIVE).
 const CLI_BOUND: Duration = Duration::from_secs(90);
 /// The agent's own flags for the soak: short drains, so that parents drain often while other
@@ -112,11 +120,6 @@ struct Cli {
     #[arg(long, value_name = "SECONDS", default_value_t = 2)]
     crash_backoff_max: u64,
 
-    /// Fail on every leftover at the end, the known ones too (a node's shared memory segment
-    /// and Envoy's hot-restart sockets: docs/soak.md).
-    #[arg(long)]
-    strict_leftovers: bool,
-
     /// The envoy-agent binary. Default: `envoy-agent` next to this binary.
     #[arg(long, value_name = "PATH")]
     agent: Option<PathBuf>,
@@ -141,9 +144,6 @@ impl Cli {
                 " --crash-restart-limit {}",
                 self.crash_restart_limit
             ));
-        }
-        if self.strict_leftovers {
-            command.push_str(" --strict-leftovers");
         }
         if self.crash_backoff_max != 2 {
             command.push_str(&format!(" --crash-backoff-max {}", self.crash_backoff_max));
@@ -213,7 +213,14 @@ struct Setup {
     dir: TestDir,
     bootstrap: PathBuf,
     ports: HotRestartPorts,
+    /// The bootstrap's listeners of every traffic direction and its HTTP/3 listener, on fixed
+    /// ports, routing `/stream` to the streaming upstream, with the control plane's listeners
+    /// beside them (its body changes with each config).
+    template: DrainBootstrap,
+    /// The listener without a `traffic_direction` (as the DaemonSet's): the load's.
     listener: SocketAddr,
+    /// The control plane's listener (LDS over ADS).
+    xds_listener: SocketAddr,
     crash_args: Vec<String>,
 }
 
@@ -222,13 +229,26 @@ impl Setup {
         self.dir.join("state")
     }
 
+    /// Where the agent `identity` writes its termination message (the drain's summary).
+    fn termination_message(&self, identity: &str) -> PathBuf {
+        self.dir.join(&format!("termination-{identity}"))
+    }
+
     fn marker(&self) -> String {
         self.dir.path().display().to_string()
     }
 
-    /// A valid bootstrap answering `body` on the run's fixed ports.
+    /// A valid bootstrap answering `body` on the run's fixed ports, with the control plane's
+    /// listeners and clusters beside its static listeners.
     fn valid_config(&self, body: &str) -> String {
-        envoy_agent_tests::bootstrap_yaml_on(self.ports.admin_port, self.ports.listener_port, body)
+        self.template.clone().body(body).yaml()
+    }
+
+    /// Where the template's listener `name` is.
+    fn at(&self, name: &str) -> anyhow::Result<SocketAddr> {
+        self.template
+            .listener_addr(name)
+            .with_context(|| format!("the bootstrap has no listener {name}"))
     }
 
     /// A bootstrap Envoy rejects (an HTTP filter of a type that does not exist), valid YAML.
@@ -249,6 +269,8 @@ impl Setup {
                 "--restart-on-crash",
                 "--admin-unresponsive-deadline",
                 &format!("{}s", WEDGE_DEADLINE.as_secs()),
+                "--termination-message-path",
+                &self.termination_message(identity).display().to_string(),
             ])
             .args(
                 &self
@@ -290,10 +312,31 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
         bail!("no agent binary at {}", agent_binary.display());
     }
     let dir = TestDir::new();
+    // The control plane: the static listeners serve without it, the `xds` listener comes from
+    // it (and readiness waits for it).
+    let xds_port = envoy_agent_tests::free_port();
+    let control_plane = ControlPlane::start(
+        0,
+        Snapshot::direct("v1", "xds", xds_port, "from the control plane"),
+    )
+    .await;
+    // The upstream of the long-lived streams, for the whole run.
+    let upstream = HttpUpstream::start_for(cli.duration + Duration::from_secs(600)).await;
+    let cert = TlsCert::generate(&dir);
+    let admin_port = envoy_agent_tests::free_port();
+    let template = DrainBootstrap::new(upstream.addr())
+        .fixed_ports(admin_port)
+        // As the repository's own bootstraps: what tells a long-lived stream to go at a drain.
+        .max_connection_duration(Duration::from_secs(86_400))
+        .quic(&cert)
+        .ads(control_plane.addr());
+    let listener = template
+        .listener_addr("plain")
+        .context("the bootstrap has no listener plain")?;
     let ports = HotRestartPorts {
         base_id: envoy_agent_tests::unique_base_id(),
-        admin_port: envoy_agent_tests::free_port(),
-        listener_port: envoy_agent_tests::free_port(),
+        admin_port,
+        listener_port: listener.port(),
     };
     let mut setup = Setup {
         mode: cli.mode,
@@ -302,7 +345,9 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
         bootstrap: dir.join("bootstrap.yaml"),
         dir,
         ports,
-        listener: SocketAddr::from(([127, 0, 0, 1], ports.listener_port)),
+        template,
+        listener,
+        xds_listener: SocketAddr::from(([127, 0, 0, 1], xds_port)),
         crash_args: vec![
             "--crash-restart-limit".into(),
             cli.crash_restart_limit.to_string(),
@@ -331,21 +376,55 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
     let shared = Shared::new(target);
 
     let load = Arc::new(Load::start(setup.listener, "/", 2, 2));
-    let h2 = Arc::new(H2Client::start(
-        ClientMode::Requests,
-        setup.listener,
-        &ClientOptions {
-            interval: Duration::from_millis(200),
-            duration: cli.duration + Duration::from_secs(300),
-            ..ClientOptions::default()
-        },
-    ));
+    // The clients beside the load, each on a listener of its own (every traffic direction):
+    // HTTP/2 requests, a long-lived HTTP/2 stream through the upstream, HTTP/3 requests.
+    let lasting = |interval: u64, path: Option<&str>| ClientOptions {
+        interval: Duration::from_millis(interval),
+        duration: cli.duration + Duration::from_secs(300),
+        path: path.map(str::to_owned),
+        ..ClientOptions::default()
+    };
+    let clients: Vec<(&'static str, Arc<ClientProcess>)> = vec![
+        (
+            "HTTP/2 requests",
+            Arc::new(
+                H2Client::start(
+                    ClientMode::Requests,
+                    setup.at("inbound")?,
+                    &lasting(200, None),
+                )
+                .0,
+            ),
+        ),
+        (
+            "HTTP/2 long-lived streams",
+            Arc::new(
+                H2Client::start(
+                    ClientMode::Streams,
+                    setup.at("outbound")?,
+                    &lasting(200, Some("/stream?seconds=20")),
+                )
+                .0,
+            ),
+        ),
+        (
+            "HTTP/3 requests",
+            Arc::new(
+                H3Client::start(
+                    ClientMode::Requests,
+                    setup.at(QUIC_LISTENER)?,
+                    &lasting(200, None),
+                )
+                .0,
+            ),
+        ),
+    ];
     let checker = tokio::spawn(
         Checker {
             shared: shared.clone(),
-            listener: setup.listener,
+            listeners: vec![setup.listener, setup.xds_listener],
             load: load.clone(),
-            h2: h2.clone(),
+            clients: clients.clone(),
             marker: setup.marker(),
             generations: if cli.mode == Mode::Node { 2 } else { 1 },
             agent_binary: setup.agent_binary.clone(),
@@ -361,7 +440,8 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
         configs: 0,
         pods: 0,
         counts: Vec::new(),
-        strict_leftovers: cli.strict_leftovers,
+        control_plane: Arc::new(tokio::sync::Mutex::new(control_plane)),
+        control_plane_down: Arc::new(std::sync::atomic::AtomicBool::new(false)),
     };
     let mut schedule = Schedule::new(seed, weights);
     let started = Instant::now();
@@ -391,18 +471,28 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
     let _ = checker.await;
     let load = Arc::try_unwrap(load).map_err(|_| anyhow::anyhow!("the load is still shared"))?;
     let report = load.stop().await;
-    let h2_failures = h2
-        .events()
-        .iter()
-        .filter(|e| matches!(e.kind, envoy_agent_tests::clients::Kind::Failure { .. }))
-        .count();
-    println!(
-        "soak: HTTP/2 client: {} responses, {h2_failures} failures, {} GOAWAYs{}",
-        h2.responses().len(),
-        h2.goaways().len(),
-        if h2.ended() { " (it ended early)" } else { "" }
-    );
-    drop(h2);
+    for (name, client) in &clients {
+        let events = client.events();
+        let count = |pick: fn(&envoy_agent_tests::clients::Kind) -> bool| {
+            events.iter().filter(|e| pick(&e.kind)).count()
+        };
+        use envoy_agent_tests::clients::Kind as K;
+        println!(
+            "soak: {name}: {} responses, {} streams served whole, {} failures, {} GOAWAYs, {} \
+             connections{}",
+            count(|k| matches!(k, K::Response { .. })),
+            count(|k| matches!(k, K::StreamEnd { .. })),
+            count(|k| matches!(k, K::Failure { .. })),
+            count(|k| matches!(k, K::Goaway { .. })),
+            count(|k| matches!(k, K::Connected { .. })),
+            if client.ended() {
+                " (it ended early)"
+            } else {
+                ""
+            }
+        );
+    }
+    drop(clients);
     let passed_so_far = !shared.failed();
     let end = schedule.end;
     let ended_well = if passed_so_far {
@@ -487,7 +577,9 @@ struct World<'a> {
     pods: u32,
     /// Events run, by kind.
     counts: Vec<(Kind, u32)>,
-    strict_leftovers: bool,
+    control_plane: Arc<tokio::sync::Mutex<ControlPlane>>,
+    /// The control plane is down (a `control-plane` event brings it back by itself).
+    control_plane_down: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl World<'_> {
@@ -688,6 +780,8 @@ impl World<'_> {
                 self.wait_gone(envoy.pid, Duration::from_secs(10)).await;
                 self.serves_again(window, what).await;
             }
+            Kind::ControlPlane => self.control_plane_down().await,
+            Kind::FreezeAgent => self.freeze_agent().await,
             Kind::KillDrainingParent => self.kill_draining_parent().await?,
             Kind::SuccessorPod => self.successor_pod().await?,
             Kind::StatusFlood => {
@@ -726,6 +820,88 @@ impl World<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Stops the control plane for [`CONTROL_PLANE_DOWN`] in the background: the events drawn
+    /// next run while it is down.
+    async fn control_plane_down(&self) {
+        use std::sync::atomic::Ordering;
+        if self.control_plane_down.swap(true, Ordering::SeqCst) {
+            self.shared
+                .event("control-plane: skipped, it is down already");
+            return;
+        }
+        self.shared.event(&format!(
+            "control-plane: stopped for {CONTROL_PLANE_DOWN:?} (its listener serves on from \
+             what Envoy has)"
+        ));
+        self.control_plane.lock().await.stop().await;
+        let (control_plane, down, shared) = (
+            self.control_plane.clone(),
+            self.control_plane_down.clone(),
+            self.shared.clone(),
+        );
+        tokio::spawn(async move {
+            tokio::time::sleep(CONTROL_PLANE_DOWN).await;
+            control_plane.lock().await.restart().await;
+            down.store(false, Ordering::SeqCst);
+            shared.log("control-plane: serving again");
+        });
+    }
+
+    /// Waits (bounded) for a control plane that is down to come back: a successor pod never
+    /// takes over while it is down (by design), and its start is bounded.
+    async fn control_plane_up(&self) {
+        let deadline = Instant::now() + CONTROL_PLANE_DOWN + Duration::from_secs(10);
+        while self
+            .control_plane_down
+            .load(std::sync::atomic::Ordering::SeqCst)
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGSTOP to the agent past the wedge deadline, then SIGCONT. Envoy serves throughout
+    /// (no window: a failed request fails the run), and the agent judges nothing from its own
+    /// stall: no wedge, no Envoy stopped.
+    async fn freeze_agent(&self) {
+        let pid = self.shared.target().pid;
+        let freeze = WEDGE_DEADLINE + Duration::from_secs(3);
+        let envoys_before = envoys(&self.setup.marker());
+        let wedges_before = self.agent.events("wedge").len();
+        self.shared.event(&format!(
+            "freeze-agent: SIGSTOP the agent (pid {pid}) for {freeze:?}, past the \
+             {WEDGE_DEADLINE:?} wedge deadline"
+        ));
+        self.shared.agent_frozen(true);
+        self.signal(Signal::SIGSTOP);
+        tokio::time::sleep(freeze).await;
+        self.signal(Signal::SIGCONT);
+        self.shared.agent_frozen(false);
+        self.shared.log("freeze-agent: SIGCONT");
+        // What the agent does once back: a misjudged wedge shows within a few watchdog polls.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let wedges = self.agent.events("wedge").len();
+        let stopped: Vec<_> = envoys_before
+            .iter()
+            .filter(|e| !envoy_agent_tests::process_alive(e.pid))
+            .collect();
+        // A parent that was draining before the freeze may rightly have ended meanwhile; the
+        // newest Envoy may not.
+        let newest_stopped = envoys_before
+            .last()
+            .is_some_and(|e| !envoy_agent_tests::process_alive(e.pid));
+        if wedges > wedges_before || newest_stopped {
+            self.shared.fail(
+                "agent_freeze_harmless",
+                &format!(
+                    "after the agent's own stall: {} new wedge events, Envoys gone: \
+                     {stopped:?}",
+                    wedges - wedges_before
+                ),
+            );
+        }
     }
 
     /// A hot restart, then SIGKILL to the draining parent once the child is LIVE.
@@ -772,6 +948,7 @@ impl World<'_> {
 
     /// A successor pod takes over; the old one is told to stop and must hand over.
     async fn successor_pod(&mut self) -> anyhow::Result<()> {
+        self.control_plane_up().await;
         self.pods += 1;
         let name = format!("pod-{}", self.pods);
         self.shared
@@ -795,6 +972,17 @@ impl World<'_> {
             "successor-pod: the predecessor exited {:?}, path {path:?}",
             status.code()
         ));
+        let summary = std::fs::read_to_string(
+            self.setup
+                .termination_message(&format!("pod-{}", self.pods - 1)),
+        )
+        .unwrap_or_default();
+        if !summary.starts_with("envoy-agent exited 0: handed_over (") {
+            self.shared.fail(
+                "summary_true",
+                &format!("the predecessor of {name}'s termination message: {summary:?}"),
+            );
+        }
         if status.code() != Some(0) || path.as_deref() != Some("handed_over") {
             self.shared.fail(
                 "handover_exit",
@@ -825,7 +1013,10 @@ impl World<'_> {
         let deadline = Instant::now() + SERVES_AGAIN_BOUND;
         loop {
             let status = self.shared.target().status;
-            if serves(self.setup.listener).await && ready(status).await {
+            if serves(self.setup.listener).await
+                && serves(self.setup.xds_listener).await
+                && ready(status).await
+            {
                 let length = self.shared.close_window(window);
                 self.shared
                     .log(&format!("{what}: serving again after {length:?}"));
@@ -848,8 +1039,60 @@ impl World<'_> {
         }
     }
 
+    /// The watched agent's identity.
+    fn identity(&self) -> String {
+        format!("pod-{}", self.pods)
+    }
+
+    /// The termination message (the drain's summary) in `file` says what happened: the exit
+    /// code and path, a shutdown from `reason` that took no longer than `took` (as measured
+    /// here, from before the end began, so a little longer). `Err`: what is untrue.
+    fn summary_true(
+        &self,
+        file: &Path,
+        code: Option<i32>,
+        path: Option<&str>,
+        reason: &str,
+        took: Duration,
+    ) -> Result<(), String> {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| format!("no termination message at {}: {e}", file.display()))?;
+        self.shared
+            .log(&format!("end: the termination message: {text:?}"));
+        let first = text.lines().next().unwrap_or_default();
+        let (Some(code), Some(path)) = (code, path) else {
+            return Err(format!("no exit code or path to hold {first:?} against"));
+        };
+        let said = format!("envoy-agent exited {code}: {path} (");
+        if !first.starts_with(&said) {
+            return Err(format!("it says {first:?}, not {said:?}..."));
+        }
+        let Some(shutdown) = text.lines().find_map(|l| l.strip_prefix("shutdown took ")) else {
+            return Err(format!("it says nothing of the shutdown: {text:?}"));
+        };
+        let (seconds, from) = shutdown
+            .split_once("s from ")
+            .ok_or_else(|| format!("unreadable: {shutdown:?}"))?;
+        let seconds: f64 = seconds
+            .parse()
+            .map_err(|_| format!("unreadable: {shutdown:?}"))?;
+        // Its tenths are rounded.
+        if seconds > took.as_secs_f64() + 0.1 {
+            return Err(format!(
+                "the shutdown took {seconds}s by it, but the whole end took {took:?}"
+            ));
+        }
+        if from != reason {
+            return Err(format!(
+                "the shutdown came from {from:?} by it, not {reason:?}"
+            ));
+        }
+        Ok(())
+    }
+
     /// Ends the run as drawn; judges the exit and what is left. Whether all held.
     async fn end(&mut self, end: End) -> anyhow::Result<bool> {
+        let began = Instant::now();
         let envoys_at_end = envoys(&self.setup.marker()).len();
         self.shared
             .event(&format!("end: {end} ({envoys_at_end} Envoys run)"));
@@ -893,6 +1136,19 @@ impl World<'_> {
             );
             held = false;
         }
+        if let Err(why) = self.summary_true(
+            &self.setup.termination_message(&self.identity()),
+            status.code(),
+            path.as_deref(),
+            match end {
+                End::Drain => "gRPC Drain",
+                End::Sigterm => "SIGTERM",
+            },
+            began.elapsed(),
+        ) {
+            self.shared.fail("summary_true", &why);
+            held = false;
+        }
         // Every Envoy reaped: the agent waited for them before it exited; a moment for the
         // kernel to tear down what PID 1's namespace held.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -920,27 +1176,14 @@ impl World<'_> {
         }
         leftovers.extend(sockets_under(self.setup.dir.path()));
         leftovers.extend(sockets_under(self.agent.dir.path()));
-        // Known (docs/soak.md): a node proxy's clean exit leaves its family's shared memory
-        // segment and Envoy's hot-restart channel and admin sockets in <state dir>/hot-restart
-        // (Envoy does not remove them and the agent does not either). Reported, not failed,
-        // unless --strict-leftovers: a soak that fails CI must be a new finding.
-        let channel = self.setup.state_dir().join("hot-restart");
-        let (known, new): (Vec<String>, Vec<String>) = leftovers.into_iter().partition(|l| {
-            l.starts_with("/dev/shm/envoy_shared_memory_") || Path::new(l).starts_with(&channel)
-        });
-        if !known.is_empty() {
-            self.shared.log(&format!(
-                "end: known finding (docs/soak.md): left behind by a clean exit: {known:?}"
-            ));
-        }
-        let failing = if self.strict_leftovers {
-            known.into_iter().chain(new).collect()
-        } else {
-            new
-        };
-        if !failing.is_empty() {
-            self.shared
-                .fail("nothing_left_behind", &format!("left behind: {failing:?}"));
+        // The third finding (docs/soak.md), fixed: the family's shared memory segment and
+        // Envoy's hot-restart and admin sockets in <state dir>/hot-restart are removed by the
+        // last agent, so a clean end leaves nothing.
+        if !leftovers.is_empty() {
+            self.shared.fail(
+                "nothing_left_behind",
+                &format!("left behind: {leftovers:?}"),
+            );
             held = false;
         }
         if let Some(why) = lock_held(&self.setup.state_dir().join("epoch.lock")) {

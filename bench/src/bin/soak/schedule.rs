@@ -56,11 +56,17 @@ pub(crate) enum Kind {
     SuccessorPod,
     /// Uid 65534 holds a few hundred connections to the status server.
     StatusFlood,
+    /// The control plane (the kit's ADS server) stopped for a while, in the background: the
+    /// next events run while it is down.
+    ControlPlane,
+    /// The agent itself stopped (SIGSTOP) past the wedge deadline, then continued: Envoy
+    /// serves throughout, and the agent, once back, judges nothing from its own stall.
+    FreezeAgent,
 }
 
 impl Kind {
     /// Every kind, in the order weights are drawn from (changing it changes every schedule).
-    pub(crate) const ALL: [Kind; 13] = [
+    pub(crate) const ALL: [Kind; 15] = [
         Kind::Sighup,
         Kind::Restart,
         Kind::WatchConfig,
@@ -74,6 +80,8 @@ impl Kind {
         Kind::KillDrainingParent,
         Kind::SuccessorPod,
         Kind::StatusFlood,
+        Kind::ControlPlane,
+        Kind::FreezeAgent,
     ];
 
     /// The name in `--events` and in the log.
@@ -92,6 +100,8 @@ impl Kind {
             Kind::KillDrainingParent => "kill-draining-parent",
             Kind::SuccessorPod => "successor-pod",
             Kind::StatusFlood => "status-flood",
+            Kind::ControlPlane => "control-plane",
+            Kind::FreezeAgent => "freeze-agent",
         }
     }
 
@@ -118,6 +128,8 @@ impl Kind {
             Kind::KillDrainingParent if node => 2,
             Kind::SuccessorPod if node => 1,
             Kind::StatusFlood => 2,
+            Kind::ControlPlane => 2,
+            Kind::FreezeAgent => 1,
             _ => 0,
         }
     }
