@@ -326,6 +326,18 @@ static_resources:
     )
 }
 
+/// The wrapper that runs a command as PID 1 of a PID namespace of its own, with its own
+/// `/proc`, as every pod's first process is (`unshare --pid --fork --mount-proc`); `--kill-child`:
+/// if the test dies, so does the namespace. Needs root.
+pub const POD: &[&str] = &[
+    "unshare",
+    "--pid",
+    "--fork",
+    "--mount-proc",
+    "--kill-child",
+    "--",
+];
+
 /// A port for a fixed address (hot-restart tests need them: every epoch binds the same
 /// ports), free when picked. It lies outside the kernel's ephemeral range, so that no port-0
 /// bind or outgoing connection of another test, or of this test's next agent (its status

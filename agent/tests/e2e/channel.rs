@@ -76,21 +76,19 @@ async fn pod_at(node: &Node, name: &str, mounted: &Path) -> AgentProcess {
     let script =
         "mount --bind \"$0\" \"$1\" && mount --bind \"$2\" \"$3\" && shift 3 && exec \"$@\"";
     let state = node.state_dir();
-    let wrapper = [
-        "unshare",
-        "--pid",
-        "--fork",
-        "--mount-proc",
-        "--kill-child",
-        "--",
-        "sh",
-        "-c",
-        script,
-        state.to_str().unwrap(),
-        mounted.to_str().unwrap(),
-        own_tmp.to_str().unwrap(),
-        tmp.to_str().unwrap(),
-    ];
+    let wrapper: Vec<&str> = envoy_agent_tests::POD
+        .iter()
+        .copied()
+        .chain([
+            "sh",
+            "-c",
+            script,
+            state.to_str().unwrap(),
+            mounted.to_str().unwrap(),
+            own_tmp.to_str().unwrap(),
+            tmp.to_str().unwrap(),
+        ])
+        .collect();
     agent()
         .hot_restart_on(node.ports)
         .bootstrap_path(node.dir.join("bootstrap.yaml"))

@@ -16,14 +16,7 @@ use nix::unistd::Pid;
 use crate::agent;
 use envoy_agent_tests::live_at;
 
-pub(crate) const POD: &[&str] = &[
-    "unshare",
-    "--pid",
-    "--fork",
-    "--mount-proc",
-    "--kill-child",
-    "--",
-];
+use envoy_agent_tests::POD;
 
 /// One node: the shared state dir, bootstrap, ports and base id.
 pub(crate) struct Node {

@@ -14,7 +14,8 @@ use envoy_agent_tests::{Load, LoadReport, PATIENCE, eventually, live_at, process
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::cross_pod::{Node, POD};
+use crate::cross_pod::Node;
+use envoy_agent_tests::POD;
 
 /// How long the serving Envoy must keep serving after the fault.
 const WATCH: Duration = Duration::from_secs(16);

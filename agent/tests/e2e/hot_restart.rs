@@ -542,14 +542,7 @@ async fn as_pid_1_of_its_own_pid_namespace_it_reaps_orphans_and_handles_sigterm(
     let mut agent = builder
         .envoy_path(wrapper)
         // --kill-child: if the test dies, so does the namespace.
-        .wrapper(&[
-            "unshare",
-            "--pid",
-            "--fork",
-            "--mount-proc",
-            "--kill-child",
-            "--",
-        ])
+        .wrapper(envoy_agent_tests::POD)
         .args(FAST)
         .start()
         .await;

@@ -500,14 +500,7 @@ both_modes!(as_pid_1_a_sigterm_still_tells_every_client);
 /// As PID 1 of its own PID namespace (every pod's agent is), with the defaults: SIGTERM tells
 /// an HTTP/1.1 client and an idle HTTP/2 one of the drained listener before Envoy stops.
 async fn as_pid_1_a_sigterm_still_tells_every_client(mode: Mode) {
-    let builder = agent_in(mode).wrapper(&[
-        "unshare",
-        "--pid",
-        "--fork",
-        "--mount-proc",
-        "--kill-child",
-        "--",
-    ]);
+    let builder = agent_in(mode).wrapper(envoy_agent_tests::POD);
     let rig = Rig::start_with(builder, &[DRAIN]).await;
     let inbound = rig.at("inbound").await;
     let h1 = H1Client::keeps_asking(inbound);

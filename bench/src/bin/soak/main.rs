@@ -65,14 +65,7 @@ const CLI_BOUND: Duration = Duration::from_secs(90);
 /// faults land, and a crash policy that recovers (see docs/soak.md for the defaults' trade).
 const NODE_ARGS: &[&str] = &["--drain-time", "2s", "--parent-shutdown-time", "4s"];
 /// The `unshare` wrapper that makes the agent PID 1 of its own PID namespace (a pod).
-const POD: &[&str] = &[
-    "unshare",
-    "--pid",
-    "--fork",
-    "--mount-proc",
-    "--kill-child",
-    "--",
-];
+use envoy_agent_tests::POD;
 
 /// Soaks envoy-agent: a random schedule of real faults, drawn from a seed, against the real
 /// Envoy under load, with invariants checked all the time. Prints the seed first; a failing
