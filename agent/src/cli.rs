@@ -179,6 +179,13 @@ pub enum ClientCommand {
         #[arg(value_parser = parse_log_level)]
         level: String,
     },
+    /// Wait until the agent says ready (Envoy LIVE with its config), for at most --timeout.
+    ///
+    /// Exits 0 once ready, 1 at the timeout or when the agent is exiting, saying what it last
+    /// said. An agent not up yet is asked again. For a classic (not native) sidecar: as the
+    /// sidecar container's postStart hook, it holds the app's container until Envoy is ready,
+    /// as `pilot-agent wait` does (`holdApplicationUntilProxyStarts`).
+    Wait,
 }
 
 /// `GET`, the only method `envoy-agent admin` passes on.
@@ -225,6 +232,7 @@ impl From<ClientCommand> for client::Call {
             ClientCommand::Restart { reason } => Call::Restart { reason },
             ClientCommand::Admin { method: _, path } => Call::Admin { path },
             ClientCommand::LogLevel { level } => Call::LogLevel { level },
+            ClientCommand::Wait => Call::Wait,
         }
     }
 }

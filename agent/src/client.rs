@@ -71,6 +71,78 @@ pub enum Call {
         /// Istio style: `debug`, `info,upstream:debug`.
         level: String,
     },
+    /// `WatchStatus` until the agent says ready (`envoy-agent wait`).
+    Wait,
+}
+
+/// How soon `wait` asks again after the agent could not be reached (not started yet) or its
+/// status stream ended.
+const WAIT_RETRY: Duration = Duration::from_millis(200);
+
+/// `envoy-agent wait`: 0 once the agent says ready, 1 with the last thing it said (or why it
+/// could not be asked) once `timeout` has passed, or at once when it is exiting. An agent that
+/// does not answer yet (a `postStart` hook runs as the container starts) is asked again.
+pub async fn wait_ready(addr: &GrpcAddress, timeout: Duration) -> u8 {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last = format!("the agent was not reached at {addr}");
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        match tokio::time::timeout(left, watch_until_ready(addr, left, &mut last)).await {
+            Ok(Some(code)) => return code,
+            Ok(None) => {}
+            Err(_) => break,
+        }
+        tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + WAIT_RETRY)).await;
+    }
+    eprintln!("envoy-agent wait: not ready within {timeout:?}: {last}");
+    exit_code::FAILURE
+}
+
+/// One watch of the agent's status: `Some` with the exit code once it decides (ready, or
+/// exiting), `None` when the agent could not be asked or its stream ended (`last` says why).
+async fn watch_until_ready(addr: &GrpcAddress, left: Duration, last: &mut String) -> Option<u8> {
+    let mut client = match connect(addr, left).await {
+        Ok(c) => c,
+        Err(message) => {
+            *last = message;
+            return None;
+        }
+    };
+    let mut stream = match client.watch_status(pb::WatchStatusRequest {}).await {
+        Ok(r) => r.into_inner(),
+        Err(e) => {
+            *last = format!("{}: {}", code_name(e.code()), e.message());
+            return None;
+        }
+    };
+    while let Some(item) = stream.next().await {
+        let status = match item {
+            Ok(r) => r.status.unwrap_or_default(),
+            Err(e) => {
+                *last = format!("{}: {}", code_name(e.code()), e.message());
+                return None;
+            }
+        };
+        let state = pb::AgentState::try_from(status.state);
+        let mut said = short(state);
+        if !status.reason.is_empty() {
+            said.push_str(&format!(" ({})", status.reason));
+        }
+        if status.ready {
+            println!("ready");
+            return Some(0);
+        }
+        if state == Ok(pb::AgentState::Exiting) {
+            eprintln!("envoy-agent wait: the agent is exiting: {said}");
+            return Some(exit_code::FAILURE);
+        }
+        *last = format!("the agent is {said}");
+    }
+    *last = "the agent's status stream ended".to_owned();
+    None
 }
 
 /// Where the agent's gRPC server listens by default: `$XDG_RUNTIME_DIR/envoy-agent/grpc.sock`,
@@ -627,6 +699,9 @@ fn code_name(code: tonic::Code) -> String {
 /// Makes one call; returns the exit code.
 pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
     use Call as C;
+    if let C::Wait = command {
+        return wait_ready(addr, timeout).await;
+    }
     // A watch lasts as long as the agent: no per-call timeout for it.
     let call_timeout = match command {
         C::Watch { .. } => Duration::from_secs(365 * 24 * 3600),
@@ -767,6 +842,8 @@ pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
                 Err(e) => failed("restart", &e),
             }
         }
+        // Answered above, before the one connection the other calls make.
+        C::Wait => wait_ready(addr, timeout).await,
         C::Admin { path } => {
             let request = pb::AdminGetRequest { path: path.clone() };
             match client.admin_get(request).await {

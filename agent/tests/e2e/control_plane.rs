@@ -54,6 +54,18 @@ fn ports() -> HotRestartPorts {
     agent().hot_restart().ports().unwrap()
 }
 
+/// Waits until the agent has read Envoy's stats and logged that the control plane's config
+/// has not been received.
+pub(crate) async fn missing_config_seen(agent: &AgentProcess) {
+    eventually("the agent to see the missing config", PATIENCE, || async {
+        agent
+            .events_with("control_plane", "received", "false")
+            .into_iter()
+            .next()
+    })
+    .await;
+}
+
 /// The control plane is down at start: Envoy goes LIVE through its fetch timeouts with no
 /// listener, and readiness (every form of it) says not ready until the config came.
 async fn readiness_waits_for_the_config(hot: bool) {
@@ -83,13 +95,7 @@ async fn readiness_waits_for_the_config(hot: bool) {
     )
     .await;
     // The agent has read its stats: nothing received.
-    eventually("the agent to see the missing config", PATIENCE, || async {
-        agent
-            .events_with("control_plane", "received", "false")
-            .into_iter()
-            .next()
-    })
-    .await;
+    missing_config_seen(&agent).await;
     let ready = readiness(&agent).await;
     assert_eq!(ready.status, 503, "{}", ready.body);
     assert_eq!(

@@ -33,6 +33,7 @@ mod telemetry;
 mod termination_message;
 mod told;
 mod upgrade;
+mod wait;
 
 use envoy_agent_tests::{AgentBuilder, AgentProcess};
 
