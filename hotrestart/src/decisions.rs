@@ -865,6 +865,40 @@ async fn the_watchdog_keeps_its_connection_but_while_a_successor_starts() {
     f.stop().await;
 }
 
+/// The soak's fifth finding: a config change queued while a successor pod held the node's
+/// epoch lock ran the moment the successor's epoch went LIVE and let the lock go, before the
+/// takeover was seen: a second epoch of that number, started from our old one, took the node
+/// back. Under the lock, a successor with a newer epoch defers the restart, and the handover
+/// refuses it.
+#[tokio::test(start_paused = true)]
+async fn a_queued_restart_never_takes_the_node_back_from_a_successor_that_just_took_over() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    f.host.world().lock_taken_by_other = true;
+    let restart = f.restart("config change");
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(f.host.world().spawns, [0], "queued behind the lock");
+    // The successor took over at epoch 1 and let the lock go, all since our last look.
+    let b = heartbeat("pod-b-2222", NodeState::Serving, 1, &f.host);
+    {
+        let mut w = f.host.world();
+        w.others = vec![b];
+        w.live(1);
+        w.lock_taken_by_other = false;
+    }
+    f.until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    let refused = restart.await.unwrap();
+    assert!(
+        matches!(refused, Err(RestartError::Refused(_))),
+        "{refused:?}"
+    );
+    assert_eq!(f.host.world().spawns, [0], "no epoch of ours beside theirs");
+    f.stop().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_takeover_by_a_successor_is_seen_and_handed_over() {
     let host = FakeHost::default();

@@ -397,6 +397,10 @@ pub(crate) enum QueueWait {
     /// Another pod holds the node's epoch lock (a successor is starting?): it is tried again at
     /// `retry_at`.
     Lock { retry_at: Instant },
+    /// A successor pod has an epoch newer than ours (starting or serving): the restart would
+    /// take the node back. Its handover refuses the queue; if it goes away instead, the
+    /// restart is tried again at `retry_at`.
+    Successor { identity: String, retry_at: Instant },
     /// The last attempt's epoch waited for these types of its control plane for the whole
     /// handoff deadline (the queue's `not_before` is the back-off).
     ControlPlane(Vec<XdsType>),
@@ -408,6 +412,10 @@ impl std::fmt::Display for QueueWait {
             QueueWait::Lock { .. } => {
                 f.write_str("another pod holds the node's epoch lock (a successor is starting?)")
             }
+            QueueWait::Successor { identity, .. } => write!(
+                f,
+                "the successor pod {identity}, which has a newer epoch, to take over"
+            ),
             QueueWait::ControlPlane(types) => write!(
                 f,
                 "the control plane: {}",

@@ -732,3 +732,68 @@ fn restore(segment: &Path, header: [u8; 16]) {
         .unwrap();
     file.write_all_at(&header, 0).unwrap();
 }
+
+/// 12. The soak's fifth finding (docs/soak.md): a config change that the old pod queued while
+///     its own parent drained, and the successor waited for that drain holding the node's
+///     epoch lock, ran the moment the successor's first epoch went LIVE and let the lock go,
+///     before the old pod had seen the takeover: a second epoch of that number, started from
+///     the old pod's, took the node back. The old pod defers it under the lock and hands over.
+#[tokio::test]
+async fn a_config_change_queued_behind_a_successors_takeover_never_takes_the_node_back() {
+    let node = Node::new();
+    let mut a = node
+        .pod_base()
+        .args(&["--drain-time", "1s", "--parent-shutdown-time", "4s"])
+        .args(&["--watch-config", "--identity", "pod-a"])
+        .start()
+        .await;
+    let load = Load::start(node.listener(), "/", 2, 2);
+    a.signal_agent(Signal::SIGHUP);
+    live_at(&node.admin(), 1).await;
+    // pod-a's epoch 0 drains for 4 s; pod-b waits for it, holding the node's epoch lock.
+    let mut b = node.pod("pod-b").no_wait().start().await;
+    eventually("pod-b waiting for its turn", PATIENCE, || async {
+        crate::cross_pod::heartbeat(&node.state_dir(), "pod-b")
+            .filter(|h| h.state == NodeState::Waiting)
+    })
+    .await;
+    // A config change for pod-a: queued behind its draining parent, then behind the lock.
+    let bootstrap = node.dir.join("bootstrap.yaml");
+    let changed = node.dir.join("bootstrap.yaml.new");
+    std::fs::write(
+        &changed,
+        envoy_agent_tests::bootstrap_yaml_on(
+            node.ports.admin_port,
+            node.ports.listener_port,
+            "changed",
+        ),
+    )
+    .unwrap();
+    std::fs::rename(&changed, &bootstrap).unwrap();
+    a.wait_event("restart_queued", "reason", "config change")
+        .await;
+    live_at(&node.admin(), 2).await;
+    let handed = eventually("pod-a to see the takeover", PATIENCE, || async {
+        a.events("handed_over").into_iter().next()
+    })
+    .await;
+    assert!(
+        handed["successor"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("pod-b-")),
+        "{handed}"
+    );
+    serves_throughout(&node.admin(), 2, WATCH).await;
+    assert_eq!(
+        a.events_with("epoch_starting", "epoch", "2"),
+        Vec::<serde_json::Value>::new(),
+        "pod-a started no epoch beside pod-b's"
+    );
+    let report = load.stop().await;
+    assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
+    a.signal_agent(Signal::SIGTERM);
+    assert_eq!(a.exit().await.code(), Some(0));
+    a.wait_event("exit", "exit_path", "handed_over").await;
+    b.signal_agent(Signal::SIGTERM);
+    assert_eq!(b.exit().await.code(), Some(0));
+}

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::CommandFactory;
+use clap::{CommandFactory, Parser as _};
 use envoy_agent::cli::Cli;
 use envoy_agent::duration::parse_duration;
 use serde::Deserialize as _;
@@ -113,10 +113,14 @@ impl Kustomization {
         dirs.iter().map(|d| Self::load(d)).collect()
     }
 
+    /// The first object of `kind`, or with `Kind/name` the one so named.
     pub(crate) fn object(&self, kind: &str) -> &Value {
+        let (kind_only, name) = kind
+            .split_once('/')
+            .map_or((kind, None), |(k, n)| (k, Some(n)));
         self.objects
             .iter()
-            .find(|o| o["kind"] == kind)
+            .find(|o| o["kind"] == kind_only && name.is_none_or(|n| o["metadata"]["name"] == n))
             .unwrap_or_else(|| panic!("{}: no {kind}", self.dir))
     }
 
@@ -564,6 +568,50 @@ fn every_kustomization_creates_what_its_workloads_need() {
         }
     }
     assert!(agents >= 2, "the DaemonSet and the sidecar");
+}
+
+/// The classic-sidecar example (no native sidecars): the agent is the pod's first container,
+/// with the native example's arguments and socket (its end-to-end tests cover both), a
+/// postStart `envoy-agent wait` whose timeout parses, no preStop (SIGTERM reaches both
+/// containers at once: the agent drains on it), and the same readiness probe.
+#[test]
+fn the_classic_sidecar_is_the_first_container_and_holds_the_app_with_wait() {
+    let k = Kustomization::load(SIDECAR_EXAMPLE);
+    let native = &pod_spec(k.object("Deployment/web"))["initContainers"][0];
+    let pod = pod_spec(k.object("Deployment/web-classic"));
+    assert!(pod["initContainers"].is_null(), "no native sidecar");
+    let classic = &pod["containers"][0];
+    assert_eq!(agent_containers(pod), [classic], "the agent comes first");
+    assert_eq!(
+        args_of(classic),
+        args_of(native),
+        "the native example's arguments"
+    );
+    assert_eq!(
+        env_var(classic, "ENVOY_AGENT_GRPC_ADDRESS"),
+        env_var(native, "ENVOY_AGENT_GRPC_ADDRESS")
+    );
+    assert_eq!(classic["readinessProbe"], native["readinessProbe"]);
+    assert_eq!(classic["volumeMounts"], native["volumeMounts"]);
+    let command = strings(&classic["lifecycle"]["postStart"]["exec"]["command"]);
+    assert!(command[0].ends_with("/envoy-agent"), "{command:?}");
+    let parsed = Cli::try_parse_from(&command).unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    assert!(
+        matches!(
+            parsed.command,
+            envoy_agent::cli::Command::Client(envoy_agent::cli::ClientCommand::Wait)
+        ),
+        "{command:?}"
+    );
+    assert!(
+        parsed.client.timeout >= std::time::Duration::from_secs(60),
+        "{command:?}: long enough for Envoy's start and its control plane"
+    );
+    assert!(
+        classic["lifecycle"]["preStop"].is_null(),
+        "no preStop drain"
+    );
+    assert_eq!(pod["terminationGracePeriodSeconds"], 45);
 }
 
 #[test]

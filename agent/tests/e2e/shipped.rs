@@ -343,6 +343,41 @@ async fn app_on_8080() {
     });
 }
 
+/// The classic-sidecar example as shipped: the kubelet runs its postStart hook, the
+/// manifest's own `envoy-agent wait`, as the agent's container starts, and starts the app only
+/// once it returns: it returns 0 with Envoy serving. SIGTERM (no preStop) then drains, and the
+/// agent exits 0.
+#[tokio::test]
+async fn the_classic_sidecar_example_as_shipped_holds_the_app_until_envoy_serves() {
+    let _netns = NetNs::enter();
+    app_on_8080().await;
+    let workload = "Deployment/web-classic";
+    let k = Kustomization::load(SIDECAR_EXAMPLE);
+    let container = pod_spec(k.object(workload))["containers"][0].clone();
+    let command = strings(&container["lifecycle"]["postStart"]["exec"]["command"]);
+    assert!(command[0].ends_with("envoy-agent"), "{command:?}");
+    let mut agent = Shipped::start(SIDECAR_EXAMPLE, workload);
+    let out = tokio::time::timeout(
+        PATIENCE,
+        tokio::process::Command::new(crate::AGENT)
+            .args(&command[1..])
+            .env("ENVOY_AGENT_GRPC_ADDRESS", &agent.grpc)
+            .output(),
+    )
+    .await
+    .expect("the postStart hook returned")
+    .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ready");
+    // The app starts now, and Envoy already serves it.
+    let inbound: std::net::SocketAddr = "127.0.0.1:15006".parse().unwrap();
+    let answer = envoy_agent_tests::http_get(inbound, "/").await.unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    agent.signal(Signal::SIGTERM);
+    agent.event("drain_accepted").await;
+    assert_eq!(agent.stop().await, Some(0));
+}
+
 #[tokio::test]
 async fn the_sidecar_example_as_shipped_drains_on_its_prestop_and_stops_at_sigterm() {
     let _netns = NetNs::enter();

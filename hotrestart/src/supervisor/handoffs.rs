@@ -384,7 +384,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn queue_retry_at(&self) -> Instant {
         // Immediately the first time; then at the lock's retry pace; never within a back-off.
         let at = match &self.queue.waiting_for {
-            Some(QueueWait::Lock { retry_at }) => *retry_at,
+            Some(QueueWait::Lock { retry_at } | QueueWait::Successor { retry_at, .. }) => *retry_at,
             None | Some(QueueWait::ControlPlane(_)) => Instant::now(),
         };
         self.queue.not_before.map_or(at, |t| t.max(at))
@@ -504,6 +504,23 @@ impl<H: Host> Supervisor<H> {
                 None
             }
         };
+        // Fresh facts under the lock: a successor pod that held it until its epoch (newer than
+        // ours) went LIVE has taken the family over, and we may not have seen that yet. Our
+        // restart would start a second epoch of that number from our old one and take the node
+        // back (the soak saw it: a queued config change right after a successor's takeover).
+        // The handover, once seen, refuses the queue; a successor that goes away lets it run.
+        self.read_node();
+        if let Some(successor) = self.family.successor_starting.clone() {
+            drop(lock);
+            if !matches!(self.queue.waiting_for, Some(QueueWait::Successor { .. })) {
+                tracing::info!(event = "restart_deferred", %successor, "a successor pod has a newer epoch: the queued restart waits (its handover refuses it)");
+            }
+            self.queue.waiting_for = Some(QueueWait::Successor {
+                identity: successor,
+                retry_at: now + LOCK_RETRY,
+            });
+            return;
+        }
         let attempt = self.queue.take(newest + 1, Some(Parent::Ours(newest)), now);
         self.start_preflight(attempt, lock);
     }
