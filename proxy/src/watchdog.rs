@@ -63,6 +63,15 @@ pub fn judge(last_answer: Instant, sent: Instant, now: Instant, deadline: Durati
     }
 }
 
+/// The pause after an answer that took `took`: paced by what answers cost, but never past
+/// half the deadline, so that a wedge is still seen within it. An answer that took long may
+/// not have cost Envoy anything: the agent itself was stopped or starved while it waited
+/// (the soak stopped a sidecar's agent for 7 s: paced alone, its watchdog then paused 700 s
+/// and never saw the wedge that followed).
+fn pause_after(took: Duration, deadline: Duration) -> Duration {
+    paced(CHECK_POLL, took, IDLE_SHARE).min((deadline / 2).max(CHECK_POLL))
+}
+
 /// Asks the serving Envoy (`check`: one `/ready`) until it is judged wedged, then resolves with
 /// what happened; `publish` gets its [`AdminHealth`] each time it changes. Starts right after
 /// an answer (LIVE).
@@ -102,7 +111,7 @@ where
                 publish(health);
             }
             last_answer = (now, SystemTime::now());
-            tokio::time::sleep_until(sent + paced(CHECK_POLL, now - sent, IDLE_SHARE)).await;
+            tokio::time::sleep_until(sent + pause_after(now - sent, deadline)).await;
             continue;
         };
         let silent = now - last_answer.0;
@@ -202,6 +211,50 @@ mod tests {
                 .is_err()
         );
         assert!(published.lock().unwrap().is_empty());
+    }
+
+    /// An answer that came after the agent's own stall (its clock jumped while the check
+    /// waited) does not pause the watchdog past half the deadline: the wedge that follows is
+    /// seen within it.
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_after_the_agents_own_stall_does_not_blind_the_watchdog() {
+        let start = Instant::now();
+        let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let check = {
+            let calls = calls.clone();
+            move || -> BoxedCheck {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                Box::pin(async move {
+                    match n {
+                        // The agent stopped for 7 s with this check in flight; it answers.
+                        0 => {
+                            tokio::time::advance(Duration::from_secs(7)).await;
+                            Ok(())
+                        }
+                        // Then Envoy is wedged.
+                        _ => std::future::pending().await,
+                    }
+                })
+            }
+        };
+        let (_, publish) = recorder(start);
+        let message =
+            tokio::time::timeout(Duration::from_secs(600), watch(check, DEADLINE, publish))
+                .await
+                .expect("the wedge is seen, not 700 s later");
+        assert!(message.contains("admin silent"), "{message}");
+        // The answer at 7 s, a pause of at most half the deadline, then the deadline.
+        let wedged_at = start.elapsed();
+        assert!(
+            wedged_at <= Duration::from_secs(7) + DEADLINE / 2 + DEADLINE + CHECK_TIMEOUT,
+            "{wedged_at:?}"
+        );
+        assert_eq!(pause_after(Duration::from_millis(5), DEADLINE), CHECK_POLL);
+        assert_eq!(pause_after(Duration::from_secs(7), DEADLINE), DEADLINE / 2);
+        assert_eq!(
+            pause_after(Duration::from_secs(7), Duration::from_secs(1)),
+            CHECK_POLL
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -262,12 +262,22 @@ impl AgentBuilder {
         if let Some(pipe) = child.stderr.take() {
             let stderr = stderr.clone();
             stderr_reader = Some(tokio::spawn(async move {
-                let mut lines = BufReader::new(pipe).lines();
-                while let Ok(Some(line)) = lines.next_line().await {
+                // Bytes, not `lines()`: a line that is not UTF-8 (Envoy's stderr shares the
+                // pipe) would end `lines()`, and the agent would block on a full pipe.
+                let mut pipe = BufReader::new(pipe);
+                let mut raw = Vec::new();
+                loop {
+                    raw.clear();
+                    match pipe.read_until(b'\n', &mut raw).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {}
+                    }
+                    let text = String::from_utf8_lossy(&raw);
+                    let line = text.trim_end_matches(['\n', '\r']);
                     // Shown with the test's output when it fails.
                     eprintln!("{line}");
                     if let Ok(mut s) = stderr.lock() {
-                        s.push_str(&line);
+                        s.push_str(line);
                         s.push('\n');
                     }
                 }

@@ -356,7 +356,7 @@ async fn the_classic_sidecar_example_as_shipped_holds_the_app_until_envoy_serves
     let container = pod_spec(k.object(workload))["containers"][0].clone();
     let command = strings(&container["lifecycle"]["postStart"]["exec"]["command"]);
     assert!(command[0].ends_with("envoy-agent"), "{command:?}");
-    let mut agent = Shipped::start(SIDECAR_EXAMPLE, workload);
+    let agent = Shipped::start(SIDECAR_EXAMPLE, workload);
     let out = tokio::time::timeout(
         PATIENCE,
         tokio::process::Command::new(crate::AGENT)
