@@ -716,8 +716,12 @@ impl World<'_> {
                 self.shared.log("freeze-short: SIGCONT");
             }
             Kind::FreezeLong => {
-                let Some(envoy) = newest else {
-                    self.shared.event("freeze-long: skipped, no Envoy runs");
+                // The serving Envoy: the admin watchdog judges a LIVE one. A node's newest epoch
+                // may still be starting (its parent serving): frozen, only the handoff deadline
+                // (60 s) gives it up, which is not what this event checks.
+                let Some(envoy) = self.serving_envoy().await else {
+                    self.shared
+                        .event("freeze-long: skipped, no Envoy LIVE in 30s");
                     return Ok(());
                 };
                 self.shared.event(&format!(
@@ -894,6 +898,30 @@ impl World<'_> {
                     wedges - wedges_before
                 ),
             );
+        }
+    }
+
+    /// The newest Envoy once it serves: LIVE on the admin address at its epoch (a sidecar's
+    /// one Envoy: once ready). Waits for it (bounded).
+    async fn serving_envoy(&self) -> Option<checks::EnvoyProc> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(newest) = envoys(&self.setup.marker()).last().copied() {
+                let live = match self.setup.mode {
+                    Mode::Node => self.agent.admin.server_info().await.is_ok_and(|i| {
+                        i.state == envoy_agent_proxy::ServerState::Live
+                            && i.restart_epoch == newest.epoch
+                    }),
+                    Mode::Sidecar => ready(self.shared.target().status).await,
+                };
+                if live {
+                    return Some(newest);
+                }
+            }
+            if Instant::now() >= deadline || self.shared.failed() {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
