@@ -2087,6 +2087,37 @@ async fn a_draining_parent_outlives_its_crashed_child_until_its_own_deadline() {
     again.stop().await;
 }
 
+/// The soak's seventh finding: a restart asked while the kept parent still drains (a config
+/// change right after a crash recovery) started the fresh family's epoch 1 beside it: three
+/// generations. It waits for the kept parent to go, then runs.
+#[tokio::test(start_paused = true)]
+async fn a_restart_waits_for_the_kept_parent_never_three_generations() {
+    let host = FakeHost::default();
+    let mut config = config();
+    config.keep_draining_parent = true;
+    let (f, run_again) = rerunnable(&host, config);
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    host.world().exit(1, killed(9));
+    let (_, host) = f.ended().await;
+    let again = run_again();
+    again.serving_at(0).await;
+    assert!(host.world().alive_in(7, 0), "the kept parent drains");
+    let restart = again.restart("config change");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        host.world().spawns,
+        [0, 1, 0],
+        "no epoch 1 beside the kept parent"
+    );
+    assert_eq!(restart.await.unwrap(), Ok(1), "once it is gone");
+    let w = host.world();
+    assert!(!w.alive_in(7, 0), "the kept parent went first");
+    assert_eq!(w.spawns, [0, 1, 0, 1]);
+    drop(w);
+    again.stop().await;
+}
+
 /// Without crash recovery the agent exits after the crash, so every Envoy must be gone: the
 /// draining parent is stopped with its crashed child, as before.
 #[tokio::test(start_paused = true)]

@@ -63,7 +63,12 @@ impl<H: Host> Supervisor<H> {
             return;
         }
         let waiting_for = match &self.handoff {
-            Handoff::Idle => None,
+            Handoff::Idle => match &self.kept {
+                kept::KeptParent::Draining { epoch, .. } => Some(format!(
+                    "the parent kept through its child's crash (epoch {epoch}) still drains"
+                )),
+                _ => None,
+            },
             Handoff::ParentDraining { parent, .. } => {
                 Some(format!("epoch {} still drains", parent.epoch()))
             }

@@ -396,6 +396,10 @@ impl<H: Host> Supervisor<H> {
             && !self.family.drained
             // What the next binary must match.
             && self.version.known().is_some()
+            // A parent kept through its child's crash still runs beside the fresh family: a
+            // restart now would make three generations (the soak's seventh finding). Its exit,
+            // or its deadline, lets the queue go on.
+            && !matches!(self.kept, kept::KeptParent::Draining { .. })
     }
 
     pub(super) fn handoff_timers(&mut self, now: Instant) {
