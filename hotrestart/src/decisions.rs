@@ -2111,10 +2111,11 @@ async fn a_restart_waits_for_the_kept_parent_never_three_generations() {
         "no epoch 1 beside the kept parent"
     );
     assert_eq!(restart.await.unwrap(), Ok(1), "once it is gone");
-    let w = host.world();
-    assert!(!w.alive_in(7, 0), "the kept parent went first");
-    assert_eq!(w.spawns, [0, 1, 0, 1]);
-    drop(w);
+    {
+        let w = host.world();
+        assert!(!w.alive_in(7, 0), "the kept parent went first");
+        assert_eq!(w.spawns, [0, 1, 0, 1]);
+    }
     again.stop().await;
 }
 
