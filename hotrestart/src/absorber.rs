@@ -1,4 +1,4 @@
-//! Standing in for a dead parent Envoy.
+//! Standing in for a dead parent Envoy, or for a dead child.
 //!
 //! A child Envoy keeps talking to its parent over abstract Unix datagram sockets until it
 //! terminates it (stats pulls, the final Terminate). If the parent dies first (OOM kill,
@@ -21,6 +21,16 @@
 //! once its holder is gone; a file stays behind a killed process, so it is taken over only once
 //! a connect to it is refused. The absorber must be dropped before an epoch that reuses the
 //! names starts (three epochs later), which single-flight handoffs guarantee.
+//!
+//! The other way round (the soak's eighth finding, Envoy 1.40): a draining parent whose child
+//! was SIGKILLed is kept to its deadline (`supervisor/kept.rs`), and while it drains it
+//! forwards the QUIC packets of connections it does not know to its child over
+//! `<socket path>_udp_child_<n>`. The child gone, every forward is refused, and Envoy retries
+//! once a second for ever with its main thread blocked: its drain timers, its overload
+//! actions (the drain notice) and its SIGTERM handler all stop, so at its deadline it ignores
+//! SIGTERM and must be SIGKILLed, cutting what it still held. [`Absorber::bind_child`] binds the
+//! dead child's names and drops what arrives: the forwarded packets are lost, as they would
+//! be with no child, but the parent's main thread goes on.
 
 use std::os::fd::AsFd;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
@@ -29,12 +39,11 @@ use envoy_agent_proxy::SocketPath;
 
 use tokio::task::JoinHandle;
 
-/// Reads and discards what a child sends to its dead parent; stops when dropped.
+/// Reads and discards what an Envoy sends to its dead parent (or dead child); stops when
+/// dropped.
 #[derive(Debug)]
 pub struct Absorber {
     tasks: Vec<JoinHandle<()>>,
-    /// The epoch whose sockets are held.
-    pub parent_epoch: u32,
 }
 
 impl Drop for Absorber {
@@ -125,24 +134,51 @@ impl Absorber {
         for (role, child_role) in [("parent", "child"), ("udp_parent", "udp_child")] {
             let addr = address(path, base_id, role, parent_epoch)?;
             let child = address(path, base_id, child_role, parent_epoch + 1)?;
-            let socket = bind(&addr, owner)?;
-            socket.set_nonblocking(true)?;
-            let socket = tokio::net::UnixDatagram::from_std(socket)?;
-            tasks.push(tokio::spawn(async move {
-                let mut buf = vec![0u8; 8192];
-                while let Ok(n) = socket.recv(&mut buf).await {
-                    if is_stats_request(&buf[..n]) {
-                        // Best effort: a child that is gone needs no answer.
-                        let _ = send_to(&socket, &EMPTY_STATS_REPLY, &child);
-                    }
-                }
-            }));
+            tasks.push(absorb(&addr, owner, Some(child))?);
         }
-        Ok(Absorber {
-            tasks,
-            parent_epoch,
-        })
+        Ok(Absorber { tasks })
     }
+
+    /// Binds the child sockets of dead `child_epoch` of family `base_id` (its parent, kept,
+    /// still sends there) and drops what arrives; `path` and `owner` as [`Absorber::bind`].
+    pub fn bind_child(
+        path: &SocketPath,
+        base_id: u32,
+        child_epoch: u32,
+        owner: Option<u32>,
+    ) -> std::io::Result<Absorber> {
+        let mut tasks = Vec::new();
+        for role in ["child", "udp_child"] {
+            let addr = address(path, base_id, role, child_epoch)?;
+            tasks.push(absorb(&addr, owner, None)?);
+        }
+        Ok(Absorber { tasks })
+    }
+}
+
+/// Binds `addr` and reads what arrives there until aborted; a stats request is answered at
+/// `reply_to` (a dead parent's stand-in answering its child), anything else dropped.
+fn absorb(
+    addr: &SocketAddr,
+    owner: Option<u32>,
+    reply_to: Option<SocketAddr>,
+) -> std::io::Result<JoinHandle<()>> {
+    let socket = bind(addr, owner)?;
+    socket.set_nonblocking(true)?;
+    let socket = tokio::net::UnixDatagram::from_std(socket)?;
+    Ok(tokio::spawn(async move {
+        // A forwarded QUIC packet is at most 64 KiB; a longer datagram is cut, which is fine
+        // for what is dropped.
+        let mut buf = vec![0u8; 8192];
+        while let Ok(n) = socket.recv(&mut buf).await {
+            if let Some(to) = &reply_to {
+                if is_stats_request(&buf[..n]) {
+                    // Best effort: a child that is gone needs no answer.
+                    let _ = send_to(&socket, &EMPTY_STATS_REPLY, to);
+                }
+            }
+        }
+    }))
 }
 
 #[cfg(test)]
@@ -186,6 +222,42 @@ mod tests {
         sender.send_to_addr(b"hello", &addr).unwrap();
         // A second bind of the same names fails while the absorber holds them.
         assert!(Absorber::bind(&path, 4_000_001, 2, None).is_err());
+        drop(absorber);
+    }
+
+    #[tokio::test]
+    async fn a_dead_childs_names_are_held_and_what_its_parent_sends_goes_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = SocketPath::File(dir.path().join("envoy"));
+        // Epoch 4 of family 7 died: its names are `_child_71` and `_udp_child_71` (4 % 3).
+        let dead = UnixDatagram::bind(dir.path().join("envoy_udp_child_71")).unwrap();
+        drop(dead);
+        let parent = UnixDatagram::unbound().unwrap();
+        let udp_child = dir.path().join("envoy_udp_child_71");
+        assert_eq!(
+            parent.send_to(b"packet", &udp_child).unwrap_err().kind(),
+            std::io::ErrorKind::ConnectionRefused,
+            "what Envoy's parent retries for ever"
+        );
+        let absorber = Absorber::bind_child(&path, 7, 4, None).unwrap();
+        parent.set_nonblocking(true).unwrap();
+        // More than a socket's queue holds: the stand-in reads them all.
+        for _ in 0..2_000 {
+            loop {
+                match parent.send_to(&[0u8; 1200], &udp_child) {
+                    Ok(_) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        tokio::task::yield_now().await
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        parent
+            .send_to(b"reply", dir.path().join("envoy_child_71"))
+            .unwrap();
+        // Held while it lives: a second stand-in is refused.
+        assert!(Absorber::bind_child(&path, 7, 4, None).is_err());
         drop(absorber);
     }
 

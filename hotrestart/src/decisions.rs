@@ -2087,6 +2087,46 @@ async fn a_draining_parent_outlives_its_crashed_child_until_its_own_deadline() {
     again.stop().await;
 }
 
+/// The soak's eighth finding: the kept parent forwards QUIC packets it does not know to its
+/// child's socket; the child dead, Envoy retries each for ever on its main thread and turns
+/// deaf to SIGTERM. The agent holds the dead child's names from the crash until the parent is
+/// gone, in the parent's family (not the fresh one's).
+#[tokio::test(start_paused = true)]
+async fn a_kept_parents_dead_child_is_stood_in_for_until_the_parent_is_gone() {
+    let host = FakeHost::default();
+    let mut config = config();
+    config.keep_draining_parent = true;
+    let (f, run_again) = rerunnable(&host, config);
+    f.serving_at(0).await;
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(1));
+    assert!(host.world().child_stand_ins.is_empty());
+    host.world().exit(1, killed(9));
+    let (_, host) = f.ended().await;
+    assert_eq!(
+        host.world().child_stand_ins,
+        [(7, 1)],
+        "held from the crash, through the back-off"
+    );
+
+    let again = run_again();
+    again.serving_at(0).await;
+    assert_eq!(
+        host.world().child_stand_ins,
+        [(7, 1)],
+        "the fresh family (base id 8) does not take its place"
+    );
+    again
+        .until("the kept parent gone", |s| {
+            s.family.as_ref().is_some_and(|f| f.retiring.is_empty())
+        })
+        .await;
+    assert!(
+        host.world().child_stand_ins.is_empty(),
+        "let go with the parent"
+    );
+    again.stop().await;
+}
+
 /// The soak's seventh finding: a restart asked while the kept parent still drains (a config
 /// change right after a crash recovery) started the fresh family's epoch 1 beside it: three
 /// generations. It waits for the kept parent to go, then runs.

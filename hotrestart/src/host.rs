@@ -197,6 +197,10 @@ pub trait Host: Send + Sync + 'static {
     /// Binds the hot-restart socket names of dead (or gone) `parent_epoch` and answers its
     /// child's requests. Fails while the parent still holds them.
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard>;
+    /// Binds the hot-restart socket names of dead `child_epoch` and drops what its parent
+    /// (kept, draining) still sends there: the QUIC packets it forwards would otherwise block
+    /// its main thread (see `absorber`). Fails while a living Envoy holds them.
+    fn stand_in_for_child(&self, child_epoch: u32) -> std::io::Result<Guard>;
     /// Where the family's hot-restart channel is (a child must use its parent's).
     fn socket_path(&self) -> SocketPath;
     /// The family's channel is at `path` from now on: the predecessor's, taken over.
@@ -260,6 +264,15 @@ pub struct RealHost {
 }
 
 impl RealHost {
+    /// Envoy's uid when it runs as another user (the agent is root): a stand-in's file
+    /// sockets are given to it, so that its Envoys can send there.
+    fn envoy_owner(&self) -> Option<u32> {
+        self.proxy
+            .run_as
+            .filter(|_| self.proxy.agent_is_root)
+            .map(|r| r.uid)
+    }
+
     /// The host for a family of `proxy`, reached at `admin`, keeping verdicts in `cache`.
     pub fn new(
         proxy: ProxyConfig,
@@ -750,13 +763,20 @@ impl Host for RealHost {
 
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {
         let target = self.target();
-        let owner = self
-            .proxy
-            .run_as
-            .filter(|_| self.proxy.agent_is_root)
-            .map(|r| r.uid);
+        let owner = self.envoy_owner();
         crate::absorber::Absorber::bind(&target.socket_path, target.base_id, parent_epoch, owner)
             .map(|a| Box::new(a) as Guard)
+    }
+
+    fn stand_in_for_child(&self, child_epoch: u32) -> std::io::Result<Guard> {
+        let target = self.target();
+        crate::absorber::Absorber::bind_child(
+            &target.socket_path,
+            target.base_id,
+            child_epoch,
+            self.envoy_owner(),
+        )
+        .map(|a| Box::new(a) as Guard)
     }
 
     fn set_marker(&self, present: bool) -> std::io::Result<()> {

@@ -143,6 +143,8 @@ pub(crate) struct World {
     /// Epochs of another pod's Envoys that live (their socket names are taken).
     pub(crate) foreign_alive: Vec<u32>,
     pub(crate) stand_ins: Vec<u32>,
+    /// Dead children stood in for, `(base id, epoch)`, while held.
+    pub(crate) child_stand_ins: Vec<(u64, u32)>,
     pub(crate) released: Vec<u32>,
     pub(crate) initializing: bool,
     pub(crate) repairs: u32,
@@ -209,6 +211,7 @@ impl Default for World {
             our_lock: false,
             foreign_alive: Vec::new(),
             stand_ins: Vec::new(),
+            child_stand_ins: Vec::new(),
             released: Vec::new(),
             initializing: false,
             repairs: 0,
@@ -410,6 +413,17 @@ impl Drop for StandInGuard {
     fn drop(&mut self) {
         if let Ok(mut w) = self.0.lock() {
             w.released.push(self.1);
+        }
+    }
+}
+
+/// Held while a dead child is stood in for: dropped, it leaves `child_stand_ins`.
+struct ChildStandInGuard(Arc<Mutex<World>>, (u64, u32));
+
+impl Drop for ChildStandInGuard {
+    fn drop(&mut self) {
+        if let Ok(mut w) = self.0.lock() {
+            w.child_stand_ins.retain(|held| *held != self.1);
         }
     }
 }
@@ -779,6 +793,16 @@ impl Host for FakeHost {
         }
         w.stand_ins.push(parent_epoch);
         Ok(Box::new(StandInGuard(self.world.clone(), parent_epoch)))
+    }
+
+    fn stand_in_for_child(&self, child_epoch: u32) -> std::io::Result<Guard> {
+        let mut w = self.world();
+        if w.alive(child_epoch) {
+            return Err(std::io::ErrorKind::AddrInUse.into());
+        }
+        let held = (w.base_id, child_epoch);
+        w.child_stand_ins.push(held);
+        Ok(Box::new(ChildStandInGuard(self.world.clone(), held)))
     }
 
     fn set_marker(&self, present: bool) -> std::io::Result<()> {

@@ -10,8 +10,10 @@ use envoy_agent_proto::pb;
 use envoy_agent_proxy::AdminClient;
 use std::time::Duration;
 
+use envoy_agent_tests::clients::{DrainBootstrap, H3Client, HttpUpstream, QUIC_LISTENER, TlsCert};
 use envoy_agent_tests::{
-    AgentProcess, Load, PATIENCE, eventually, http_get, live_at, process_alive, slow_request,
+    AgentProcess, Load, PATIENCE, TestDir, eventually, http_get, live_at, process_alive,
+    slow_request,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -307,6 +309,83 @@ async fn a_draining_parent_keeps_its_in_flight_request_when_its_child_is_killed(
     }
     let removed = agent.events("family_files_removed");
     assert_eq!(removed.len(), 1, "{}", agent.stderr());
+}
+
+/// The soak's eighth finding: while a parent drains, the QUIC packets of connections it does
+/// not know (its child's, and new ones) are forwarded over the hot-restart channel to its
+/// child. With the child SIGKILLed and the parent kept, every forward was refused, Envoy
+/// retried each once a second on its main thread for ever, and at its deadline the kept
+/// parent ignored SIGTERM: SIGKILLed after the grace, with whatever it still held. The agent
+/// now stands in for the dead child's sockets: the kept parent goes at SIGTERM.
+#[tokio::test]
+async fn a_kept_parent_forwarding_quic_to_its_dead_child_still_goes_at_sigterm() {
+    let dir = TestDir::new();
+    let upstream = HttpUpstream::start().await;
+    let cert = TlsCert::generate(&dir);
+    let builder = crate::agent().hot_restart();
+    let ports = builder.ports().unwrap();
+    let bootstrap = DrainBootstrap::new(upstream.addr())
+        .quic(&cert)
+        .fixed_ports(ports.admin_port);
+    let mut agent = builder
+        .bootstrap(bootstrap.yaml())
+        .args(&[
+            "--restart-on-crash",
+            "--drain-time",
+            "4s",
+            "--parent-shutdown-time",
+            "6s",
+        ])
+        .start()
+        .await;
+    let quic = agent.listener(QUIC_LISTENER).await;
+    // Asks every 100 ms throughout: after the kill its packets reach only the kept parent.
+    let h3 = H3Client::requests(quic, Duration::from_millis(100));
+    h3.wait_for("an HTTP/3 answer", |e| {
+        matches!(e.kind, envoy_agent_tests::clients::Kind::Response { .. }).then_some(())
+    })
+    .await;
+    let parent = status(&agent).await.epochs[0].pid;
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    let child = eventually("epoch 1 LIVE in the status", PATIENCE, || async {
+        let s = status(&agent).await;
+        s.epochs
+            .iter()
+            .find(|e| e.epoch == 1 && e.state() == pb::EpochState::Live)
+            .map(|e| e.pid)
+    })
+    .await;
+
+    kill(Pid::from_raw(child as i32), Signal::SIGKILL).unwrap();
+    agent.wait_event("draining_parent_kept", "epoch", "0").await;
+    let stand_in = agent.wait_event("stand_in", "role", "child").await;
+    assert_eq!(stand_in["epoch"], 1, "{stand_in}");
+    agent.wait_event("kept_parent_adopted", "epoch", "0").await;
+
+    agent
+        .wait_event("kept_parent_retired", "signal", "SIGTERM")
+        .await;
+    // At SIGTERM: a clean exit, not the SIGKILL past the grace nor the abort Envoy comes to
+    // after ten refused forwards.
+    let exited = agent.wait_event("epoch_exited", "retired", "true").await;
+    assert_eq!(exited["pid"], parent, "{exited}");
+    assert_eq!(
+        (exited["code"].as_i64(), exited["signal"].as_i64()),
+        (Some(0), None),
+        "the kept parent went at SIGTERM: {exited}\n{}",
+        agent.stderr()
+    );
+    let retired: Vec<String> = agent
+        .events("kept_parent_retired")
+        .iter()
+        .map(|e| e["signal"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert_eq!(retired, ["SIGTERM"]);
+    agent.wait_event("stand_in_released", "role", "child").await;
+    drop(h3);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
 }
 
 /// What one kill of a streak cost: how long the listener refused (no 200 on a fresh

@@ -344,11 +344,15 @@ impl<H: Host> Supervisor<H> {
         let kind = exit_kind(&result, false);
         self.metrics.exit(kind);
         self.record_exit(&child, &result, kind);
+        let last = self.family.exits.last();
         tracing::info!(
             event = "epoch_exited",
             epoch = child.epoch,
             pid = child.pid,
             retired = true,
+            code = last.and_then(|e| e.code),
+            signal = last.and_then(|e| e.signal),
+            how = last.map(|e| e.how.to_string()),
             "an envoy of the old family exited"
         );
         self.kept_exited(child.pid);

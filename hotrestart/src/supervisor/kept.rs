@@ -14,7 +14,10 @@
 //!
 //! - **Keep**: the draining parent is taken out of the family's epochs before the stop, not
 //!   signalled ([`KeptParent::Handed`]). The run ends as any crash does (the agent counts it
-//!   and backs off); the parent goes on serving what it holds.
+//!   and backs off); the parent goes on serving what it holds. The agent stands in for the
+//!   dead child's hot-restart sockets until the parent is gone: a parent that forwards a QUIC
+//!   packet to a child that is not there blocks its main thread for ever (the soak's eighth
+//!   finding; see `absorber`), deaf to SIGTERM and to the drain notice.
 //! - **Adopt**: the next run starts its family under the other base id, takes the parent into
 //!   its `retiring` books ([`KeptParent::Draining`]) and listens for its exit on the old run's
 //!   event channel (its waiter sends there).
@@ -40,6 +43,8 @@ pub(crate) enum KeptParent {
         until: Moment,
         /// The base id the next run's family starts under.
         next_base_id: u32,
+        /// The dead child's sockets, held while the parent lives (none if they could not be).
+        stand_in: Option<Guard>,
     },
     /// This run adopted the parent (in `retiring`); it goes at `until`.
     Draining {
@@ -47,6 +52,7 @@ pub(crate) enum KeptParent {
         pid: u32,
         until: Instant,
         stage: Retire,
+        stand_in: Option<Guard>,
     },
 }
 
@@ -104,11 +110,39 @@ impl<H: Host> Supervisor<H> {
             next_base_id,
             "the serving epoch died while its parent drains: the parent keeps its in-flight requests until its deadline; the next family starts beside it"
         );
+        let stand_in = self.stand_in_for_dead_child(parent + 1);
         self.kept = KeptParent::Handed {
             child,
             until,
             next_base_id,
+            stand_in,
         };
+    }
+
+    /// Binds the dead `child_epoch`'s hot-restart sockets (the family's, before the next run
+    /// moves to the other base id) so that its kept parent's sends go through.
+    fn stand_in_for_dead_child(&mut self, child_epoch: u32) -> Option<Guard> {
+        match self.host.stand_in_for_child(child_epoch) {
+            Ok(guard) => {
+                tracing::info!(
+                    event = "stand_in",
+                    epoch = child_epoch,
+                    role = "child",
+                    "standing in for the dead child's hot-restart sockets while its parent drains"
+                );
+                Some(guard)
+            }
+            Err(e) => {
+                tracing::warn!(
+                    event = "stand_in_failed",
+                    epoch = child_epoch,
+                    role = "child",
+                    error = %e,
+                    "cannot stand in for the dead child's hot-restart sockets: its parent may stop answering signals if it forwards a QUIC packet there"
+                );
+                None
+            }
+        }
     }
 
     /// The base id a family beside the running one takes (the families alternate between
@@ -130,6 +164,7 @@ impl<H: Host> Supervisor<H> {
             child,
             until,
             next_base_id,
+            stand_in,
         } = std::mem::replace(&mut self.kept, KeptParent::None)
         else {
             return;
@@ -151,6 +186,7 @@ impl<H: Host> Supervisor<H> {
             pid,
             until: until.at,
             stage: Retire::Waiting,
+            stand_in,
         };
     }
 
@@ -201,7 +237,24 @@ impl<H: Host> Supervisor<H> {
 
     /// A retired process exited: if it was the kept parent, nothing is left of the old run.
     pub(super) fn kept_exited(&mut self, pid: u32) {
-        if matches!(&self.kept, KeptParent::Draining { pid: p, .. } if *p == pid) {
+        let KeptParent::Draining {
+            pid: p,
+            epoch,
+            stand_in,
+            ..
+        } = &self.kept
+        else {
+            return;
+        };
+        if *p == pid {
+            if stand_in.is_some() {
+                tracing::info!(
+                    event = "stand_in_released",
+                    epoch = epoch + 1,
+                    role = "child",
+                    "the kept parent is gone: its dead child's sockets are let go"
+                );
+            }
             self.kept = KeptParent::None;
             self.old_events = None;
         }

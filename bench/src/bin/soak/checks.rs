@@ -64,6 +64,8 @@ pub(crate) struct Window {
     pub(crate) closed: Option<u64>,
     /// Failed requests counted in it.
     pub(crate) failures: u64,
+    /// Only the failures of this client (its name's start) are unavoidable in it.
+    pub(crate) only: Option<&'static str>,
 }
 
 /// The agent being watched.
@@ -200,12 +202,19 @@ impl Shared {
 
     /// Opens a failure window; returns its index.
     pub(crate) fn open_window(&self, what: &str) -> usize {
+        self.open_window_of(what, None)
+    }
+
+    /// Opens a failure window for the failures of client `only` (its name's start) or every
+    /// client's; returns its index.
+    pub(crate) fn open_window_of(&self, what: &str, only: Option<&'static str>) -> usize {
         let mut state = self.state();
         state.windows.push(Window {
             what: what.to_owned(),
             opened: unix_ms(),
             closed: None,
             failures: 0,
+            only,
         });
         state.windows.len() - 1
     }
@@ -399,10 +408,11 @@ impl Checker {
     fn judge_failure(&self, t: u64, what: &str) {
         let inside = {
             let mut state = self.shared.state();
-            let window = state
-                .windows
-                .iter_mut()
-                .find(|w| w.opened <= t && w.closed.is_none_or(|c| t <= c + WINDOW_GRACE_MS));
+            let window = state.windows.iter_mut().find(|w| {
+                w.opened <= t
+                    && w.closed.is_none_or(|c| t <= c + WINDOW_GRACE_MS)
+                    && w.only.is_none_or(|client| what.starts_with(client))
+            });
             match window {
                 Some(w) => {
                     w.failures += 1;
