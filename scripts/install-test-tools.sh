@@ -3,8 +3,9 @@
 # (.test-tools/, ignored by git) and prints its directory on stdout:
 #   - from PyPI: Python's grpcio and grpcurl (the agent's gRPC API), aioquic (HTTP/3 clients) and
 #     h2 (HTTP/2 clients) for the drain tests' clients under tests/clients/;
-#   - from Debian: nghttp2-client's `nghttp` (an HTTP/2 client), linked into the venv's bin/ so
-#     that every tool is found in one place. apt-get needs root (CI runs as root on Debian);
+#   - from Debian: nghttp2-client's `nghttp` (an HTTP/2 client), and prometheus's `prometheus`
+#     and `promtool` (a real Prometheus scraping the merged metrics), linked into the venv's bin/
+#     so that every tool is found in one place. apt-get needs root (CI runs as root on Debian);
 #     `apt-get update` runs only when the package is not installed yet.
 # Idempotent: a second run checks the versions and the tools and only prints the path; an older
 # install of the same venv gets the missing packages added, not a new venv.
@@ -36,25 +37,36 @@ bin="$dir/venv/bin"
 die() { printf 'install-test-tools: %s\n' "$*" >&2; exit 1; }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${packages[*]}" ] \
-  && [ -x "$bin/python" ] && [ -x "$bin/grpcurl" ] && [ -x "$bin/nghttp" ]; then
+  && [ -x "$bin/python" ] && [ -x "$bin/grpcurl" ] && [ -x "$bin/nghttp" ] \
+  && [ -x "$bin/prometheus" ] && [ -x "$bin/promtool" ]; then
   printf '%s\n' "$dir"
   exit 0
 fi
 
-# nghttp (Debian's nghttp2-client), linked into the venv's bin/ below.
-nghttp="$(command -v nghttp || true)"
-if [ -z "$nghttp" ]; then
-  [ "$(id -u)" = 0 ] || die "nghttp is missing and installing it needs root: apt-get install nghttp2-client (Debian), then run this again"
-  command -v apt-get >/dev/null 2>&1 || die "nghttp is missing and there is no apt-get: install nghttp2's client (nghttp) by hand"
-  printf 'install-test-tools: installing nghttp2-client (apt-get)\n' >&2
-  if ! dpkg -s nghttp2-client >/dev/null 2>&1; then
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || die "apt-get update failed"
+# From Debian, each linked into the venv's bin/ below: nghttp (nghttp2-client), and the real
+# Prometheus server and its promtool (prometheus) that scrape the merged metrics.
+apt_updated=""
+debian_tool() { # command package -> prints the command's path
+  local found
+  found="$(command -v "$1" || true)"
+  if [ -z "$found" ]; then
+    [ "$(id -u)" = 0 ] || die "$1 is missing and installing it needs root: apt-get install $2 (Debian), then run this again"
+    command -v apt-get >/dev/null 2>&1 || die "$1 is missing and there is no apt-get: install $2's $1 by hand"
+    printf 'install-test-tools: installing %s (apt-get)\n' "$2" >&2
+    if ! dpkg -s "$2" >/dev/null 2>&1 && [ -z "$apt_updated" ]; then
+      DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || die "apt-get update failed"
+      apt_updated=1
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$2" >&2 \
+      || die "apt-get could not install $2"
+    found="$(command -v "$1" || true)"
+    [ -n "$found" ] || die "$2 is installed but $1 is not on PATH"
   fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nghttp2-client >&2 \
-    || die "apt-get could not install nghttp2-client"
-  nghttp="$(command -v nghttp || true)"
-  [ -n "$nghttp" ] || die "nghttp2-client is installed but nghttp is not on PATH"
-fi
+  printf '%s\n' "$found"
+}
+nghttp="$(debian_tool nghttp nghttp2-client)"
+prometheus="$(debian_tool prometheus prometheus)"
+promtool="$(debian_tool promtool prometheus)"
 
 command -v "$python" >/dev/null 2>&1 || die "no $python on PATH: install Python 3 (Debian: apt-get install python3 python3-venv)"
 if [ ! -x "$bin/python" ]; then
@@ -70,5 +82,9 @@ printf 'install-test-tools: installing %s into %s\n' "${packages[*]}" "$dir/venv
   || die "the venv's python cannot import aioquic, h2, cryptography and grpc"
 ln -sf "$nghttp" "$bin/nghttp"
 "$bin/nghttp" --version >&2 || die "nghttp ($nghttp) does not run"
+ln -sf "$prometheus" "$bin/prometheus"
+ln -sf "$promtool" "$bin/promtool"
+"$bin/prometheus" --version >&2 || die "prometheus ($prometheus) does not run"
+"$bin/promtool" --version >&2 || die "promtool ($promtool) does not run"
 printf '%s\n' "${packages[*]}" > "$stamp"
 printf '%s\n' "$dir"

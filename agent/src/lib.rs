@@ -38,6 +38,7 @@ use tokio_util::task::TaskTracker;
 
 pub mod admin_view;
 pub mod agent;
+pub mod app_metrics;
 pub mod budget;
 pub mod channel_link;
 pub mod cli;
@@ -46,6 +47,7 @@ mod connections;
 pub mod crash;
 pub mod duration;
 pub mod exit_code;
+pub mod exposition;
 pub mod grpc;
 pub mod log_level;
 pub mod notify;
@@ -343,6 +345,7 @@ async fn serve<P: Proxy>(
         Err(e) => return Err(SetupError::from(e).into()),
     };
     let status_file = settings.status_address_file.clone();
+    let app_metrics = settings.app_metrics.clone();
     // A node proxy's loopback is the node's (hostNetwork): its changes need the caller's uid.
     let callers = node_proxy.then(|| peer::Callers {
         uids: settings.control_allow_uids.clone(),
@@ -359,6 +362,12 @@ async fn serve<P: Proxy>(
             };
             let server = match callers {
                 Some(callers) => server.check_callers(callers),
+                None => server,
+            };
+            let server = match app_metrics {
+                Some(target) => {
+                    server.app_metrics(app_metrics::AppMetrics::new(target, Default::default()))
+                }
                 None => server,
             };
             if let Some(path) = &status_file {

@@ -80,6 +80,8 @@ pub struct Settings {
     pub status_address: SocketAddr,
     /// Where to write the status server's bound address (`--status-address-file`).
     pub status_address_file: Option<PathBuf>,
+    /// The app's metrics, merged into the status server's scrape (`--app-metrics-url`).
+    pub app_metrics: Option<crate::app_metrics::Target>,
     /// The gRPC server's address (`--grpc-address`, else the user's default socket).
     pub grpc_address: GrpcAddress,
     /// Mutating gRPC calls from any TCP peer (`--grpc-allow-remote`).

@@ -28,6 +28,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentHandle, AgentState, DrainPhase, Via};
+use crate::app_metrics::AppMetrics;
 use crate::scrape::{SharedBody, WalkFailure, WalkKey, Walks};
 use crate::stats_query::StatsQuery;
 
@@ -53,12 +54,18 @@ impl BindError {
 
 /// The routes, over `agent`.
 pub fn router(agent: AgentHandle) -> Router {
+    router_with(agent, None)
+}
+
+/// The routes, over `agent`, with the app's metrics merged into the scrape when given.
+pub fn router_with(agent: AgentHandle, app_metrics: Option<Arc<AppMetrics>>) -> Router {
     Router::new()
         .route("/healthz/ready", get(ready))
         .route("/drain", post(drain))
         .route("/quitquitquit", post(quit))
         .route("/stats/prometheus", get(prometheus))
         .layer(axum::Extension(Arc::new(Walks::default())))
+        .layer(axum::Extension(app_metrics))
         .with_state(agent)
 }
 
@@ -68,6 +75,7 @@ pub struct StatusServer {
     listener: TcpListener,
     addr: SocketAddr,
     callers: Option<crate::peer::Callers>,
+    app_metrics: Option<Arc<AppMetrics>>,
 }
 
 /// Who may call a connection's mutating endpoints beyond loopback: its local address (to find
@@ -91,6 +99,7 @@ impl StatusServer {
             listener,
             addr,
             callers: None,
+            app_metrics: None,
         })
     }
 
@@ -98,6 +107,12 @@ impl StatusServer {
     /// user, root and `callers` may (a node proxy's loopback is every process of the node).
     pub fn check_callers(mut self, callers: crate::peer::Callers) -> Self {
         self.callers = Some(callers);
+        self
+    }
+
+    /// `/stats/prometheus` merges the app's metrics ([`crate::app_metrics`]).
+    pub fn app_metrics(mut self, app: Arc<AppMetrics>) -> Self {
+        self.app_metrics = Some(app);
         self
     }
 
@@ -135,7 +150,7 @@ impl StatusServer {
     pub async fn serve(self, agent: AgentHandle, cancel: CancellationToken) -> std::io::Result<()> {
         use hyper_util::rt::{TokioIo, TokioTimer};
         tracing::info!(addr = %self.addr, "status server listening");
-        let app = router(agent);
+        let app = router_with(agent, self.app_metrics.clone());
         let connections = crate::connections::Connections::new("status");
         let tracker = tokio_util::task::TaskTracker::new();
         let mut http = hyper::server::conn::http1::Builder::new();
@@ -375,12 +390,17 @@ async fn quit(
 async fn prometheus(
     State(agent): State<AgentHandle>,
     axum::Extension(walks): axum::Extension<Arc<Walks>>,
+    axum::Extension(app): axum::Extension<Option<Arc<AppMetrics>>>,
     RawQuery(raw): RawQuery,
 ) -> Response {
     let query = match StatsQuery::parse(raw.as_deref().unwrap_or_default()) {
         Ok(query) => query,
         Err(e) => return text(StatusCode::BAD_REQUEST, e.to_string()),
     };
+    // The app is asked while Envoy's walk starts: a scrape waits for the slower of the two.
+    let app_scrape = app
+        .clone()
+        .map(|app| tokio::spawn(async move { app.scrape().await }));
     let envoy = match agent.admin() {
         Some(admin) => {
             let query = query.to_query_string();
@@ -415,6 +435,22 @@ async fn prometheus(
         "# HELP envoy_agent_envoy_stats_up Whether Envoy's stats could be read for this scrape.\n\
          # TYPE envoy_agent_envoy_stats_up gauge\nenvoy_agent_envoy_stats_up {up}"
     );
+    if let (Some(app), Some(scrape)) = (&app, app_scrape) {
+        let answer = scrape.await.ok();
+        let merged = answer.as_deref().and_then(|a| a.as_ref().ok());
+        body.push_str(&crate::app_metrics::families(app, merged.is_some()));
+        match (merged, answer.as_deref()) {
+            (Some(lines), _) => body.push_str(lines),
+            (None, Some(Err(e))) => {
+                let _ = writeln!(
+                    body,
+                    "# app metrics left out: {}",
+                    e.to_string().replace('\n', " ")
+                );
+            }
+            (None, _) => {}
+        }
+    }
     let envoy = match envoy {
         Ok(stats) => Some(stats),
         Err(e) => {

@@ -128,7 +128,7 @@ pub fn test_tool(name: &str) -> PathBuf {
     assert!(
         tool.is_file(),
         "{} is missing: these tests use second-language clients (Python's grpcio, h2 and \
-         aioquic, grpcurl, Debian's nghttp). Install them with `scripts/install-test-tools.sh` (a virtualenv under .test-tools/), or set \
+         aioquic, grpcurl, Debian's nghttp, prometheus and promtool). Install them with `scripts/install-test-tools.sh` (a virtualenv under .test-tools/), or set \
          ENVOY_AGENT_TEST_TOOLS to its directory. `scripts/test.sh` does this for you.",
         tool.display()
     );
@@ -644,15 +644,39 @@ fn parse_response(raw: &[u8]) -> std::io::Result<Response> {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|s| s.parse().ok())
         .ok_or_else(bad)?;
-    let headers = lines
+    let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"));
+    let body = if chunked {
+        dechunk(body).ok_or_else(|| {
+            std::io::Error::other(format!("a chunked body that does not parse: {body:.200?}"))
+        })?
+    } else {
+        body.to_owned()
+    };
     Ok(Response {
         status,
         headers,
-        body: body.to_owned(),
+        body,
     })
+}
+
+/// A chunked body's content (`None` when it is not one).
+fn dechunk(mut body: &str) -> Option<String> {
+    let mut out = String::with_capacity(body.len());
+    loop {
+        let (size, rest) = body.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(out);
+        }
+        out.push_str(rest.get(..size)?);
+        body = rest.get(size..)?.strip_prefix("\r\n")?;
+    }
 }
 
 /// A TCP server on 127.0.0.1 port 0 that accepts connections, reads what comes and never

@@ -20,6 +20,7 @@ mod handoff_faults;
 mod hot_restart;
 mod hung;
 mod manifests;
+mod merged_metrics;
 mod preflight_cache;
 mod run;
 mod scrape;
