@@ -952,7 +952,11 @@ pub fn flag_reference() -> String {
                 .or(arg.get_help())
                 .map(|h| h.to_string().replace('\n', " ").replace('|', "\\|"))
                 .unwrap_or_default();
-            out.push_str(&format!("| `--{long}` | {env} | {default} | {help} |\n"));
+            let flag = match arg.get_short() {
+                Some(short) => format!("`-{short}`, `--{long}`"),
+                None => format!("`--{long}`"),
+            };
+            out.push_str(&format!("| {flag} | {env} | {default} | {help} |\n"));
         }
     }
     out

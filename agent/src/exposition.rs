@@ -212,9 +212,7 @@ struct Sample<'a> {
 
 /// `name{labels} value [timestamp] [# exemplar]`.
 fn parse_sample(line: &str) -> Result<Sample<'_>, String> {
-    let name_end = line
-        .find(['{', ' ', '\t'])
-        .unwrap_or(line.len());
+    let name_end = line.find(['{', ' ', '\t']).unwrap_or(line.len());
     let name = &line[..name_end];
     if !valid_name(name) {
         return Err(format!("not a metric name: {name:?}"));

@@ -856,6 +856,32 @@ fn the_systemd_unit_uses_real_flags_and_leaves_stopping_envoy_to_the_agent() {
 }
 
 #[test]
+fn flag_reference_exit_code_table_is_current() {
+    // One copy of the exit codes: docs/operations.md shows `exit_code::TABLE` between its
+    // markers.
+    let path = repo().join("docs/operations.md");
+    let on_disk = std::fs::read_to_string(&path).unwrap();
+    let begin = on_disk
+        .find("<!-- generated from agent/src/exit_code.rs")
+        .expect("the exit code table's start marker in docs/operations.md");
+    let begin = begin + on_disk[begin..].find('\n').unwrap() + 1;
+    let end = begin
+        + on_disk[begin..]
+            .find("<!-- end of the generated table -->")
+            .expect("the exit code table's end marker");
+    let generated = envoy_agent::exit_code::markdown_table();
+    if std::env::var_os("UPDATE_FLAG_DOCS").is_some() {
+        let updated = format!("{}{generated}{}", &on_disk[..begin], &on_disk[end..]);
+        std::fs::write(&path, updated).unwrap();
+        return;
+    }
+    assert!(
+        on_disk[begin..end] == generated,
+        "docs/operations.md's exit codes are out of date: run `UPDATE_FLAG_DOCS=1 cargo test -p envoy-agent --test e2e flag_reference`"
+    );
+}
+
+#[test]
 fn flag_reference_is_current() {
     let path = repo().join("docs/flags.md");
     let generated = envoy_agent::cli::flag_reference();
