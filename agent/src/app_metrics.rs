@@ -109,6 +109,22 @@ impl std::str::FromStr for Target {
     }
 }
 
+/// `--app-metrics-url` as given: empty means off, so that a pod whose annotation (read through
+/// the downward API) is absent runs without it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Flag(pub Option<Target>);
+
+impl std::str::FromStr for Flag {
+    type Err = TargetError;
+
+    fn from_str(url: &str) -> Result<Self, Self::Err> {
+        if url.trim().is_empty() {
+            return Ok(Flag(None));
+        }
+        url.parse().map(|t| Flag(Some(t)))
+    }
+}
+
 /// The bounds of one fetch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
@@ -374,6 +390,13 @@ pub fn families(app: &AppMetrics, up: bool) -> String {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn an_empty_flag_is_off() {
+        assert_eq!("".parse::<Flag>().unwrap(), Flag(None));
+        assert!("http://127.0.0.1:1/m".parse::<Flag>().unwrap().0.is_some());
+        assert!("ftp://x/".parse::<Flag>().is_err());
+    }
 
     #[test]
     fn urls_are_checked_naming_the_input() {

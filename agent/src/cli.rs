@@ -560,9 +560,9 @@ pub struct RunArgs {
     /// status server's /stats/prometheus: one scrape target for the pod. Fetched once for the
     /// scrapes that arrive together, within 2s and 8 MiB; an app that fails or answers what
     /// Prometheus would refuse is left out of that scrape (envoy_agent_app_metrics_up 0), the
-    /// rest answered. The app's names that begin with envoy_ get an app_ prefix.
+    /// rest answered. The app's names that begin with envoy_ get an app_ prefix. Empty: off.
     #[arg(long, env = "ENVOY_AGENT_APP_METRICS_URL", value_name = "URL")]
-    pub app_metrics_url: Option<crate::app_metrics::Target>,
+    pub app_metrics_url: Option<crate::app_metrics::Flag>,
 
     /// Hot restart: run Envoy with restart epochs under the hot-restart supervisor (SIGHUP or a
     /// config change starts the next epoch). Without it Envoy runs with --disable-hot-restart.
@@ -777,7 +777,7 @@ impl RunArgs {
             },
             status_address: self.status_address,
             status_address_file: self.status_address_file,
-            app_metrics: self.app_metrics_url,
+            app_metrics: self.app_metrics_url.and_then(|flag| flag.0),
             grpc_address: grpc_address.unwrap_or_else(client::default_address),
             grpc_allow_remote: self.grpc_allow_remote,
             control_allow_uids: self.control_allow_uids,
