@@ -521,7 +521,7 @@ pub struct RunArgs {
     pub status_address: SocketAddr,
 
     /// The app's own probes, which the status server runs from inside the pod at
-    /// /app-health/<container>/livez, /readyz and /startupz (where the app's probes then
+    /// /app-health/CONTAINER/livez, /readyz and /startupz (where the app's probes then
     /// point): a JSON object mapping each such path to a Kubernetes probe (httpGet, tcpSocket
     /// or grpc; timeoutSeconds, default 1), pilot-agent's format. When not given:
     /// ISTIO_KUBE_APP_PROBERS, as Istio's injector sets it. A probe answers 200 when it
