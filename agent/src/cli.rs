@@ -13,6 +13,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use envoy_agent_proxy::Scope;
 
+use crate::app_probe::{self, AppProbes};
 use crate::client;
 use crate::crash::CrashRecovery;
 use crate::duration::{
@@ -519,6 +520,26 @@ pub struct RunArgs {
     )]
     pub status_address: SocketAddr,
 
+    /// The app's own probes, which the status server runs from inside the pod at
+    /// /app-health/CONTAINER/livez, /readyz and /startupz (where the app's probes then
+    /// point): a JSON object mapping each such path to a Kubernetes probe (httpGet, tcpSocket
+    /// or grpc; timeoutSeconds, default 1), pilot-agent's format. When not given:
+    /// ISTIO_KUBE_APP_PROBERS, as Istio's injector sets it. A probe answers 200 when it
+    /// passes, 500 with the reason when it fails; bad JSON, a named port or another path is
+    /// refused at start.
+    #[arg(long, env = "ENVOY_AGENT_APP_PROBERS", value_name = "JSON")]
+    pub app_probers: Option<String>,
+
+    /// Istio's name for --app-probers, read from the environment only (hidden as a flag); the
+    /// agent's own wins when both are set.
+    #[arg(
+        long = "istio-kube-app-probers",
+        env = "ISTIO_KUBE_APP_PROBERS",
+        value_name = "JSON",
+        hide = true
+    )]
+    pub istio_kube_app_probers: Option<String>,
+
     /// Push metrics over OTLP/gRPC to this collector (host:port, http://host:port, or
     /// https://host:port verified with the system's roots). When not given:
     /// OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT; none of them, no
@@ -691,6 +712,7 @@ impl RunArgs {
             }
         }
         let crash_recovery = self.crash_recovery();
+        let app_probes = self.app_probes()?;
         let shutdown_budget = match self.shutdown_budget {
             Some(budget) => Some(crate::budget::split(
                 budget,
@@ -776,6 +798,7 @@ impl RunArgs {
                 timeline,
             },
             status_address: self.status_address,
+            app_probes,
             status_address_file: self.status_address_file,
             app_metrics: self.app_metrics_url.and_then(|flag| flag.0),
             grpc_address: grpc_address.unwrap_or_else(client::default_address),
@@ -792,6 +815,16 @@ impl RunArgs {
                 self.termination_message_path,
             ),
         })
+    }
+
+    /// The app probes: `--app-probers` (or its variable) wins over Istio's variable.
+    fn app_probes(&self) -> Result<AppProbes, SettingsError> {
+        let (json, input) = match (&self.app_probers, &self.istio_kube_app_probers) {
+            (Some(json), _) => (json, app_probe::Input::Flag),
+            (None, Some(json)) => (json, app_probe::Input::Istio),
+            (None, None) => return Ok(AppProbes::default()),
+        };
+        Ok(AppProbes::parse(json, input)?)
     }
 
     /// Hot restart's settings, `None` without `--hot-restart`.
@@ -880,6 +913,9 @@ pub enum SettingsError {
     /// A step of the shutdown's timeline comes after Envoy's latest stop.
     #[error(transparent)]
     Timeline(#[from] crate::timeline::TimelineError),
+    /// The app probes' JSON cannot be used.
+    #[error(transparent)]
+    AppProbes(#[from] app_probe::ConfigError),
 }
 
 impl SettingsError {

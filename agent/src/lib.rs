@@ -39,6 +39,7 @@ use tokio_util::task::TaskTracker;
 pub mod admin_view;
 pub mod agent;
 pub mod app_metrics;
+pub mod app_probe;
 pub mod budget;
 pub mod channel_link;
 pub mod cli;
@@ -346,6 +347,7 @@ async fn serve<P: Proxy>(
     };
     let status_file = settings.status_address_file.clone();
     let app_metrics = settings.app_metrics.clone();
+    let app_probes = Arc::new(settings.app_probes.clone());
     // A node proxy's loopback is the node's (hostNetwork): its changes need the caller's uid.
     let callers = node_proxy.then(|| peer::Callers {
         uids: settings.control_allow_uids.clone(),
@@ -370,6 +372,7 @@ async fn serve<P: Proxy>(
                 }
                 None => server,
             };
+            let server = server.with_app_probes(app_probes);
             if let Some(path) = &status_file {
                 // Atomic, not synced: it names a port of this process, meaningless after a
                 // crash, and two fsyncs here held up the first epoch's start by a millisecond.

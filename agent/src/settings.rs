@@ -78,6 +78,9 @@ pub struct Settings {
     pub drain: DrainSettings,
     /// The status server's address (`--status-address`).
     pub status_address: SocketAddr,
+    /// The app's probes the status server runs at `/app-health/...` (`--app-probers`, else
+    /// `ISTIO_KUBE_APP_PROBERS`).
+    pub app_probes: crate::app_probe::AppProbes,
     /// Where to write the status server's bound address (`--status-address-file`).
     pub status_address_file: Option<PathBuf>,
     /// The app's metrics, merged into the status server's scrape (`--app-metrics-url`).

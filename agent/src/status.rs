@@ -1,7 +1,8 @@
 //! The status HTTP server (default `127.0.0.1:15020`): readiness (`/healthz/ready`),
 //! `POST /drain` (a drain with `skip_exit`: Envoy keeps running, the next SIGTERM exits at
-//! once), `POST /quitquitquit` and `/stats/prometheus`. What each answers, and to whom, is
-//! tabled in `docs/operations.md#status-server`.
+//! once), `POST /quitquitquit`, `/stats/prometheus` and the app's own probes
+//! (`/app-health/<container>/livez|readyz|startupz`, [`crate::app_probe`]). What each answers,
+//! and to whom, is tabled in `docs/operations.md#status-server`.
 //!
 //! Mutating endpoints answer 405 to other methods and 403 to non-loopback peers, whatever
 //! address the server binds. In node-proxy mode ([`StatusServer::check_callers`]) the
@@ -29,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentHandle, AgentState, DrainPhase, Via};
 use crate::app_metrics::AppMetrics;
+use crate::app_probe::AppProbes;
 use crate::scrape::{SharedBody, WalkFailure, WalkKey, Walks};
 use crate::stats_query::StatsQuery;
 
@@ -52,20 +54,27 @@ impl BindError {
     }
 }
 
-/// The routes, over `agent`.
+/// The routes, over `agent`, without app probes.
 pub fn router(agent: AgentHandle) -> Router {
-    router_with(agent, None)
+    router_with(agent, Arc::default(), None)
 }
 
-/// The routes, over `agent`, with the app's metrics merged into the scrape when given.
-pub fn router_with(agent: AgentHandle, app_metrics: Option<Arc<AppMetrics>>) -> Router {
+/// The routes, over `agent`, with the app's probes at `/app-health/...` and the app's metrics
+/// merged into the scrape when given.
+pub fn router_with(
+    agent: AgentHandle,
+    app_probes: Arc<AppProbes>,
+    app_metrics: Option<Arc<AppMetrics>>,
+) -> Router {
     Router::new()
         .route("/healthz/ready", get(ready))
         .route("/drain", post(drain))
         .route("/quitquitquit", post(quit))
         .route("/stats/prometheus", get(prometheus))
+        .route("/app-health/{container}/{probe}", get(app_health))
         .layer(axum::Extension(Arc::new(Walks::default())))
         .layer(axum::Extension(app_metrics))
+        .layer(axum::Extension(app_probes))
         .with_state(agent)
 }
 
@@ -76,6 +85,7 @@ pub struct StatusServer {
     addr: SocketAddr,
     callers: Option<crate::peer::Callers>,
     app_metrics: Option<Arc<AppMetrics>>,
+    app_probes: Arc<AppProbes>,
 }
 
 /// Who may call a connection's mutating endpoints beyond loopback: its local address (to find
@@ -100,7 +110,14 @@ impl StatusServer {
             addr,
             callers: None,
             app_metrics: None,
+            app_probes: Arc::default(),
         })
+    }
+
+    /// Serves `probes` at `/app-health/...`.
+    pub fn with_app_probes(mut self, probes: Arc<AppProbes>) -> Self {
+        self.app_probes = probes;
+        self
     }
 
     /// Mutating endpoints also check the owner of the caller's socket: only the agent's own
@@ -150,7 +167,7 @@ impl StatusServer {
     pub async fn serve(self, agent: AgentHandle, cancel: CancellationToken) -> std::io::Result<()> {
         use hyper_util::rt::{TokioIo, TokioTimer};
         tracing::info!(addr = %self.addr, "status server listening");
-        let app = router_with(agent, self.app_metrics.clone());
+        let app = router_with(agent, self.app_probes.clone(), self.app_metrics.clone());
         let connections = crate::connections::Connections::new("status");
         let tracker = tokio_util::task::TaskTracker::new();
         let mut http = hyper::server::conn::http1::Builder::new();
@@ -221,6 +238,35 @@ fn text(status: StatusCode, body: impl Into<String>) -> Response {
         body,
     )
         .into_response()
+}
+
+/// `GET /app-health/<container>/livez|readyz|startupz`: runs the app's probe for the path
+/// (bounded by its timeout) and answers 200 when it passes, 500 with the reason when it fails,
+/// 404 when no probe is configured for the path. Open to any peer, as readiness is: the
+/// kubelet calls from the node, and the probe's target is fixed by the configuration.
+async fn app_health(
+    axum::Extension(probes): axum::Extension<Arc<AppProbes>>,
+    uri: axum::http::Uri,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let path = uri.path();
+    let Some(probe) = probes.get(path) else {
+        return text(
+            StatusCode::NOT_FOUND,
+            format!("no app probe configured for {path} (--app-probers)"),
+        );
+    };
+    match probe.run(headers.get(header::USER_AGENT)).await {
+        Ok(passed) => text(StatusCode::OK, format!("probe passed: {passed}")),
+        Err(failed) => {
+            // Debug: the kubelet probes every few seconds and records the answer itself.
+            tracing::debug!(event = "app_probe_failed", path, error = %failed, "an app probe failed");
+            text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("probe failed: {failed}"),
+            )
+        }
+    }
 }
 
 fn is_loopback(ip: IpAddr) -> bool {
@@ -782,6 +828,57 @@ mod tests {
             assert!(body.contains(&format!("{parameter:?}")), "{query}: {body}");
         }
         assert!(f.proxy.calls().is_empty(), "nothing reached the proxy");
+    }
+
+    #[tokio::test]
+    async fn app_health_runs_the_configured_probe_and_404s_the_rest() {
+        let f = fixture();
+        let listening = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let open = listening.local_addr().unwrap().port();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let json = format!(
+            r#"{{"/app-health/app/livez": {{"tcpSocket": {{"port": {open}}}}},
+                "/app-health/app/readyz": {{"tcpSocket": {{"port": {closed}}}}}}}"#
+        );
+        let probes = AppProbes::parse(&json, crate::app_probe::Input::Flag).unwrap();
+        let app = router_with(f.handle.clone(), Arc::new(probes), None)
+            .layer(MockConnectInfo(REMOTE.parse::<SocketAddr>().unwrap()));
+        let get = |path: &str| {
+            let app = app.clone();
+            let request = Request::get(path).body(Body::empty()).unwrap();
+            async move {
+                let response = app.oneshot(request).await.unwrap();
+                let status = response.status();
+                let body = response.into_body().collect().await.unwrap().to_bytes();
+                (status, String::from_utf8_lossy(&body).into_owned())
+            }
+        };
+        let (status, body) = get("/app-health/app/livez").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(
+            body,
+            format!("probe passed: TCP connect to 127.0.0.1:{open}: connected\n")
+        );
+        let (status, body) = get("/app-health/app/readyz").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+        assert_eq!(
+            body,
+            format!("probe failed: TCP connect to 127.0.0.1:{closed}: connect refused\n")
+        );
+        for path in ["/app-health/app/startupz", "/app-health/other/livez"] {
+            let (status, body) = get(path).await;
+            assert_eq!(status, StatusCode::NOT_FOUND, "{path}: {body}");
+            assert!(body.contains(path), "{body}");
+        }
+        // Without probes, the same: nothing is configured.
+        let (status, _) = call(&f, Method::GET, "/app-health/app/livez", LOCAL).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert!(f.proxy.calls().is_empty(), "nothing reached the proxy");
+        drop(listening);
     }
 
     #[test]

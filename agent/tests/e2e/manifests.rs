@@ -894,3 +894,77 @@ fn flag_reference_is_current() {
         "docs/flags.md is out of date: run `UPDATE_FLAG_DOCS=1 cargo test -p envoy-agent --test e2e flag_reference`"
     );
 }
+
+/// Both sidecar examples move the app's probes through the agent (issue 41): each probe of the
+/// app container asks the agent's status port at a path that `ENVOY_AGENT_APP_PROBERS` (which
+/// the agent accepts) configures, every configured path is asked, and each configured probe
+/// goes to a port the app listens on, within the kubelet's own timeout.
+#[test]
+fn the_sidecar_examples_probe_the_app_through_the_agent() {
+    use envoy_agent::app_probe::{Action, AppProbes, Input};
+    let k = Kustomization::load(SIDECAR_EXAMPLE);
+    for workload in ["Deployment/web", "Deployment/web-classic"] {
+        let pod = pod_spec(k.object(workload));
+        let agent = agent_containers(pod)[0];
+        let status: std::net::SocketAddr = flag(&args_of(agent), "--status-address")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let json = env_var(agent, "ENVOY_AGENT_APP_PROBERS")
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("{workload}: ENVOY_AGENT_APP_PROBERS"));
+        let probes = AppProbes::parse(json, Input::Flag)
+            .unwrap_or_else(|e| panic!("{workload}: the agent refuses it: {e}"));
+        let app = pod["containers"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "app")
+            .unwrap();
+        let app_ports: Vec<u64> = app["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p["containerPort"].as_u64())
+            .collect();
+        let mut asked = Vec::new();
+        for kind in ["startupProbe", "livenessProbe", "readinessProbe"] {
+            let probe = &app[kind];
+            if probe.is_null() {
+                continue;
+            }
+            let what = format!("{workload}: the app's {kind}");
+            assert_eq!(
+                probe["httpGet"]["port"].as_u64(),
+                Some(u64::from(status.port())),
+                "{what}: the agent's status port"
+            );
+            let path = probe["httpGet"]["path"].as_str().unwrap();
+            let configured = probes
+                .get(path)
+                .unwrap_or_else(|| panic!("{what}: {path} is not in ENVOY_AGENT_APP_PROBERS"));
+            let kubelet_timeout = probe["timeoutSeconds"].as_u64().unwrap_or(1);
+            assert!(
+                configured.timeout.as_secs() < kubelet_timeout,
+                "{what}: the agent's probe ({:?}) ends before the kubelet's ({kubelet_timeout}s)",
+                configured.timeout
+            );
+            let port = match &configured.action {
+                Action::Http(get) => get.target.port,
+                Action::Tcp(target) => target.port,
+                Action::Grpc(check) => check.target.port,
+            };
+            assert!(
+                app_ports.contains(&u64::from(port)),
+                "{what}: the app listens on {port}"
+            );
+            asked.push(path.to_owned());
+        }
+        asked.sort();
+        assert_eq!(
+            probes.paths().collect::<Vec<_>>(),
+            asked,
+            "{workload}: every configured probe is asked"
+        );
+    }
+}

@@ -82,6 +82,12 @@ impl Shipped {
             .env("ENVOY_AGENT_GRPC_ADDRESS", &grpc)
             .env_remove("RUST_LOG")
             .env("ENVOY_AGENT_LOG_FORMAT", "json");
+        // The app's probes, as the manifest gives them.
+        if let Some(probers) =
+            env_var(container, "ENVOY_AGENT_APP_PROBERS").and_then(|e| e["value"].as_str())
+        {
+            command.env("ENVOY_AGENT_APP_PROBERS", probers);
+        }
         // What the downward API gives a pod, where the manifest asks for it.
         for (name, value) in [
             ("POD_NAME", "shipped-0"),
@@ -359,6 +365,44 @@ async fn app_on_8080() {
     });
 }
 
+/// The kubelet's probes of `workload`'s app container, as the manifest writes them (through
+/// the agent's status port): each passes, the agent having probed the app.
+async fn app_probes_pass(workload: &str) {
+    let k = Kustomization::load(SIDECAR_EXAMPLE);
+    let pod = pod_spec(k.object(workload));
+    let app = pod["containers"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "app")
+        .unwrap();
+    let mut probes = 0;
+    for kind in ["startupProbe", "livenessProbe", "readinessProbe"] {
+        let get = &app[kind]["httpGet"];
+        if get.is_null() {
+            continue;
+        }
+        let port = get["port"].as_u64().unwrap();
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], u16::try_from(port).unwrap()));
+        let path = get["path"].as_str().unwrap();
+        let answer = envoy_agent_tests::http_get(addr, path).await.unwrap();
+        assert_eq!(
+            answer.status, 200,
+            "{workload}: {kind} {path}: {}",
+            answer.body
+        );
+        assert!(
+            answer
+                .body
+                .starts_with("probe passed: GET http://127.0.0.1:8080/"),
+            "{workload}: {kind}: {}",
+            answer.body
+        );
+        probes += 1;
+    }
+    assert!(probes >= 2, "{workload}: the app's liveness and readiness");
+}
+
 /// The classic-sidecar example as shipped: the kubelet runs its postStart hook, the
 /// manifest's own `envoy-agent wait`, as the agent's container starts, and starts the app only
 /// once it returns: it returns 0 with Envoy serving. SIGTERM (no preStop) then drains, and the
@@ -389,6 +433,7 @@ async fn the_classic_sidecar_example_as_shipped_holds_the_app_until_envoy_serves
     let inbound: std::net::SocketAddr = "127.0.0.1:15006".parse().unwrap();
     let answer = envoy_agent_tests::http_get(inbound, "/").await.unwrap();
     assert_eq!(answer.status, 200, "{}", answer.body);
+    app_probes_pass(workload).await;
     agent.signal(Signal::SIGTERM);
     agent.event("drain_accepted").await;
     assert_eq!(agent.stop().await, Some(0));
@@ -401,6 +446,7 @@ async fn the_sidecar_example_as_shipped_drains_on_its_prestop_and_stops_at_sigte
     let mut agent = Shipped::start(SIDECAR_EXAMPLE, "Deployment");
     let inbound = "127.0.0.1:15006".parse().unwrap();
     agent.serving(inbound).await;
+    app_probes_pass("Deployment/web").await;
     let clients = Clients::on(inbound).await;
 
     // The kubelet runs the preStop hook: the manifest's own command.
