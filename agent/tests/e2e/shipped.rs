@@ -45,6 +45,7 @@ impl Shipped {
             .then(|| SHIPPED_NODE.lock().unwrap_or_else(|e| e.into_inner()));
         let dir = TestDir::new();
         let k = Kustomization::load(kustomization);
+        let annotations = k.object(workload)["spec"]["template"]["metadata"]["annotations"].clone();
         let pod = pod_spec(k.object(workload));
         let container = *agent_containers(pod)
             .iter()
@@ -87,6 +88,22 @@ impl Shipped {
             env_var(container, "ENVOY_AGENT_APP_PROBERS").and_then(|e| e["value"].as_str())
         {
             command.env("ENVOY_AGENT_APP_PROBERS", probers);
+        }
+        // The pod's annotations the manifest reads through the downward API, as the kubelet
+        // gives them (the app's metrics URL).
+        for env in container["env"].as_sequence().into_iter().flatten() {
+            let field = env["valueFrom"]["fieldRef"]["fieldPath"]
+                .as_str()
+                .unwrap_or_default();
+            if let Some(key) = field
+                .strip_prefix("metadata.annotations['")
+                .and_then(|k| k.strip_suffix("']"))
+            {
+                let value = annotations[key].as_str().unwrap_or_else(|| {
+                    panic!("{workload}: {field} names no annotation of the pod template")
+                });
+                command.env(env["name"].as_str().unwrap(), value);
+            }
         }
         // What the downward API gives a pod, where the manifest asks for it.
         for (name, value) in [
