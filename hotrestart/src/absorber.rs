@@ -4,10 +4,19 @@
 //! terminates it (stats pulls, the final Terminate). If the parent dies first (OOM kill,
 //! SIGKILL), the child's sends fail with ECONNREFUSED, it retries with its main thread blocked
 //! (its admin stops answering) and aborts about 13 s later (Envoy #7468). Binding the dead
-//! parent's socket names keeps the sends going through; and since a stats pull blocks the
-//! child's main thread until the parent replies, the stand-in answers each one with an empty
-//! stats reply (there are no parent stats left to merge). Other requests (Terminate,
-//! DrainListeners) expect no reply and get none.
+//! parent's socket names keeps the sends going through. Three requests block the child's main
+//! thread until the parent replies, so the stand-in answers each as a parent with nothing left
+//! to give would:
+//!
+//! - a stats pull: an empty stats reply (there are no parent stats left to merge);
+//! - a listen socket asked for (`PassListenSocket`, while a child that started before its
+//!   parent died creates its listeners): a reply without a socket (fd -1), so the child binds
+//!   its own (the soak's ninth finding: unanswered, the child waited until the handoff
+//!   deadline killed it, and nothing served meanwhile);
+//! - the admin shut (`ShutdownAdmin`, at a child's start): the reply a parent sends, with now as
+//!   the family's start time and port reuse on (Envoy's default), so the child goes on.
+//!
+//! Other requests (Terminate, DrainListeners) expect no reply and get none.
 //!
 //! Wire format (Envoy's `hot_restart.proto`): an 8-byte big-endian length, then a
 //! `HotRestartMessage` whose `request` (field 1) or `reply` (field 2) holds a oneof; stats is
@@ -57,23 +66,87 @@ impl Drop for Absorber {
 /// `reply { stats {} }`, framed: length 4, then the message.
 const EMPTY_STATS_REPLY: [u8; 12] = [0, 0, 0, 0, 0, 0, 0, 4, 0x12, 0x02, 0x1a, 0x00];
 
-/// Whether `datagram` (as a child sends it to its parent) is a framed
-/// `HotRestartMessage { request { stats {...} } }`, which the stand-in answers. Any bytes are
-/// safe to pass: they come from the network namespace.
-pub fn is_stats_request(datagram: &[u8]) -> bool {
+/// `reply { pass_listen_socket { fd: -1 } }`, framed: no socket (the child creates its own).
+/// The fd must be said: a reply without one (and without a passed descriptor) reads as fd 0.
+const NO_SOCKET_REPLY: [u8; 23] = [
+    0, 0, 0, 0, 0, 0, 0, 15, // length
+    0x12, 13, // reply
+    0x0a, 11, // pass_listen_socket
+    0x08, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01, // fd: -1 (int32 varint)
+];
+
+/// What a child asks its parent that the stand-in answers (`HotRestartMessage.request`'s
+/// fields).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Asked {
+    /// `pass_listen_socket` (1).
+    ListenSocket,
+    /// `shutdown_admin` (2).
+    ShutdownAdmin,
+    /// `stats` (3).
+    Stats,
+}
+
+/// Which request `datagram` (as a child sends it to its parent) is, among those the stand-in
+/// answers; `None` for any other (Terminate, DrainListeners expect no reply) or for bytes that
+/// are no request. Any bytes are safe to pass: they come from the network namespace.
+pub fn asked(datagram: &[u8]) -> Option<Asked> {
     // 8-byte length, then field 1 (request, length-delimited), its length (one varint byte for
-    // these small messages, or more), then field 3 (stats, length-delimited).
-    let Some(message) = datagram.get(8..) else {
-        return false;
-    };
+    // these small messages, or more), then the oneof's field, length-delimited.
+    let message = datagram.get(8..)?;
     if message.first() != Some(&0x0a) {
-        return false;
+        return None;
     }
     let mut i = 1;
     while message.get(i).is_some_and(|b| b & 0x80 != 0) {
         i += 1;
     }
-    message.get(i + 1) == Some(&0x1a)
+    match message.get(i + 1)? {
+        0x0a => Some(Asked::ListenSocket),
+        0x12 => Some(Asked::ShutdownAdmin),
+        0x1a => Some(Asked::Stats),
+        _ => None,
+    }
+}
+
+/// Whether `datagram` is a framed `HotRestartMessage { request { stats {...} } }`.
+pub fn is_stats_request(datagram: &[u8]) -> bool {
+    asked(datagram) == Some(Asked::Stats)
+}
+
+/// The stand-in's answer to `asked`, framed.
+fn reply(asked: Asked) -> Vec<u8> {
+    match asked {
+        Asked::Stats => EMPTY_STATS_REPLY.to_vec(),
+        Asked::ListenSocket => NO_SOCKET_REPLY.to_vec(),
+        Asked::ShutdownAdmin => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            // shutdown_admin { original_start_time_unix_seconds: now (1),
+            // enable_reuse_port_default: true (2) }
+            let mut inner = vec![0x08];
+            varint(now, &mut inner);
+            inner.extend([0x10, 0x01]);
+            let mut reply = vec![0x12];
+            varint(inner.len() as u64, &mut reply);
+            reply.extend(inner);
+            let mut message = vec![0x12];
+            varint(reply.len() as u64, &mut message);
+            message.extend(reply);
+            let mut framed = (message.len() as u64).to_be_bytes().to_vec();
+            framed.extend(message);
+            framed
+        }
+    }
+}
+
+fn varint(mut value: u64, out: &mut Vec<u8>) {
+    while value >= 0x80 {
+        out.push((value as u8 & 0x7f) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
 }
 
 fn send_to(
@@ -156,8 +229,9 @@ impl Absorber {
     }
 }
 
-/// Binds `addr` and reads what arrives there until aborted; a stats request is answered at
-/// `reply_to` (a dead parent's stand-in answering its child), anything else dropped.
+/// Binds `addr` and reads what arrives there until aborted; a request that blocks its sender
+/// ([`asked`]) is answered at `reply_to` (a dead parent's stand-in answering its child),
+/// anything else dropped.
 fn absorb(
     addr: &SocketAddr,
     owner: Option<u32>,
@@ -171,11 +245,9 @@ fn absorb(
         // for what is dropped.
         let mut buf = vec![0u8; 8192];
         while let Ok(n) = socket.recv(&mut buf).await {
-            if let Some(to) = &reply_to {
-                if is_stats_request(&buf[..n]) {
-                    // Best effort: a child that is gone needs no answer.
-                    let _ = send_to(&socket, &EMPTY_STATS_REPLY, to);
-                }
+            if let (Some(to), Some(asked)) = (&reply_to, asked(&buf[..n])) {
+                // Best effort: a child that is gone needs no answer.
+                let _ = send_to(&socket, &reply(asked), to);
             }
         }
     }))
@@ -211,6 +283,150 @@ mod tests {
         ]));
         assert!(!is_stats_request(&[0, 0, 0]));
         assert!(!is_stats_request(&[0, 0, 0, 0, 0, 0, 0, 2, 0x18, 0x01]));
+    }
+
+    /// Envoy's `source/server/hot_restart.proto`, as much of it as the stand-in speaks.
+    mod wire {
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct HotRestartMessage {
+            #[prost(oneof = "RequestReply", tags = "1, 2")]
+            pub requestreply: Option<RequestReply>,
+        }
+        #[derive(Clone, PartialEq, prost::Oneof)]
+        pub enum RequestReply {
+            #[prost(message, tag = "1")]
+            Request(Request),
+            #[prost(message, tag = "2")]
+            Reply(Reply),
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Request {
+            #[prost(oneof = "Asked", tags = "1, 2, 3, 4, 5")]
+            pub request: Option<Asked>,
+        }
+        #[derive(Clone, PartialEq, prost::Oneof)]
+        pub enum Asked {
+            #[prost(message, tag = "1")]
+            PassListenSocket(PassListenSocket),
+            #[prost(message, tag = "2")]
+            ShutdownAdmin(Empty),
+            #[prost(message, tag = "3")]
+            Stats(Empty),
+            #[prost(message, tag = "4")]
+            DrainListeners(Empty),
+            #[prost(message, tag = "5")]
+            Terminate(Empty),
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct PassListenSocket {
+            #[prost(string, tag = "1")]
+            pub address: String,
+            #[prost(uint32, tag = "2")]
+            pub worker_index: u32,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Empty {}
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Reply {
+            #[prost(oneof = "Answer", tags = "1, 2, 3")]
+            pub reply: Option<Answer>,
+        }
+        #[derive(Clone, PartialEq, prost::Oneof)]
+        pub enum Answer {
+            #[prost(message, tag = "1")]
+            PassListenSocket(Fd),
+            #[prost(message, tag = "2")]
+            ShutdownAdmin(ShutdownAdmin),
+            #[prost(message, tag = "3")]
+            Stats(Empty),
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct Fd {
+            #[prost(int32, tag = "1")]
+            pub fd: i32,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        pub struct ShutdownAdmin {
+            #[prost(uint64, tag = "1")]
+            pub original_start_time_unix_seconds: u64,
+            #[prost(bool, tag = "2")]
+            pub enable_reuse_port_default: bool,
+        }
+    }
+
+    fn framed(asked: wire::Asked) -> Vec<u8> {
+        use prost::Message as _;
+        let message = wire::HotRestartMessage {
+            requestreply: Some(wire::RequestReply::Request(wire::Request {
+                request: Some(asked),
+            })),
+        }
+        .encode_to_vec();
+        let mut out = (message.len() as u64).to_be_bytes().to_vec();
+        out.extend(message);
+        out
+    }
+
+    fn answer(framed: &[u8]) -> wire::Answer {
+        use prost::Message as _;
+        let length = u64::from_be_bytes(framed[..8].try_into().unwrap()) as usize;
+        assert_eq!(length, framed.len() - 8, "the frame's length");
+        match wire::HotRestartMessage::decode(&framed[8..])
+            .unwrap()
+            .requestreply
+        {
+            Some(wire::RequestReply::Reply(wire::Reply { reply: Some(a) })) => a,
+            other => panic!("not a reply: {other:?}"),
+        }
+    }
+
+    /// The soak's ninth finding: a child whose parent died while it started asks the stand-in
+    /// for its listen sockets (and, earlier, to shut the parent's admin) and waits for the
+    /// answer on its main thread. Each request as Envoy encodes it is recognized, and each
+    /// answer decodes as the reply Envoy expects: no socket (fd -1, not 0: stdin), the admin
+    /// shut at a plausible start time, no stats.
+    #[test]
+    fn a_childs_blocking_requests_get_the_replies_envoy_expects() {
+        let socket = framed(wire::Asked::PassListenSocket(wire::PassListenSocket {
+            address: "tcp://127.0.0.1:10000".to_owned(),
+            worker_index: 1,
+        }));
+        assert_eq!(asked(&socket), Some(Asked::ListenSocket));
+        assert_eq!(
+            answer(&reply(Asked::ListenSocket)),
+            wire::Answer::PassListenSocket(wire::Fd { fd: -1 })
+        );
+
+        let admin = framed(wire::Asked::ShutdownAdmin(wire::Empty {}));
+        assert_eq!(asked(&admin), Some(Asked::ShutdownAdmin));
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        match answer(&reply(Asked::ShutdownAdmin)) {
+            wire::Answer::ShutdownAdmin(a) => {
+                assert!(
+                    a.original_start_time_unix_seconds.abs_diff(now) < 60,
+                    "{a:?}"
+                );
+                assert!(a.enable_reuse_port_default);
+            }
+            other => panic!("{other:?}"),
+        }
+
+        let stats = framed(wire::Asked::Stats(wire::Empty {}));
+        assert_eq!(asked(&stats), Some(Asked::Stats));
+        assert_eq!(
+            answer(&reply(Asked::Stats)),
+            wire::Answer::Stats(wire::Empty {})
+        );
+
+        for unanswered in [
+            wire::Asked::DrainListeners(wire::Empty {}),
+            wire::Asked::Terminate(wire::Empty {}),
+        ] {
+            assert_eq!(asked(&framed(unanswered)), None);
+        }
     }
 
     #[tokio::test]

@@ -405,3 +405,58 @@ async fn an_agent_stalled_past_the_handoff_deadline_asks_again_before_it_kills()
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
+
+/// The soak's ninth finding: the serving epoch killed while its child still starts (here held
+/// there by a control plane that is down). The agent stands in for the dead parent's
+/// hot-restart sockets, and once the config comes the child asks that stand-in for its listen
+/// sockets, waiting on its main thread for the answer: it used to get none and wait until the
+/// handoff deadline killed it (60 s with nothing serving). Now it is told there is no socket,
+/// binds its own, and serves.
+#[tokio::test]
+async fn the_serving_epoch_killed_while_its_child_waits_for_config_leaves_the_child_to_serve() {
+    use nix::sys::signal::kill;
+    use nix::unistd::Pid;
+    let ports = ports();
+    let mut cp = control_plane(ports.listener_port, "from xds").await;
+    let mut agent = node_proxy(&cp, ports, &[]).await;
+    let listener = local(ports.listener_port);
+    eventually(
+        "served from the control plane's config",
+        PATIENCE,
+        || async {
+            let r = http_get(listener, "/").await.ok()?;
+            (r.status == 200 && r.body == "from xds").then_some(())
+        },
+    )
+    .await;
+    let serving = agent.envoys();
+    assert_eq!(serving.len(), 1, "{serving:?}");
+
+    cp.stop().await;
+    agent.signal(Signal::SIGHUP);
+    agent.wait_event("handoff_waiting", "epoch", "1").await;
+    kill(Pid::from_raw(serving[0] as i32), Signal::SIGKILL).unwrap();
+    agent.wait_event("stand_in", "epoch", "0").await;
+
+    cp.restart().await;
+    eventually("epoch 1 LIVE with its config", XDS_PATIENCE, || async {
+        (restarts(&agent, "live") == 1).then_some(())
+    })
+    .await;
+    eventually("served again, by epoch 1", PATIENCE, || async {
+        let r = http_get(listener, "/").await.ok()?;
+        (r.status == 200 && r.body == "from xds").then_some(())
+    })
+    .await;
+    assert!(
+        agent.events("wedge").is_empty(),
+        "no wedge: {}",
+        agent.stderr()
+    );
+    assert!(
+        agent.events("envoy_crashed").is_empty(),
+        "the agent never lost its Envoy"
+    );
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+}
