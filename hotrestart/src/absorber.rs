@@ -288,24 +288,24 @@ mod tests {
     /// Envoy's `source/server/hot_restart.proto`, as much of it as the stand-in speaks.
     mod wire {
         #[derive(Clone, PartialEq, prost::Message)]
-        pub struct HotRestartMessage {
+        pub(super) struct HotRestartMessage {
             #[prost(oneof = "RequestReply", tags = "1, 2")]
-            pub requestreply: Option<RequestReply>,
+            pub(super) requestreply: Option<RequestReply>,
         }
         #[derive(Clone, PartialEq, prost::Oneof)]
-        pub enum RequestReply {
+        pub(super) enum RequestReply {
             #[prost(message, tag = "1")]
             Request(Request),
             #[prost(message, tag = "2")]
             Reply(Reply),
         }
         #[derive(Clone, PartialEq, prost::Message)]
-        pub struct Request {
+        pub(super) struct Request {
             #[prost(oneof = "Asked", tags = "1, 2, 3, 4, 5")]
-            pub request: Option<Asked>,
+            pub(super) request: Option<Asked>,
         }
         #[derive(Clone, PartialEq, prost::Oneof)]
-        pub enum Asked {
+        pub(super) enum Asked {
             #[prost(message, tag = "1")]
             PassListenSocket(PassListenSocket),
             #[prost(message, tag = "2")]
@@ -318,21 +318,21 @@ mod tests {
             Terminate(Empty),
         }
         #[derive(Clone, PartialEq, prost::Message)]
-        pub struct PassListenSocket {
+        pub(super) struct PassListenSocket {
             #[prost(string, tag = "1")]
-            pub address: String,
+            pub(super) address: String,
             #[prost(uint32, tag = "2")]
-            pub worker_index: u32,
+            pub(super) worker_index: u32,
         }
         #[derive(Clone, PartialEq, prost::Message)]
-        pub struct Empty {}
+        pub(super) struct Empty {}
         #[derive(Clone, PartialEq, prost::Message)]
-        pub struct Reply {
+        pub(super) struct Reply {
             #[prost(oneof = "Answer", tags = "1, 2, 3")]
-            pub reply: Option<Answer>,
+            pub(super) reply: Option<Answer>,
         }
         #[derive(Clone, PartialEq, prost::Oneof)]
-        pub enum Answer {
+        pub(super) enum Answer {
             #[prost(message, tag = "1")]
             PassListenSocket(Fd),
             #[prost(message, tag = "2")]
@@ -341,16 +341,16 @@ mod tests {
             Stats(Empty),
         }
         #[derive(Clone, PartialEq, prost::Message)]
-        pub struct Fd {
+        pub(super) struct Fd {
             #[prost(int32, tag = "1")]
-            pub fd: i32,
+            pub(super) fd: i32,
         }
         #[derive(Clone, PartialEq, prost::Message)]
-        pub struct ShutdownAdmin {
+        pub(super) struct ShutdownAdmin {
             #[prost(uint64, tag = "1")]
-            pub original_start_time_unix_seconds: u64,
+            pub(super) original_start_time_unix_seconds: u64,
             #[prost(bool, tag = "2")]
-            pub enable_reuse_port_default: bool,
+            pub(super) enable_reuse_port_default: bool,
         }
     }
 
