@@ -2,7 +2,7 @@
 //! `POST /drain` (a drain with `skip_exit`: Envoy keeps running, the next SIGTERM exits at
 //! once), `POST /quitquitquit`, `/stats/prometheus` and the app's own probes
 //! (`/app-health/<container>/livez|readyz|startupz`, [`crate::app_probe`]). What each answers,
-//! and to whom, is tabled in `docs/operations.md#status-server`.
+//! and to whom, is tabled in `docs/observability.md#status-server`.
 //!
 //! Mutating endpoints answer 405 to other methods and 403 to non-loopback peers, whatever
 //! address the server binds. In node-proxy mode ([`StatusServer::check_callers`]) the

@@ -4,7 +4,7 @@
 //!
 //! Push only, no scrape endpoint. The OpenTelemetry SDK's standard environment configures it,
 //! and a flag overrides a variable only when the flag is given; the settings, their variables
-//! and defaults are tabled in `docs/operations.md#metrics-otlp-push`. Without a collector
+//! and defaults are tabled in `docs/observability.md#metrics-otlp-push`. Without a collector
 //! nothing is built and every instrument is a no-op.
 //!
 //! An endpoint without a scheme is `http://` (plaintext); an `https://` one is verified with
@@ -25,7 +25,7 @@
 //! instruments are in `envoy_agent_hotrestart::metrics`; the agent's are
 //! `envoy_agent.drain.duration` (buckets: [`DRAIN_DURATION_BUCKETS`]), `envoy_agent.exits` and
 //! `envoy_agent.envoy.crashes`. Every instrument, with its attributes and their values, is
-//! tabled once in `docs/operations.md#metrics-otlp-push`.
+//! tabled once in `docs/observability.md#metrics-otlp-push`.
 
 use std::sync::Arc;
 use std::time::Duration;

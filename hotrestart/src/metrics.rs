@@ -11,7 +11,7 @@
 //!
 //! Each instrument, its unit, its attributes ([`HANDOFF_OUTCOME`], [`HANDOFF_KIND`],
 //! [`WEDGE_REASON`], [`EXIT_KIND`]) with their values, and when it is recorded, is tabled once,
-//! with the agent's own, in `docs/operations.md#metrics-otlp-push`.
+//! with the agent's own, in `docs/observability.md#metrics-otlp-push`.
 
 use std::sync::Arc;
 use std::time::Duration;
