@@ -727,6 +727,21 @@ impl RunArgs {
             )?),
             None => None,
         };
+        // A successor pod runs the same command line, so its handoff deadline and parent
+        // shutdown time are ours (in sidecar mode, which has no successor pod, their defaults).
+        let handover_timeout = match shutdown_budget.as_ref().and_then(|split| split.handover) {
+            Some(share) => share,
+            None => {
+                let (handoff, parent_shutdown) = match &hot_restart {
+                    Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
+                    None => (
+                        crate::settings::defaults::HANDOFF_DEADLINE,
+                        crate::settings::defaults::PARENT_SHUTDOWN_TIME,
+                    ),
+                };
+                crate::settings::defaults::handover_timeout(handoff, parent_shutdown)
+            }
+        };
         let termination_drain_duration = match &shutdown_budget {
             Some(split) => split.drain,
             None => self
@@ -796,6 +811,7 @@ impl RunArgs {
                 exclude_listener_ports: self.exclude_listener_ports,
                 exclude_listener_prefixes: self.exclude_listener_prefixes,
                 timeline,
+                handover_timeout,
             },
             status_address: self.status_address,
             app_probes,
@@ -1281,6 +1297,63 @@ mod tests {
         assert_eq!(
             (crash.limit, crash.backoff_max),
             (2, defaults::CRASH_BACKOFF_MAX)
+        );
+    }
+
+    #[test]
+    fn the_flags_defaults_are_the_settings_defaults() {
+        use crate::settings::defaults;
+        // One table: what a run without flags gets is `settings::defaults`, and the agent's
+        // view of it is `AgentConfig::default()`.
+        let none = settings(&[]).unwrap();
+        assert_eq!(
+            none.drain.termination_drain_duration,
+            defaults::TERMINATION_DRAIN_DURATION
+        );
+        assert_eq!(
+            none.drain.minimum_drain_duration,
+            defaults::MINIMUM_DRAIN_DURATION
+        );
+        assert_eq!(none.drain.poll_interval, defaults::DRAIN_POLL_INTERVAL);
+        assert_eq!(
+            none.drain.exclude_listener_ports,
+            defaults::EXCLUDED_LISTENER_PORTS
+        );
+        assert_eq!(
+            none.drain.handover_timeout,
+            defaults::handover_timeout(defaults::HANDOFF_DEADLINE, defaults::PARENT_SHUTDOWN_TIME)
+        );
+        // `--healthcheck-fail-at drain` comes resolved by the timeline: the drain's offset
+        // (the drain delay, none by default).
+        let expected = crate::AgentConfig {
+            fail_health_checks_at: crate::timeline::HealthCheckFailAt::After(Duration::ZERO),
+            ..crate::AgentConfig::default()
+        };
+        assert_eq!(
+            format!("{:?}", crate::agent_config(&none)),
+            format!("{expected:?}"),
+            "AgentConfig is a view of the settings"
+        );
+        // The budget is applied once, in the settings: the agent's view only copies it.
+        let budgeted = settings(&[
+            "--shutdown-budget",
+            "90s",
+            "--hot-restart",
+            "--base-id",
+            "3",
+            "--state-dir",
+            "/tmp/x",
+        ])
+        .unwrap();
+        let split = budgeted.shutdown_budget.unwrap();
+        assert_eq!(Some(budgeted.drain.handover_timeout), split.handover);
+        assert_eq!(
+            crate::agent_config(&budgeted).handover_timeout,
+            budgeted.drain.handover_timeout
+        );
+        assert_eq!(
+            crate::agent_config(&budgeted).termination_drain_duration,
+            split.drain
         );
     }
 

@@ -74,22 +74,14 @@ pub use signal::{Intent, IntentSource, UnixSignals};
 /// How long the agent waits for its own tasks (the servers) once Envoy is gone.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-/// The agent's drain settings.
+/// The agent's drain settings: a view of `settings` (whose defaults and budget are applied
+/// already, in [`cli::RunArgs::into_settings`]).
 pub fn agent_config(settings: &Settings) -> AgentConfig {
     let drain = &settings.drain;
     let mut exclusions = Exclusions::with_ports(drain.exclude_listener_ports.iter().copied());
     exclusions
         .name_prefixes
         .extend(drain.exclude_listener_prefixes.iter().cloned());
-    // A successor pod runs the same command line, so its handoff deadline and parent shutdown
-    // time are ours (in sidecar mode, which has no successor pod, their defaults).
-    let (handoff_deadline, parent_shutdown_time) = match &settings.hot_restart {
-        Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
-        None => (
-            settings::defaults::HANDOFF_DEADLINE,
-            settings::defaults::PARENT_SHUTDOWN_TIME,
-        ),
-    };
     AgentConfig {
         termination_drain_duration: drain.termination_drain_duration,
         minimum_drain_duration: drain.minimum_drain_duration,
@@ -102,12 +94,7 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
         ),
         exclusions,
         poll_interval: drain.poll_interval,
-        // A successor terminates our Envoy at most its handoff deadline plus the parent
-        // shutdown time after it starts; then some margin.
-        handover_timeout: settings
-            .shutdown_budget
-            .and_then(|split| split.handover)
-            .unwrap_or(handoff_deadline + parent_shutdown_time + Duration::from_secs(10)),
+        handover_timeout: drain.handover_timeout,
         crash_recovery: settings.crash_recovery,
         ..AgentConfig::default()
     }

@@ -14,7 +14,8 @@ use crate::signal::Intent;
 /// `EX_SOFTWARE`: the proxy could not be run at all.
 pub use crate::exit_code::SOFTWARE as EXIT_SOFTWARE;
 
-/// How the agent drains and stops. [`Default`] gives Istio's defaults.
+/// How the agent drains and stops: a view of [`crate::Settings`] (`agent_config`) for the
+/// actor. [`Default`] is `envoy-agent run`'s defaults, from [`crate::settings::defaults`].
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     /// How long a shutdown drain lasts before Envoy is stopped; in exit-on-zero mode, the hard
@@ -47,19 +48,24 @@ pub struct AgentConfig {
 }
 
 impl Default for AgentConfig {
+    /// The defaults of `envoy-agent run` without flags (in sidecar mode).
     fn default() -> Self {
+        use crate::settings::defaults;
         AgentConfig {
-            termination_drain_duration: Duration::from_secs(5),
-            minimum_drain_duration: Duration::from_secs(5),
+            termination_drain_duration: defaults::TERMINATION_DRAIN_DURATION,
+            minimum_drain_duration: defaults::MINIMUM_DRAIN_DURATION,
             exit_on_zero: None,
             drain_delay: Duration::ZERO,
             not_ready_at: Duration::ZERO,
             fail_health_checks_at: crate::timeline::HealthCheckFailAt::Drain,
-            exclusions: Exclusions::with_ports([15021, 15090]),
-            poll_interval: Duration::from_millis(50),
-            stats_timeout: Duration::from_secs(2),
-            stats_error_budget: 5,
-            handover_timeout: Duration::from_secs(130),
+            exclusions: Exclusions::with_ports(defaults::EXCLUDED_LISTENER_PORTS),
+            poll_interval: defaults::DRAIN_POLL_INTERVAL,
+            stats_timeout: defaults::STATS_TIMEOUT,
+            stats_error_budget: defaults::STATS_ERROR_BUDGET,
+            handover_timeout: defaults::handover_timeout(
+                defaults::HANDOFF_DEADLINE,
+                defaults::PARENT_SHUTDOWN_TIME,
+            ),
             crash_recovery: None,
         }
     }
