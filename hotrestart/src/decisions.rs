@@ -2087,6 +2087,31 @@ async fn a_draining_parent_outlives_its_crashed_child_until_its_own_deadline() {
     again.stop().await;
 }
 
+/// Issue 42: the heartbeat says how the newest family came to serve (`handover`). The first
+/// start was told by its reason, `start`, so a user's restart with that reason read as no
+/// handover at all; it is told by how the epoch started now.
+#[tokio::test(start_paused = true)]
+async fn a_restart_whose_reason_is_start_is_still_a_handover_in_the_heartbeat() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    let ours = f.host.world().ours.clone().unwrap();
+    assert_eq!(ours.handover, None, "the first start is no handover");
+    assert_eq!(f.restart("start").await.unwrap(), Ok(1));
+    f.serving_at(1).await;
+    // The heartbeat is rewritten once the restart is recorded.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ours = f.host.world().ours.clone().unwrap();
+    assert_eq!(ours.newest_epoch, 1);
+    assert_eq!(
+        ours.handover.map(|h| h.kind),
+        Some("hot".to_owned()),
+        "a restart, whatever its reason says"
+    );
+    f.stop().await;
+}
+
 /// The soak's eighth finding: the kept parent forwards QUIC packets it does not know to its
 /// child's socket; the child dead, Envoy retries each for ever on its main thread and turns
 /// deaf to SIGTERM. The agent holds the dead child's names from the crash until the parent is

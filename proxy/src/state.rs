@@ -290,6 +290,9 @@ pub struct HandoffResult {
     pub message: String,
     /// Hot restart or cold handover (and why).
     pub kind: HandoffKind,
+    /// A family's first epoch with nothing to take over from (the agent's start, a fresh
+    /// family after a crash): no handover, whatever its reason says.
+    pub fresh_start: bool,
 }
 
 /// Why the supervisor judged the family stuck, or repaired it.

@@ -592,6 +592,7 @@ impl<H: Host> Supervisor<H> {
                 Outcome::Failed | Outcome::TimedOut => Err(RestartError::Failed(message.clone())),
             });
         }
+        let fresh_start = attempt.first && attempt.parent.is_none() && attempt.cold_from.is_none();
         let result = HandoffResult {
             epoch: attempt.epoch,
             reason: attempt.reason,
@@ -602,6 +603,7 @@ impl<H: Host> Supervisor<H> {
             at: SystemTime::now(),
             message,
             kind: attempt.kind,
+            fresh_start,
         };
         push_bounded(&mut self.family.handoffs, result.clone());
         self.family.last_handoff = Some(result);

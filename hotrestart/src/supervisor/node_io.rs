@@ -142,7 +142,8 @@ impl<H: Host> Supervisor<H> {
                 .iter()
                 .rev()
                 .find(|h| h.outcome == Outcome::Live)
-                .filter(|h| h.reason != START_REASON)
+                // Told by how it started, not by its reason: a user's restart may say `start`.
+                .filter(|h| !h.fresh_start)
                 .map(|h| node::Handover {
                     kind: h.kind.as_str().to_owned(),
                     why: match &h.kind {
