@@ -72,6 +72,7 @@ pub mod handoff;
 pub mod host;
 pub mod metrics;
 pub mod node;
+mod probing;
 pub mod shm;
 mod supervisor;
 #[cfg(test)]
