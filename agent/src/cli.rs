@@ -15,13 +15,14 @@ use envoy_agent_proxy::Scope;
 
 use crate::client;
 use crate::crash::CrashRecovery;
+use crate::defaults;
 use crate::duration::{
     parse_duration, parse_positive_duration, parse_positive_whole_seconds, parse_whole_seconds,
 };
 use crate::exit_code;
 use crate::settings::{
     Counting, DrainSettings, DrainStrategy, EnvoyAdmin, EnvoySettings, GrpcAddress,
-    HotRestartSettings, RunAs, Settings, TelemetrySettings, defaults,
+    HotRestartSettings, RunAs, Settings, TelemetrySettings,
 };
 use crate::timeline::HealthCheckFailAt;
 
@@ -709,7 +710,7 @@ impl RunArgs {
             Some(split) => split.drain,
             None => self
                 .termination_drain_duration
-                .unwrap_or(crate::settings::defaults::TERMINATION_DRAIN_DURATION),
+                .unwrap_or(defaults::TERMINATION_DRAIN_DURATION),
         };
         let timeline = crate::timeline::fit(crate::timeline::Steps {
             not_ready: self.not_ready_at,

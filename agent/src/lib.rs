@@ -45,6 +45,7 @@ pub mod cli;
 pub mod client;
 mod connections;
 pub mod crash;
+pub mod defaults;
 pub mod duration;
 pub mod exit_code;
 pub mod exposition;
@@ -84,10 +85,7 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
     // time are ours (in sidecar mode, which has no successor pod, their defaults).
     let (handoff_deadline, parent_shutdown_time) = match &settings.hot_restart {
         Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
-        None => (
-            settings::defaults::HANDOFF_DEADLINE,
-            settings::defaults::PARENT_SHUTDOWN_TIME,
-        ),
+        None => (defaults::HANDOFF_DEADLINE, defaults::PARENT_SHUTDOWN_TIME),
     };
     AgentConfig {
         termination_drain_duration: drain.termination_drain_duration,
