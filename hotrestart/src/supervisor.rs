@@ -905,7 +905,8 @@ impl<H: Host> Supervisor<H> {
         } else {
             let ask = self.host.hot_restart_version();
             tokio::spawn(async move {
-                let _ = events.send(Event::Version(ask.await));
+                let version = ask.await.map_err(|e| e.to_string());
+                let _ = events.send(Event::Version(version));
             });
         }
     }
@@ -945,7 +946,7 @@ impl<H: Host> Supervisor<H> {
     /// Whether the family's shared memory can take another epoch of the running version.
     fn shm_usable(&self) -> Result<(), String> {
         match self.version.known() {
-            Some(version) => self.host.shm_usable(version),
+            Some(version) => self.host.shm_usable(version).map_err(|e| e.to_string()),
             None => Err("the running envoy's hot-restart version is unknown".to_owned()),
         }
     }
