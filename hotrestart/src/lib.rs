@@ -83,3 +83,4 @@ pub use config::{Config, ConfigError, unique_identity};
 pub use envoy_agent_proxy::{EXIT_WEDGED, RestartError};
 pub use family::{EnvoyFamily, SupervisorHandle};
 pub use host::{Host, RealHost};
+pub use supervisor::FamilyError;

@@ -62,8 +62,23 @@ pub(crate) const START_REASON: &str = "start";
 /// An incompatible predecessor is reported again after this long.
 const INCOMPATIBLE_REPORT: Duration = Duration::from_secs(60);
 
+/// Why the family did not do what it was asked: a drain, or failing its health checks.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum FamilyError {
+    /// The supervisor has ended: nothing is left to ask.
+    #[error("the supervisor is gone")]
+    Gone,
+    /// The serving Envoy's admin API refused or failed the call (shared: one call answers
+    /// every request that waited for it).
+    #[error(transparent)]
+    Admin(Arc<AdminError>),
+}
+
 /// Where a drain's answer goes: what it reached, or why it failed.
-pub(crate) type DrainReply = oneshot::Sender<Result<DrainPlan, String>>;
+pub(crate) type DrainReply = oneshot::Sender<Result<DrainPlan, FamilyError>>;
+/// Where the answer to failing the health checks goes.
+pub(crate) type HealthChecksReply = oneshot::Sender<Result<(), FamilyError>>;
 
 /// What steers the supervisor.
 #[derive(Debug)]
@@ -77,7 +92,7 @@ pub(crate) enum Command {
         reply: DrainReply,
     },
     FailHealthChecks {
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: HealthChecksReply,
     },
     ReopenLogs {
         reply: oneshot::Sender<usize>,
@@ -157,7 +172,7 @@ enum Event {
         result: Result<(), Refusal>,
     },
     Drained {
-        result: Result<DrainPlan, String>,
+        result: Result<DrainPlan, FamilyError>,
         replies: Vec<DrainReply>,
     },
     ConfigChanged,
@@ -311,7 +326,7 @@ pub(crate) struct Supervisor<H: Host> {
     health_checks_failed: bool,
     /// Requests to fail the health checks asked for while a handoff is under way, answered
     /// once it has settled (as [`Supervisor::pending_drains`]).
-    pending_health_checks: Vec<oneshot::Sender<Result<(), String>>>,
+    pending_health_checks: Vec<HealthChecksReply>,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
