@@ -53,6 +53,7 @@ mod shutdown;
 mod state;
 
 pub use handle::{AgentError, AgentHandle};
+pub use shutdown::describe_listener;
 pub use state::{
     AgentConfig, AgentExit, AgentState, DrainPhase, DrainProgress, DrainReason, EXIT_SOFTWARE,
     ExitPath, Status, Via,

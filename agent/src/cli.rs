@@ -16,13 +16,14 @@ use envoy_agent_proxy::Scope;
 use crate::app_probe::{self, AppProbes};
 use crate::client;
 use crate::crash::CrashRecovery;
+use crate::defaults;
 use crate::duration::{
     parse_duration, parse_positive_duration, parse_positive_whole_seconds, parse_whole_seconds,
 };
 use crate::exit_code;
 use crate::settings::{
     Counting, DrainSettings, DrainStrategy, EnvoyAdmin, EnvoySettings, GrpcAddress,
-    HotRestartSettings, RunAs, Settings, TelemetrySettings, defaults,
+    HotRestartSettings, RunAs, Settings, TelemetrySettings,
 };
 use crate::timeline::HealthCheckFailAt;
 
@@ -735,18 +736,18 @@ impl RunArgs {
                 let (handoff, parent_shutdown) = match &hot_restart {
                     Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
                     None => (
-                        crate::settings::defaults::HANDOFF_DEADLINE,
-                        crate::settings::defaults::PARENT_SHUTDOWN_TIME,
+                        crate::defaults::HANDOFF_DEADLINE,
+                        crate::defaults::PARENT_SHUTDOWN_TIME,
                     ),
                 };
-                crate::settings::defaults::handover_timeout(handoff, parent_shutdown)
+                crate::defaults::handover_timeout(handoff, parent_shutdown)
             }
         };
         let termination_drain_duration = match &shutdown_budget {
             Some(split) => split.drain,
             None => self
                 .termination_drain_duration
-                .unwrap_or(crate::settings::defaults::TERMINATION_DRAIN_DURATION),
+                .unwrap_or(defaults::TERMINATION_DRAIN_DURATION),
         };
         let timeline = crate::timeline::fit(crate::timeline::Steps {
             not_ready: self.not_ready_at,
@@ -1302,8 +1303,8 @@ mod tests {
 
     #[test]
     fn the_flags_defaults_are_the_settings_defaults() {
-        use crate::settings::defaults;
-        // One table: what a run without flags gets is `settings::defaults`, and the agent's
+        use crate::defaults;
+        // One table: what a run without flags gets is `defaults`, and the agent's
         // view of it is `AgentConfig::default()`.
         let none = settings(&[]).unwrap();
         assert_eq!(

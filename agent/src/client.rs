@@ -262,194 +262,256 @@ pub fn print_status(status: &pb::Status) {
 
 /// The text [`print_status`] prints.
 pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
-    use std::fmt::Write as _;
+    let sections = [
+        head_lines(status, now),
+        status
+            .control_plane
+            .as_ref()
+            .map_or_else(Vec::new, |cp| control_plane_lines(cp, now)),
+        status
+            .drain
+            .as_ref()
+            .map_or_else(Vec::new, |d| drain_lines(d, now)),
+        status
+            .crash_recovery
+            .as_ref()
+            .map_or_else(Vec::new, |r| crash_lines(r, now)),
+        epoch_lines(&status.epochs, now),
+        status
+            .family
+            .as_ref()
+            .map_or_else(Vec::new, |f| family_lines(f, now)),
+        status
+            .settings
+            .as_ref()
+            .map_or_else(Vec::new, |s| settings_lines(s, status.family.is_some())),
+    ];
     let mut out = String::new();
-    let mut line = |label: &str, value: String| {
-        let _ = writeln!(out, "{label:<20}{value}");
-    };
+    for line in sections.iter().flatten() {
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// One line of the summary: the label in a column of 20, then the value.
+fn row(label: &str, value: impl std::fmt::Display) -> String {
+    format!("{label:<20}{value}")
+}
+
+/// What the agent is and does: mode, state, readiness, exit code, newest LIVE epoch.
+fn head_lines(status: &pb::Status, now: SystemTime) -> Vec<String> {
     let mode = match status.mode() {
-        pb::Mode::Sidecar => "sidecar (one envoy, hot restart off)".to_owned(),
-        pb::Mode::NodeProxy => "node proxy (hot restart)".to_owned(),
-        pb::Mode::Unspecified => "unknown".to_owned(),
+        pb::Mode::Sidecar => "sidecar (one envoy, hot restart off)",
+        pb::Mode::NodeProxy => "node proxy (hot restart)",
+        pb::Mode::Unspecified => "unknown",
     };
-    line("mode:", mode);
     let mut state = short(pb::AgentState::try_from(status.state));
     if !status.reason.is_empty() {
         state.push_str(&format!(" ({})", status.reason));
     }
-    line("state:", state);
-    line("since:", when(&status.state_since, now));
-    line("ready:", if status.ready { "yes" } else { "no" }.to_owned());
+    let mut lines = vec![
+        row("mode:", mode),
+        row("state:", state),
+        row("since:", when(&status.state_since, now)),
+        row("ready:", if status.ready { "yes" } else { "no" }),
+    ];
     if status.admin_silent_since.is_some() {
-        line(
+        lines.push(row(
             "envoy admin:",
             format!(
                 "not answering since {}",
                 when(&status.admin_silent_since, now)
             ),
-        );
+        ));
     }
     if let Some(code) = status.exit_code {
-        line("exit code:", code.to_string());
+        lines.push(row("exit code:", code));
     }
-    line(
+    lines.push(row(
         "newest LIVE epoch:",
         status
             .newest_live_epoch
             .map_or_else(|| "none".to_owned(), |e| e.to_string()),
-    );
-    if let Some(cp) = &status.control_plane {
-        let connection = match cp.connected {
-            Some(true) => "connected".to_owned(),
-            Some(false) if cp.disconnected_since.is_some() => {
-                format!("disconnected since {}", when(&cp.disconnected_since, now))
-            }
-            Some(false) => "disconnected".to_owned(),
-            None => "no gRPC control plane".to_owned(),
-        };
-        let received = if cp.received {
-            "config received"
-        } else {
-            "waiting for its config"
-        };
-        line(
-            "control plane:",
-            format!("{connection}, {received} (epoch {})", cp.epoch),
-        );
-        for t in &cp.types {
-            line(
-                &format!("  {}:", t.name),
-                format!(
-                    "{} updates accepted, {} rejected, {} initial fetches timed out",
-                    t.update_success, t.update_rejected, t.init_fetch_timeout
-                ),
-            );
+    ));
+    lines
+}
+
+fn control_plane_lines(cp: &pb::ControlPlane, now: SystemTime) -> Vec<String> {
+    let connection = match cp.connected {
+        Some(true) => "connected".to_owned(),
+        Some(false) if cp.disconnected_since.is_some() => {
+            format!("disconnected since {}", when(&cp.disconnected_since, now))
         }
-    }
-    if let Some(d) = &status.drain {
-        line(
+        Some(false) => "disconnected".to_owned(),
+        None => "no gRPC control plane".to_owned(),
+    };
+    let received = if cp.received {
+        "config received"
+    } else {
+        "waiting for its config"
+    };
+    let mut lines = vec![row(
+        "control plane:",
+        format!("{connection}, {received} (epoch {})", cp.epoch),
+    )];
+    lines.extend(cp.types.iter().map(|t| {
+        row(
+            &format!("  {}:", t.name),
+            format!(
+                "{} updates accepted, {} rejected, {} initial fetches timed out",
+                t.update_success, t.update_rejected, t.init_fetch_timeout
+            ),
+        )
+    }));
+    lines
+}
+
+fn drain_lines(d: &pb::Drain, now: SystemTime) -> Vec<String> {
+    let mut lines = vec![
+        row(
             "drain:",
             format!(
                 "{} since {}",
                 short(pb::DrainReason::try_from(d.reason)),
                 when(&d.start_time, now)
             ),
-        );
-        line(
+        ),
+        row(
             "  deadline:",
             if d.deadline.is_some() {
                 when(&d.deadline, now)
             } else {
                 "none (exit-on-zero counts until nothing is left)".to_owned()
             },
-        );
-        if d.accepted {
-            let mut drained = if d.drained_known {
-                let names: Vec<&str> = d.drained.iter().map(|l| l.name.as_str()).collect();
-                match names.is_empty() {
-                    true => "none".to_owned(),
-                    false => names.join(", "),
-                }
-            } else if d.inbound_only {
-                "the INBOUND listeners (not read from envoy)".to_owned()
-            } else {
-                "every listener (not read from envoy)".to_owned()
-            };
-            if !d.drained_note.is_empty() {
-                drained.push_str(&format!(" ({})", d.drained_note));
-            }
-            line("  drained:", drained);
-        }
-        if let Some(n) = d.active_connections {
-            line(
-                "  connections:",
-                format!("{n} active, counted {}", when(&d.count_time, now)),
-            );
-        }
-        if let Some(n) = d.active_requests {
-            line(
-                "  requests:",
-                format!("{n} active, counted {}", when(&d.count_time, now)),
-            );
-        }
-        if !d.listeners.is_empty() {
-            line(
-                "  holding it open:",
-                format!("read {}", when(&d.listeners_time, now)),
-            );
-        }
-        for l in &d.listeners {
-            let mut held = format!("{} connections", l.active_connections);
-            if let Some(n) = l.active_requests {
-                held.push_str(&format!(", {n} requests"));
-            }
-            if let Some(n) = l.upgrades_active.filter(|n| *n > 0) {
-                held.push_str(&format!(", {n} upgraded (WebSocket, CONNECT)"));
-            }
-            line(&format!("    {}:", l.name), held);
-        }
+        ),
+    ];
+    if d.accepted {
+        lines.push(row("  drained:", drained(d)));
     }
-    if let Some(r) = &status.crash_recovery {
-        let mut crashes = format!(
-            "{} since start, {} in a row (restart limit {})",
-            r.total_crashes, r.consecutive_crashes, r.limit
-        );
-        if r.next_restart_time.is_some() {
-            crashes.push_str(&format!(
-                "; next restart {}",
-                when(&r.next_restart_time, now)
-            ));
-        }
-        line("crashes:", crashes);
-        if let Some(c) = r.crashes.last() {
-            let how = match c.signal {
-                Some(signal) => format!("killed by signal {signal}"),
-                None => format!("exit {}", c.exit_code),
-            };
-            line("  last crash:", format!("{how}, {}", when(&c.time, now)));
-        }
+    if let Some(n) = d.active_connections {
+        lines.push(row(
+            "  connections:",
+            format!("{n} active, counted {}", when(&d.count_time, now)),
+        ));
     }
-    if !status.epochs.is_empty() {
-        out.push_str("  EPOCH       PID  STATE     STARTED\n");
-        for e in &status.epochs {
-            let _ = writeln!(
-                out,
-                "{:>7}  {:>8}  {:<8}  {}",
-                e.epoch,
-                e.pid,
-                short(pb::EpochState::try_from(e.state)),
-                when(&e.start_time, now)
-            );
-        }
+    if let Some(n) = d.active_requests {
+        lines.push(row(
+            "  requests:",
+            format!("{n} active, counted {}", when(&d.count_time, now)),
+        ));
     }
-    if let Some(f) = &status.family {
-        let _ = writeln!(
-            out,
-            "family:             base id {}, hot-restart version {}, identity {}",
+    if !d.listeners.is_empty() {
+        lines.push(row(
+            "  holding it open:",
+            format!("read {}", when(&d.listeners_time, now)),
+        ));
+    }
+    lines.extend(d.listeners.iter().map(|l| {
+        let mut held = format!("{} connections", l.active_connections);
+        if let Some(n) = l.active_requests {
+            held.push_str(&format!(", {n} requests"));
+        }
+        if let Some(n) = l.upgrades_active.filter(|n| *n > 0) {
+            held.push_str(&format!(", {n} upgraded (WebSocket, CONNECT)"));
+        }
+        row(&format!("    {}:", l.name), held)
+    }));
+    lines
+}
+
+/// Which listeners an accepted drain drained, and how that is known.
+fn drained(d: &pb::Drain) -> String {
+    let mut drained = if d.drained_known {
+        let names: Vec<&str> = d.drained.iter().map(|l| l.name.as_str()).collect();
+        match names.is_empty() {
+            true => "none".to_owned(),
+            false => names.join(", "),
+        }
+    } else if d.inbound_only {
+        "the INBOUND listeners (not read from envoy)".to_owned()
+    } else {
+        "every listener (not read from envoy)".to_owned()
+    };
+    if !d.drained_note.is_empty() {
+        drained.push_str(&format!(" ({})", d.drained_note));
+    }
+    drained
+}
+
+fn crash_lines(r: &pb::CrashRecovery, now: SystemTime) -> Vec<String> {
+    let mut crashes = format!(
+        "{} since start, {} in a row (restart limit {})",
+        r.total_crashes, r.consecutive_crashes, r.limit
+    );
+    if r.next_restart_time.is_some() {
+        crashes.push_str(&format!(
+            "; next restart {}",
+            when(&r.next_restart_time, now)
+        ));
+    }
+    let mut lines = vec![row("crashes:", crashes)];
+    if let Some(c) = r.crashes.last() {
+        let how = match c.signal {
+            Some(signal) => format!("killed by signal {signal}"),
+            None => format!("exit {}", c.exit_code),
+        };
+        lines.push(row(
+            "  last crash:",
+            format!("{how}, {}", when(&c.time, now)),
+        ));
+    }
+    lines
+}
+
+fn epoch_lines(epochs: &[pb::Epoch], now: SystemTime) -> Vec<String> {
+    if epochs.is_empty() {
+        return Vec::new();
+    }
+    let mut lines = vec!["  EPOCH       PID  STATE     STARTED".to_owned()];
+    lines.extend(epochs.iter().map(|e| {
+        format!(
+            "{:>7}  {:>8}  {:<8}  {}",
+            e.epoch,
+            e.pid,
+            short(pb::EpochState::try_from(e.state)),
+            when(&e.start_time, now)
+        )
+    }));
+    lines
+}
+
+/// The node-proxy family: its facts, the handoff under way, and its recent history.
+fn family_lines(f: &pb::Family, now: SystemTime) -> Vec<String> {
+    let mut lines = vec![row(
+        "family:",
+        format!(
+            "base id {}, hot-restart version {}, identity {}",
             f.base_id, f.hot_restart_version, f.identity
-        );
-        if !f.socket_path.is_empty() {
-            let reach = if f.socket_path.starts_with('@') {
-                "abstract: any process on the node's network can reach it"
-            } else {
-                "private"
-            };
-            let _ = writeln!(out, "{:<20}{} ({reach})", "channel:", f.socket_path);
+        ),
+    )];
+    if !f.socket_path.is_empty() {
+        let reach = if f.socket_path.starts_with('@') {
+            "abstract: any process on the node's network can reach it"
+        } else {
+            "private"
+        };
+        lines.push(row("channel:", format!("{} ({reach})", f.socket_path)));
+    }
+    for (label, value) in [
+        ("predecessor:", &f.predecessor),
+        ("successor:", &f.successor_starting),
+        ("handed over to:", &f.handed_over_to),
+    ] {
+        if let Some(v) = value {
+            lines.push(row(label, v));
         }
-        for (label, value) in [
-            ("predecessor:", &f.predecessor),
-            ("successor:", &f.successor_starting),
-            ("handed over to:", &f.handed_over_to),
-        ] {
-            if let Some(v) = value {
-                let _ = writeln!(out, "{label:<20}{v}");
-            }
-        }
-        if let Some(h) = &f.handoff {
-            let _ = writeln!(
-                out,
-                "{:<20}to epoch {} ({}), {}{}, since {}",
-                "handoff:",
+    }
+    if let Some(h) = &f.handoff {
+        lines.push(row(
+            "handoff:",
+            format!(
+                "to epoch {} ({}), {}{}, since {}",
                 h.epoch,
                 h.reason,
                 short(pb::HandoffStage::try_from(h.stage)),
@@ -458,137 +520,159 @@ pub fn status_text(status: &pb::Status, now: SystemTime) -> String {
                     .map(|w| format!(": waiting for {w}"))
                     .unwrap_or_default(),
                 when(&h.start_time, now)
-            );
-        }
-        let earlier = |n: usize| {
-            (n > SHOWN).then(|| format!("{:<20}{} earlier (see --json)\n", "", n - SHOWN))
-        };
-        out.push_str(&earlier(f.handoffs.len()).unwrap_or_default());
-        for h in f.handoffs.iter().rev().take(SHOWN).rev() {
-            let (label, cold) = match &h.cold {
-                Some(c) => (
-                    "cold handover:",
-                    format!(
-                        "base id {} -> {} ({}): ",
-                        c.from_base_id, c.to_base_id, c.why
-                    ),
-                ),
-                None => ("hot restart:", String::new()),
-            };
-            let _ = writeln!(
-                out,
-                "{label:<20}{cold}epoch {} {} in {} ({}){}",
-                h.epoch,
-                short(pb::HandoffOutcome::try_from(h.outcome)),
-                span(&h.duration),
-                h.reason,
-                if h.message.is_empty() {
-                    String::new()
-                } else {
-                    format!(": {}", h.message)
-                }
-            );
-        }
-        for e in &f.retiring {
-            let _ = writeln!(
-                out,
-                "{:<20}epoch {} (pid {}) of the old family, {}",
-                "retiring:",
+            ),
+        ));
+    }
+    lines.extend(earlier(f.handoffs.len()));
+    lines.extend(last(&f.handoffs).map(handoff_line));
+    lines.extend(f.retiring.iter().map(|e| {
+        row(
+            "retiring:",
+            format!(
+                "epoch {} (pid {}) of the old family, {}",
                 e.epoch,
                 e.pid,
                 short(pb::EpochState::try_from(e.state)),
-            );
-        }
-        out.push_str(&earlier(f.exits.len()).unwrap_or_default());
-        for e in f.exits.iter().rev().take(SHOWN).rev() {
-            let _ = writeln!(
-                out,
-                "{:<20}epoch {} (pid {}) {}, {}",
-                "envoy exit:",
+            ),
+        )
+    }));
+    lines.extend(earlier(f.exits.len()));
+    lines.extend(last(&f.exits).map(|e| {
+        row(
+            "envoy exit:",
+            format!(
+                "epoch {} (pid {}) {}, {}",
                 e.epoch,
                 e.pid,
                 e.description,
                 when(&e.time, now)
-            );
-        }
-        for w in &f.wedges {
-            let _ = writeln!(
-                out,
-                "{:<20}{}: {} ({})",
-                "wedge:",
+            ),
+        )
+    }));
+    lines.extend(f.wedges.iter().map(|w| {
+        row(
+            "wedge:",
+            format!(
+                "{}: {} ({})",
                 short(pb::WedgeReason::try_from(w.reason)),
                 w.message,
                 when(&w.time, now)
-            );
+            ),
+        )
+    }));
+    lines
+}
+
+/// The last [`SHOWN`] of a history, oldest first.
+fn last<T>(history: &[T]) -> impl Iterator<Item = &T> {
+    history.iter().rev().take(SHOWN).rev()
+}
+
+/// The line that says how much of a history of `n` is left out, if any is.
+fn earlier(n: usize) -> Option<String> {
+    (n > SHOWN).then(|| row("", format!("{} earlier (see --json)", n - SHOWN)))
+}
+
+fn handoff_line(h: &pb::HandoffResult) -> String {
+    let (label, cold) = match &h.cold {
+        Some(c) => (
+            "cold handover:",
+            format!(
+                "base id {} -> {} ({}): ",
+                c.from_base_id, c.to_base_id, c.why
+            ),
+        ),
+        None => ("hot restart:", String::new()),
+    };
+    row(
+        label,
+        format!(
+            "{cold}epoch {} {} in {} ({}){}",
+            h.epoch,
+            short(pb::HandoffOutcome::try_from(h.outcome)),
+            span(&h.duration),
+            h.reason,
+            if h.message.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", h.message)
+            }
+        ),
+    )
+}
+
+/// The settings in force; the family's own (`family`) only in node-proxy mode.
+fn settings_lines(s: &pb::Settings, family: bool) -> Vec<String> {
+    let exit_on_zero = match (s.exit_on_zero(), s.exit_on_zero_active_connections) {
+        (pb::ExitOnZero::Requests, _) => {
+            format!("requests (minimum {})", span(&s.minimum_drain_duration))
         }
-    }
-    if let Some(s) = &status.settings {
-        let _ = writeln!(
-            out,
-            "{:<20}drain time {}, termination drain {}, drain delay {}, exit on zero {}{}",
-            "settings:",
+        // An older agent sets only the boolean.
+        (pb::ExitOnZero::Connections, _) | (_, true) => {
+            format!("connections (minimum {})", span(&s.minimum_drain_duration))
+        }
+        _ => "no".to_owned(),
+    };
+    let family = if family {
+        format!(
+            ", parent shutdown {}, handoff deadline {}",
+            span(&s.parent_shutdown_time),
+            span(&s.handoff_deadline)
+        )
+    } else {
+        String::new()
+    };
+    let mut lines = vec![row(
+        "settings:",
+        format!(
+            "drain time {}, termination drain {}, drain delay {}, exit on zero {exit_on_zero}{family}",
             span(&s.drain_time),
             span(&s.termination_drain_duration),
             span(&s.drain_delay),
-            match (s.exit_on_zero(), s.exit_on_zero_active_connections) {
-                (pb::ExitOnZero::Requests, _) => {
-                    format!("requests (minimum {})", span(&s.minimum_drain_duration))
-                }
-                // An older agent sets only the boolean.
-                (pb::ExitOnZero::Connections, _) | (_, true) => {
-                    format!("connections (minimum {})", span(&s.minimum_drain_duration))
-                }
-                _ => "no".to_owned(),
-            },
-            if status.family.is_some() {
-                format!(
-                    ", parent shutdown {}, handoff deadline {}",
-                    span(&s.parent_shutdown_time),
-                    span(&s.handoff_deadline)
-                )
-            } else {
-                String::new()
-            }
-        );
-        if let Some(t) = &s.shutdown_timeline {
-            // In the order of the proto's fields, which is the agent's order at one instant.
-            let mut steps = vec![("readiness off", span(&t.not_ready))];
-            if t.fail_health_checks.is_some() {
-                steps.push(("health checks fail", span(&t.fail_health_checks)));
-            }
-            steps.push(("drain", span(&t.drain)));
-            let _ = writeln!(
-                out,
-                "{:<20}{}, {}{}",
-                "on SIGTERM:",
-                steps
-                    .iter()
-                    .map(|(step, at)| format!("{step} at {at}"))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                match &t.stop_by {
-                    Some(_) => format!("stop by {}", span(&t.stop_by)),
-                    None => "stop at zero (no deadline)".to_owned(),
-                },
-                if t.fail_health_checks.is_none() {
-                    "; health checks never fail"
-                } else {
-                    ""
-                }
-            );
-        }
-        let _ = writeln!(
-            out,
-            "{:<20}{} (admin {})",
-            "config:",
+        ),
+    )];
+    lines.extend(s.shutdown_timeline.as_ref().map(timeline_line));
+    lines.push(row(
+        "config:",
+        format!(
+            "{} (admin {})",
             s.config_path,
             s.admin_address.as_deref().unwrap_or("not known yet")
-        );
-        if !s.proxy_log_level.is_empty() {
-            let _ = writeln!(out, "{:<20}{}", "envoy log level:", s.proxy_log_level);
-        }
+        ),
+    ));
+    if !s.proxy_log_level.is_empty() {
+        lines.push(row("envoy log level:", &s.proxy_log_level));
     }
-    out
+    lines
+}
+
+fn timeline_line(t: &pb::ShutdownTimeline) -> String {
+    // In the order of the proto's fields, which is the agent's order at one instant.
+    let mut steps = vec![("readiness off", span(&t.not_ready))];
+    if t.fail_health_checks.is_some() {
+        steps.push(("health checks fail", span(&t.fail_health_checks)));
+    }
+    steps.push(("drain", span(&t.drain)));
+    row(
+        "on SIGTERM:",
+        format!(
+            "{}, {}{}",
+            steps
+                .iter()
+                .map(|(step, at)| format!("{step} at {at}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            match &t.stop_by {
+                Some(_) => format!("stop by {}", span(&t.stop_by)),
+                None => "stop at zero (no deadline)".to_owned(),
+            },
+            if t.fail_health_checks.is_none() {
+                "; health checks never fail"
+            } else {
+                ""
+            }
+        ),
+    )
 }
 
 /// The API's descriptors, for the JSON form of its messages.
@@ -714,68 +798,14 @@ pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
             return exit_code::UNAVAILABLE;
         }
     };
+    let client = &mut client;
     match command {
-        C::Status { json } => match client.get_status(pb::GetStatusRequest {}).await {
-            Ok(r) => {
-                let status = r.into_inner().status.unwrap_or_default();
-                if *json {
-                    println!("{}", status_json(&status));
-                } else {
-                    print_status(&status);
-                }
-                0
-            }
-            Err(e) => failed("status", &e),
-        },
-        C::Watch { json } => match client.watch_status(pb::WatchStatusRequest {}).await {
-            Ok(r) => {
-                let mut stream = r.into_inner();
-                while let Some(item) = stream.next().await {
-                    match item.map(|r| r.status.unwrap_or_default()) {
-                        Ok(status) if *json => println!("{}", status_json(&status)),
-                        Ok(status) => {
-                            print_status(&status);
-                            println!();
-                        }
-                        Err(e) => return failed("watch", &e),
-                    }
-                }
-                0
-            }
-            Err(e) => failed("watch", &e),
-        },
+        C::Status { json } => status(client, *json).await,
+        C::Watch { json } => watch(client, *json).await,
         C::Drain {
             skip_exit,
             listeners,
-        } => {
-            use envoy_agent_proxy::Scope;
-            let request = pb::DrainRequest {
-                inbound_only: false,
-                skip_exit: *skip_exit,
-                listeners: match listeners {
-                    None => pb::DrainScope::Unspecified,
-                    Some(Scope::Auto) => pb::DrainScope::Auto,
-                    Some(Scope::Inbound) => pb::DrainScope::Inbound,
-                    Some(Scope::All) => pb::DrainScope::All,
-                }
-                .into(),
-            };
-            match client.drain(request).await {
-                Ok(answer) => {
-                    let answer = answer.into_inner();
-                    let names: Vec<&str> = answer.drained.iter().map(|l| l.name.as_str()).collect();
-                    match names.is_empty() {
-                        true => println!("draining"),
-                        false => println!("draining: {}", names.join(", ")),
-                    }
-                    if !answer.drained_note.is_empty() {
-                        println!("note: {}", answer.drained_note);
-                    }
-                    0
-                }
-                Err(e) => failed("drain", &e),
-            }
-        }
+        } => drain(client, *skip_exit, *listeners).await,
         C::Quit => match client.quit_quit_quit(pb::QuitQuitQuitRequest {}).await {
             Ok(_) => {
                 println!("quitting");
@@ -800,36 +830,7 @@ pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
             }
             Err(e) => failed("reopen-logs", &e),
         },
-        C::UpdateConfig { file, reason } => {
-            let bootstrap = match envoy_agent_proxy::read_config(file) {
-                Ok(b) => b,
-                Err(e) => {
-                    eprintln!(
-                        "envoy-agent update-config: cannot read {}: {e}",
-                        file.display()
-                    );
-                    return exit_code::USAGE;
-                }
-            };
-            let request = pb::UpdateConfigRequest {
-                bootstrap,
-                reason: reason.clone(),
-            };
-            match client.update_config(request).await {
-                Ok(r) => {
-                    let r = r.into_inner();
-                    if let (true, Some(epoch)) = (r.restarted, r.epoch) {
-                        println!("config updated; epoch {epoch} is LIVE on it");
-                    } else {
-                        println!(
-                            "config updated (hot restart is off: envoy reads it when next started)"
-                        );
-                    }
-                    0
-                }
-                Err(e) => failed("update-config", &e),
-            }
-        }
+        C::UpdateConfig { file, reason } => update_config(client, file, reason).await,
         C::Restart { reason } => {
             let request = pb::HotRestartRequest {
                 reason: reason.clone(),
@@ -851,28 +852,132 @@ pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
                 Err(e) => failed("admin", &e),
             }
         }
-        C::LogLevel { level } => {
-            let request = pb::SetLogLevelRequest {
-                level: level.clone(),
-            };
-            match client.set_log_level(request).await {
-                Ok(r) => {
-                    let r = r.into_inner();
-                    match r.envoys {
-                        0 => println!(
-                            "envoy's log level is {} (no envoy serves now: the next one starts with it)",
-                            r.level
-                        ),
-                        n => println!(
-                            "envoy's log level is {} ({n} envoy process(es) took it)",
-                            r.level
-                        ),
-                    }
-                    0
-                }
-                Err(e) => failed("log-level", &e),
+        C::LogLevel { level } => log_level(client, level).await,
+    }
+}
+
+async fn status(client: &mut AgentServiceClient<Channel>, json: bool) -> u8 {
+    match client.get_status(pb::GetStatusRequest {}).await {
+        Ok(r) => {
+            let status = r.into_inner().status.unwrap_or_default();
+            if json {
+                println!("{}", status_json(&status));
+            } else {
+                print_status(&status);
             }
+            0
         }
+        Err(e) => failed("status", &e),
+    }
+}
+
+async fn watch(client: &mut AgentServiceClient<Channel>, json: bool) -> u8 {
+    match client.watch_status(pb::WatchStatusRequest {}).await {
+        Ok(r) => {
+            let mut stream = r.into_inner();
+            while let Some(item) = stream.next().await {
+                match item.map(|r| r.status.unwrap_or_default()) {
+                    Ok(status) if json => println!("{}", status_json(&status)),
+                    Ok(status) => {
+                        print_status(&status);
+                        println!();
+                    }
+                    Err(e) => return failed("watch", &e),
+                }
+            }
+            0
+        }
+        Err(e) => failed("watch", &e),
+    }
+}
+
+async fn drain(
+    client: &mut AgentServiceClient<Channel>,
+    skip_exit: bool,
+    listeners: Option<envoy_agent_proxy::Scope>,
+) -> u8 {
+    use envoy_agent_proxy::Scope;
+    let request = pb::DrainRequest {
+        inbound_only: false,
+        skip_exit,
+        listeners: match listeners {
+            None => pb::DrainScope::Unspecified,
+            Some(Scope::Auto) => pb::DrainScope::Auto,
+            Some(Scope::Inbound) => pb::DrainScope::Inbound,
+            Some(Scope::All) => pb::DrainScope::All,
+        }
+        .into(),
+    };
+    match client.drain(request).await {
+        Ok(answer) => {
+            let answer = answer.into_inner();
+            let names: Vec<&str> = answer.drained.iter().map(|l| l.name.as_str()).collect();
+            match names.is_empty() {
+                true => println!("draining"),
+                false => println!("draining: {}", names.join(", ")),
+            }
+            if !answer.drained_note.is_empty() {
+                println!("note: {}", answer.drained_note);
+            }
+            0
+        }
+        Err(e) => failed("drain", &e),
+    }
+}
+
+async fn update_config(
+    client: &mut AgentServiceClient<Channel>,
+    file: &std::path::Path,
+    reason: &str,
+) -> u8 {
+    let bootstrap = match envoy_agent_proxy::read_config(file) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!(
+                "envoy-agent update-config: cannot read {}: {e}",
+                file.display()
+            );
+            return exit_code::USAGE;
+        }
+    };
+    let request = pb::UpdateConfigRequest {
+        bootstrap,
+        reason: reason.to_owned(),
+    };
+    match client.update_config(request).await {
+        Ok(r) => {
+            let r = r.into_inner();
+            if let (true, Some(epoch)) = (r.restarted, r.epoch) {
+                println!("config updated; epoch {epoch} is LIVE on it");
+            } else {
+                println!("config updated (hot restart is off: envoy reads it when next started)");
+            }
+            0
+        }
+        Err(e) => failed("update-config", &e),
+    }
+}
+
+async fn log_level(client: &mut AgentServiceClient<Channel>, level: &str) -> u8 {
+    let request = pb::SetLogLevelRequest {
+        level: level.to_owned(),
+    };
+    match client.set_log_level(request).await {
+        Ok(r) => {
+            let r = r.into_inner();
+            match r.envoys {
+                0 => println!(
+                    "envoy's log level is {} (no envoy serves now: the next one starts with it)",
+                    r.level
+                ),
+                n => println!(
+                    "envoy's log level is {} ({n} envoy process(es) took it)",
+                    r.level
+                ),
+            }
+            0
+        }
+        Err(e) => failed("log-level", &e),
     }
 }
 

@@ -974,32 +974,9 @@ pub async fn serve(
     // asked (docs/performance.md).
     let reflection = OnFirstCall::new(reflection_v1);
     let reflection_v1alpha = OnFirstCall::new(reflection_v1alpha);
-    let health_task = {
-        // One receiver for the task's life: a fresh clone per wait would see every past
-        // change as new and spin.
-        let mut changes = service.agent.status();
-        let cancel = cancel.clone();
-        async move {
-            let mut last = None;
-            loop {
-                let serving = changes.borrow_and_update().ready();
-                if last != Some(serving) {
-                    let s = if serving {
-                        tonic_health::ServingStatus::Serving
-                    } else {
-                        tonic_health::ServingStatus::NotServing
-                    };
-                    reporter.set_service_status(SERVICE_NAME, s).await;
-                    reporter.set_service_status("", s).await;
-                    last = Some(serving);
-                }
-                tokio::select! {
-                    () = cancel.cancelled() => return,
-                    changed = changes.changed() => if changed.is_err() { return },
-                }
-            }
-        }
-    };
+    // One receiver for the task's life: a fresh clone per wait would see every past change as
+    // new and spin.
+    let health_task = report_health(reporter, service.agent.status(), cancel.clone());
     let router = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .add_service(health)
@@ -1011,67 +988,12 @@ pub async fn serve(
         message,
         in_use: false,
     };
-    let served: Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>> = match &addr
-    {
-        GrpcAddress::Tcp(a) => {
-            let listener = match tokio::net::TcpListener::bind(a).await {
-                Ok(l) => Some(l),
-                Err(e) if node_proxy && e.kind() == std::io::ErrorKind::AddrInUse => {
-                    tracing::warn!(addr = %a, "the gRPC address is in use (by the predecessor pod's agent on this node?): binding it once it is free");
-                    None
-                }
-                Err(e) => return Err(fail(e.to_string())),
-            };
-            let (a, cancel) = (*a, cancel.clone());
-            Box::pin(async move {
-                let listener = match listener {
-                    Some(l) => l,
-                    None => match bind_when_free(a, &cancel).await {
-                        Some(l) => l,
-                        None => return Ok(()),
-                    },
-                };
-                tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "gRPC server listening");
-                let connections = crate::connections::Connections::new("grpc");
-                let held = cancel.clone();
-                let incoming = paced(tokio_stream::wrappers::TcpListenerStream::new(listener)).map(
-                    move |accepted| {
-                        accepted.map(|io| {
-                            let peer = io.peer_addr().ok();
-                            Held::new(io, connections.admit(&held, peer))
-                        })
-                    },
-                );
-                router
-                    .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
-                    .await
-                    .map_err(|e| e.to_string())
-            })
-        }
+    let served = match &addr {
+        GrpcAddress::Tcp(a) => serve_tcp(*a, router, cancel, node_proxy)
+            .await
+            .map_err(|e| fail(e.to_string()))?,
         GrpcAddress::Unix(path) => {
-            let listener = crate::socket::bind_private(path)
-                .and_then(|l| {
-                    tokio::net::UnixListener::from_std(l).map_err(|source| {
-                        crate::socket::SocketError::Bind {
-                            path: path.clone(),
-                            source,
-                        }
-                    })
-                })
-                .map_err(|e| fail(e.to_string()))?;
-            tracing::info!(path = %path.display(), "gRPC server listening");
-            let connections = crate::connections::Connections::new("grpc");
-            let held = cancel.clone();
-            Box::pin(async move {
-                let incoming = paced(tokio_stream::wrappers::UnixListenerStream::new(listener))
-                    .map(move |accepted| {
-                        accepted.map(|io| Held::new(io, connections.admit(&held, None)))
-                    });
-                router
-                    .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
-                    .await
-                    .map_err(|e| e.to_string())
-            })
+            serve_unix(path, router, cancel).map_err(|e| fail(e.to_string()))?
         }
     };
     let unix_path = match &addr {
@@ -1087,6 +1009,101 @@ pub async fn serve(
             let _ = std::fs::remove_file(path);
         }
     })
+}
+
+/// A bound gRPC server, serving until cancelled.
+type Served = Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>;
+
+/// Keeps health's status of the agent's service (and of the server, `""`) in step with
+/// whether the agent serves, until `cancel` fires or the agent is gone.
+async fn report_health(
+    reporter: tonic_health::server::HealthReporter,
+    mut changes: tokio::sync::watch::Receiver<AgentStatus>,
+    cancel: CancellationToken,
+) {
+    let mut last = None;
+    loop {
+        let serving = changes.borrow_and_update().ready();
+        if last != Some(serving) {
+            let s = if serving {
+                tonic_health::ServingStatus::Serving
+            } else {
+                tonic_health::ServingStatus::NotServing
+            };
+            reporter.set_service_status(SERVICE_NAME, s).await;
+            reporter.set_service_status("", s).await;
+            last = Some(serving);
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+/// Binds the TCP address `a` (once free, when a node proxy finds it taken) and serves on it.
+async fn serve_tcp(
+    a: SocketAddr,
+    router: tonic::transport::server::Router,
+    cancel: CancellationToken,
+    node_proxy: bool,
+) -> Result<Served, std::io::Error> {
+    let listener = match tokio::net::TcpListener::bind(a).await {
+        Ok(l) => Some(l),
+        Err(e) if node_proxy && e.kind() == std::io::ErrorKind::AddrInUse => {
+            tracing::warn!(addr = %a, "the gRPC address is in use (by the predecessor pod's agent on this node?): binding it once it is free");
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    Ok(Box::pin(async move {
+        let listener = match listener {
+            Some(l) => l,
+            None => match bind_when_free(a, &cancel).await {
+                Some(l) => l,
+                None => return Ok(()),
+            },
+        };
+        tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "gRPC server listening");
+        let connections = crate::connections::Connections::new("grpc");
+        let held = cancel.clone();
+        let incoming =
+            paced(tokio_stream::wrappers::TcpListenerStream::new(listener)).map(move |accepted| {
+                accepted.map(|io| {
+                    let peer = io.peer_addr().ok();
+                    Held::new(io, connections.admit(&held, peer))
+                })
+            });
+        router
+            .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
+            .await
+            .map_err(|e| e.to_string())
+    }))
+}
+
+/// Binds the Unix socket `path` (private to the agent's user) and serves on it.
+fn serve_unix(
+    path: &std::path::Path,
+    router: tonic::transport::server::Router,
+    cancel: CancellationToken,
+) -> Result<Served, crate::socket::SocketError> {
+    let listener = crate::socket::bind_private(path).and_then(|l| {
+        tokio::net::UnixListener::from_std(l).map_err(|source| crate::socket::SocketError::Bind {
+            path: path.to_owned(),
+            source,
+        })
+    })?;
+    tracing::info!(path = %path.display(), "gRPC server listening");
+    let connections = crate::connections::Connections::new("grpc");
+    let held = cancel.clone();
+    Ok(Box::pin(async move {
+        let incoming = paced(tokio_stream::wrappers::UnixListenerStream::new(listener))
+            .map(move |accepted| accepted.map(|io| Held::new(io, connections.admit(&held, None))));
+        router
+            .serve_with_incoming_shutdown(incoming, cancel.cancelled_owned())
+            .await
+            .map_err(|e| e.to_string())
+    }))
 }
 
 /// How often a taken address is tried again.

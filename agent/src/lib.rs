@@ -46,6 +46,7 @@ pub mod cli;
 pub mod client;
 mod connections;
 pub mod crash;
+pub mod defaults;
 pub mod duration;
 pub mod exit_code;
 pub mod exposition;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use envoy_agent_drain::ListenerActivity;
 
-use crate::agent::{DrainReason, ExitPath};
+use crate::agent::{DrainReason, ExitPath, describe_listener};
 
 /// Where Kubernetes reads a container's termination message unless told otherwise.
 pub const DEFAULT_PATH: &str = "/dev/termination-log";
@@ -133,7 +133,7 @@ fn listeners_within(listeners: &[ListenerActivity], room: usize) -> String {
     let mut out = String::new();
     let mut shown = 0;
     for listener in listeners {
-        let part = describe(listener);
+        let part = describe_listener(listener);
         let sep = if shown == 0 { "" } else { "; " };
         if out.len() + sep.len() + part.len() > room {
             break;
@@ -148,18 +148,6 @@ fn listeners_within(listeners: &[ListenerActivity], room: usize) -> String {
         out.push_str(&format!("{sep}and {more} more"));
     }
     out
-}
-
-/// One listener: its name and what it held.
-pub fn describe(l: &ListenerActivity) -> String {
-    let mut part = format!("{}: {} connections", l.name, l.connections);
-    if let Some(n) = l.requests {
-        part.push_str(&format!(", {n} requests"));
-    }
-    if let Some(n) = l.upgrades.filter(|n| *n > 0) {
-        part.push_str(&format!(", {n} upgraded (WebSocket, CONNECT)"));
-    }
-    part
 }
 
 /// Cuts `text` to at most `limit` bytes, on a character boundary.

@@ -105,7 +105,7 @@ impl Default for Timeline {
             not_ready: Duration::ZERO,
             fail_health_checks: Some(Duration::ZERO),
             drain: Duration::ZERO,
-            stop_by: Some(crate::settings::defaults::TERMINATION_DRAIN_DURATION),
+            stop_by: Some(crate::defaults::TERMINATION_DRAIN_DURATION),
         }
     }
 }

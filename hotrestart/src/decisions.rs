@@ -13,10 +13,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::family::{EnvoyFamily, SupervisorHandle};
+use crate::handoff::{LIVE_POLL, LIVE_POLL_BLIND, LIVE_POLL_FAST, LIVE_POLL_UNBOUND};
 use crate::host::Refusal;
 use crate::metrics::SupervisorMetrics;
 use crate::node::{FORMAT, Heartbeat, NodeState};
-use crate::supervisor::{LIVE_POLL, LIVE_POLL_BLIND, LIVE_POLL_FAST, LIVE_POLL_UNBOUND};
 use crate::testing::{Admin, FakeHost, code, killed};
 
 /// Longer than anything here takes; with paused time it costs nothing.

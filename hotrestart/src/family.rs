@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, ConfigError};
 use crate::host::{Host, RealHost};
 use crate::metrics::SupervisorMetrics;
-use crate::supervisor::{Command, Supervisor};
+use crate::supervisor::{Command, FamilyError, Supervisor};
 
 /// Bound on one admin call of the supervisor.
 const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -59,17 +59,17 @@ impl SupervisorHandle {
     }
 
     /// Drains every serving epoch; no new epoch starts afterwards.
-    pub async fn drain(&self, options: DrainOptions) -> Result<DrainPlan, String> {
+    pub async fn drain(&self, options: DrainOptions) -> Result<DrainPlan, FamilyError> {
         self.ask(|reply| Command::Drain { options, reply })
             .await
-            .unwrap_or_else(|| Err("the supervisor is gone".to_owned()))
+            .unwrap_or(Err(FamilyError::Gone))
     }
 
     /// Makes the serving epoch fail its health checks, and every epoch that serves after it.
-    pub async fn fail_health_checks(&self) -> Result<(), String> {
+    pub async fn fail_health_checks(&self) -> Result<(), FamilyError> {
         self.ask(|reply| Command::FailHealthChecks { reply })
             .await
-            .unwrap_or_else(|| Err("the supervisor is gone".to_owned()))
+            .unwrap_or(Err(FamilyError::Gone))
     }
 
     /// SIGUSR1 to every epoch that has its handler; how many were signalled.
@@ -207,14 +207,18 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
         self.handle
             .drain(options)
             .await
-            .map_err(|message| ProxyError::DrainFailed { message })
+            .map_err(|e| ProxyError::DrainFailed {
+                message: e.to_string(),
+            })
     }
 
     async fn fail_health_checks(&self) -> Result<(), ProxyError> {
         self.handle
             .fail_health_checks()
             .await
-            .map_err(|message| ProxyError::HealthChecksNotFailed { message })
+            .map_err(|e| ProxyError::HealthChecksNotFailed {
+                message: e.to_string(),
+            })
     }
 
     async fn hot_restart(&self, reason: String) -> Result<u32, RestartError> {

@@ -37,9 +37,24 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::host::Guard;
-use crate::supervisor::{
-    LIVE_NEAR_BOUND, LIVE_POLL, LIVE_POLL_BLIND, LIVE_POLL_FAST, LIVE_POLL_UNBOUND, Probing,
-};
+use crate::probing::Probing;
+
+// The pace of a starting epoch's LIVE checks: `LiveChecks::gap` decides it.
+
+/// How often a starting epoch is asked whether it is LIVE before its admin listener is bound
+/// (the sign): the address may still be its parent's, and LIVE does not come before the sign.
+/// This only covers a sign that never comes (a file Envoy failed to write).
+pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_secs(1);
+/// ... and when no sign can come at all (Envoy runs as another user; no watch).
+pub(crate) const LIVE_POLL_BLIND: Duration = Duration::from_millis(50);
+/// After the sign: the starting epoch's own admin is asked this often (one question in flight
+/// at a time, `/ready` on a kept connection: the same cost at any config size) ...
+pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
+/// ... for this long after the sign (a static config of 5000 clusters is LIVE ~2.5 s after it) ...
+pub(crate) const LIVE_NEAR_BOUND: Duration = Duration::from_secs(5);
+/// ... then this often (an epoch waiting for its control plane); also how soon discovery looks
+/// again once the running version is known.
+pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
 
 /// Someone waiting for a hot restart's outcome.
 pub(crate) type Waiter = oneshot::Sender<Result<u32, RestartError>>;
@@ -416,13 +431,18 @@ impl std::fmt::Display for QueueWait {
                 f,
                 "the successor pod {identity}, which has a newer epoch, to take over"
             ),
-            QueueWait::ControlPlane(types) => write!(
-                f,
-                "the control plane: {}",
-                crate::supervisor::type_list(types)
-            ),
+            QueueWait::ControlPlane(types) => write!(f, "the control plane: {}", type_list(types)),
         }
     }
+}
+
+/// `lds, cds`.
+pub(crate) fn type_list(types: &[XdsType]) -> String {
+    types
+        .iter()
+        .map(|t| t.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl Queue {

@@ -28,6 +28,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::admin_files::AdminFiles;
 use crate::node::{self, EpochLock, Heartbeat, Rejected};
+use crate::shm::ShmError;
 
 /// A future the supervisor runs beside its loop.
 pub type Task<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
@@ -57,6 +58,45 @@ pub enum Repair {
     Cleared,
     /// The flag could not be checked or cleared; the segment was left untouched.
     Failed(String),
+}
+
+/// Why the binary's hot-restart version is not known ([`Host::hot_restart_version`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum VersionError {
+    /// The binary could not be looked at (to key the cache).
+    #[error("cannot look at {}: {source}", binary.display())]
+    Look {
+        /// The binary.
+        binary: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// `--hot-restart-version` failed (its error names the binary and, where Envoy said why,
+    /// Envoy's words).
+    #[error(transparent)]
+    Preflight(#[from] PreflightError),
+}
+
+/// Why the family's files were left in place ([`Host::remove_family_files`]).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CleanupError {
+    /// Another agent holds the node's epoch lock (a starting successor pod, about to use them).
+    #[error("another agent holds the node's epoch lock")]
+    LockHeld,
+    /// The node's epoch lock could not be taken.
+    #[error("cannot take the node's epoch lock: {source}")]
+    Lock {
+        /// Why.
+        source: std::io::Error,
+    },
+    /// An Envoy still answers on the family's admin address.
+    #[error("something answers on the admin address {admin}")]
+    AdminAnswers {
+        /// The address.
+        admin: envoy_agent_proxy::admin::Address,
+    },
 }
 
 /// Why a pre-flight refuses a hot restart.
@@ -149,7 +189,7 @@ pub trait Host: Send + Sync + 'static {
     /// `POST /healthcheck/fail` on the family's admin address, bounded.
     fn fail_health_checks(&self) -> Task<Result<(), AdminError>>;
     /// The binary's `--hot-restart-version` (known per binary identity once asked).
-    fn hot_restart_version(&self) -> Task<Result<String, String>>;
+    fn hot_restart_version(&self) -> Task<Result<String, VersionError>>;
     /// Pre-flight for a new epoch: the binary's hot-restart version must be `running` (when one
     /// runs), and when `validate`, Envoy must accept the config. `Err` holds the reason, in
     /// Envoy's words; a config that is good for a binary of another hot-restart version is
@@ -161,7 +201,7 @@ pub trait Host: Send + Sync + 'static {
     ) -> Task<(Checked, Result<(), Refusal>)>;
     /// Whether the family's shared memory can take another epoch of `hot_restart_version`
     /// (present, with a header of that version); `Err` says why not.
-    fn shm_usable(&self, hot_restart_version: &str) -> Result<(), String>;
+    fn shm_usable(&self, hot_restart_version: &str) -> Result<(), ShmError>;
     /// Where a cold handover's new family could learn its admin address; `None`: no cold
     /// handover is possible (Envoy runs as another user and cannot write the agent's files).
     fn cold_possible(&self) -> bool;
@@ -226,7 +266,7 @@ pub trait Host: Send + Sync + 'static {
     /// and the admin socket. Under the node's epoch lock (a starting successor pod that holds
     /// it is about to use them) and only while nothing answers on the admin address. Returns
     /// what was removed, or why nothing was.
-    fn remove_family_files(&self, base_ids: &[u32]) -> Result<Vec<PathBuf>, String>;
+    fn remove_family_files(&self, base_ids: &[u32]) -> Result<Vec<PathBuf>, CleanupError>;
     /// Now, in Unix milliseconds (heartbeat times).
     fn now_unix_ms(&self) -> u64;
 }
@@ -357,11 +397,10 @@ async fn version_of(
     cache: &PreflightCache,
     binary: &std::path::Path,
     id: FileId,
-) -> (Result<String, String>, Lookup) {
-    let (version, lookup) = cache
+) -> (Result<String, PreflightError>, Lookup) {
+    cache
         .hot_restart_version(id, || preflight::hot_restart_version(binary))
-        .await;
-    (version.map_err(|e| e.to_string()), lookup)
+        .await
 }
 
 /// The pre-flight behind [`Host::preflight`] and [`Host::prevalidate`]: `content`, when given,
@@ -384,7 +423,7 @@ async fn check(
         }
         let (version, lookup) = version_of(cache, &proxy.binary_path, key.binary).await;
         let result = match (version, &running) {
-            (Err(e), _) => Err(Refusal::Rejected(e)),
+            (Err(e), _) => Err(Refusal::Rejected(e.to_string())),
             (Ok(version), Some(running)) if version != *running => Err(Refusal::Incompatible {
                 message: format!(
                     "{} has hot-restart version {version}, the running envoy {running}: \
@@ -570,9 +609,8 @@ impl Host for RealHost {
         Some(self.target().admin.addr().clone())
     }
 
-    fn shm_usable(&self, hot_restart_version: &str) -> Result<(), String> {
+    fn shm_usable(&self, hot_restart_version: &str) -> Result<(), ShmError> {
         crate::shm::usable(&crate::shm::path(self.base_id()), hot_restart_version)
-            .map_err(|e| e.to_string())
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
@@ -677,13 +715,15 @@ impl Host for RealHost {
         })
     }
 
-    fn hot_restart_version(&self) -> Task<Result<String, String>> {
+    fn hot_restart_version(&self) -> Task<Result<String, VersionError>> {
         let binary = self.proxy.binary_path.clone();
         let cache = self.cache.clone();
         Box::pin(async move {
-            let id = FileId::of(&binary)
-                .map_err(|e| format!("cannot look at {}: {e}", binary.display()))?;
-            version_of(&cache, &binary, id).await.0
+            let id = match FileId::of(&binary) {
+                Ok(id) => id,
+                Err(source) => return Err(VersionError::Look { binary, source }),
+            };
+            Ok(version_of(&cache, &binary, id).await.0?)
         })
     }
 
@@ -848,16 +888,16 @@ impl Host for RealHost {
         node::unix_ms()
     }
 
-    fn remove_family_files(&self, base_ids: &[u32]) -> Result<Vec<PathBuf>, String> {
+    fn remove_family_files(&self, base_ids: &[u32]) -> Result<Vec<PathBuf>, CleanupError> {
         let _lock = match self.try_lock() {
             Ok(Some(lock)) => lock,
-            Ok(None) => return Err("another agent holds the node's epoch lock".to_owned()),
-            Err(e) => return Err(format!("cannot take the node's epoch lock: {e}")),
+            Ok(None) => return Err(CleanupError::LockHeld),
+            Err(source) => return Err(CleanupError::Lock { source }),
         };
         let target = self.target();
         let admin = target.admin.addr().clone();
         if answers(&admin) {
-            return Err(format!("something answers on the admin address {admin}"));
+            return Err(CleanupError::AdminAnswers { admin });
         }
         let mut removed = Vec::new();
         let mut remove = |path: PathBuf| {

@@ -72,6 +72,7 @@ pub mod handoff;
 pub mod host;
 pub mod metrics;
 pub mod node;
+mod probing;
 pub mod shm;
 mod supervisor;
 #[cfg(test)]
@@ -82,3 +83,4 @@ pub use config::{Config, ConfigError, unique_identity};
 pub use envoy_agent_proxy::{EXIT_WEDGED, RestartError};
 pub use family::{EnvoyFamily, SupervisorHandle};
 pub use host::{Host, RealHost};
+pub use supervisor::FamilyError;

@@ -24,12 +24,13 @@ use crate::config::Config;
 use crate::discovery::{self, Discovery};
 use crate::epochs::{Epochs, Stop};
 use crate::handoff::{
-    Attempt, Deadline, DrainingParent, Handoff, LiveChecks, LiveSign, Moment, NotLive, Parent,
-    Queue, QueueWait, Waiter,
+    Attempt, Deadline, DrainingParent, Handoff, LIVE_POLL, LiveChecks, LiveSign, Moment, NotLive,
+    Parent, Queue, QueueWait, Waiter, type_list,
 };
 use crate::host::{Checked, Guard, Host, Refusal, Repair};
 use crate::metrics::{ExitKind, SupervisorMetrics};
 use crate::node::{self, Heartbeat, NodeState};
+use crate::probing::Probing;
 
 mod cold;
 mod commands;
@@ -40,22 +41,6 @@ mod kept;
 mod node_io;
 mod probes;
 
-pub(crate) use control_plane::type_list;
-
-/// How often a starting epoch is asked whether it is LIVE before its admin listener is bound
-/// (the sign): the address may still be its parent's, and LIVE does not come before the sign.
-/// This only covers a sign that never comes (a file Envoy failed to write).
-pub(crate) const LIVE_POLL_UNBOUND: Duration = Duration::from_secs(1);
-/// ... and when no sign can come at all (Envoy runs as another user; no watch).
-pub(crate) const LIVE_POLL_BLIND: Duration = Duration::from_millis(50);
-/// After the sign: the starting epoch's own admin is asked this often (one question in flight
-/// at a time, `/ready` on a kept connection: the same cost at any config size) ...
-pub(crate) const LIVE_POLL_FAST: Duration = Duration::from_millis(1);
-/// ... for this long after the sign (a static config of 5000 clusters is LIVE ~2.5 s after it) ...
-pub(crate) const LIVE_NEAR_BOUND: Duration = Duration::from_secs(5);
-/// ... then this often (an epoch waiting for its control plane); also how soon discovery looks
-/// again once the running version is known.
-pub(crate) const LIVE_POLL: Duration = Duration::from_millis(10);
 /// How often the serving epoch's admin is checked by the watchdog.
 pub(crate) const WATCHDOG_POLL: Duration = Duration::from_secs(1);
 /// ... while a successor pod is starting (its takeover is seen that much sooner).
@@ -77,8 +62,23 @@ pub(crate) const START_REASON: &str = "start";
 /// An incompatible predecessor is reported again after this long.
 const INCOMPATIBLE_REPORT: Duration = Duration::from_secs(60);
 
+/// Why the family did not do what it was asked: a drain, or failing its health checks.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum FamilyError {
+    /// The supervisor has ended: nothing is left to ask.
+    #[error("the supervisor is gone")]
+    Gone,
+    /// The serving Envoy's admin API refused or failed the call (shared: one call answers
+    /// every request that waited for it).
+    #[error(transparent)]
+    Admin(Arc<AdminError>),
+}
+
 /// Where a drain's answer goes: what it reached, or why it failed.
-pub(crate) type DrainReply = oneshot::Sender<Result<DrainPlan, String>>;
+pub(crate) type DrainReply = oneshot::Sender<Result<DrainPlan, FamilyError>>;
+/// Where the answer to failing the health checks goes.
+pub(crate) type HealthChecksReply = oneshot::Sender<Result<(), FamilyError>>;
 
 /// What steers the supervisor.
 #[derive(Debug)]
@@ -92,7 +92,7 @@ pub(crate) enum Command {
         reply: DrainReply,
     },
     FailHealthChecks {
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: HealthChecksReply,
     },
     ReopenLogs {
         reply: oneshot::Sender<usize>,
@@ -172,7 +172,7 @@ enum Event {
         result: Result<(), Refusal>,
     },
     Drained {
-        result: Result<DrainPlan, String>,
+        result: Result<DrainPlan, FamilyError>,
         replies: Vec<DrainReply>,
     },
     ConfigChanged,
@@ -245,7 +245,7 @@ impl std::fmt::Display for Waiting {
                 "the node's envoy has hot-restart version {theirs}, ours {ours}"
             ),
             Waiting::ControlPlane(types) => {
-                write!(f, "the control plane: {}", control_plane::type_list(types))
+                write!(f, "the control plane: {}", type_list(types))
             }
             Waiting::NewerPod {
                 identity,
@@ -283,23 +283,6 @@ impl Version {
 struct StandIn {
     parent_epoch: u32,
     _guard: Guard,
-}
-
-/// When the next admin probe of a kind is due, and whether one is out.
-#[derive(Debug, Default)]
-pub(crate) struct Probing {
-    pub(crate) next: Option<Instant>,
-    pub(crate) in_flight: bool,
-}
-
-impl Probing {
-    pub(crate) fn due(&self, now: Instant) -> bool {
-        !self.in_flight && self.next.is_some_and(|t| t <= now)
-    }
-
-    pub(crate) fn wake(&self) -> Option<Instant> {
-        self.next.filter(|_| !self.in_flight)
-    }
 }
 
 /// How soon an exited process whose exit has not arrived yet is looked at again.
@@ -343,7 +326,7 @@ pub(crate) struct Supervisor<H: Host> {
     health_checks_failed: bool,
     /// Requests to fail the health checks asked for while a handoff is under way, answered
     /// once it has settled (as [`Supervisor::pending_drains`]).
-    pending_health_checks: Vec<oneshot::Sender<Result<(), String>>>,
+    pending_health_checks: Vec<HealthChecksReply>,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
@@ -883,10 +866,7 @@ impl<H: Host> Supervisor<H> {
                         HandoffStage::Starting
                     },
                     waiting_for: (!a.waiting_for_config.is_empty()).then(|| {
-                        format!(
-                            "the control plane: {}",
-                            control_plane::type_list(&a.waiting_for_config)
-                        )
+                        format!("the control plane: {}", type_list(&a.waiting_for_config))
                     }),
                     kind: a.kind.clone(),
                 })
@@ -940,7 +920,8 @@ impl<H: Host> Supervisor<H> {
         } else {
             let ask = self.host.hot_restart_version();
             tokio::spawn(async move {
-                let _ = events.send(Event::Version(ask.await));
+                let version = ask.await.map_err(|e| e.to_string());
+                let _ = events.send(Event::Version(version));
             });
         }
     }
@@ -980,7 +961,7 @@ impl<H: Host> Supervisor<H> {
     /// Whether the family's shared memory can take another epoch of the running version.
     fn shm_usable(&self) -> Result<(), String> {
         match self.version.known() {
-            Some(version) => self.host.shm_usable(version),
+            Some(version) => self.host.shm_usable(version).map_err(|e| e.to_string()),
             None => Err("the running envoy's hot-restart version is unknown".to_owned()),
         }
     }

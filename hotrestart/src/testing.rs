@@ -12,14 +12,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use envoy_agent_proxy::admin::AdminState;
+use envoy_agent_proxy::preflight::PreflightError;
 use envoy_agent_proxy::{
     AdminError, DrainPlan, Exit, ProxyError, Scope, ServerInfo, ServerState, Signal,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use crate::host::{Checked, Guard, Host, Refusal, Repair, Spawned, Task};
+use crate::host::{
+    Checked, CleanupError, Guard, Host, Refusal, Repair, Spawned, Task, VersionError,
+};
 use crate::node::{Heartbeat, Rejected};
+use crate::shm::ShmError;
 
 /// What answers on the family's admin port.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -603,8 +607,12 @@ impl Host for FakeHost {
         Some(std::net::SocketAddr::from(([127, 0, 0, 1], 9901)).into())
     }
 
-    fn shm_usable(&self, _hot_restart_version: &str) -> Result<(), String> {
-        self.world().shm.clone()
+    fn shm_usable(&self, _hot_restart_version: &str) -> Result<(), ShmError> {
+        let w = self.world();
+        w.shm.clone().map_err(|why| ShmError::Unusable {
+            path: crate::shm::path(w.base_id as u32),
+            why,
+        })
     }
 
     fn server_info(&self) -> Task<Result<ServerInfo, AdminError>> {
@@ -721,11 +729,17 @@ impl Host for FakeHost {
         Box::pin(async { Ok(()) })
     }
 
-    fn hot_restart_version(&self) -> Task<Result<String, String>> {
+    fn hot_restart_version(&self) -> Task<Result<String, VersionError>> {
         let answer = {
             let mut w = self.world();
             w.version_asks += 1;
-            w.version.clone()
+            w.version.clone().map_err(|message| {
+                VersionError::Preflight(PreflightError::Run {
+                    binary: "envoy".into(),
+                    what: "--hot-restart-version",
+                    message,
+                })
+            })
         };
         Box::pin(async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -857,7 +871,10 @@ impl Host for FakeHost {
         Ok(Some(Box::new(LockGuard(self.world.clone()))))
     }
 
-    fn remove_family_files(&self, _base_ids: &[u32]) -> Result<Vec<std::path::PathBuf>, String> {
+    fn remove_family_files(
+        &self,
+        _base_ids: &[u32],
+    ) -> Result<Vec<std::path::PathBuf>, CleanupError> {
         let mut w = self.world();
         w.family_files_removed += 1;
         Ok(Vec::new())

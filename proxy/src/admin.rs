@@ -645,22 +645,6 @@ impl AdminClient {
         String::from_utf8(body.to_vec()).map_err(|e| self.decode(&endpoint, e))
     }
 
-    /// What the answering Envoy has of its control plane: its state (`/ready`), then one
-    /// `/stats` request ([`crate::control_plane::XDS_STATS_FILTER`]), which Envoy visits every
-    /// stat to answer.
-    pub async fn xds(&self) -> Result<crate::control_plane::XdsReading, AdminError> {
-        let state = match self.ready().await? {
-            Readiness::Ready => ServerState::Live,
-            Readiness::NotReady(state) => ServerState::from_ready(&state),
-        };
-        let text = self
-            .stats(crate::control_plane::XDS_STATS_FILTER, false)
-            .await?;
-        let mut reading = crate::control_plane::XdsReading::parse(&text);
-        reading.state = Some(state);
-        Ok(reading)
-    }
-
     /// `GET /stats/prometheus`, as Envoy serves it.
     pub async fn prometheus_stats(&self) -> Result<Bytes, AdminError> {
         self.call_ok(Method::GET, "/stats/prometheus").await

@@ -6,7 +6,9 @@
 
 use std::net::IpAddr;
 
-use crate::config::{AdminAddress, ProxyConfig, SocketPath};
+use crate::config::{AdminAddress, ProxyConfig};
+use crate::log_level::LogLevels;
+use crate::socket_path::SocketPath;
 
 /// Envoy's log line as JSON: the format Istio passed as `--log-format` before moving it into
 /// the bootstrap. `%j` is Envoy's JSON-escaped message.
@@ -300,32 +302,6 @@ pub fn ip_version(node_ips: &[String]) -> &'static str {
     }
 }
 
-/// Istio's log level string split into Envoy's two flags.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct LogLevels<'a> {
-    /// The last token without `:`.
-    pub global: Option<&'a str>,
-    /// `component:level` tokens, in order.
-    pub components: Vec<&'a str>,
-    /// Tokens with more than one `:`.
-    pub dropped: Vec<&'a str>,
-}
-
-impl<'a> LogLevels<'a> {
-    /// Splits `warning,upstream:debug` into global `warning` and component `upstream:debug`.
-    pub fn parse(s: &'a str) -> Self {
-        let mut levels = LogLevels::default();
-        for token in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
-            match token.matches(':').count() {
-                0 => levels.global = Some(token),
-                1 => levels.components.push(token),
-                _ => levels.dropped.push(token),
-            }
-        }
-        levels
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
@@ -429,7 +405,7 @@ mod tests {
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: None,
             ephemeral_admin: None,
-            socket_path: crate::config::SocketPath::envoy_default(),
+            socket_path: SocketPath::envoy_default(),
         });
         let a = envoy_args(&c, 3).args;
         assert!(!a.contains(&"--disable-hot-restart".to_owned()));
@@ -481,7 +457,7 @@ mod tests {
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: Some(PathBuf::from("/run/agent")),
             ephemeral_admin: None,
-            socket_path: crate::config::SocketPath::envoy_default(),
+            socket_path: SocketPath::envoy_default(),
         });
         assert_eq!(
             value(&envoy_args(&c, 3).args, "--admin-address-path"),
@@ -716,7 +692,7 @@ mod tests {
             parent_shutdown_time: Duration::from_secs(60),
             admin_address_dir: None,
             ephemeral_admin: None,
-            socket_path: crate::config::SocketPath::envoy_default(),
+            socket_path: SocketPath::envoy_default(),
         });
         let refused = refused_extra_arg(&c).unwrap();
         assert_eq!(refused.flag, "--drain-time-s");

@@ -20,10 +20,27 @@
 use std::path::Path;
 use std::time::SystemTime;
 
-use crate::admin::ServerState;
+use crate::admin::{AdminClient, AdminError, Readiness, ServerState};
 
 /// The stats one reading asks for (Envoy visits every stat to match it: ask rarely).
 pub const XDS_STATS_FILTER: &str = r"^(cluster_manager\.cds|listener_manager\.lds)\.(update_success|update_rejected|init_fetch_timeout)$|^control_plane\.connected_state$|^server\.hot_restart_epoch$";
+
+// Here, not in admin.rs: the admin client knows Envoy's endpoints, this module what a reading
+// of the control plane is.
+impl AdminClient {
+    /// What the answering Envoy has of its control plane: its state (`/ready`), then one
+    /// `/stats` request ([`XDS_STATS_FILTER`]), which Envoy visits every stat to answer.
+    pub async fn xds(&self) -> Result<XdsReading, AdminError> {
+        let state = match self.ready().await? {
+            Readiness::Ready => ServerState::Live,
+            Readiness::NotReady(state) => ServerState::from_ready(&state),
+        };
+        let text = self.stats(XDS_STATS_FILTER, false).await?;
+        let mut reading = XdsReading::parse(&text);
+        reading.state = Some(state);
+        Ok(reading)
+    }
+}
 
 /// A dynamic resource type whose first update readiness waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

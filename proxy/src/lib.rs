@@ -41,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 pub mod admin;
 pub mod args;
 pub mod bootstrap;
+mod candidate;
 mod config;
 mod config_file;
 pub mod control_plane;
@@ -51,6 +52,7 @@ pub mod log_level;
 pub mod preflight;
 mod process;
 pub mod reaper;
+mod socket_path;
 pub mod socket_table;
 mod spawner;
 pub mod state;
@@ -59,12 +61,11 @@ pub mod watchdog;
 
 pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
-pub use config::{
-    AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs, SocketPath, ephemeral_socket,
-};
+pub use candidate::{validate_candidate, validate_candidate_cached};
+pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs, ephemeral_socket};
 pub use config_file::{
     MAX_CONFIG_SIZE, read_config, replace_atomically, replace_config, replace_privately,
-    validate_candidate, validate_candidate_cached, write_atomically,
+    write_atomically,
 };
 pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
 pub use envoy::Envoy;
@@ -72,6 +73,7 @@ pub use listeners::{DrainPlan, PlanNote, Scope};
 pub use log_level::{LogLevel, LogLevelCell, LogLevelError};
 pub use nix::sys::signal::Signal;
 pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_admin_file};
+pub use socket_path::SocketPath;
 pub use state::{
     AdminHealth, EpochExit, EpochInfo, EpochState, FamilyState, HISTORY_KEPT, Handoff, HandoffKind,
     HandoffResult, HandoffStage, Outcome, ProxyPhase, ProxyState, Wedge, WedgeReason,

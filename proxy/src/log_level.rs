@@ -103,11 +103,11 @@ impl LogLevel {
     }
 
     /// The command line's level (`--proxy-log-level`, and `--proxy-component-log-level` when it
-    /// names no component), read as Envoy's command line gets it ([`crate::args::LogLevels`]).
+    /// names no component), read as Envoy's command line gets it ([`LogLevels`]).
     pub fn from_flags(log_level: &str, component_log_level: &str) -> LogLevel {
-        let levels = crate::args::LogLevels::parse(log_level);
+        let levels = LogLevels::parse(log_level);
         let components = if levels.components.is_empty() {
-            crate::args::LogLevels::parse(component_log_level).components
+            LogLevels::parse(component_log_level).components
         } else {
             levels.components
         };
@@ -213,6 +213,32 @@ impl PartialEq for LogLevelCell {
     /// The same level set (or none): two configs that would start Envoy alike.
     fn eq(&self, other: &Self) -> bool {
         Arc::ptr_eq(&self.0, &other.0) || self.get() == other.get()
+    }
+}
+
+/// Istio's log level string split into Envoy's two flags.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct LogLevels<'a> {
+    /// The last token without `:`.
+    pub global: Option<&'a str>,
+    /// `component:level` tokens, in order.
+    pub components: Vec<&'a str>,
+    /// Tokens with more than one `:`.
+    pub dropped: Vec<&'a str>,
+}
+
+impl<'a> LogLevels<'a> {
+    /// Splits `warning,upstream:debug` into global `warning` and component `upstream:debug`.
+    pub fn parse(s: &'a str) -> Self {
+        let mut levels = LogLevels::default();
+        for token in s.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            match token.matches(':').count() {
+                0 => levels.global = Some(token),
+                1 => levels.components.push(token),
+                _ => levels.dropped.push(token),
+            }
+        }
+        levels
     }
 }
 

@@ -391,11 +391,7 @@ impl Shutdown {
     /// What the counted listeners still held at the last reading, for the exit's log: none
     /// before a reading, or when nothing was held.
     pub(super) fn still_open(&self) -> Option<String> {
-        let parts: Vec<String> = self
-            .listeners()?
-            .iter()
-            .map(crate::termination::describe)
-            .collect();
+        let parts: Vec<String> = self.listeners()?.iter().map(describe_listener).collect();
         (!parts.is_empty()).then(|| parts.join("; "))
     }
 
@@ -534,6 +530,18 @@ impl Shutdown {
             }
         }
     }
+}
+
+/// One listener: its name and what it held.
+pub fn describe_listener(l: &ListenerActivity) -> String {
+    let mut part = format!("{}: {} connections", l.name, l.connections);
+    if let Some(n) = l.requests {
+        part.push_str(&format!(", {n} requests"));
+    }
+    if let Some(n) = l.upgrades.filter(|n| *n > 0) {
+        part.push_str(&format!(", {n} upgraded (WebSocket, CONNECT)"));
+    }
+    part
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use crate::signal::Intent;
 pub use crate::exit_code::SOFTWARE as EXIT_SOFTWARE;
 
 /// How the agent drains and stops: a view of [`crate::Settings`] (`agent_config`) for the
-/// actor. [`Default`] is `envoy-agent run`'s defaults, from [`crate::settings::defaults`].
+/// actor. [`Default`] is `envoy-agent run`'s defaults, from [`crate::defaults`].
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     /// How long a shutdown drain lasts before Envoy is stopped; in exit-on-zero mode, the hard
@@ -50,7 +50,7 @@ pub struct AgentConfig {
 impl Default for AgentConfig {
     /// The defaults of `envoy-agent run` without flags (in sidecar mode).
     fn default() -> Self {
-        use crate::settings::defaults;
+        use crate::defaults;
         AgentConfig {
             termination_drain_duration: defaults::TERMINATION_DRAIN_DURATION,
             minimum_drain_duration: defaults::MINIMUM_DRAIN_DURATION,

@@ -391,7 +391,7 @@ impl<H: Host> Supervisor<H> {
         }
         let events = self.events_tx.clone();
         tokio::spawn(async move {
-            let result = drain.await.map_err(|e| e.to_string());
+            let result = drain.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
             let _ = events.send(Event::Drained {
                 result,
                 replies: Vec::new(),

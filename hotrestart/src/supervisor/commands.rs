@@ -147,7 +147,7 @@ impl<H: Host> Supervisor<H> {
         }
         let events = self.events_tx.clone();
         tokio::spawn(async move {
-            let result = call.await.map_err(|e| e.to_string());
+            let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
             let _ = events.send(Event::Drained { result, replies });
         });
     }
@@ -155,7 +155,7 @@ impl<H: Host> Supervisor<H> {
     /// Makes whichever Envoy serves fail its health checks, and every epoch that serves
     /// after it. During a handoff the new epoch may take the admin listener (or become the
     /// family): asked once it has settled.
-    pub(super) fn fail_health_checks(&mut self, reply: oneshot::Sender<Result<(), String>>) {
+    pub(super) fn fail_health_checks(&mut self, reply: HealthChecksReply) {
         self.health_checks_failed = true;
         match &self.handoff {
             Handoff::Starting { .. } | Handoff::Cold { .. } => {
@@ -166,10 +166,10 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    fn send_health_checks_fail(&mut self, replies: Vec<oneshot::Sender<Result<(), String>>>) {
+    fn send_health_checks_fail(&mut self, replies: Vec<HealthChecksReply>) {
         let call = self.host.fail_health_checks();
         tokio::spawn(async move {
-            let result = call.await.map_err(|e| e.to_string());
+            let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
             if let Err(e) = &result {
                 tracing::warn!(error = %e, "cannot fail envoy's health checks");
             }

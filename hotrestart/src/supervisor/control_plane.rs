@@ -30,15 +30,6 @@ pub(crate) const CONFIG_WAIT_BACKOFF: Duration = Duration::from_secs(2);
 /// The longest back-off between those retries.
 pub(crate) const CONFIG_WAIT_BACKOFF_MAX: Duration = Duration::from_secs(30);
 
-/// `lds, cds`.
-pub(crate) fn type_list(types: &[XdsType]) -> String {
-    types
-        .iter()
-        .map(|t| t.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 /// The back-off after `waits` attempts in a row ended waiting for the control plane.
 pub(crate) fn config_wait_backoff(waits: u32) -> Duration {
     CONFIG_WAIT_BACKOFF

@@ -48,17 +48,6 @@ impl<H: Host> Supervisor<H> {
             self.config.generation,
             now_ms,
         );
-        let set_waiting = |life: &mut Life, why: Waiting, reported: Option<Instant>| {
-            if let Life::Discovering {
-                waiting,
-                reported_incompatible,
-                ..
-            } = life
-            {
-                *waiting = Some(why);
-                *reported_incompatible = reported;
-            }
-        };
         match decision {
             Discovery::Fresh => {
                 tracing::info!("no live predecessor on this node: starting at epoch 0");
@@ -72,51 +61,7 @@ impl<H: Host> Supervisor<H> {
                 epoch,
                 base_id,
                 identity,
-            } => {
-                let who = identity
-                    .unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
-                if base_id != self.base_id {
-                    // The family went on under our other base id (a cold handover).
-                    self.base_id = base_id;
-                    self.family.base_id = base_id;
-                    self.host.switch_family(base_id, false);
-                }
-                if let Err(why) = self.shm_usable() {
-                    // Our epoch could not attach to the family's segment: a family of our own
-                    // beside it instead.
-                    self.family.predecessor = Some(who.clone());
-                    let why = format!("the node family's shared memory is unusable: {why}");
-                    self.begin_first_cold(base_id, who, why);
-                    return;
-                }
-                // A child must use its parent's channel: the predecessor's (an older agent's
-                // family may use Envoy's abstract default).
-                if let Ok(info) = &result {
-                    if info.socket_path != self.host.socket_path() {
-                        if info.socket_path.is_abstract() {
-                            tracing::warn!(
-                                event = "hot_restart_channel",
-                                socket_path = %info.socket_path,
-                                private = false,
-                                "the predecessor's family uses abstract hot-restart sockets, which every process on the node can reach: this family keeps them (a child must use its parent's) until its next cold handover"
-                            );
-                        } else {
-                            tracing::info!(event = "hot_restart_channel", socket_path = %info.socket_path, private = true, "the predecessor's hot-restart channel");
-                        }
-                        self.host.use_socket_path(info.socket_path.clone());
-                    }
-                }
-                tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
-                self.family.predecessor = Some(who.clone());
-                self.begin_first(
-                    epoch + 1,
-                    Some(Parent::Foreign {
-                        epoch,
-                        identity: who.clone(),
-                    }),
-                    format!("take over from {who}"),
-                );
-            }
+            } => self.take_over(epoch, base_id, identity, result.as_ref().ok()),
             Discovery::Incompatible {
                 theirs,
                 base_id,
@@ -144,8 +89,7 @@ impl<H: Host> Supervisor<H> {
                          hot-restarted from; not starting until it is gone (see the runbook)"
                     );
                 }
-                let why = Waiting::Incompatible { theirs, ours };
-                set_waiting(&mut self.life, why, reported);
+                self.set_waiting(Waiting::Incompatible { theirs, ours }, reported);
             }
             Discovery::Newer { identity, theirs } => {
                 let why = Waiting::NewerPod {
@@ -156,16 +100,88 @@ impl<H: Host> Supervisor<H> {
                 if waiting.as_ref() != Some(&why) {
                     tracing::warn!(event = "newer_pod_serves", reason = %why, "not taking over");
                 }
-                set_waiting(&mut self.life, why, reported_incompatible);
+                self.set_waiting(why, reported_incompatible);
             }
             Discovery::Wait(why) => {
                 let why = Waiting::Node(why);
                 if waiting.as_ref() != Some(&why) {
                     tracing::info!(reason = %why, "waiting to take over");
                 }
-                set_waiting(&mut self.life, why, reported_incompatible);
+                self.set_waiting(why, reported_incompatible);
             }
         }
+    }
+
+    /// Why discovery waits, while it still does (the start may have been given up).
+    fn set_waiting(&mut self, why: Waiting, reported: Option<Instant>) {
+        if let Life::Discovering {
+            waiting,
+            reported_incompatible,
+            ..
+        } = &mut self.life
+        {
+            *waiting = Some(why);
+            *reported_incompatible = reported;
+        }
+    }
+
+    /// Starts our first epoch as the child of the predecessor's LIVE Envoy at `epoch`, of the
+    /// family under `base_id`; `answer`: what that Envoy said of itself.
+    fn take_over(
+        &mut self,
+        epoch: u32,
+        base_id: u32,
+        identity: Option<String>,
+        answer: Option<&ServerInfo>,
+    ) {
+        let who =
+            identity.unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
+        if base_id != self.base_id {
+            // The family went on under our other base id (a cold handover).
+            self.base_id = base_id;
+            self.family.base_id = base_id;
+            self.host.switch_family(base_id, false);
+        }
+        if let Err(why) = self.shm_usable() {
+            // Our epoch could not attach to the family's segment: a family of our own
+            // beside it instead.
+            self.family.predecessor = Some(who.clone());
+            let why = format!("the node family's shared memory is unusable: {why}");
+            self.begin_first_cold(base_id, who, why);
+            return;
+        }
+        if let Some(info) = answer {
+            self.use_parents_channel(info);
+        }
+        tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
+        self.family.predecessor = Some(who.clone());
+        self.begin_first(
+            epoch + 1,
+            Some(Parent::Foreign {
+                epoch,
+                identity: who.clone(),
+            }),
+            format!("take over from {who}"),
+        );
+    }
+
+    /// A child must use its parent's channel: the predecessor's (an older agent's family may
+    /// use Envoy's abstract default).
+    fn use_parents_channel(&mut self, info: &ServerInfo) {
+        if info.socket_path == self.host.socket_path() {
+            return;
+        }
+        if info.socket_path.is_abstract() {
+            tracing::warn!(
+                event = "hot_restart_channel",
+                socket_path = %info.socket_path,
+                private = false,
+                "the predecessor's family uses abstract hot-restart sockets, which every process on the node can reach: this family keeps them (a child must use its parent's) until its next cold handover"
+            );
+        } else {
+            tracing::info!(event = "hot_restart_channel", socket_path = %info.socket_path, private = true, "the predecessor's hot-restart channel");
+        }
+        self.host.use_socket_path(info.socket_path.clone());
     }
 
     /// Asks whether a newer epoch than ours answers on the admin address, beside the loop.
