@@ -176,7 +176,7 @@ pub struct DrainSettings {
     /// `--healthcheck-fail-at`, `--drain-delay`, the drain's deadline).
     pub timeline: crate::timeline::Timeline,
     /// How long a stopping agent waits for a successor pod's Envoy to terminate its own
-    /// (`--shutdown-budget`'s share, else [`defaults::handover_timeout`] of the mode's
+    /// (`--shutdown-budget`'s share, else [`crate::defaults::handover_timeout`] of the mode's
     /// deadlines).
     pub handover_timeout: Duration,
 }
