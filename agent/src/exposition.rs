@@ -48,119 +48,145 @@ fn invalid(line: usize, why: impl Into<String>) -> Invalid {
 /// lines ready to follow the agent's own families: checked, renamed, converted. Ends with a
 /// newline unless empty.
 pub fn merge_ready(body: &str, openmetrics: bool) -> Result<String, Invalid> {
-    let mut out = String::with_capacity(body.len() + body.len() / 16);
-    // Families declared (TYPE) so far, by their name as emitted.
-    let mut typed: HashSet<String> = HashSet::new();
-    let mut helped: HashSet<String> = HashSet::new();
-    // OpenMetrics: family name -> its type, to name counters' and infos' declarations by
-    // their samples (a HELP may come before its TYPE): one pass ahead.
-    let om_types: HashMap<&str, &str> = if openmetrics {
-        body.lines()
-            .filter_map(|l| l.strip_prefix("# TYPE "))
-            .filter_map(|d| d.trim_end_matches('\r').split_once(' '))
-            .map(|(name, kind)| (name, kind.trim()))
-            .collect()
-    } else {
-        HashMap::new()
+    let mut merge = Merge {
+        out: String::with_capacity(body.len() + body.len() / 16),
+        typed: HashSet::new(),
+        helped: HashSet::new(),
+        openmetrics,
+        // One pass ahead: a HELP may come before its TYPE.
+        om_types: if openmetrics {
+            body.lines()
+                .filter_map(|l| l.strip_prefix("# TYPE "))
+                .filter_map(|d| d.trim_end_matches('\r').split_once(' '))
+                .map(|(name, kind)| (name, kind.trim()))
+                .collect()
+        } else {
+            HashMap::new()
+        },
+        ended: false,
     };
-    let mut ended = false;
     for (i, raw) in body.lines().enumerate() {
-        let n = i + 1;
         let line = raw.strip_suffix('\r').unwrap_or(raw);
-        if ended {
-            if line.trim().is_empty() {
-                continue;
-            }
-            return Err(invalid(n, "content after # EOF"));
+        merge.line(line).map_err(|why| invalid(i + 1, why))?;
+    }
+    if openmetrics && !merge.ended {
+        return Err(invalid(
+            body.lines().count(),
+            "OpenMetrics without # EOF (cut off?)",
+        ));
+    }
+    Ok(merge.out)
+}
+
+/// The merge of one body, line by line.
+struct Merge<'a> {
+    out: String,
+    /// Families declared (TYPE) and described (HELP) so far, by their names as emitted.
+    typed: HashSet<String>,
+    helped: HashSet<String>,
+    openmetrics: bool,
+    /// OpenMetrics: family name -> its type, to name counters' and infos' declarations by
+    /// their samples.
+    om_types: HashMap<&'a str, &'a str>,
+    /// OpenMetrics' `# EOF` was seen.
+    ended: bool,
+}
+
+impl Merge<'_> {
+    fn line(&mut self, line: &str) -> Result<(), String> {
+        if self.ended {
+            return match line.trim().is_empty() {
+                true => Ok(()),
+                false => Err("content after # EOF".to_owned()),
+            };
         }
         if line.trim().is_empty() {
-            continue;
+            return Ok(());
         }
-        if let Some(comment) = line.strip_prefix('#') {
-            let comment = comment.trim_start();
-            let mut parts = comment.splitn(3, ' ');
-            let keyword = parts.next().unwrap_or_default();
-            match keyword {
-                "HELP" | "TYPE" | "UNIT" => {
-                    let name = parts.next().unwrap_or_default();
-                    if !valid_name(name) {
-                        return Err(invalid(
-                            n,
-                            format!("{keyword} names no valid metric: {name:?}"),
-                        ));
-                    }
-                    let rest = parts.next().unwrap_or_default();
-                    if keyword == "UNIT" {
-                        if !openmetrics {
-                            return Err(invalid(n, "# UNIT outside OpenMetrics"));
-                        }
-                        continue;
-                    }
-                    if keyword == "TYPE" {
-                        let kind = rest.trim();
-                        let (declared, kind) = if openmetrics {
-                            openmetrics_declaration(name, kind)
-                                .ok_or_else(|| invalid(n, format!("unknown type {kind:?}")))?
-                        } else {
-                            if !matches!(
-                                kind,
-                                "counter" | "gauge" | "histogram" | "summary" | "untyped"
-                            ) {
-                                return Err(invalid(n, format!("unknown type {kind:?}")));
-                            }
-                            (name.to_owned(), kind)
-                        };
-                        let declared = renamed(&declared);
-                        if !typed.insert(declared.clone()) {
-                            return Err(invalid(n, format!("{declared} is declared twice")));
-                        }
-                        let _ = writeln!(out, "# TYPE {declared} {kind}");
-                    } else {
-                        let declared = om_types
-                            .get(name)
-                            .and_then(|kind| openmetrics_declaration(name, kind))
-                            .map_or_else(|| name.to_owned(), |(d, _)| d);
-                        let declared = renamed(&declared);
-                        if !helped.insert(declared.clone()) {
-                            return Err(invalid(n, format!("{declared} has two HELP lines")));
-                        }
-                        let _ = writeln!(out, "# HELP {declared} {rest}");
-                    }
+        match line.strip_prefix('#') {
+            Some(comment) => self.comment(comment.trim_start()),
+            None => self.sample(line),
+        }
+    }
+
+    fn comment(&mut self, comment: &str) -> Result<(), String> {
+        let mut parts = comment.splitn(3, ' ');
+        let keyword = parts.next().unwrap_or_default();
+        let name = parts.next().unwrap_or_default();
+        let rest = parts.next().unwrap_or_default();
+        match keyword {
+            "HELP" | "TYPE" | "UNIT" if !valid_name(name) => {
+                Err(format!("{keyword} names no valid metric: {name:?}"))
+            }
+            "UNIT" if !self.openmetrics => Err("# UNIT outside OpenMetrics".to_owned()),
+            "UNIT" => Ok(()),
+            "TYPE" => self.declare(name, rest.trim()),
+            "HELP" => {
+                let declared = self
+                    .om_types
+                    .get(name)
+                    .and_then(|kind| openmetrics_declaration(name, kind))
+                    .map_or_else(|| name.to_owned(), |(d, _)| d);
+                let declared = renamed(&declared);
+                if !self.helped.insert(declared.clone()) {
+                    return Err(format!("{declared} has two HELP lines"));
                 }
-                "EOF" if openmetrics && comment.trim() == "EOF" => ended = true,
-                // Any other comment: Prometheus ignores it, so does the merge.
-                _ => {}
+                let _ = writeln!(self.out, "# HELP {declared} {rest}");
+                Ok(())
             }
-            continue;
+            "EOF" if self.openmetrics && comment.trim() == "EOF" => {
+                self.ended = true;
+                Ok(())
+            }
+            // Any other comment: Prometheus ignores it, so does the merge.
+            _ => Ok(()),
         }
-        let sample = parse_sample(line).map_err(|why| invalid(n, why))?;
-        if openmetrics && sample.name.ends_with("_created") {
-            let family = &sample.name[..sample.name.len() - "_created".len()];
-            if om_types
+    }
+
+    fn declare(&mut self, name: &str, kind: &str) -> Result<(), String> {
+        let (declared, kind) = if self.openmetrics {
+            openmetrics_declaration(name, kind).ok_or_else(|| format!("unknown type {kind:?}"))?
+        } else {
+            if !matches!(
+                kind,
+                "counter" | "gauge" | "histogram" | "summary" | "untyped"
+            ) {
+                return Err(format!("unknown type {kind:?}"));
+            }
+            (name.to_owned(), kind)
+        };
+        let declared = renamed(&declared);
+        if !self.typed.insert(declared.clone()) {
+            return Err(format!("{declared} is declared twice"));
+        }
+        let _ = writeln!(self.out, "# TYPE {declared} {kind}");
+        Ok(())
+    }
+
+    fn sample(&mut self, line: &str) -> Result<(), String> {
+        let sample = parse_sample(line)?;
+        if let Some(family) = sample.name.strip_suffix("_created") {
+            let counted = self
+                .om_types
                 .get(family)
-                .is_some_and(|k| matches!(*k, "counter" | "histogram" | "summary"))
-            {
-                continue;
+                .is_some_and(|k| matches!(*k, "counter" | "histogram" | "summary"));
+            if self.openmetrics && counted {
+                return Ok(());
             }
         }
+        let out = &mut self.out;
         let _ = write!(out, "{}", renamed(sample.name));
         if let Some(labels) = sample.labels {
             let _ = write!(out, "{{{labels}}}");
         }
         let _ = write!(out, " {}", sample.value);
         // Text-format timestamps are milliseconds, OpenMetrics' seconds: those are dropped.
-        if let (Some(ts), false) = (sample.timestamp, openmetrics) {
+        if let (Some(ts), false) = (sample.timestamp, self.openmetrics) {
             let _ = write!(out, " {ts}");
         }
         out.push('\n');
+        Ok(())
     }
-    if openmetrics && !ended {
-        return Err(invalid(
-            body.lines().count(),
-            "OpenMetrics without # EOF (cut off?)",
-        ));
-    }
-    Ok(out)
 }
 
 /// How an OpenMetrics family `name` of type `kind` is declared in the text format: the name
