@@ -700,21 +700,70 @@ impl RunArgs {
         let hot_restart = self.hot_restart()?;
         let exit_on_zero = self.exit_on_zero()?;
         if let Some(hot) = &hot_restart {
-            // Compared as Envoy gets them: whole seconds.
-            let (drain, parent_shutdown) = (self.drain_time, hot.parent_shutdown_time);
-            if parent_shutdown.as_secs() <= drain.as_secs() {
-                return Err(
-                    envoy_agent_hotrestart::ConfigError::ParentShutdownTooShort {
-                        drain,
-                        parent_shutdown,
-                    }
-                    .into(),
-                );
-            }
+            self.check_parent_shutdown(hot)?;
         }
         let crash_recovery = self.crash_recovery();
         let app_probes = self.app_probes()?;
-        let shutdown_budget = match self.shutdown_budget {
+        let shutdown = self.shutdown(hot_restart.as_ref(), exit_on_zero)?;
+        Ok(Settings {
+            envoy: self.envoy_settings(hot_restart.is_some()),
+            drain: DrainSettings {
+                termination_drain_duration: shutdown.termination_drain_duration,
+                minimum_drain_duration: self.minimum_drain_duration,
+                exit_on_zero,
+                drain_delay: self.drain_delay,
+                poll_interval: self.drain_poll_interval,
+                exclude_listener_ports: self.exclude_listener_ports,
+                exclude_listener_prefixes: self.exclude_listener_prefixes,
+                timeline: shutdown.timeline,
+                handover_timeout: shutdown.handover_timeout,
+            },
+            status_address: self.status_address,
+            app_probes,
+            status_address_file: self.status_address_file,
+            app_metrics: self.app_metrics_url.and_then(|flag| flag.0),
+            grpc_address: grpc_address.unwrap_or_else(client::default_address),
+            grpc_allow_remote: self.grpc_allow_remote,
+            control_allow_uids: self.control_allow_uids,
+            telemetry: TelemetrySettings {
+                otlp_endpoint: self.otlp_endpoint,
+                export_interval: self.otlp_export_interval,
+            },
+            hot_restart,
+            crash_recovery,
+            shutdown_budget: shutdown.budget,
+            termination_message: crate::termination::MessageFile::from_flag(
+                self.termination_message_path,
+            ),
+        })
+    }
+
+    /// Refuses a parent-shutdown time that does not outlast the drain: the parent would be
+    /// terminated before its drain could end.
+    fn check_parent_shutdown(&self, hot: &HotRestartSettings) -> Result<(), SettingsError> {
+        // Compared as Envoy gets them: whole seconds.
+        let (drain, parent_shutdown) = (self.drain_time, hot.parent_shutdown_time);
+        if parent_shutdown.as_secs() <= drain.as_secs() {
+            return Err(
+                envoy_agent_hotrestart::ConfigError::ParentShutdownTooShort {
+                    drain,
+                    parent_shutdown,
+                }
+                .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The shutdown's shape: `--shutdown-budget` split among its phases (when given), the
+    /// drain and handover times that follow from it or from their flags, and the timeline
+    /// fitted to them.
+    fn shutdown(
+        &self,
+        hot_restart: Option<&HotRestartSettings>,
+        exit_on_zero: Option<Counting>,
+    ) -> Result<Shutdown, SettingsError> {
+        let budget = match self.shutdown_budget {
             Some(budget) => Some(crate::budget::split(
                 budget,
                 crate::budget::Phases {
@@ -723,17 +772,17 @@ impl RunArgs {
                     exit_on_zero_minimum: exit_on_zero.map(|_| self.minimum_drain_duration),
                     stop_grace: self.stop_grace,
                     exit: crate::SHUTDOWN_GRACE,
-                    handover: hot_restart.as_ref().map(|h| h.parent_shutdown_time),
+                    handover: hot_restart.map(|h| h.parent_shutdown_time),
                 },
             )?),
             None => None,
         };
         // A successor pod runs the same command line, so its handoff deadline and parent
         // shutdown time are ours (in sidecar mode, which has no successor pod, their defaults).
-        let handover_timeout = match shutdown_budget.as_ref().and_then(|split| split.handover) {
+        let handover_timeout = match budget.as_ref().and_then(|split| split.handover) {
             Some(share) => share,
             None => {
-                let (handoff, parent_shutdown) = match &hot_restart {
+                let (handoff, parent_shutdown) = match hot_restart {
                     Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
                     None => (
                         crate::defaults::HANDOFF_DEADLINE,
@@ -743,7 +792,7 @@ impl RunArgs {
                 crate::defaults::handover_timeout(handoff, parent_shutdown)
             }
         };
-        let termination_drain_duration = match &shutdown_budget {
+        let termination_drain_duration = match &budget {
             Some(split) => split.drain,
             None => self
                 .termination_drain_duration
@@ -760,78 +809,56 @@ impl RunArgs {
             ),
             budget: self.shutdown_budget,
         })?;
-        Ok(Settings {
-            envoy: EnvoySettings {
-                config_path: self.config_path,
-                envoy_path: self.envoy_path,
-                admin_address: self.admin_address,
-                admin: match self.envoy_admin {
-                    EnvoyAdminArg::Socket => EnvoyAdmin::Socket,
-                    EnvoyAdminArg::Bootstrap => EnvoyAdmin::Bootstrap,
-                    EnvoyAdminArg::Auto
-                        if hot_restart.is_some() && self.admin_address.is_none() =>
-                    {
-                        EnvoyAdmin::Socket
-                    }
-                    EnvoyAdminArg::Auto => EnvoyAdmin::Bootstrap,
-                },
-                log_level: self.proxy_log_level,
-                component_log_level: self.proxy_component_log_level,
-                log_as_json: self.proxy_log_as_json,
-                node_ips: self.node_ips,
-                concurrency: self.concurrency,
-                drain_time: self.drain_time,
-                drain_strategy: match self.drain_strategy {
-                    DrainStrategyArg::Immediate => DrainStrategy::Immediate,
-                    DrainStrategyArg::Gradual => DrainStrategy::Gradual,
-                },
-                drain_listeners: if self.drain_all_listeners {
-                    Scope::All
-                } else {
-                    self.drain_listeners.scope()
-                },
-                drain_notice: self.drain_notice == Switch::On,
-                outlier_log_path: self.outlier_log_path,
-                file_flush_interval: self.file_flush_interval,
-                config_cleanup: self.config_cleanup,
-                // The parser requires each of the two with the other.
-                run_as: self
-                    .run_as_uid
-                    .zip(self.run_as_gid)
-                    .map(|(uid, gid)| RunAs { uid, gid }),
-                stop_grace: self.stop_grace,
-                admin_unresponsive_deadline: self.admin_unresponsive_deadline,
-                extra_args: self.envoy_args,
-            },
-            drain: DrainSettings {
-                termination_drain_duration,
-                minimum_drain_duration: self.minimum_drain_duration,
-                exit_on_zero,
-                drain_delay: self.drain_delay,
-                poll_interval: self.drain_poll_interval,
-                exclude_listener_ports: self.exclude_listener_ports,
-                exclude_listener_prefixes: self.exclude_listener_prefixes,
-                timeline,
-                handover_timeout,
-            },
-            status_address: self.status_address,
-            app_probes,
-            status_address_file: self.status_address_file,
-            app_metrics: self.app_metrics_url.and_then(|flag| flag.0),
-            grpc_address: grpc_address.unwrap_or_else(client::default_address),
-            grpc_allow_remote: self.grpc_allow_remote,
-            control_allow_uids: self.control_allow_uids,
-            telemetry: TelemetrySettings {
-                otlp_endpoint: self.otlp_endpoint,
-                export_interval: self.otlp_export_interval,
-            },
-            hot_restart,
-            crash_recovery,
-            shutdown_budget,
-            termination_message: crate::termination::MessageFile::from_flag(
-                self.termination_message_path,
-            ),
+        Ok(Shutdown {
+            budget,
+            handover_timeout,
+            termination_drain_duration,
+            timeline,
         })
+    }
+
+    /// Envoy's settings: how it is started, run and stopped.
+    fn envoy_settings(&self, hot_restart: bool) -> EnvoySettings {
+        EnvoySettings {
+            config_path: self.config_path.clone(),
+            envoy_path: self.envoy_path.clone(),
+            admin_address: self.admin_address,
+            admin: match self.envoy_admin {
+                EnvoyAdminArg::Socket => EnvoyAdmin::Socket,
+                EnvoyAdminArg::Bootstrap => EnvoyAdmin::Bootstrap,
+                EnvoyAdminArg::Auto if hot_restart && self.admin_address.is_none() => {
+                    EnvoyAdmin::Socket
+                }
+                EnvoyAdminArg::Auto => EnvoyAdmin::Bootstrap,
+            },
+            log_level: self.proxy_log_level.clone(),
+            component_log_level: self.proxy_component_log_level.clone(),
+            log_as_json: self.proxy_log_as_json,
+            node_ips: self.node_ips.clone(),
+            concurrency: self.concurrency,
+            drain_time: self.drain_time,
+            drain_strategy: match self.drain_strategy {
+                DrainStrategyArg::Immediate => DrainStrategy::Immediate,
+                DrainStrategyArg::Gradual => DrainStrategy::Gradual,
+            },
+            drain_listeners: if self.drain_all_listeners {
+                Scope::All
+            } else {
+                self.drain_listeners.scope()
+            },
+            drain_notice: self.drain_notice == Switch::On,
+            outlier_log_path: self.outlier_log_path.clone(),
+            file_flush_interval: self.file_flush_interval,
+            config_cleanup: self.config_cleanup,
+            // The parser requires each of the two with the other.
+            run_as: self
+                .run_as_uid
+                .zip(self.run_as_gid)
+                .map(|(uid, gid)| RunAs { uid, gid }),
+            stop_grace: self.stop_grace,
+            admin_unresponsive_deadline: self.admin_unresponsive_deadline,
+            extra_args: self.envoy_args.clone(),
+        }
     }
 
     /// The app probes: `--app-probers` (or its variable) wins over Istio's variable.
@@ -903,6 +930,18 @@ impl RunArgs {
             (None, false) => Ok(None),
         }
     }
+}
+
+/// The shutdown's shape that the flags give, for [`RunArgs::into_settings`].
+struct Shutdown {
+    /// `--shutdown-budget` split among the phases, when given.
+    budget: Option<crate::budget::Split>,
+    /// How long a stopping agent waits for a successor pod's Envoy to terminate its own.
+    handover_timeout: Duration,
+    /// How long the drain may last: the budget's share, else the flag or its default.
+    termination_drain_duration: Duration,
+    /// When each step of the shutdown happens.
+    timeline: crate::timeline::Timeline,
 }
 
 /// `run`'s flags that parse one by one but cannot work together: refused before anything

@@ -44,8 +44,8 @@ use tonic::{Request, Response, Status};
 
 use crate::admin_view::{Bounds, View, ViewError};
 use crate::agent::{
-    AgentConfig, AgentError, AgentHandle, AgentState, Counting, DrainPhase, DrainReason, ExitPath,
-    Status as AgentStatus, Via,
+    AgentConfig, AgentError, AgentHandle, AgentState, Counting, DrainPhase, DrainProgress,
+    DrainReason, ExitPath, Status as AgentStatus, Via,
 };
 use crate::crash::{CrashAction, CrashKind, Crashes};
 use crate::log_level::{EnvoyLogLevel, SetError};
@@ -343,7 +343,48 @@ pub fn status_message(
     admin: Option<&envoy_agent_proxy::admin::Address>,
 ) -> pb::Status {
     let agent = &status.agent;
-    let reason = match agent {
+    let facts = state_facts(agent);
+    let proxy = &status.proxy;
+    pb::Status {
+        mode: mode.into(),
+        state: facts.state.into(),
+        reason: state_reason(status),
+        state_since: timestamp(agent.since()),
+        ready: status.ready(),
+        draining: agent.draining(),
+        drain_reason: facts
+            .draining
+            .map_or(pb::DrainReason::Unspecified, |w| w.0)
+            .into(),
+        drain_phase: facts
+            .draining
+            .map_or(pb::DrainPhase::Unspecified, |w| w.1)
+            .into(),
+        exit_path: facts
+            .exiting
+            .map_or(pb::ExitPath::Unspecified, exit_path)
+            .into(),
+        exit_code: facts.exiting.map(|p| u32::from(p.code())),
+        successor: facts.successor.filter(|s| !s.is_empty()),
+        epochs: proxy.epochs.iter().map(epoch_message).collect(),
+        newest_live_epoch: proxy.newest_live,
+        drain: status.drain.as_ref().map(drain_message),
+        settings: Some(settings_in_force(settings, admin)),
+        family: proxy.family.as_ref().map(family_message),
+        crash_recovery: crash_recovery_message(&status.crashes, agent),
+        control_plane: status
+            .proxy
+            .config
+            .control_plane()
+            .map(control_plane_message),
+        admin_silent_since: proxy.admin.silent_since().and_then(timestamp),
+    }
+}
+
+/// The state's reason, for a person: why the agent drains, exits or is not ready.
+fn state_reason(status: &AgentStatus) -> String {
+    let agent = &status.agent;
+    match agent {
         AgentState::Draining { reason, phase, .. } => match phase {
             DrainPhase::Deciding => format!("{reason} (is a successor taking over?)"),
             DrainPhase::Delay => format!("{reason} (drain delay)"),
@@ -359,8 +400,23 @@ pub fn status_message(
             status.proxy.ready().err().unwrap_or_default()
         }
         AgentState::Starting { .. } => String::new(),
-    };
-    let (state, draining_why, exiting_why, successor) = match agent {
+    }
+}
+
+/// The agent's state as the message's fields have it: each field set only in the states it
+/// belongs to.
+struct StateFacts {
+    state: pb::AgentState,
+    /// While draining: why, and how far.
+    draining: Option<(pb::DrainReason, pb::DrainPhase)>,
+    /// While exiting: the exit path.
+    exiting: Option<ExitPath>,
+    /// While handing over or handed over: the successor.
+    successor: Option<String>,
+}
+
+fn state_facts(agent: &AgentState) -> StateFacts {
+    let (state, draining, exiting, successor) = match agent {
         AgentState::Starting { .. } => (pb::AgentState::Starting, None, None, None),
         AgentState::Live { .. } => (pb::AgentState::Live, None, None, None),
         AgentState::Draining { reason, phase, .. } => (
@@ -384,80 +440,68 @@ pub fn status_message(
         AgentState::Exiting { path, .. } => (pb::AgentState::Exiting, None, Some(*path), None),
         AgentState::Recovering { .. } => (pb::AgentState::Recovering, None, None, None),
     };
-    let proxy = &status.proxy;
+    StateFacts {
+        state,
+        draining,
+        exiting,
+        successor,
+    }
+}
+
+/// The shutdown drain under way: its counts, its listeners and what it drained.
+fn drain_message(d: &DrainProgress) -> pb::Drain {
+    pb::Drain {
+        reason: drain_reason(d.reason).into(),
+        start_time: timestamp(d.started),
+        deadline: d.deadline.and_then(timestamp),
+        active_connections: d
+            .last_count
+            .filter(|_| d.counting == Some(Counting::Connections))
+            .map(|(n, _)| n),
+        active_requests: d
+            .last_count
+            .filter(|_| d.counting == Some(Counting::Requests))
+            .map(|(n, _)| n),
+        count_time: d.last_count.and_then(|(_, at)| timestamp(at)),
+        listeners: d
+            .listeners
+            .iter()
+            .flat_map(|(listeners, _)| listeners)
+            .map(|l| pb::ListenerDrain {
+                name: l.name.clone(),
+                active_connections: l.connections,
+                active_requests: l.requests,
+                upgrades_active: l.upgrades,
+            })
+            .collect(),
+        listeners_time: d.listeners.as_ref().and_then(|(_, at)| timestamp(*at)),
+        drained: d
+            .drained
+            .iter()
+            .flat_map(|p| &p.drained)
+            .map(drained_listener)
+            .collect(),
+        drained_known: d
+            .drained
+            .as_ref()
+            .is_some_and(|p| !matches!(p.note, PlanNote::Unknown(_) | PlanNote::NotServing)),
+        inbound_only: d.drained.as_ref().is_some_and(|p| p.inbound_only),
+        drained_note: d.drained.as_ref().map(drained_note).unwrap_or_default(),
+        accepted: d.drained.is_some(),
+    }
+}
+
+/// The settings taken at start, with Envoy's admin address as known now (it may be learnt
+/// only once Envoy runs).
+fn settings_in_force(
+    settings: &pb::Settings,
+    admin: Option<&envoy_agent_proxy::admin::Address>,
+) -> pb::Settings {
     let mut settings = settings.clone();
     if let Some(admin) = admin {
         settings.admin_address = Some(admin.to_string());
     }
-    pb::Status {
-        mode: mode.into(),
-        state: state.into(),
-        reason,
-        state_since: timestamp(agent.since()),
-        ready: status.ready(),
-        draining: agent.draining(),
-        drain_reason: draining_why
-            .map_or(pb::DrainReason::Unspecified, |w| w.0)
-            .into(),
-        drain_phase: draining_why
-            .map_or(pb::DrainPhase::Unspecified, |w| w.1)
-            .into(),
-        exit_path: exiting_why
-            .map_or(pb::ExitPath::Unspecified, exit_path)
-            .into(),
-        exit_code: exiting_why.map(|p| u32::from(p.code())),
-        successor: successor.filter(|s| !s.is_empty()),
-        epochs: proxy.epochs.iter().map(epoch_message).collect(),
-        newest_live_epoch: proxy.newest_live,
-        drain: status.drain.as_ref().map(|d| pb::Drain {
-            reason: drain_reason(d.reason).into(),
-            start_time: timestamp(d.started),
-            deadline: d.deadline.and_then(timestamp),
-            active_connections: d
-                .last_count
-                .filter(|_| d.counting == Some(Counting::Connections))
-                .map(|(n, _)| n),
-            active_requests: d
-                .last_count
-                .filter(|_| d.counting == Some(Counting::Requests))
-                .map(|(n, _)| n),
-            count_time: d.last_count.and_then(|(_, at)| timestamp(at)),
-            listeners: d
-                .listeners
-                .iter()
-                .flat_map(|(listeners, _)| listeners)
-                .map(|l| pb::ListenerDrain {
-                    name: l.name.clone(),
-                    active_connections: l.connections,
-                    active_requests: l.requests,
-                    upgrades_active: l.upgrades,
-                })
-                .collect(),
-            listeners_time: d.listeners.as_ref().and_then(|(_, at)| timestamp(*at)),
-            drained: d
-                .drained
-                .iter()
-                .flat_map(|p| &p.drained)
-                .map(drained_listener)
-                .collect(),
-            drained_known: d
-                .drained
-                .as_ref()
-                .is_some_and(|p| !matches!(p.note, PlanNote::Unknown(_) | PlanNote::NotServing)),
-            inbound_only: d.drained.as_ref().is_some_and(|p| p.inbound_only),
-            drained_note: d.drained.as_ref().map(drained_note).unwrap_or_default(),
-            accepted: d.drained.is_some(),
-        }),
-        settings: Some(settings),
-        family: proxy.family.as_ref().map(family_message),
-        crash_recovery: crash_recovery_message(&status.crashes, agent),
-        control_plane: status
-            .proxy
-            .config
-            .control_plane()
-            .map(control_plane_message),
-        admin_silent_since: proxy.admin.silent_since().and_then(timestamp),
-    }
+    settings
 }
 
 fn control_plane_message(cp: &envoy_agent_proxy::ControlPlane) -> pb::ControlPlane {

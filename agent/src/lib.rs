@@ -26,13 +26,14 @@
 //! Nothing outlives [`run`]: every Envoy is reaped before it returns, and dropping the future
 //! kills Envoy (it was spawned with kill-on-drop) rather than leaking it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use envoy_agent_drain::Exclusions;
-use envoy_agent_proxy::{AdminAddress, Envoy, Proxy};
+use envoy_agent_proxy::{AdminAddress, Envoy, Proxy, ProxyConfig};
+use opentelemetry::metrics::Meter;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -158,16 +159,7 @@ fn warn_about(settings: &Settings) {
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
 /// input (exit [`SetupError::exit_code`]); others are failures of the agent itself.
 pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Result<u8> {
-    // Unique to this run, not only to this pid: every agent that is PID 1 of its container
-    // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one
-    // removing its directory on exit must not take the other's. (The `.` keeps it apart from
-    // the gRPC socket's `envoy-agent-<uid>` directory too.)
-    let started = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    let runtime_dir =
-        std::env::temp_dir().join(format!("envoy-agent-{}.{started:x}", std::process::id()));
+    let runtime_dir = runtime_dir();
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let envoy = &settings.envoy;
     let temp_dir = std::env::temp_dir();
@@ -188,37 +180,13 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     }
     let reaper_stop = CancellationToken::new();
     let reaper = tokio::spawn(envoy_agent_proxy::reaper::run(reaper_stop.clone()));
-    let telemetry = match telemetry::endpoint(settings.telemetry.otlp_endpoint.as_deref()) {
-        Some(endpoint) => Some(telemetry::Telemetry::new(
-            endpoint,
-            settings.telemetry.export_interval,
-        )?),
-        None => None,
-    };
+    let telemetry = start_telemetry(settings)?;
     let meter = telemetry.as_ref().map(telemetry::Telemetry::meter);
     let agent_metrics = meter
         .as_ref()
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
-    let (socket_path, extra_args) = setup::hot_restart_channel(settings, extra_args, &temp_dir)?;
-    if settings.hot_restart.is_some() {
-        tracing::info!(
-            event = "hot_restart_channel",
-            socket_path = %socket_path,
-            private = !socket_path.is_abstract(),
-            "hot-restart channel"
-        );
-    }
-    let proxy = setup::proxy_config(
-        settings,
-        binary,
-        admin,
-        extra_args,
-        &runtime_dir,
-        socket_path,
-    );
-    let mut proxy = proxy;
-    proxy.drain_notice = setup::drain_notice_dir(settings, &runtime_dir)?;
+    let proxy = configure_proxy(settings, binary, admin, extra_args, &runtime_dir, &temp_dir)?;
     // Shared with every clone of the proxy's config: a level set at run time reaches every
     // Envoy started later.
     let log_level = log_level::EnvoyLogLevel::new(
@@ -244,28 +212,10 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     );
     // Once the input is known good (a refusal is one line), before anything opens sockets.
     setup::raise_fd_limit();
-    let own_runtime_dir = settings.hot_restart.is_some()
-        || matches!(&proxy.admin, AdminAddress::FromFile(p) | AdminAddress::Socket(p) if p.starts_with(&runtime_dir))
-        || proxy.drain_notice.as_deref() == Some(runtime_dir.as_path());
-    if own_runtime_dir {
-        std::fs::create_dir_all(&runtime_dir)
-            .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
-    }
-    if settings.hot_restart.is_none() && matches!(proxy.admin, AdminAddress::Socket(_)) {
-        setup::make_admin_socket_dir(settings, &runtime_dir)?;
-    }
+    let own_runtime_dir = make_runtime_dir(settings, &proxy, &runtime_dir)?;
     let code = match &settings.hot_restart {
         Some(hot) => {
-            let metrics = meter
-                .as_ref()
-                .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
-                .unwrap_or_default();
-            let mut config = setup::family_config(hot, proxy);
-            // Only a family that is restarted after a crash can hand a draining parent on.
-            config.keep_draining_parent = settings.crash_recovery.is_some();
-            tracing::info!(identity = %config.identity, "node identity");
-            let family = envoy_agent_hotrestart::EnvoyFamily::new(config, metrics)
-                .map_err(SetupError::from)?;
+            let family = family(settings, hot, proxy, meter.as_ref())?;
             serve(
                 settings,
                 Arc::new(family),
@@ -299,6 +249,100 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     code
 }
 
+/// The proxy's config: [`setup::proxy_config`] with the hot-restart channel and the
+/// drain-notice directory.
+fn configure_proxy(
+    settings: &Settings,
+    binary: PathBuf,
+    admin: AdminAddress,
+    extra_args: Vec<String>,
+    runtime_dir: &Path,
+    temp_dir: &Path,
+) -> Result<ProxyConfig, SetupError> {
+    let (socket_path, extra_args) = setup::hot_restart_channel(settings, extra_args, temp_dir)?;
+    if settings.hot_restart.is_some() {
+        tracing::info!(
+            event = "hot_restart_channel",
+            socket_path = %socket_path,
+            private = !socket_path.is_abstract(),
+            "hot-restart channel"
+        );
+    }
+    let mut proxy = setup::proxy_config(
+        settings,
+        binary,
+        admin,
+        extra_args,
+        runtime_dir,
+        socket_path,
+    );
+    proxy.drain_notice = setup::drain_notice_dir(settings, runtime_dir)?;
+    Ok(proxy)
+}
+
+/// This run's private directory (not made yet) under the temporary directory.
+fn runtime_dir() -> PathBuf {
+    // Unique to this run, not only to this pid: every agent that is PID 1 of its container
+    // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one
+    // removing its directory on exit must not take the other's. (The `.` keeps it apart from
+    // the gRPC socket's `envoy-agent-<uid>` directory too.)
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    std::env::temp_dir().join(format!("envoy-agent-{}.{started:x}", std::process::id()))
+}
+
+/// The OTLP export pipeline, when an endpoint is configured.
+fn start_telemetry(
+    settings: &Settings,
+) -> Result<Option<telemetry::Telemetry>, telemetry::TelemetryError> {
+    match telemetry::endpoint(settings.telemetry.otlp_endpoint.as_deref()) {
+        Some(endpoint) => Ok(Some(telemetry::Telemetry::new(
+            endpoint,
+            settings.telemetry.export_interval,
+        )?)),
+        None => Ok(None),
+    }
+}
+
+/// Makes the runtime directory when something of this run lives in it (and the admin
+/// socket's directory under it); true when made, so that the run removes it at its end.
+fn make_runtime_dir(
+    settings: &Settings,
+    proxy: &ProxyConfig,
+    runtime_dir: &Path,
+) -> anyhow::Result<bool> {
+    let own_runtime_dir = settings.hot_restart.is_some()
+        || matches!(&proxy.admin, AdminAddress::FromFile(p) | AdminAddress::Socket(p) if p.starts_with(runtime_dir))
+        || proxy.drain_notice.as_deref() == Some(runtime_dir);
+    if own_runtime_dir {
+        std::fs::create_dir_all(runtime_dir)
+            .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
+    }
+    if settings.hot_restart.is_none() && matches!(proxy.admin, AdminAddress::Socket(_)) {
+        setup::make_admin_socket_dir(settings, runtime_dir)?;
+    }
+    Ok(own_runtime_dir)
+}
+
+/// The hot-restart family that serves in place of one Envoy.
+fn family(
+    settings: &Settings,
+    hot: &settings::HotRestartSettings,
+    proxy: ProxyConfig,
+    meter: Option<&Meter>,
+) -> Result<envoy_agent_hotrestart::EnvoyFamily, SetupError> {
+    let metrics = meter
+        .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
+        .unwrap_or_default();
+    let mut config = setup::family_config(hot, proxy);
+    // Only a family that is restarted after a crash can hand a draining parent on.
+    config.keep_draining_parent = settings.crash_recovery.is_some();
+    tracing::info!(identity = %config.identity, "node identity");
+    Ok(envoy_agent_hotrestart::EnvoyFamily::new(config, metrics)?)
+}
+
 /// Runs `proxy` under an [`Agent`] with the status and gRPC servers: the one path of both
 /// modes. `node_proxy`: a surge successor may find its ports taken by its predecessor, and
 /// waits for them instead of failing. `log_level`: Envoy's, as set in the proxy's config.
@@ -319,82 +363,28 @@ async fn serve<P: Proxy>(
     let cancel = CancellationToken::new();
     let tracker = TaskTracker::new();
 
-    let status = match status::StatusServer::bind(settings.status_address).await {
-        Ok(server) => Some(server),
-        Err(e) if node_proxy && e.in_use() => {
-            tracing::warn!(
-                event = "status_address",
-                state = "in_use",
-                addr = %settings.status_address,
-                "the status address is in use (by the predecessor pod's agent on this node?): \
-                 serving without it and binding it once it is free; readiness is the marker file"
-            );
-            None
-        }
-        Err(e) => return Err(SetupError::from(e).into()),
-    };
-    let status_file = settings.status_address_file.clone();
-    let app_metrics = settings.app_metrics.clone();
-    let app_probes = Arc::new(settings.app_probes.clone());
-    // A node proxy's loopback is the node's (hostNetwork): its changes need the caller's uid.
-    let callers = node_proxy.then(|| peer::Callers {
-        uids: settings.control_allow_uids.clone(),
-    });
-    tracker.spawn({
-        let (cancel, handle, addr) = (cancel.clone(), handle.clone(), settings.status_address);
-        async move {
-            let server = match status {
-                Some(server) => server,
-                None => match status::StatusServer::bind_when_free(addr, &cancel).await {
-                    Some(server) => server,
-                    None => return,
-                },
-            };
-            let server = match callers {
-                Some(callers) => server.check_callers(callers),
-                None => server,
-            };
-            let server = match app_metrics {
-                Some(target) => {
-                    server.app_metrics(app_metrics::AppMetrics::new(target, Default::default()))
-                }
-                None => server,
-            };
-            let server = server.with_app_probes(app_probes);
-            if let Some(path) = &status_file {
-                // Atomic, not synced: it names a port of this process, meaningless after a
-                // crash, and two fsyncs here held up the first epoch's start by a millisecond.
-                if let Err(e) = envoy_agent_proxy::replace_atomically(
-                    path,
-                    server.local_addr().to_string().as_bytes(),
-                ) {
-                    tracing::error!(path = %path.display(), error = %e, "cannot write --status-address-file");
-                }
-            }
-            if let Err(e) = server.serve(handle, cancel).await {
-                tracing::error!(error = %e, "status server failed");
-            }
-        }
-    });
+    let status = bind_status(settings, node_proxy).await?;
+    tracker.spawn(status_server(
+        settings,
+        status,
+        node_proxy,
+        handle.clone(),
+        cancel.clone(),
+    ));
     if notify::enabled() {
         tracker.spawn(notify::run(handle.status(), cancel.clone()));
     }
-    let mode = if node_proxy {
-        envoy_agent_proto::pb::Mode::NodeProxy
-    } else {
-        envoy_agent_proto::pb::Mode::Sidecar
-    };
     tracker.spawn(log_level.clone().follow(handle.clone(), cancel.clone()));
-    let service = grpc::Service::new(handle.clone(), mode, reported, log_level);
     tracker.spawn(
-        grpc::serve(
-            settings.grpc_address.clone(),
-            service,
-            cancel.clone(),
+        grpc_server(
+            settings,
+            handle.clone(),
             node_proxy,
+            reported,
+            log_level,
+            cancel.clone(),
         )
-        .await
-        .map_err(SetupError::from)?,
+        .await?,
     );
     tracker.close();
 
@@ -410,6 +400,105 @@ async fn serve<P: Proxy>(
     if let Some(path) = &settings.status_address_file {
         remove_file(path);
     }
+    end(settings, exit)
+}
+
+/// The status server bound to its address, or `None` for a node proxy whose predecessor still
+/// holds it (the server's task binds it once free).
+async fn bind_status(
+    settings: &Settings,
+    node_proxy: bool,
+) -> Result<Option<status::StatusServer>, SetupError> {
+    match status::StatusServer::bind(settings.status_address).await {
+        Ok(server) => Ok(Some(server)),
+        Err(e) if node_proxy && e.in_use() => {
+            tracing::warn!(
+                event = "status_address",
+                state = "in_use",
+                addr = %settings.status_address,
+                "the status address is in use (by the predecessor pod's agent on this node?): \
+                 serving without it and binding it once it is free; readiness is the marker file"
+            );
+            Ok(None)
+        }
+        Err(e) => Err(SetupError::from(e)),
+    }
+}
+
+/// The status server's task: binds the address if `bound` is `None`, writes
+/// `--status-address-file`, and serves until `cancel` fires.
+fn status_server(
+    settings: &Settings,
+    bound: Option<status::StatusServer>,
+    node_proxy: bool,
+    handle: AgentHandle,
+    cancel: CancellationToken,
+) -> impl std::future::Future<Output = ()> + use<> {
+    let addr = settings.status_address;
+    let status_file = settings.status_address_file.clone();
+    let app_metrics = settings.app_metrics.clone();
+    let app_probes = Arc::new(settings.app_probes.clone());
+    // A node proxy's loopback is the node's (hostNetwork): its changes need the caller's uid.
+    let callers = node_proxy.then(|| peer::Callers {
+        uids: settings.control_allow_uids.clone(),
+    });
+    async move {
+        let server = match bound {
+            Some(server) => server,
+            None => match status::StatusServer::bind_when_free(addr, &cancel).await {
+                Some(server) => server,
+                None => return,
+            },
+        };
+        let server = match callers {
+            Some(callers) => server.check_callers(callers),
+            None => server,
+        };
+        let server = match app_metrics {
+            Some(target) => {
+                server.app_metrics(app_metrics::AppMetrics::new(target, Default::default()))
+            }
+            None => server,
+        };
+        let server = server.with_app_probes(app_probes);
+        if let Some(path) = &status_file {
+            // Atomic, not synced: it names a port of this process, meaningless after a
+            // crash, and two fsyncs here held up the first epoch's start by a millisecond.
+            if let Err(e) = envoy_agent_proxy::replace_atomically(
+                path,
+                server.local_addr().to_string().as_bytes(),
+            ) {
+                tracing::error!(path = %path.display(), error = %e, "cannot write --status-address-file");
+            }
+        }
+        if let Err(e) = server.serve(handle, cancel).await {
+            tracing::error!(error = %e, "status server failed");
+        }
+    }
+}
+
+/// The gRPC server's task, its address bound (or, for a node proxy whose predecessor holds a
+/// TCP one, bound by the task once free).
+async fn grpc_server(
+    settings: &Settings,
+    handle: AgentHandle,
+    node_proxy: bool,
+    reported: envoy_agent_proto::pb::Settings,
+    log_level: log_level::EnvoyLogLevel,
+    cancel: CancellationToken,
+) -> Result<impl std::future::Future<Output = ()> + use<>, SetupError> {
+    let mode = if node_proxy {
+        envoy_agent_proto::pb::Mode::NodeProxy
+    } else {
+        envoy_agent_proto::pb::Mode::Sidecar
+    };
+    let service = grpc::Service::new(handle, mode, reported, log_level);
+    Ok(grpc::serve(settings.grpc_address.clone(), service, cancel, node_proxy).await?)
+}
+
+/// The agent's end: logged, written to the termination message, and turned into the exit
+/// code (or the error that ended it).
+fn end(settings: &Settings, exit: AgentExit) -> anyhow::Result<u8> {
     tracing::info!(
         event = "exit",
         exit_path = exit.path.name(),

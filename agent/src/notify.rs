@@ -70,19 +70,6 @@ pub async fn run(mut status: watch::Receiver<Status>, cancel: CancellationToken)
 }
 
 fn tell(s: &Status, told: &mut Told) {
-    let family = s.proxy.family.as_ref();
-    let serving = || match s.proxy.newest_live {
-        Some(epoch) => {
-            let pid = s
-                .proxy
-                .epochs
-                .iter()
-                .find(|e| e.epoch == epoch)
-                .map_or(0, |e| e.pid);
-            format!("serving: epoch {epoch} (pid {pid})")
-        }
-        None => "serving".to_owned(),
-    };
     if matches!(
         s.agent,
         AgentState::Draining { .. }
@@ -90,45 +77,63 @@ fn tell(s: &Status, told: &mut Told) {
             | AgentState::HandedOver { .. }
             | AgentState::Exiting { .. }
     ) {
-        let line = s.agent.to_string();
-        if !told.stopping {
-            told.stopping = true;
-            send(&[NotifyState::Stopping, NotifyState::Status(&line)]);
-            told.status = line;
-        } else if told.status != line {
-            send(&[NotifyState::Status(&line)]);
-            told.status = line;
-        }
+        tell_stopping(&s.agent, told);
         return;
     }
     if let AgentState::Recovering { attempt, .. } = &s.agent {
         // Not STOPPING: the agent stays up and starts Envoy again after the back-off.
         let line = format!("recovering from a crash (restart {attempt} after a back-off)");
-        if told.status != line {
-            send(&[NotifyState::Status(&line)]);
-            told.status = line;
-        }
+        tell_status(line, told);
         return;
     }
     if !told.ready {
-        if s.ready() {
-            told.ready = true;
-            let line = serving();
-            send(&[NotifyState::Ready, NotifyState::Status(&line)]);
-            told.status = line;
-        } else {
-            // Serving without its config yet says what it waits for.
-            let line = match s.proxy.ready() {
-                Err(why) if s.agent.serving() => format!("starting: {why}"),
-                _ => "starting".to_owned(),
-            };
-            if told.status != line {
-                send(&[NotifyState::Status(&line)]);
-                told.status = line;
-            }
-        }
+        tell_starting(s, told);
         return;
     }
+    tell_reloads(s, told);
+}
+
+/// STATUS, when it says something new.
+fn tell_status(line: String, told: &mut Told) {
+    if told.status != line {
+        send(&[NotifyState::Status(&line)]);
+        told.status = line;
+    }
+}
+
+/// STOPPING once, then each change of what the stopping agent does.
+fn tell_stopping(agent: &AgentState, told: &mut Told) {
+    let line = agent.to_string();
+    if !told.stopping {
+        told.stopping = true;
+        send(&[NotifyState::Stopping, NotifyState::Status(&line)]);
+        told.status = line;
+    } else {
+        tell_status(line, told);
+    }
+}
+
+/// Until the first READY: what the start waits for, then READY.
+fn tell_starting(s: &Status, told: &mut Told) {
+    if s.ready() {
+        told.ready = true;
+        let line = serving(s);
+        send(&[NotifyState::Ready, NotifyState::Status(&line)]);
+        told.status = line;
+    } else {
+        // Serving without its config yet says what it waits for.
+        let line = match s.proxy.ready() {
+            Err(why) if s.agent.serving() => format!("starting: {why}"),
+            _ => "starting".to_owned(),
+        };
+        tell_status(line, told);
+    }
+}
+
+/// Once serving: RELOADING when a hot restart begins, READY when it ends (saying how it
+/// went), and the serving epoch as it changes.
+fn tell_reloads(s: &Status, told: &mut Told) {
+    let family = s.proxy.family.as_ref();
     let restarting = family
         .and_then(|f| f.handoff.as_ref())
         .filter(|h| h.stage != HandoffStage::Queued);
@@ -151,9 +156,9 @@ fn tell(s: &Status, told: &mut Told) {
                     "hot restart {} ({}); {} keeps serving",
                     h.outcome,
                     h.message,
-                    serving()
+                    serving(s)
                 ),
-                _ => serving(),
+                _ => serving(s),
             };
             send(&[NotifyState::Ready, NotifyState::Status(&line)]);
             told.status = line;
@@ -162,12 +167,25 @@ fn tell(s: &Status, told: &mut Told) {
             let line = if told.reloading {
                 told.status.clone()
             } else {
-                serving()
+                serving(s)
             };
-            if told.status != line {
-                send(&[NotifyState::Status(&line)]);
-                told.status = line;
-            }
+            tell_status(line, told);
         }
+    }
+}
+
+/// The serving epoch and its pid, for STATUS.
+fn serving(s: &Status) -> String {
+    match s.proxy.newest_live {
+        Some(epoch) => {
+            let pid = s
+                .proxy
+                .epochs
+                .iter()
+                .find(|e| e.epoch == epoch)
+                .map_or(0, |e| e.pid);
+            format!("serving: epoch {epoch} (pid {pid})")
+        }
+        None => "serving".to_owned(),
     }
 }

@@ -67,16 +67,10 @@ pub(crate) fn decide(
     generation: u64,
     now_ms: u64,
 ) -> Discovery {
-    let claims_to_serve = |h: &&Heartbeat| {
-        matches!(
-            h.state,
-            NodeState::Serving | NodeState::Starting | NodeState::HandedOver
-        )
-    };
     // A family whose Envoy answers elsewhere cannot be found, nor handed over: not ours.
     if let Some(h) = others
         .iter()
-        .filter(claims_to_serve)
+        .filter(|h| claims_to_serve(h))
         .find(|h| !h.admin_address.is_empty() && h.admin_address != our_admin)
     {
         return Discovery::Wait(format!(
@@ -87,21 +81,7 @@ pub(crate) fn decide(
         ));
     }
     match admin {
-        Err(e) if refused(e) => match others.iter().find(claims_to_serve) {
-            None => Discovery::Fresh,
-            Some(h) if h.admin_address.is_empty() => Discovery::Wait(format!(
-                "{} says it runs epoch {} but nothing answers at the admin address {our_admin} \
-                 (a starting epoch may hold it; or it is an agent of an earlier release whose \
-                 envoy answers elsewhere, a TCP admin port: then give this pod the same admin, \
-                 --envoy-admin bootstrap)",
-                h.identity, h.newest_epoch
-            )),
-            Some(h) => Discovery::Wait(format!(
-                "{} says it runs epoch {} but nothing answers at the admin address (a starting \
-                 epoch may hold it)",
-                h.identity, h.newest_epoch
-            )),
-        },
+        Err(e) if refused(e) => when_nothing_answers(others, our_admin),
         Err(e) => Discovery::Wait(format!("the admin address does not answer: {e}")),
         Ok(info) if !base_ids.iter().any(|b| u64::from(*b) == info.base_id) => {
             Discovery::Wait(format!(
@@ -114,58 +94,96 @@ pub(crate) fn decide(
         Ok(info) if !matches!(info.state, ServerState::Live | ServerState::Draining) => {
             Discovery::Wait(format!("the node's Envoy is {:?}, not LIVE", info.state))
         }
-        Ok(info) => {
-            // Checked above: one of ours.
-            let base_id = u32::try_from(info.base_id).unwrap_or_default();
-            // The supervisor of the answering epoch, else the newest claimant.
-            let others: Vec<&Heartbeat> = others.iter().filter(|h| h.base_id == base_id).collect();
-            let others = others.as_slice();
-            let owner = others
+        Ok(info) => when_ours_answers(others, info, version, generation, now_ms),
+    }
+}
+
+/// Whether a heartbeat says its supervisor runs (or is about to run, or ran until a
+/// handover) the family's Envoy.
+fn claims_to_serve(h: &Heartbeat) -> bool {
+    matches!(
+        h.state,
+        NodeState::Serving | NodeState::Starting | NodeState::HandedOver
+    )
+}
+
+/// Nothing listens on the admin port: a fresh start, unless a supervisor says it serves.
+fn when_nothing_answers(others: &[Heartbeat], our_admin: &str) -> Discovery {
+    match others.iter().find(|h| claims_to_serve(h)) {
+        None => Discovery::Fresh,
+        Some(h) if h.admin_address.is_empty() => Discovery::Wait(format!(
+            "{} says it runs epoch {} but nothing answers at the admin address {our_admin} \
+             (a starting epoch may hold it; or it is an agent of an earlier release whose \
+             envoy answers elsewhere, a TCP admin port: then give this pod the same admin, \
+             --envoy-admin bootstrap)",
+            h.identity, h.newest_epoch
+        )),
+        Some(h) => Discovery::Wait(format!(
+            "{} says it runs epoch {} but nothing answers at the admin address (a starting \
+             epoch may hold it)",
+            h.identity, h.newest_epoch
+        )),
+    }
+}
+
+/// A LIVE (or DRAINING) Envoy of one of our families answers: take it over, hot or cold,
+/// unless its supervisor is newer or not done with a restart of its own.
+fn when_ours_answers(
+    others: &[Heartbeat],
+    info: &ServerInfo,
+    version: &str,
+    generation: u64,
+    now_ms: u64,
+) -> Discovery {
+    // Checked by the caller: one of ours.
+    let base_id = u32::try_from(info.base_id).unwrap_or_default();
+    // The supervisor of the answering epoch, else the newest claimant.
+    let others: Vec<&Heartbeat> = others.iter().filter(|h| h.base_id == base_id).collect();
+    let others = others.as_slice();
+    let owner = others
+        .iter()
+        .copied()
+        .filter(|h| claims_to_serve(h))
+        .find(|h| h.newest_epoch == info.restart_epoch)
+        .or_else(|| {
+            others
                 .iter()
                 .copied()
-                .filter(claims_to_serve)
-                .find(|h| h.newest_epoch == info.restart_epoch)
-                .or_else(|| {
-                    others
-                        .iter()
-                        .copied()
-                        .filter(claims_to_serve)
-                        .max_by_key(|h| h.newest_epoch)
-                });
-            let identity = owner.map(|h| h.identity.clone());
-            // Rollouts go one way: before any takeover, hot or cold.
-            if let Some(h) = owner.filter(|h| h.generation > generation) {
-                return Discovery::Newer {
-                    identity: h.identity.clone(),
-                    theirs: h.generation,
-                };
-            }
-            if info.hot_restart_version != version {
-                return Discovery::Incompatible {
-                    theirs: info.hot_restart_version.clone(),
-                    base_id,
-                    identity,
-                };
-            }
-            match owner {
-                Some(h) if h.state == NodeState::Starting || h.restart_in_flight => {
-                    Discovery::Wait(format!("{} is restarting", h.identity))
-                }
-                Some(h) if h.parent_draining_until_unix_ms > now_ms => Discovery::Wait(format!(
-                    "{}'s previous generation still drains (until Unix ms {})",
-                    h.identity, h.parent_draining_until_unix_ms
-                )),
-                Some(h) if h.newest_epoch > info.restart_epoch => Discovery::Wait(format!(
-                    "{} runs epoch {}, newer than the answering {}",
-                    h.identity, h.newest_epoch, info.restart_epoch
-                )),
-                _ => Discovery::TakeOver {
-                    epoch: info.restart_epoch,
-                    base_id,
-                    identity,
-                },
-            }
+                .filter(|h| claims_to_serve(h))
+                .max_by_key(|h| h.newest_epoch)
+        });
+    let identity = owner.map(|h| h.identity.clone());
+    // Rollouts go one way: before any takeover, hot or cold.
+    if let Some(h) = owner.filter(|h| h.generation > generation) {
+        return Discovery::Newer {
+            identity: h.identity.clone(),
+            theirs: h.generation,
+        };
+    }
+    if info.hot_restart_version != version {
+        return Discovery::Incompatible {
+            theirs: info.hot_restart_version.clone(),
+            base_id,
+            identity,
+        };
+    }
+    match owner {
+        Some(h) if h.state == NodeState::Starting || h.restart_in_flight => {
+            Discovery::Wait(format!("{} is restarting", h.identity))
         }
+        Some(h) if h.parent_draining_until_unix_ms > now_ms => Discovery::Wait(format!(
+            "{}'s previous generation still drains (until Unix ms {})",
+            h.identity, h.parent_draining_until_unix_ms
+        )),
+        Some(h) if h.newest_epoch > info.restart_epoch => Discovery::Wait(format!(
+            "{} runs epoch {}, newer than the answering {}",
+            h.identity, h.newest_epoch, info.restart_epoch
+        )),
+        _ => Discovery::TakeOver {
+            epoch: info.restart_epoch,
+            base_id,
+            identity,
+        },
     }
 }
 

@@ -714,19 +714,7 @@ impl<H: Host> Supervisor<H> {
 
     async fn on_tick(&mut self) {
         let now = Instant::now();
-        // Early rather than a wake-up of its own when something else woke us (each wake-up
-        // costs more than the work); every other period while nothing happens (a heartbeat is
-        // fresh for four).
-        let steady = matches!(self.life, Life::Running)
-            && self.newest_live.is_some()
-            && self.handoff.is_idle()
-            && self.family.successor_starting.is_none();
-        let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
-        if self.host.has_node() && now + interval / 2 >= self.heartbeat_due {
-            self.heartbeat_due = now + interval;
-            self.read_node();
-            self.write_heartbeat();
-        }
+        self.heartbeat_timer(now);
         // Before the life's own timers: a kept parent retires at its deadline also while the
         // family discovers or stops.
         self.kept_timers(now);
@@ -738,32 +726,8 @@ impl<H: Host> Supervisor<H> {
                 self.stopping_timers(now, kill_at, give_up);
                 return;
             }
-            Life::Discovering {
-                deadline,
-                next,
-                probing,
-                waiting,
-                ..
-            } => {
-                let over = deadline.is_some_and(|d| now >= d)
-                    && !matches!(
-                        waiting,
-                        Some(Waiting::Incompatible { .. } | Waiting::NewerPod { .. })
-                    );
-                if over {
-                    let why = waiting.as_ref().map_or_else(
-                        || "the node's epoch lock stayed taken".to_owned(),
-                        ToString::to_string,
-                    );
-                    let message = format!(
-                        "could not take over within {:?}: {why}",
-                        self.discovery_bound()
-                    );
-                    tracing::error!(%message);
-                    self.begin_stop(Ended::StartFailed { code: 1, message }, "no turn to start");
-                } else if !probing && now >= *next {
-                    self.discover(now);
-                }
+            Life::Discovering { .. } => {
+                self.discovery_timers(now);
                 return;
             }
             Life::Running | Life::HandedOver { .. } => {}
@@ -780,24 +744,7 @@ impl<H: Host> Supervisor<H> {
                 _ => {}
             }
         }
-        // Early too, to share the heartbeat's wake-up (only at its steady pace).
-        let early = match self.family.successor_starting {
-            None => WATCHDOG_POLL / 4,
-            Some(_) => Duration::ZERO,
-        };
-        if self.watchdog.due(now + early) {
-            if matches!(self.life, Life::Running) && self.newest_live.is_some() {
-                self.probe(Probe::Watchdog);
-                // A release copied over the binary: validate it with the config before a
-                // restart needs the answer.
-                if self.host.binary_changed() && self.can_restart() && self.handoff.is_idle() {
-                    tracing::info!(binary = %self.config.proxy.binary_path.display(), "the envoy binary changed on disk: validating it ahead of the next restart");
-                    self.prevalidate(None);
-                }
-            } else {
-                self.watchdog = Probing::default();
-            }
-        }
+        self.watchdog_timer(now);
         if self.version == Version::Unknown
             && !self.queue.is_empty()
             && matches!(self.life, Life::Running)
@@ -816,6 +763,81 @@ impl<H: Host> Supervisor<H> {
             && self.queue.not_before.is_none_or(|t| now >= t)
         {
             self.try_start_queued(now);
+        }
+    }
+
+    /// Reads the node and writes our heartbeat when it is due.
+    fn heartbeat_timer(&mut self, now: Instant) {
+        // Early rather than a wake-up of its own when something else woke us (each wake-up
+        // costs more than the work); every other period while nothing happens (a heartbeat is
+        // fresh for four).
+        let steady = matches!(self.life, Life::Running)
+            && self.newest_live.is_some()
+            && self.handoff.is_idle()
+            && self.family.successor_starting.is_none();
+        let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
+        if self.host.has_node() && now + interval / 2 >= self.heartbeat_due {
+            self.heartbeat_due = now + interval;
+            self.read_node();
+            self.write_heartbeat();
+        }
+    }
+
+    /// While the family discovers where to start: gives up past the discovery bound (except
+    /// beside an incompatible Envoy or a newer pod's family, whose waits do not time out),
+    /// else looks again when due.
+    fn discovery_timers(&mut self, now: Instant) {
+        let Life::Discovering {
+            deadline,
+            next,
+            probing,
+            waiting,
+            ..
+        } = &self.life
+        else {
+            return;
+        };
+        let over = deadline.is_some_and(|d| now >= d)
+            && !matches!(
+                waiting,
+                Some(Waiting::Incompatible { .. } | Waiting::NewerPod { .. })
+            );
+        if over {
+            let why = waiting.as_ref().map_or_else(
+                || "the node's epoch lock stayed taken".to_owned(),
+                ToString::to_string,
+            );
+            let message = format!(
+                "could not take over within {:?}: {why}",
+                self.discovery_bound()
+            );
+            tracing::error!(%message);
+            self.begin_stop(Ended::StartFailed { code: 1, message }, "no turn to start");
+        } else if !probing && now >= *next {
+            self.discover(now);
+        }
+    }
+
+    /// Probes the serving epoch when the watchdog is due (and validates a binary changed on
+    /// disk ahead of the next restart); only while an epoch serves.
+    fn watchdog_timer(&mut self, now: Instant) {
+        // Early too, to share the heartbeat's wake-up (only at its steady pace).
+        let early = match self.family.successor_starting {
+            None => WATCHDOG_POLL / 4,
+            Some(_) => Duration::ZERO,
+        };
+        if self.watchdog.due(now + early) {
+            if matches!(self.life, Life::Running) && self.newest_live.is_some() {
+                self.probe(Probe::Watchdog);
+                // A release copied over the binary: validate it with the config before a
+                // restart needs the answer.
+                if self.host.binary_changed() && self.can_restart() && self.handoff.is_idle() {
+                    tracing::info!(binary = %self.config.proxy.binary_path.display(), "the envoy binary changed on disk: validating it ahead of the next restart");
+                    self.prevalidate(None);
+                }
+            } else {
+                self.watchdog = Probing::default();
+            }
         }
     }
 

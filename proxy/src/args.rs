@@ -111,64 +111,110 @@ pub fn refused_extra_arg(config: &ProxyConfig) -> Option<RefusedArg> {
 /// off (Envoy then runs with `--disable-hot-restart`, always epoch 0). A flag the user's extra
 /// arguments set is left out (theirs wins); [`refused_extra_arg`] says which ones cannot be.
 pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
-    let mut args: Vec<String> = Vec::new();
-    let mut warnings = Vec::new();
     let extra = &config.extra_args;
-    let theirs = |names: &[&str]| sets(extra, names);
-    let mut push = |flag: &str, value: String| {
-        if !sets(extra, &[flag]) {
-            args.push(flag.to_owned());
-            args.push(value);
-        }
+    let mut flags = Flags {
+        args: Vec::new(),
+        extra,
     };
+    let mut warnings = Vec::new();
 
-    push("-c", config.config_path.display().to_string());
-    push(
+    flags.set("-c", config.config_path.display().to_string());
+    flags.set(
         "--drain-time-s",
         config.drain_duration.as_secs().to_string(),
     );
-    push(
+    flags.set(
         "--drain-strategy",
         config.drain_strategy.as_str().to_owned(),
     );
-    push(
+    flags.set(
         "--local-address-ip-version",
         ip_version(&config.node_ips).to_owned(),
     );
-    push(
+    flags.set(
         "--file-flush-interval-msec",
         config.file_flush_interval.as_millis().to_string(),
     );
+    hot_restart_flags(&mut flags, config, epoch);
+    if !flags.theirs(&["--allow-unknown-static-fields"]) {
+        flags.args.push("--allow-unknown-static-fields".to_owned());
+    }
+    if config.file_flush_min_size_kb > 0 && !flags.theirs(&["--file-flush-min-size-kb"]) {
+        flags.args.push("--file-flush-min-size-kb".to_owned());
+        flags.args.push(config.file_flush_min_size_kb.to_string());
+    }
+    log_flags(&mut flags, config, &mut warnings);
+    if config.enable_core_dump && !flags.theirs(&["--enable-core-dump"]) {
+        flags.args.push("--enable-core-dump".to_owned());
+    }
+    if let Some(overlay) = config_overlay(config, epoch) {
+        flags.args.push("--config-yaml".to_owned());
+        flags.args.push(overlay);
+    }
+    if config.concurrency > 0 && !flags.theirs(&["--concurrency"]) {
+        flags.args.push("--concurrency".to_owned());
+        flags.args.push(config.concurrency.to_string());
+    }
+    if let Some(path) = admin_address_path(config, epoch) {
+        flags.args.push("--admin-address-path".to_owned());
+        flags.args.push(path);
+    }
+    let mut args = flags.args;
+    args.extend(extra.iter().cloned());
+    EnvoyArgs { args, warnings }
+}
+
+/// Envoy's arguments as [`envoy_args`] builds them, beside the user's extra arguments that
+/// may set some of the same flags.
+struct Flags<'a> {
+    args: Vec<String>,
+    extra: &'a [String],
+}
+
+impl Flags<'_> {
+    /// Whether the user's extra arguments set the flag under any of its `names`.
+    fn theirs(&self, names: &[&str]) -> bool {
+        sets(self.extra, names)
+    }
+
+    /// `flag value`, unless the user's extra arguments set `flag`.
+    fn set(&mut self, flag: &str, value: String) {
+        if !self.theirs(&[flag]) {
+            self.args.push(flag.to_owned());
+            self.args.push(value);
+        }
+    }
+}
+
+/// The hot-restart flags at `epoch`, or `--disable-hot-restart` without hot restart.
+fn hot_restart_flags(flags: &mut Flags<'_>, config: &ProxyConfig, epoch: u32) {
     match &config.hot_restart {
         Some(hot) => {
-            push("--restart-epoch", epoch.to_string());
-            push("--base-id", hot.base_id.to_string());
+            flags.set("--restart-epoch", epoch.to_string());
+            flags.set("--base-id", hot.base_id.to_string());
             match &hot.socket_path {
                 SocketPath::File(prefix) => {
-                    push("--socket-path", prefix.display().to_string());
-                    push("--socket-mode", "600".to_owned());
+                    flags.set("--socket-path", prefix.display().to_string());
+                    flags.set("--socket-mode", "600".to_owned());
                 }
                 path if *path != SocketPath::envoy_default() => {
-                    push("--socket-path", path.to_string());
+                    flags.set("--socket-path", path.to_string());
                 }
                 _ => {}
             }
-            push(
+            flags.set(
                 "--parent-shutdown-time-s",
                 hot.parent_shutdown_time.as_secs().to_string(),
             );
         }
-        None if theirs(&["--disable-hot-restart"]) => {}
-        None => args.push("--disable-hot-restart".to_owned()),
+        None if flags.theirs(&["--disable-hot-restart"]) => {}
+        None => flags.args.push("--disable-hot-restart".to_owned()),
     }
-    if !theirs(&["--allow-unknown-static-fields"]) {
-        args.push("--allow-unknown-static-fields".to_owned());
-    }
-    if config.file_flush_min_size_kb > 0 && !theirs(&["--file-flush-min-size-kb"]) {
-        args.push("--file-flush-min-size-kb".to_owned());
-        args.push(config.file_flush_min_size_kb.to_string());
-    }
+}
 
+/// The logging flags: the levels, the JSON format, deprecation logs. A level token Envoy
+/// cannot take is left out with a warning.
+fn log_flags(flags: &mut Flags<'_>, config: &ProxyConfig, warnings: &mut Vec<String>) {
     // A level set at run time wins over the command line's: a later epoch keeps it.
     let (global, components) =
         match config.log_level_set.get() {
@@ -186,24 +232,25 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
                 (levels.global.unwrap_or("warning").to_owned(), components)
             }
         };
-    if !theirs(&["-l", "--log-level"]) {
-        args.push("-l".to_owned());
-        args.push(global);
+    if !flags.theirs(&["-l", "--log-level"]) {
+        flags.args.push("-l".to_owned());
+        flags.args.push(global);
     }
-    if !components.is_empty() && !theirs(&["--component-log-level"]) {
-        args.push("--component-log-level".to_owned());
-        args.push(components);
+    if !components.is_empty() && !flags.theirs(&["--component-log-level"]) {
+        flags.args.push("--component-log-level".to_owned());
+        flags.args.push(components);
     }
-    if config.log_as_json && !theirs(&["--log-format"]) {
-        args.push("--log-format".to_owned());
-        args.push(JSON_LOG_FORMAT.to_owned());
+    if config.log_as_json && !flags.theirs(&["--log-format"]) {
+        flags.args.push("--log-format".to_owned());
+        flags.args.push(JSON_LOG_FORMAT.to_owned());
     }
-    if config.skip_deprecated_logs && !theirs(&["--skip-deprecated-logs"]) {
-        args.push("--skip-deprecated-logs".to_owned());
+    if config.skip_deprecated_logs && !flags.theirs(&["--skip-deprecated-logs"]) {
+        flags.args.push("--skip-deprecated-logs".to_owned());
     }
-    if config.enable_core_dump && !theirs(&["--enable-core-dump"]) {
-        args.push("--enable-core-dump".to_owned());
-    }
+}
+
+/// The `--config-yaml` overlay at `epoch`, when the agent has anything to overlay.
+fn config_overlay(config: &ProxyConfig, epoch: u32) -> Option<String> {
     // Envoy takes one overlay: everything the agent overlays goes into it.
     let mut overlay = serde_json::Map::new();
     if let Some(path) = &config.outlier_log_path {
@@ -221,32 +268,25 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
     if let Some(admin) = admin_overlay(config) {
         overlay.insert("admin".to_owned(), admin);
     }
-    if !overlay.is_empty() {
-        args.push("--config-yaml".to_owned());
-        args.push(serde_json::Value::Object(overlay).to_string());
-    }
-    if config.concurrency > 0 && !theirs(&["--concurrency"]) {
-        args.push("--concurrency".to_owned());
-        args.push(config.concurrency.to_string());
-    }
+    (!overlay.is_empty()).then(|| serde_json::Value::Object(overlay).to_string())
+}
+
+/// Where Envoy at `epoch` writes the admin address it bound (`--admin-address-path`), when
+/// the agent needs to learn it.
+fn admin_address_path(config: &ProxyConfig, epoch: u32) -> Option<String> {
     match (&config.admin, &config.hot_restart) {
-        (AdminAddress::FromFile(path), _) => {
-            args.push("--admin-address-path".to_owned());
-            args.push(path.display().to_string());
-        }
+        (AdminAddress::FromFile(path), _) => Some(path.display().to_string()),
         (AdminAddress::Fixed(_) | AdminAddress::Socket(_), Some(hot)) => {
             if let Some(path) = &hot.ephemeral_admin {
-                args.push("--admin-address-path".to_owned());
-                args.push(path.display().to_string());
-            } else if let Some(dir) = &hot.admin_address_dir {
-                args.push("--admin-address-path".to_owned());
-                args.push(admin_address_file(dir, epoch).display().to_string());
+                Some(path.display().to_string())
+            } else {
+                hot.admin_address_dir
+                    .as_ref()
+                    .map(|dir| admin_address_file(dir, epoch).display().to_string())
             }
         }
-        (AdminAddress::Fixed(_) | AdminAddress::Socket(_), None) => {}
+        (AdminAddress::Fixed(_) | AdminAddress::Socket(_), None) => None,
     }
-    args.extend(extra.iter().cloned());
-    EnvoyArgs { args, warnings }
 }
 
 /// The `admin` part of the agent's overlay: the agent's own socket

@@ -60,67 +60,76 @@ impl<H: Host> Supervisor<H> {
             Life::Discovering { .. } | Life::Running => {}
         }
         match child.state {
-            EpochState::Draining => {
-                if let Handoff::ParentDraining {
-                    parent: DrainingParent::Ours(p),
-                    ..
-                } = &self.handoff
-                {
-                    if *p == epoch {
-                        self.handoff = Handoff::Idle;
-                    }
-                }
-                if code == 0 && child.stopped.is_none() {
-                    tracing::info!(epoch, "drained parent exited (terminated by its child)");
-                } else {
-                    tracing::warn!(epoch, code, "draining parent died; its child keeps serving");
-                    self.stand_in_for(epoch);
-                }
-                self.write_heartbeat();
-            }
-            EpochState::Live => {
-                self.newest_live = None;
-                self.set_marker(false);
-                let exit = match result {
-                    Ok(exit) => exit,
-                    Err(e) => {
-                        self.begin_stop(
-                            Ended::StartFailed {
-                                code: 1,
-                                message: e.to_string(),
-                            },
-                            "cannot wait for envoy",
-                        );
-                        return;
-                    }
-                };
-                if let Some(starting) = self.handoff.starting_epoch() {
-                    // The serving epoch died while its successor starts: the successor still
-                    // talks to it, so stand in for its sockets at once and let the successor
-                    // finish (its deadline still applies).
-                    tracing::warn!(
-                        epoch,
-                        code,
-                        starting,
-                        "the serving epoch exited while epoch {starting} starts: standing in for it, the new epoch may still take over"
-                    );
-                    self.stand_in_for(epoch);
-                    if let Handoff::Starting {
-                        attempt,
-                        serving_exited,
-                        ..
-                    } = &mut self.handoff
-                    {
-                        attempt.parent = None;
-                        *serving_exited = Some(exit);
-                    }
-                    return;
-                }
-                // Who serves now? A successor pod's Envoy terminates ours with exit 0.
-                self.probe(Probe::ServingExited(exit));
-            }
+            EpochState::Draining => self.on_draining_exit(&child, code),
+            EpochState::Live => self.on_live_exit(epoch, code, result),
             EpochState::Starting => self.on_failed_start(child, code, &tail),
         }
+    }
+
+    /// A draining parent exited: terminated by its child as planned, or died (then a
+    /// stand-in keeps its child's hot-restart channel answered).
+    fn on_draining_exit(&mut self, child: &crate::epochs::Child, code: i32) {
+        let epoch = child.epoch;
+        if let Handoff::ParentDraining {
+            parent: DrainingParent::Ours(p),
+            ..
+        } = &self.handoff
+        {
+            if *p == epoch {
+                self.handoff = Handoff::Idle;
+            }
+        }
+        if code == 0 && child.stopped.is_none() {
+            tracing::info!(epoch, "drained parent exited (terminated by its child)");
+        } else {
+            tracing::warn!(epoch, code, "draining parent died; its child keeps serving");
+            self.stand_in_for(epoch);
+        }
+        self.write_heartbeat();
+    }
+
+    /// The serving epoch exited: handed to its starting successor if there is one, else the
+    /// question of who serves now goes to a probe.
+    fn on_live_exit(&mut self, epoch: u32, code: i32, result: Result<Exit, ProxyError>) {
+        self.newest_live = None;
+        self.set_marker(false);
+        let exit = match result {
+            Ok(exit) => exit,
+            Err(e) => {
+                self.begin_stop(
+                    Ended::StartFailed {
+                        code: 1,
+                        message: e.to_string(),
+                    },
+                    "cannot wait for envoy",
+                );
+                return;
+            }
+        };
+        if let Some(starting) = self.handoff.starting_epoch() {
+            // The serving epoch died while its successor starts: the successor still
+            // talks to it, so stand in for its sockets at once and let the successor
+            // finish (its deadline still applies).
+            tracing::warn!(
+                epoch,
+                code,
+                starting,
+                "the serving epoch exited while epoch {starting} starts: standing in for it, the new epoch may still take over"
+            );
+            self.stand_in_for(epoch);
+            if let Handoff::Starting {
+                attempt,
+                serving_exited,
+                ..
+            } = &mut self.handoff
+            {
+                attempt.parent = None;
+                *serving_exited = Some(exit);
+            }
+            return;
+        }
+        // Who serves now? A successor pod's Envoy terminates ours with exit 0.
+        self.probe(Probe::ServingExited(exit));
     }
 
     /// Keeps how `child` ended in the published history.

@@ -115,17 +115,29 @@ impl<H: Host> Supervisor<H> {
             },
             Ok(()) => Ok(()),
         };
-        if let Err(message) = result {
-            drop(lock);
-            if self.newest_live.is_none() {
-                tracing::error!(epoch, error = %message, "pre-flight rejects the first epoch");
-                self.finish(attempt, Outcome::Rejected, message.clone());
-                self.begin_stop(Ended::StartFailed { code: 1, message }, "pre-flight failed");
-            } else {
-                self.finish(attempt, Outcome::Rejected, message);
-            }
-            return;
+        match result {
+            Ok(()) => self.spawn_epoch(attempt, lock, epoch).await,
+            Err(message) => self.reject(attempt, lock, epoch, message),
         }
+    }
+
+    /// Pre-flight refused the new epoch: the attempt ends there, and the family with it when
+    /// nothing serves.
+    fn reject(&mut self, attempt: Attempt, lock: Option<Guard>, epoch: u32, message: String) {
+        drop(lock);
+        if self.newest_live.is_none() {
+            tracing::error!(epoch, error = %message, "pre-flight rejects the first epoch");
+            self.finish(attempt, Outcome::Rejected, message.clone());
+            self.begin_stop(Ended::StartFailed { code: 1, message }, "pre-flight failed");
+        } else {
+            self.finish(attempt, Outcome::Rejected, message);
+        }
+    }
+
+    /// Pre-flight passed: spawns the new epoch, which has the handoff deadline to become LIVE
+    /// (one that cannot be spawned ends the attempt, and the family with it when nothing
+    /// serves).
+    async fn spawn_epoch(&mut self, mut attempt: Attempt, lock: Option<Guard>, epoch: u32) {
         // Only a stand-in holding the socket names this epoch will bind must go (Envoy names
         // them after the epoch modulo 3); the others' children may still talk to them.
         self.release_stand_ins(

@@ -49,14 +49,7 @@ impl<H: Host> Supervisor<H> {
             now_ms,
         );
         match decision {
-            Discovery::Fresh => {
-                tracing::info!("no live predecessor on this node: starting at epoch 0");
-                // A family of our own: our channel (not one a crashed family took over).
-                if let Some(hot) = &self.config.proxy.hot_restart {
-                    self.host.use_socket_path(hot.socket_path.clone());
-                }
-                self.begin_first(0, None, START_REASON.to_owned());
-            }
+            Discovery::Fresh => self.start_fresh(),
             Discovery::TakeOver {
                 epoch,
                 base_id,
@@ -77,20 +70,7 @@ impl<H: Host> Supervisor<H> {
             }
             Discovery::Incompatible {
                 theirs, identity, ..
-            } => {
-                let mut reported = reported_incompatible;
-                if reported.is_none_or(|t| t.elapsed() >= INCOMPATIBLE_REPORT) {
-                    reported = Some(Instant::now());
-                    tracing::error!(
-                        predecessor = identity.as_deref().unwrap_or("unknown"),
-                        theirs = %theirs,
-                        ours = %ours,
-                        "the node's envoy has another hot-restart version: it cannot be \
-                         hot-restarted from; not starting until it is gone (see the runbook)"
-                    );
-                }
-                self.set_waiting(Waiting::Incompatible { theirs, ours }, reported);
-            }
+            } => self.wait_beside_incompatible(theirs, identity, ours, reported_incompatible),
             Discovery::Newer { identity, theirs } => {
                 let why = Waiting::NewerPod {
                     identity,
@@ -110,6 +90,39 @@ impl<H: Host> Supervisor<H> {
                 self.set_waiting(why, reported_incompatible);
             }
         }
+    }
+
+    /// No Envoy of the family runs on the node: a family of our own, at epoch 0.
+    fn start_fresh(&mut self) {
+        tracing::info!("no live predecessor on this node: starting at epoch 0");
+        // A family of our own: our channel (not one a crashed family took over).
+        if let Some(hot) = &self.config.proxy.hot_restart {
+            self.host.use_socket_path(hot.socket_path.clone());
+        }
+        self.begin_first(0, None, START_REASON.to_owned());
+    }
+
+    /// The node's Envoy cannot be hot-restarted from and no cold handover can start beside
+    /// it: wait, saying so at most every [`INCOMPATIBLE_REPORT`].
+    fn wait_beside_incompatible(
+        &mut self,
+        theirs: String,
+        identity: Option<String>,
+        ours: String,
+        reported: Option<Instant>,
+    ) {
+        let mut reported = reported;
+        if reported.is_none_or(|t| t.elapsed() >= INCOMPATIBLE_REPORT) {
+            reported = Some(Instant::now());
+            tracing::error!(
+                predecessor = identity.as_deref().unwrap_or("unknown"),
+                theirs = %theirs,
+                ours = %ours,
+                "the node's envoy has another hot-restart version: it cannot be \
+                 hot-restarted from; not starting until it is gone (see the runbook)"
+            );
+        }
+        self.set_waiting(Waiting::Incompatible { theirs, ours }, reported);
     }
 
     /// Why discovery waits, while it still does (the start may have been given up).
