@@ -109,6 +109,55 @@ impl std::str::FromStr for Target {
     }
 }
 
+/// Why `ISTIO_PROMETHEUS_ANNOTATIONS` was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("ISTIO_PROMETHEUS_ANNOTATIONS {json:?}: {why}")]
+pub struct IstioAnnotationsError {
+    /// As given.
+    pub json: String,
+    /// What is wrong with it.
+    pub why: String,
+}
+
+/// The app's metrics as Istio's injector describes them in `ISTIO_PROMETHEUS_ANNOTATIONS`
+/// (the pod's own `prometheus.io/*` annotations, before it pointed them at pilot-agent):
+/// `{"scrape":"true","port":"8080","path":"/metrics"}` is `http://127.0.0.1:8080/metrics`
+/// (the path defaults to `/metrics`, as Prometheus'); `None` when `scrape` is not `true` or
+/// no port is named (pilot-agent merges nothing then either).
+pub fn from_istio_annotations(json: &str) -> Result<Option<Target>, IstioAnnotationsError> {
+    let refuse = |why: String| IstioAnnotationsError {
+        json: json.to_owned(),
+        why,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| refuse(format!("not JSON: {e}")))?;
+    let field = |name: &str| value.get(name).and_then(serde_json::Value::as_str);
+    if !value.is_object() {
+        return Err(refuse("not a JSON object".to_owned()));
+    }
+    if field("scrape") != Some("true") {
+        return Ok(None);
+    }
+    let Some(port) = field("port").filter(|p| !p.is_empty()) else {
+        return Ok(None);
+    };
+    let port: u16 = port
+        .parse()
+        .map_err(|_| refuse(format!("port {port:?} is not a port number")))?;
+    let path = field("path")
+        .filter(|p| !p.is_empty())
+        .unwrap_or("/metrics");
+    let path = if path.starts_with('/') {
+        path.to_owned()
+    } else {
+        format!("/{path}")
+    };
+    format!("http://127.0.0.1:{port}{path}")
+        .parse()
+        .map(Some)
+        .map_err(|e: TargetError| refuse(e.why.to_owned()))
+}
+
 /// `--app-metrics-url` as given: empty means off, so that a pod whose annotation (read through
 /// the downward API) is absent runs without it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -390,6 +439,37 @@ pub fn families(app: &AppMetrics, up: bool) -> String {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[test]
+    fn istios_annotations_name_the_apps_metrics() {
+        let t = from_istio_annotations(r#"{"scrape":"true","port":"8080","path":"/stats"}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.to_string(), "http://127.0.0.1:8080/stats");
+        let t = from_istio_annotations(r#"{"scrape":"true","port":"9090"}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.to_string(), "http://127.0.0.1:9090/metrics");
+        for off in [
+            r#"{"scrape":"false","port":"8080"}"#,
+            r#"{"scrape":"true"}"#,
+            "{}",
+        ] {
+            assert_eq!(from_istio_annotations(off).unwrap(), None, "{off}");
+        }
+        for (bad, why) in [
+            ("scrape", "not JSON"),
+            ("[1]", "not a JSON object"),
+            (r#"{"scrape":"true","port":"http"}"#, "not a port number"),
+        ] {
+            let e = from_istio_annotations(bad).unwrap_err();
+            assert!(e.why.contains(why), "{bad}: {e}");
+            assert!(
+                e.to_string().contains("ISTIO_PROMETHEUS_ANNOTATIONS"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn an_empty_flag_is_off() {

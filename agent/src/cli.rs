@@ -586,6 +586,17 @@ pub struct RunArgs {
     #[arg(long, env = "ENVOY_AGENT_APP_METRICS_URL", value_name = "URL")]
     pub app_metrics_url: Option<crate::app_metrics::Flag>,
 
+    /// Istio's description of the app's metrics (ISTIO_PROMETHEUS_ANNOTATIONS, as its
+    /// injector sets it: {"scrape":"true","port":"8080","path":"/metrics"}), read from the
+    /// environment only (hidden as a flag); --app-metrics-url wins when both are set.
+    #[arg(
+        long = "istio-prometheus-annotations",
+        env = "ISTIO_PROMETHEUS_ANNOTATIONS",
+        value_name = "JSON",
+        hide = true
+    )]
+    pub istio_prometheus_annotations: Option<String>,
+
     /// Hot restart: run Envoy with restart epochs under the hot-restart supervisor (SIGHUP or a
     /// config change starts the next epoch). Without it Envoy runs with --disable-hot-restart.
     /// Every other flag means the same in both modes.
@@ -704,6 +715,7 @@ impl RunArgs {
         }
         let crash_recovery = self.crash_recovery();
         let app_probes = self.app_probes()?;
+        let app_metrics = self.app_metrics()?;
         let shutdown = self.shutdown(hot_restart.as_ref(), exit_on_zero)?;
         Ok(Settings {
             envoy: self.envoy_settings(hot_restart.is_some()),
@@ -721,7 +733,7 @@ impl RunArgs {
             status_address: self.status_address,
             app_probes,
             status_address_file: self.status_address_file,
-            app_metrics: self.app_metrics_url.and_then(|flag| flag.0),
+            app_metrics,
             grpc_address: grpc_address.unwrap_or_else(client::default_address),
             grpc_allow_remote: self.grpc_allow_remote,
             control_allow_uids: self.control_allow_uids,
@@ -862,6 +874,15 @@ impl RunArgs {
     }
 
     /// The app probes: `--app-probers` (or its variable) wins over Istio's variable.
+    /// The app's metrics: `--app-metrics-url` (empty: off), else Istio's annotations.
+    fn app_metrics(&self) -> Result<Option<crate::app_metrics::Target>, SettingsError> {
+        match (&self.app_metrics_url, &self.istio_prometheus_annotations) {
+            (Some(flag), _) => Ok(flag.0.clone()),
+            (None, Some(json)) => Ok(crate::app_metrics::from_istio_annotations(json)?),
+            (None, None) => Ok(None),
+        }
+    }
+
     fn app_probes(&self) -> Result<AppProbes, SettingsError> {
         let (json, input) = match (&self.app_probers, &self.istio_kube_app_probers) {
             (Some(json), _) => (json, app_probe::Input::Flag),
@@ -972,6 +993,9 @@ pub enum SettingsError {
     /// The app probes' JSON cannot be used.
     #[error(transparent)]
     AppProbes(#[from] app_probe::ConfigError),
+    /// `ISTIO_PROMETHEUS_ANNOTATIONS` that names no app metrics endpoint.
+    #[error(transparent)]
+    AppMetrics(#[from] crate::app_metrics::IstioAnnotationsError),
 }
 
 impl SettingsError {

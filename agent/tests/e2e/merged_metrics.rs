@@ -289,3 +289,28 @@ async fn an_app_that_is_down_slow_huge_or_garbled_leaves_the_scrape_fast_and_val
         assert_eq!(logged["state"], "down", "{logged}");
     }
 }
+
+/// An Istio-injected pod's description of the app's metrics (`ISTIO_PROMETHEUS_ANNOTATIONS`,
+/// the pod's own `prometheus.io/*` annotations before the injector pointed them at the agent)
+/// is taken as it is when `--app-metrics-url` is not given.
+#[tokio::test]
+async fn istios_annotations_alone_name_the_apps_metrics() {
+    let app = App::start().await;
+    let annotations = format!(
+        r#"{{"scrape":"true","port":"{}","path":"/metrics"}}"#,
+        app.addr.port()
+    );
+    let agent = agent()
+        .env("ISTIO_PROMETHEUS_ANNOTATIONS", &annotations)
+        .start()
+        .await;
+    let scrape = http_get(agent.status(), "/stats/prometheus").await.unwrap();
+    assert!(
+        scrape
+            .body
+            .contains("\napp_requests_total{code=\"200\"} 42\n"),
+        "{:.2000}",
+        scrape.body
+    );
+    assert!(scrape.body.contains("envoy_agent_app_metrics_up 1"));
+}
