@@ -63,6 +63,8 @@ const CONTROL_PLANE_DOWN: Duration = Duration::from_secs(5);
 const CLI_BOUND: Duration = Duration::from_secs(90);
 /// The HTTP/3 client's name (the start of its failures' descriptions).
 const H3_CLIENT: &str = "HTTP/3 requests";
+/// The long-lived HTTP/2 stream client's name.
+const STREAMS_CLIENT: &str = "HTTP/2 long-lived streams";
 /// The agent's own flags for the soak: short drains, so that parents drain often while other
 /// faults land, and a crash policy that recovers (see docs/soak.md for the defaults' trade).
 const NODE_ARGS: &[&str] = &["--drain-time", "2s", "--parent-shutdown-time", "4s"];
@@ -392,7 +394,7 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
             ),
         ),
         (
-            "HTTP/2 long-lived streams",
+            STREAMS_CLIENT,
             Arc::new(
                 H2Client::start(
                     ClientMode::Streams,
@@ -903,12 +905,26 @@ impl World<'_> {
             "freeze-agent: SIGSTOP the agent (pid {pid}) for {freeze:?}, past the \
              {WEDGE_DEADLINE:?} wedge deadline"
         ));
+        // Known finding 10 (docs/soak.md): a hot restart the agent started runs on in Envoy
+        // while the agent is stopped; a parent that drains and is terminated by its child
+        // within the stall (the soak's parent-shutdown time is 4 s) never got the drain notice
+        // the agent gives, so a long-lived stream on it is cut untold. Only that client's
+        // failures are unavoidable while the agent is stopped.
+        let untold = (self.setup.mode == Mode::Node).then(|| {
+            self.shared.open_window_of(
+                "freeze-agent (a draining parent's long-lived streams untold)",
+                Some(STREAMS_CLIENT),
+            )
+        });
         self.shared.agent_frozen(true);
         self.signal(Signal::SIGSTOP);
         tokio::time::sleep(freeze).await;
         self.signal(Signal::SIGCONT);
         self.shared.agent_frozen(false);
         self.shared.log("freeze-agent: SIGCONT");
+        if let Some(window) = untold {
+            self.shared.close_window(window);
+        }
         // What the agent does once back: a misjudged wedge shows within a few watchdog polls.
         tokio::time::sleep(Duration::from_secs(3)).await;
         let after = misjudged(&self.agent);
