@@ -210,6 +210,23 @@ async fn a_wedge_is_recovered_in_place_with_restart_on_crash() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// SIGHUP to a node proxy serving epoch 0; once epoch 1 is LIVE (its parent draining), the
+/// pids of epoch 0 and epoch 1.
+async fn hot_restart_to_epoch_1(agent: &AgentProcess) -> (u32, u32) {
+    let parent = status(agent).await.epochs[0].pid;
+    agent.signal(Signal::SIGHUP);
+    live_at(&agent.admin, 1).await;
+    let child = eventually("epoch 1 LIVE in the status", PATIENCE, || async {
+        let s = status(agent).await;
+        s.epochs
+            .iter()
+            .find(|e| e.epoch == 1 && e.state() == pb::EpochState::Live)
+            .map(|e| e.pid)
+    })
+    .await;
+    (parent, child)
+}
+
 /// Issue 40: the serving Envoy SIGKILLed while its parent drains, with `--restart-on-crash`,
 /// under load. Measured on Envoy 1.40: the parent's listeners and admin are closed by then
 /// (new connections are refused until something serves again), but it keeps serving the
@@ -246,17 +263,7 @@ async fn a_draining_parent_keeps_its_in_flight_request_when_its_child_is_killed(
             .then_some(())
     })
     .await;
-    let parent = status(&agent).await.epochs[0].pid;
-    agent.signal(Signal::SIGHUP);
-    live_at(&agent.admin, 1).await;
-    let child = eventually("epoch 1 in the status", PATIENCE, || async {
-        let s = status(&agent).await;
-        s.epochs
-            .iter()
-            .find(|e| e.epoch == 1 && e.state() == pb::EpochState::Live)
-            .map(|e| e.pid)
-    })
-    .await;
+    let (parent, child) = hot_restart_to_epoch_1(&agent).await;
 
     kill(Pid::from_raw(child as i32), Signal::SIGKILL).unwrap();
     let kept = agent.wait_event("draining_parent_kept", "epoch", "0").await;
@@ -345,17 +352,7 @@ async fn a_kept_parent_forwarding_quic_to_its_dead_child_still_goes_at_sigterm()
         matches!(e.kind, envoy_agent_tests::clients::Kind::Response { .. }).then_some(())
     })
     .await;
-    let parent = status(&agent).await.epochs[0].pid;
-    agent.signal(Signal::SIGHUP);
-    live_at(&agent.admin, 1).await;
-    let child = eventually("epoch 1 LIVE in the status", PATIENCE, || async {
-        let s = status(&agent).await;
-        s.epochs
-            .iter()
-            .find(|e| e.epoch == 1 && e.state() == pb::EpochState::Live)
-            .map(|e| e.pid)
-    })
-    .await;
+    let (parent, child) = hot_restart_to_epoch_1(&agent).await;
 
     kill(Pid::from_raw(child as i32), Signal::SIGKILL).unwrap();
     agent.wait_event("draining_parent_kept", "epoch", "0").await;

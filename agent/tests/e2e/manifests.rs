@@ -189,6 +189,14 @@ fn writable_mount_of<'a>(container: &'a Value, path: &str) -> Option<&'a Value> 
 }
 
 /// An environment variable's value or downward-API field.
+/// The pod spec's container named `name` (of its `containers`).
+pub(crate) fn container<'a>(pod: &'a Value, name: &str) -> &'a Value {
+    pod["containers"]
+        .as_sequence()
+        .and_then(|c| c.iter().find(|c| c["name"] == name))
+        .unwrap_or_else(|| panic!("no container {name:?}"))
+}
+
 pub(crate) fn env_var<'a>(container: &'a Value, name: &str) -> Option<&'a Value> {
     container["env"]
         .as_sequence()?
@@ -915,12 +923,7 @@ fn the_sidecar_examples_probe_the_app_through_the_agent() {
             .unwrap_or_else(|| panic!("{workload}: ENVOY_AGENT_APP_PROBERS"));
         let probes = AppProbes::parse(json, Input::Flag)
             .unwrap_or_else(|e| panic!("{workload}: the agent refuses it: {e}"));
-        let app = pod["containers"]
-            .as_sequence()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == "app")
-            .unwrap();
+        let app = container(pod, "app");
         let app_ports: Vec<u64> = app["ports"]
             .as_sequence()
             .unwrap()

@@ -387,12 +387,7 @@ async fn app_on_8080() {
 async fn app_probes_pass(workload: &str) {
     let k = Kustomization::load(SIDECAR_EXAMPLE);
     let pod = pod_spec(k.object(workload));
-    let app = pod["containers"]
-        .as_sequence()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "app")
-        .unwrap();
+    let app = crate::manifests::container(pod, "app");
     let mut probes = 0;
     for kind in ["startupProbe", "livenessProbe", "readinessProbe"] {
         let get = &app[kind]["httpGet"];
