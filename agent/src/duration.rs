@@ -4,35 +4,73 @@
 
 use std::time::Duration;
 
+/// Why a duration was refused; clap adds the flag's name. The words say which forms work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DurationError {
+    /// Nothing, or only whitespace.
+    #[error("an empty duration ({FORMS})")]
+    Empty,
+    /// Not one of the forms.
+    #[error("{input:?} is not a duration: {why} ({FORMS})")]
+    NotADuration {
+        /// As given.
+        input: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// Finer than a second where Envoy takes whole seconds.
+    #[error("{input:?}: envoy takes this in whole seconds; {value:?} would become {}s", value.as_secs())]
+    NotWholeSeconds {
+        /// As given.
+        input: String,
+        /// What it reads as.
+        value: Duration,
+    },
+    /// Zero where zero cannot work.
+    #[error("{input:?}: must be more than zero (a zero deadline or interval cannot work)")]
+    Zero {
+        /// As given.
+        input: String,
+    },
+    /// Zero where at least a whole second is needed.
+    #[error("{input:?}: must be at least 1s")]
+    UnderASecond {
+        /// As given.
+        input: String,
+    },
+}
+
 /// A duration Envoy gets in whole seconds (`--drain-time-s`, `--parent-shutdown-time-s`):
 /// anything else would be truncated on the way, silently.
-pub fn parse_whole_seconds(input: &str) -> Result<Duration, String> {
+pub fn parse_whole_seconds(input: &str) -> Result<Duration, DurationError> {
     let d = parse_duration(input)?;
     if d.subsec_nanos() != 0 {
-        return Err(format!(
-            "{input:?}: envoy takes this in whole seconds; {d:?} would become {}s",
-            d.as_secs()
-        ));
+        return Err(DurationError::NotWholeSeconds {
+            input: input.to_owned(),
+            value: d,
+        });
     }
     Ok(d)
 }
 
 /// A duration that must not be zero (a deadline, a poll interval).
-pub fn parse_positive_duration(input: &str) -> Result<Duration, String> {
+pub fn parse_positive_duration(input: &str) -> Result<Duration, DurationError> {
     let d = parse_duration(input)?;
     if d.is_zero() {
-        return Err(format!(
-            "{input:?}: must be more than zero (a zero deadline or interval cannot work)"
-        ));
+        return Err(DurationError::Zero {
+            input: input.to_owned(),
+        });
     }
     Ok(d)
 }
 
 /// A whole number of seconds, more than zero.
-pub fn parse_positive_whole_seconds(input: &str) -> Result<Duration, String> {
+pub fn parse_positive_whole_seconds(input: &str) -> Result<Duration, DurationError> {
     let d = parse_whole_seconds(input)?;
     if d.is_zero() {
-        return Err(format!("{input:?}: must be at least 1s"));
+        return Err(DurationError::UnderASecond {
+            input: input.to_owned(),
+        });
     }
     Ok(d)
 }
@@ -47,12 +85,15 @@ const FORMS: &str = "use a number of seconds (30, 1.5) or <number><unit> parts f
 /// exponent, no bare `.5`, no repeated unit. Surrounding whitespace (an environment file's) is
 /// ignored. Computed exactly in nanoseconds; a value finer than a nanosecond or larger than a
 /// [`Duration`] is refused.
-pub fn parse_duration(input: &str) -> Result<Duration, String> {
+pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
     let s = input.trim();
     if s.is_empty() {
-        return Err(format!("an empty duration ({FORMS})"));
+        return Err(DurationError::Empty);
     }
-    let bad = |why: &str| format!("{input:?} is not a duration: {why} ({FORMS})");
+    let bad = |why: &str| DurationError::NotADuration {
+        input: input.to_owned(),
+        why: why.to_owned(),
+    };
     if s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
         return nanos_of(s, NANOS_PER_SECOND)
             .map_err(&bad)
@@ -147,10 +188,16 @@ mod tests {
         assert!(
             parse_duration("5 parsecs")
                 .unwrap_err()
+                .to_string()
                 .contains("5 parsecs")
         );
-        assert!(parse_duration("fast").unwrap_err().contains("fast"));
-        assert!(parse_duration("5x").unwrap_err().contains("5x"));
+        assert!(
+            parse_duration("fast")
+                .unwrap_err()
+                .to_string()
+                .contains("fast")
+        );
+        assert!(parse_duration("5x").unwrap_err().to_string().contains("5x"));
         assert!(parse_duration("-1s").is_err());
         assert!(parse_duration("").is_err());
     }
@@ -194,7 +241,7 @@ mod tests {
             "1..5s",
             "1.5.5s",
         ] {
-            let error = parse_duration(input).expect_err(input);
+            let error = parse_duration(input).expect_err(input).to_string();
             assert!(error.contains(&format!("{input:?}")), "{error}");
             assert!(error.contains("1m30s"), "{error}");
         }
