@@ -2,7 +2,8 @@
 //! `envoy_agent_proxy::bootstrap::admin_address_from_str` (serde_yaml over unsafe-libyaml).
 //! The caller reads the file with `read_to_string`, so only UTF-8 reaches the parser.
 //!
-//! Besides "no panic": an accepted address is never a wildcard (it is reached on loopback).
+//! Besides "no panic": an accepted TCP address is never a wildcard (it is reached on
+//! loopback); a pipe's path is never empty.
 #![no_main]
 
 use std::path::Path;
@@ -16,6 +17,13 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(address) =
         envoy_agent_proxy::bootstrap::admin_address_from_str(Path::new("fuzz.yaml"), text)
     {
-        assert!(!address.ip().is_unspecified(), "{address} from {text:?}");
+        match &address {
+            envoy_agent_proxy::admin::Address::Tcp(tcp) => {
+                assert!(!tcp.ip().is_unspecified(), "{address} from {text:?}")
+            }
+            envoy_agent_proxy::admin::Address::Unix(path) => {
+                assert!(!path.as_os_str().is_empty(), "{address} from {text:?}")
+            }
+        }
     }
 });

@@ -282,8 +282,10 @@ fn read(dir: &Path, skip: Option<&str>) -> (Vec<Heartbeat>, Vec<Rejected>) {
             continue;
         }
         let path = entry.path();
-        let read = read_regular(&path)
-            .and_then(|(bytes, modified)| Ok((parse_bytes(&bytes, &name)?, modified)));
+        let read = read_regular(&path).and_then(|(bytes, modified)| {
+            let heartbeat = parse_bytes(&bytes, &name).map_err(|e| e.to_string())?;
+            Ok((heartbeat, modified))
+        });
         match read {
             Ok((mut h, modified)) => {
                 // Touched since written: as fresh as the touch.
@@ -339,24 +341,35 @@ fn read_regular(path: &Path) -> Result<(Vec<u8>, u64), String> {
     Ok((bytes, modified))
 }
 
+/// Why a heartbeat file was not trusted (its reason in the node's rejected files).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeartbeatError {
+    /// Not the JSON of a heartbeat.
+    #[error("not a heartbeat: {0}")]
+    NotAHeartbeat(String),
+    /// Another format than this agent's.
+    #[error("unknown format {0:?} (expected {FORMAT})")]
+    UnknownFormat(String),
+    /// A state this agent does not know.
+    #[error("unknown state")]
+    UnknownState,
+    /// Its identity is not the one its file is named after.
+    #[error("identity {0:?} does not match the file name")]
+    IdentityMismatch(String),
+}
+
 /// Parses a heartbeat file's bytes; `name` is its file name, which must match its identity.
-pub fn parse_bytes(bytes: &[u8], name: &str) -> Result<Heartbeat, String> {
+pub fn parse_bytes(bytes: &[u8], name: &str) -> Result<Heartbeat, HeartbeatError> {
     let heartbeat: Heartbeat =
-        serde_json::from_slice(bytes).map_err(|e| format!("not a heartbeat: {e}"))?;
+        serde_json::from_slice(bytes).map_err(|e| HeartbeatError::NotAHeartbeat(e.to_string()))?;
     if heartbeat.format != FORMAT {
-        return Err(format!(
-            "unknown format {:?} (expected {FORMAT})",
-            heartbeat.format
-        ));
+        return Err(HeartbeatError::UnknownFormat(heartbeat.format));
     }
     if heartbeat.state == NodeState::Unknown {
-        return Err("unknown state".to_owned());
+        return Err(HeartbeatError::UnknownState);
     }
     if file_name(&heartbeat.identity) != name {
-        return Err(format!(
-            "identity {:?} does not match the file name",
-            heartbeat.identity
-        ));
+        return Err(HeartbeatError::IdentityMismatch(heartbeat.identity));
     }
     Ok(heartbeat)
 }
@@ -636,7 +649,7 @@ mod tests {
         assert!(parse_bytes(json.to_string().as_bytes(), "heartbeat-x.json").is_ok());
         json["state"] = serde_json::json!("levitating");
         let err = parse_bytes(json.to_string().as_bytes(), "heartbeat-x.json").unwrap_err();
-        assert!(err.contains("unknown state"), "{err}");
+        assert!(err.to_string().contains("unknown state"), "{err}");
         // Written before restart_in_flight existed.
         json["state"] = serde_json::json!("serving");
         json.as_object_mut().unwrap().remove("restart_in_flight");

@@ -248,17 +248,25 @@ pub struct ServerInfo {
     pub socket_path: crate::SocketPath,
 }
 
+/// Why a `/server_info` body was not understood.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerInfoError {
+    /// Not the JSON Envoy answers.
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    /// Its base id is not a number.
+    #[error("base_id: {0}")]
+    BaseId(#[from] std::num::ParseIntError),
+}
+
 impl ServerInfo {
     /// Parses a `/server_info` body (JSON).
-    pub fn parse(body: &[u8]) -> Result<ServerInfo, String> {
-        let raw: RawServerInfo = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    pub fn parse(body: &[u8]) -> Result<ServerInfo, ServerInfoError> {
+        let raw: RawServerInfo = serde_json::from_slice(body)?;
         let base_id = if raw.command_line_options.base_id.is_empty() {
             0
         } else {
-            raw.command_line_options
-                .base_id
-                .parse()
-                .map_err(|e| format!("base_id: {e}"))?
+            raw.command_line_options.base_id.parse()?
         };
         Ok(ServerInfo {
             version: raw.version,
