@@ -70,7 +70,7 @@ pub enum ShmError {
         /// The segment.
         path: PathBuf,
         /// What did not match.
-        why: String,
+        why: LayoutError,
     },
 }
 
@@ -83,30 +83,60 @@ pub struct Layout {
     pub flags_offset: u64,
 }
 
+/// Why a segment's header describes no layout this module knows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// Another revision of Envoy's shared memory format.
+    #[error("version field {0}, this supervisor knows {KNOWN_VERSION}")]
+    Version(u64),
+    /// The size field and the file's length differ.
+    #[error("size field {size} but the file has {len} bytes")]
+    Size {
+        /// The size field.
+        size: u64,
+        /// The file's length.
+        len: u64,
+    },
+    /// A size no Envoy writes.
+    #[error("implausible size {0}")]
+    Implausible(u64),
+    /// Written by an Envoy of another hot-restart version than the running one.
+    #[error("the segment says {segment}, the running envoy {running}")]
+    OtherVersion {
+        /// `<version>.<size>`, as the header says.
+        segment: String,
+        /// The running Envoy's.
+        running: String,
+    },
+}
+
 /// Checks a segment's header: `header` is its first 16 bytes, `len` its file length,
 /// `hot_restart_version` the running Envoy's (e.g. `11.104`).
-pub fn layout(header: [u8; 16], len: u64, hot_restart_version: &str) -> Result<Layout, String> {
+pub fn layout(
+    header: [u8; 16],
+    len: u64,
+    hot_restart_version: &str,
+) -> Result<Layout, LayoutError> {
     let mut word = [0u8; 8];
     word.copy_from_slice(&header[..8]);
     let size = u64::from_ne_bytes(word);
     word.copy_from_slice(&header[8..]);
     let version = u64::from_ne_bytes(word);
     if version != KNOWN_VERSION {
-        return Err(format!(
-            "version field {version}, this supervisor knows {KNOWN_VERSION}"
-        ));
+        return Err(LayoutError::Version(version));
     }
     if size != len {
-        return Err(format!("size field {size} but the file has {len} bytes"));
+        return Err(LayoutError::Size { size, len });
     }
     if !(MIN_SIZE..=MAX_SIZE).contains(&size) || size % 8 != 0 {
-        return Err(format!("implausible size {size}"));
+        return Err(LayoutError::Implausible(size));
     }
     let expected = format!("{version}.{size}");
     if hot_restart_version != expected {
-        return Err(format!(
-            "the segment says {expected}, the running envoy {hot_restart_version}"
-        ));
+        return Err(LayoutError::OtherVersion {
+            segment: expected,
+            running: hot_restart_version.to_owned(),
+        });
     }
     Ok(Layout {
         size,
@@ -249,7 +279,7 @@ mod tests {
         let mut other = x86.clone();
         other[8] = 12;
         let err = layout(header(&other), 104, "12.104").unwrap_err();
-        assert!(err.contains("version field 12"), "{err}");
+        assert!(err.to_string().contains("version field 12"), "{err}");
         let mut huge = x86.clone();
         huge[..8].copy_from_slice(&(1u64 << 40).to_ne_bytes());
         assert!(layout(header(&huge), 1 << 40, "11.1099511627776").is_err());
