@@ -337,18 +337,40 @@ pub(crate) enum Handoff {
         lock: Option<Guard>,
         live: LiveChecks,
     },
-    /// After a cold handover: the old family (the supervisor's `retiring` books) drains until
-    /// `until`, then is stopped; what is left at `kill_at` is killed. Across pods (`foreign`:
-    /// the predecessor) the predecessor's agent drains and stops its own family, and from
-    /// `until` on the configured admin port is checked every `kill_at` until it is free.
-    Retiring {
-        until: Instant,
-        kill_at: Option<Instant>,
-        foreign: Option<String>,
+    /// After a cold handover: the old family drains until `until`; what happens then depends
+    /// on whose it is.
+    Retiring { until: Instant, old: OldFamily },
+}
+
+/// The family that a cold handover retires.
+#[derive(Debug)]
+pub(crate) enum OldFamily {
+    /// Ours (the supervisor's `retiring` books), or our whole family once a successor pod took
+    /// it over cold: SIGTERM at `until`, SIGKILL at `kill_at` (and again every backstop
+    /// period while anything is left).
+    Ours { kill_at: Option<Instant> },
+    /// The predecessor pod's, whose agent drains and stops it: from `until` on, the configured
+    /// admin address is looked at (at `look_at`, once one look found it still held) until it
+    /// is free. Our heartbeat names the predecessor meanwhile, which tells it to retire.
+    Foreign {
+        predecessor: String,
+        look_at: Option<Instant>,
     },
 }
 
 impl Handoff {
+    /// The predecessor pod that our family took over from by a cold handover, until its Envoy
+    /// is gone.
+    pub(crate) fn cold_takeover_of(&self) -> Option<&str> {
+        match self {
+            Handoff::Retiring {
+                old: OldFamily::Foreign { predecessor, .. },
+                ..
+            } => Some(predecessor),
+            _ => None,
+        }
+    }
+
     /// The attempt in flight, if any.
     pub(crate) fn attempt(&self) -> Option<&Attempt> {
         match self {

@@ -12,24 +12,19 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::{
-    AdminError, AdminHealth, DrainOptions, DrainPlan, Ended, EpochState, Exit, FamilyState,
-    HandoffKind, HandoffResult, HandoffStage, Outcome, ProxyError, ProxyPhase, ProxyState,
-    RestartError, ServerInfo, ServerState, Signal, Wedge, WedgeReason,
+    AdminError, AdminHealth, DrainOptions, DrainPlan, Ended, Exit, FamilyState, HandoffKind,
+    HandoffStage, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::discovery::{self, Discovery};
-use crate::epochs::{Epochs, Stop};
-use crate::handoff::{
-    Attempt, Deadline, DrainingParent, Handoff, LIVE_POLL, LiveChecks, LiveSign, Moment, NotLive,
-    Parent, Queue, QueueWait, Waiter, type_list,
-};
-use crate::host::{Checked, Guard, Host, Refusal, Repair};
+use crate::epochs::Epochs;
+use crate::handoff::{DrainingParent, Handoff, Queue, Waiter, type_list};
+use crate::host::{Checked, Guard, Host, Refusal};
 use crate::metrics::{ExitKind, SupervisorMetrics};
-use crate::node::{self, Heartbeat, NodeState};
+use crate::node::Heartbeat;
 use crate::probing::Probing;
 
 mod cold;
@@ -191,8 +186,8 @@ enum Life {
         /// may have restarted meanwhile), and it is no failure of the start that the control
         /// plane stays away.
         deadline: Option<Instant>,
-        next: Instant,
-        probing: bool,
+        /// The next look at the node (the lock, then who answers on the admin address).
+        look: Probing,
         /// Why it waits, as last logged.
         waiting: Option<Waiting>,
         reported_incompatible: Option<Instant>,
@@ -200,8 +195,11 @@ enum Life {
         /// meanwhile), and handed to the first epoch's handoff.
         lock: Option<Guard>,
     },
-    /// Our epochs run (the first may not be LIVE yet).
-    Running,
+    /// Our epochs run and none of them is LIVE: the first starts, or the serving one exited
+    /// and its starting child (or a probe of the admin address) says who serves now.
+    Starting,
+    /// Our epoch `live` serves (a restart may be under way beside it).
+    Serving { live: u32 },
     /// A successor pod's Envoy took over; ours drain until it terminates them.
     HandedOver { successor: String },
     /// Stopping every epoch; `outcome` is reported once they are gone.
@@ -209,7 +207,54 @@ enum Life {
         outcome: Ended,
         kill_at: Instant,
         give_up: Instant,
+        /// The epoch that served when the stop began, until it exits.
+        live: Option<u32>,
     },
+}
+
+impl Life {
+    /// Our epoch that serves: while serving, and while stopping until it exits.
+    fn live(&self) -> Option<u32> {
+        match self {
+            Life::Serving { live } => Some(*live),
+            Life::Stopping { live, .. } => *live,
+            Life::Discovering { .. } | Life::Starting | Life::HandedOver { .. } => None,
+        }
+    }
+
+    /// Our epoch that serves while nothing ends the family (not handed over, not stopping).
+    fn serving(&self) -> Option<u32> {
+        match self {
+            Life::Serving { live } => Some(*live),
+            _ => None,
+        }
+    }
+
+    /// Our epochs run and nothing ends the family: restarts, drains and takeovers apply.
+    fn running(&self) -> bool {
+        matches!(self, Life::Starting | Life::Serving { .. })
+    }
+
+    /// `epoch` of ours went LIVE. A stop under way stays one (it stops this epoch too); a
+    /// family handed over serves through its successor, not through ours.
+    fn went_live(&mut self, epoch: u32) {
+        match self {
+            Life::Discovering { .. } | Life::Starting | Life::Serving { .. } => {
+                *self = Life::Serving { live: epoch };
+            }
+            Life::Stopping { live, .. } => *live = Some(epoch),
+            Life::HandedOver { .. } => {}
+        }
+    }
+
+    /// The serving epoch exited.
+    fn live_exited(&mut self) {
+        match self {
+            Life::Serving { .. } => *self = Life::Starting,
+            Life::Stopping { live, .. } => *live = None,
+            Life::Discovering { .. } | Life::Starting | Life::HandedOver { .. } => {}
+        }
+    }
 }
 
 /// Why a starting supervisor waits for its turn. Its words are the log's and the start
@@ -309,7 +354,6 @@ pub(crate) struct Supervisor<H: Host> {
     /// The running Envoy's hot-restart version, which the next binary must match (the first
     /// epoch starts without waiting for it, except where discovery needs it).
     version: Version,
-    newest_live: Option<u32>,
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
     watchdog: Probing,
@@ -338,9 +382,6 @@ pub(crate) struct Supervisor<H: Host> {
     watch: Option<crate::watch::ConfigWatch>,
     /// Whether the readiness marker is present, as last set.
     marker: bool,
-    /// The predecessor our family took over from by a cold handover, until its Envoy is gone
-    /// (our heartbeat tells it to retire).
-    cold_takeover_of: Option<String>,
     /// What the newest LIVE epoch has of its config (readiness and the marker wait for it).
     config_status: envoy_agent_proxy::ConfigStatus,
     /// When the control plane is read next.
@@ -381,7 +422,7 @@ impl<H: Host> Supervisor<H> {
             ..FamilyState::default()
         };
         Supervisor {
-            life: Life::Running,
+            life: Life::Starting,
             config,
             host,
             base_id,
@@ -395,7 +436,6 @@ impl<H: Host> Supervisor<H> {
             handoff: Handoff::Idle,
             queue: Queue::default(),
             version: Version::Unknown,
-            newest_live: None,
             stand_ins: Vec::new(),
             watchdog: Probing::default(),
             admin_ok: now,
@@ -410,7 +450,6 @@ impl<H: Host> Supervisor<H> {
             reported: BTreeSet::new(),
             watch: None,
             marker: false,
-            cold_takeover_of: None,
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
             xds: Probing::default(),
             xds_cost: Duration::ZERO,
@@ -489,8 +528,10 @@ impl<H: Host> Supervisor<H> {
         if self.host.has_node() {
             self.life = Life::Discovering {
                 deadline: Some(now + self.discovery_bound()),
-                next: now,
-                probing: false,
+                look: Probing {
+                    next: Some(now),
+                    in_flight: false,
+                },
                 waiting: None,
                 reported_incompatible: None,
                 lock: None,
@@ -638,14 +679,11 @@ impl<H: Host> Supervisor<H> {
         match &self.life {
             Life::Discovering {
                 deadline,
-                next,
-                probing,
+                look,
                 waiting,
                 ..
             } => {
-                if !probing {
-                    consider(Some(*next));
-                }
+                consider(look.wake());
                 if !matches!(
                     waiting,
                     Some(Waiting::Incompatible { .. } | Waiting::NewerPod { .. })
@@ -660,7 +698,7 @@ impl<H: Host> Supervisor<H> {
                 consider(Some(*give_up));
                 return wake;
             }
-            Life::Running | Life::HandedOver { .. } => {}
+            Life::Starting | Life::Serving { .. } | Life::HandedOver { .. } => {}
         }
         consider(self.handoff.live_checks().and_then(|l| l.probing.wake()));
         consider(self.watchdog.wake());
@@ -730,7 +768,7 @@ impl<H: Host> Supervisor<H> {
                 self.discovery_timers(now);
                 return;
             }
-            Life::Running | Life::HandedOver { .. } => {}
+            Life::Starting | Life::Serving { .. } | Life::HandedOver { .. } => {}
         }
 
         if self
@@ -745,10 +783,7 @@ impl<H: Host> Supervisor<H> {
             }
         }
         self.watchdog_timer(now);
-        if self.version == Version::Unknown
-            && !self.queue.is_empty()
-            && matches!(self.life, Life::Running)
-        {
+        if self.version == Version::Unknown && !self.queue.is_empty() && self.life.running() {
             // A restart waits for the running version; the last ask failed.
             self.ask_version();
         }
@@ -771,8 +806,7 @@ impl<H: Host> Supervisor<H> {
         // Early rather than a wake-up of its own when something else woke us (each wake-up
         // costs more than the work); every other period while nothing happens (a heartbeat is
         // fresh for four).
-        let steady = matches!(self.life, Life::Running)
-            && self.newest_live.is_some()
+        let steady = self.life.serving().is_some()
             && self.handoff.is_idle()
             && self.family.successor_starting.is_none();
         let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
@@ -789,8 +823,7 @@ impl<H: Host> Supervisor<H> {
     fn discovery_timers(&mut self, now: Instant) {
         let Life::Discovering {
             deadline,
-            next,
-            probing,
+            look,
             waiting,
             ..
         } = &self.life
@@ -813,7 +846,7 @@ impl<H: Host> Supervisor<H> {
             );
             tracing::error!(%message);
             self.begin_stop(Ended::StartFailed { code: 1, message }, "no turn to start");
-        } else if !probing && now >= *next {
+        } else if look.due(now) {
             self.discover(now);
         }
     }
@@ -827,7 +860,7 @@ impl<H: Host> Supervisor<H> {
             Some(_) => Duration::ZERO,
         };
         if self.watchdog.due(now + early) {
-            if matches!(self.life, Life::Running) && self.newest_live.is_some() {
+            if self.life.serving().is_some() {
                 self.probe(Probe::Watchdog);
                 // A release copied over the binary: validate it with the config before a
                 // restart needs the answer.
@@ -844,8 +877,8 @@ impl<H: Host> Supervisor<H> {
     fn publish(&mut self) {
         let phase = match &self.life {
             Life::Discovering { .. } => ProxyPhase::Starting,
-            Life::Running if self.newest_live.is_some() => ProxyPhase::Serving,
-            Life::Running => ProxyPhase::Starting,
+            Life::Serving { .. } => ProxyPhase::Serving,
+            Life::Starting => ProxyPhase::Starting,
             Life::HandedOver { .. } => ProxyPhase::HandedOver,
             Life::Stopping { .. } if self.epochs.is_empty() => ProxyPhase::Exited,
             Life::Stopping { .. } => ProxyPhase::Stopping,
@@ -860,7 +893,7 @@ impl<H: Host> Supervisor<H> {
             phase,
             since: self.phase_since.1,
             epochs: self.epochs.infos(),
-            newest_live: self.newest_live,
+            newest_live: self.life.live(),
             family: Some(self.family.clone()),
             config: self.config_status.clone(),
             admin: self.admin_health,
@@ -902,7 +935,7 @@ impl<H: Host> Supervisor<H> {
                 kind: a.kind.clone(),
             }),
             _ if !self.queue.is_empty() => Some(envoy_agent_proxy::Handoff {
-                epoch: self.newest_live.map_or(0, |n| n + 1),
+                epoch: self.life.live().map_or(0, |n| n + 1),
                 reason: self.queue.reasons.join(", "),
                 since: self.queue.since.map_or_else(SystemTime::now, |m| m.wall),
                 stage: HandoffStage::Queued,
@@ -933,7 +966,7 @@ impl<H: Host> Supervisor<H> {
     fn ask_version(&mut self) {
         self.version = Version::Asking;
         let events = self.events_tx.clone();
-        if self.newest_live.is_some() {
+        if self.life.live().is_some() {
             let ask = self.host.serving_version();
             tokio::spawn(async move {
                 let version = ask.await.map_err(|e| e.to_string());
@@ -1029,4 +1062,57 @@ fn last_line(text: &str) -> String {
         .unwrap_or("")
         .trim()
         .to_owned()
+}
+
+#[cfg(test)]
+mod life_tests {
+    use super::*;
+
+    fn stopping(live: Option<u32>) -> Life {
+        let now = Instant::now();
+        Life::Stopping {
+            outcome: Ended::Stopped { last: None },
+            kill_at: now,
+            give_up: now,
+            live,
+        }
+    }
+
+    #[test]
+    fn the_live_epoch_is_part_of_the_state_it_serves_in() {
+        let mut life = Life::Starting;
+        assert_eq!(
+            (life.live(), life.serving(), life.running()),
+            (None, None, true)
+        );
+        life.went_live(0);
+        assert!(matches!(life, Life::Serving { live: 0 }));
+        life.went_live(1);
+        assert_eq!((life.live(), life.serving()), (Some(1), Some(1)));
+        life.live_exited();
+        assert!(matches!(life, Life::Starting));
+    }
+
+    #[test]
+    fn a_stop_stays_a_stop_whatever_goes_live_or_exits() {
+        let mut life = stopping(Some(2));
+        assert_eq!(
+            (life.live(), life.serving(), life.running()),
+            (Some(2), None, false)
+        );
+        life.live_exited();
+        assert!(matches!(life, Life::Stopping { live: None, .. }));
+        life.went_live(3);
+        assert!(matches!(life, Life::Stopping { live: Some(3), .. }));
+    }
+
+    #[test]
+    fn a_family_handed_over_serves_through_its_successor() {
+        let mut life = Life::HandedOver {
+            successor: "pod-b".to_owned(),
+        };
+        life.went_live(4);
+        assert!(matches!(life, Life::HandedOver { .. }));
+        assert_eq!((life.live(), life.running()), (None, false));
+    }
 }

@@ -20,8 +20,25 @@
 
 use envoy_agent_proxy::{HandoffKind, Scope};
 
-use super::*;
-use crate::handoff::ColdChild;
+use envoy_agent_proxy::{AdminError, Ended, EpochState, Exit};
+
+use envoy_agent_proxy::admin::AdminState;
+use envoy_agent_proxy::{Outcome, ProxyError, Signal, WedgeReason};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+use super::{
+    Event, FOREIGN_PARENT_CHECK, FamilyError, Life, STOP_BACKSTOP, Supervisor, WATCHDOG_POLL,
+    exit_kind, last_line,
+};
+use crate::discovery;
+use crate::epochs::Stop;
+use crate::handoff::{
+    Attempt, ColdChild, Deadline, Handoff, LiveChecks, LiveSign, NotLive, OldFamily,
+};
+use crate::host::{Guard, Host};
+use crate::probing::Probing;
 
 /// Where the kernel says whether a closing listener's queued connections migrate.
 const TCP_MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
@@ -231,7 +248,7 @@ impl<H: Host> Supervisor<H> {
         self.epochs.set_state(0, EpochState::Live);
         self.base_id = child.base_id;
         self.family.base_id = child.base_id;
-        self.newest_live = Some(0);
+        self.life.went_live(0);
         self.served = true;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
         // the next epoch must match, not the old family's: its binary may be another by now.
@@ -252,10 +269,14 @@ impl<H: Host> Supervisor<H> {
         let until = now + self.config.proxy.drain_duration + RETIRE_MARGIN;
         self.handoff = Handoff::Retiring {
             until,
-            kill_at: None,
-            foreign: foreign.clone(),
+            old: match foreign {
+                Some(predecessor) => OldFamily::Foreign {
+                    predecessor,
+                    look_at: None,
+                },
+                None => OldFamily::Ours { kill_at: None },
+            },
         };
-        self.cold_takeover_of = foreign;
         let migrate = std::fs::read_to_string(TCP_MIGRATE_REQ)
             .map(|v| v.trim() == "1")
             .unwrap_or(false);
@@ -356,7 +377,13 @@ impl<H: Host> Supervisor<H> {
             "an envoy of the old family exited"
         );
         self.kept_exited(child.pid);
-        let ours_retire = matches!(self.handoff, Handoff::Retiring { foreign: None, .. });
+        let ours_retire = matches!(
+            self.handoff,
+            Handoff::Retiring {
+                old: OldFamily::Ours { .. },
+                ..
+            }
+        );
         if self.retiring.is_empty() && ours_retire {
             self.handoff = Handoff::Idle;
             tracing::info!(
@@ -402,7 +429,7 @@ impl<H: Host> Supervisor<H> {
     /// A successor pod's new family is LIVE beside ours and says it took over from us (a cold
     /// handover across pods): ours drains, then stops; the agent exits as handed over.
     pub(super) fn hand_over_cold(&mut self, successor: String) {
-        if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
+        if self.life.serving().is_none() {
             return;
         }
         tracing::info!(
@@ -417,8 +444,7 @@ impl<H: Host> Supervisor<H> {
         // Whatever handoff of ours was under way is moot: the whole family retires.
         self.handoff = Handoff::Retiring {
             until: Instant::now() + self.config.proxy.drain_duration + RETIRE_MARGIN,
-            kill_at: None,
-            foreign: None,
+            old: OldFamily::Ours { kill_at: None },
         };
     }
 
@@ -426,8 +452,11 @@ impl<H: Host> Supervisor<H> {
     /// predecessor's Envoy is gone; then our family binds it by a hot restart.
     pub(super) fn on_foreign_admin(&mut self, result: Result<Option<AdminState>, AdminError>) {
         let Handoff::Retiring {
-            foreign: Some(predecessor),
-            kill_at,
+            old:
+                OldFamily::Foreign {
+                    predecessor,
+                    look_at,
+                },
             ..
         } = &mut self.handoff
         else {
@@ -435,7 +464,7 @@ impl<H: Host> Supervisor<H> {
         };
         let gone = matches!(&result, Err(e) if discovery::refused(e));
         if !gone {
-            *kill_at = Some(Instant::now() + FOREIGN_PARENT_CHECK);
+            *look_at = Some(Instant::now() + FOREIGN_PARENT_CHECK);
             tracing::debug!(%predecessor, "the predecessor's envoy still holds the admin address");
             return;
         }
@@ -447,7 +476,6 @@ impl<H: Host> Supervisor<H> {
             "the predecessor's envoy is gone; a hot restart binds the configured admin address again"
         );
         self.handoff = Handoff::Idle;
-        self.cold_takeover_of = None;
         self.queue_settling_restart();
     }
 
@@ -456,14 +484,13 @@ impl<H: Host> Supervisor<H> {
         let grace = self.config.proxy.stop_grace;
         if let Handoff::Retiring {
             until,
-            kill_at,
-            foreign: Some(_),
+            old: OldFamily::Foreign { look_at, .. },
         } = &mut self.handoff
         {
-            let due = kill_at.unwrap_or(*until);
+            let due = look_at.unwrap_or(*until);
             if now >= due {
                 // Asked beside the loop; the answer sets the next look.
-                *kill_at = Some(now + STOP_BACKSTOP);
+                *look_at = Some(now + STOP_BACKSTOP);
                 // `live_check` asks the configured address.
                 let call = self.host.live_check(None);
                 let events = self.events_tx.clone();
@@ -486,7 +513,10 @@ impl<H: Host> Supervisor<H> {
                 }
                 return;
             }
-            Handoff::Retiring { until, kill_at, .. } => match kill_at {
+            Handoff::Retiring {
+                until,
+                old: OldFamily::Ours { kill_at },
+            } => match kill_at {
                 None if now >= *until => {
                     *kill_at = Some(now + grace);
                     Signal::SIGTERM
@@ -518,7 +548,10 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn cold_wake(&self) -> Option<Instant> {
         match &self.handoff {
             Handoff::Cold { deadline, .. } => deadline.wake(),
-            Handoff::Retiring { until, kill_at, .. } => Some(kill_at.unwrap_or(*until)),
+            Handoff::Retiring {
+                until,
+                old: OldFamily::Ours { kill_at: at } | OldFamily::Foreign { look_at: at, .. },
+            } => Some(at.unwrap_or(*until)),
             _ => None,
         }
     }

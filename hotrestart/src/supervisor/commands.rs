@@ -1,7 +1,17 @@
 //! Commands from the handle: hot restarts (queued), drains, log reopening, the successor
 //! question, expected config writes.
 
-use super::*;
+use envoy_agent_proxy::{
+    DrainOptions, DrainPlan, Ended, EpochState, Outcome, RestartError, Signal,
+};
+use std::sync::Arc;
+use tokio::time::Instant;
+
+use super::{
+    Command, DrainReply, Event, FamilyError, HealthChecksReply, Life, Probe, Supervisor, kept,
+};
+use crate::handoff::{Handoff, Waiter};
+use crate::host::Host;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_command(&mut self, command: Command) {
@@ -92,7 +102,7 @@ impl<H: Host> Supervisor<H> {
                 let _ = reply.send(Ok(DrainPlan::not_serving(options.listeners)));
                 return;
             }
-            Life::Discovering { .. } | Life::Running if self.newest_live.is_none() => {
+            Life::Discovering { .. } | Life::Starting => {
                 // Told to go away before our first epoch serves: nothing of ours to drain, and
                 // a takeover now would only be undone. A starting epoch is killed (SIGKILL: its
                 // parent may be the predecessor pod's serving Envoy).
@@ -102,7 +112,7 @@ impl<H: Host> Supervisor<H> {
                 self.begin_stop(Ended::Stopped { last: None }, "drained before serving");
                 return;
             }
-            Life::Discovering { .. } | Life::Running => {}
+            Life::Serving { .. } => {}
         }
         if !self.family.drained {
             tracing::info!("draining: no new epoch starts from here on");

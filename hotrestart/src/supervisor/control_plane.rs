@@ -15,7 +15,14 @@
 
 use envoy_agent_proxy::{ConfigStatus, XdsReading, XdsType};
 
-use super::*;
+use envoy_agent_proxy::{AdminError, Outcome};
+use std::time::{Duration, SystemTime};
+use tokio::time::Instant;
+
+use super::{Event, Life, Supervisor, Waiting};
+use crate::handoff::{Attempt, Handoff, Parent, QueueWait, type_list};
+use crate::host::Host;
+use crate::probing::Probing;
 
 /// How often the newest epoch's control plane is read while readiness waits for its config.
 pub(crate) const XDS_POLL: Duration = Duration::from_millis(200);
@@ -69,7 +76,7 @@ impl<H: Host> Supervisor<H> {
 
     pub(super) fn on_xds(&mut self, cold: bool, result: Result<XdsReading, AdminError>) {
         self.xds.in_flight = false;
-        let running = matches!(self.life, Life::Running);
+        let running = self.life.running();
         match result {
             Ok(reading) if cold => {
                 if let Handoff::Cold { attempt, .. } = &mut self.handoff {
@@ -77,7 +84,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Ok(reading)
-                if running && reading.epoch.is_some() && reading.epoch == self.newest_live =>
+                if running && reading.epoch.is_some() && reading.epoch == self.life.live() =>
             {
                 let epoch = reading.epoch.unwrap_or_default();
                 if self
@@ -111,7 +118,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn schedule_xds(&mut self, now: Instant) {
         use envoy_agent_proxy::admin::{BUSY_SHARE, IDLE_SHARE, paced};
         let cost = self.xds_cost;
-        if matches!(self.life, Life::Running) && self.newest_live.is_some() {
+        if self.life.serving().is_some() {
             match &self.config_status {
                 ConfigStatus::Static => {}
                 status if status.waiting() => {
@@ -131,8 +138,8 @@ impl<H: Host> Supervisor<H> {
 
     /// The readiness marker: our newest epoch LIVE with its config, answering, not drained.
     pub(super) fn refresh_marker(&mut self) {
-        let present = matches!(self.life, Life::Running)
-            && self.newest_live.is_some()
+        let present = self.life.running()
+            && self.life.live().is_some()
             && !self.family.drained
             && self.config_status.ready().is_ok()
             && self.admin_health == envoy_agent_proxy::AdminHealth::Answering;
@@ -170,8 +177,10 @@ impl<H: Host> Supervisor<H> {
                 // answers then says which epoch is next.
                 self.life = Life::Discovering {
                     deadline: None,
-                    next: now + backoff,
-                    probing: false,
+                    look: Probing {
+                        next: Some(now + backoff),
+                        in_flight: false,
+                    },
                     waiting: Some(Waiting::ControlPlane(waiting.to_vec())),
                     reported_incompatible: None,
                     lock: None,

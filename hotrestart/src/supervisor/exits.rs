@@ -1,7 +1,18 @@
 //! Process exits and stopping: who died, what that means, stand-ins for dead parents, the
 //! stale-INITIALIZING repair, and the stop of every epoch.
 
-use super::*;
+use envoy_agent_proxy::{
+    DrainPlan, Ended, EpochState, Exit, Outcome, ProxyError, RestartError, Signal, WedgeReason,
+};
+use std::time::SystemTime;
+use tokio::time::Instant;
+
+use super::{Life, Probe, STOP_BACKSTOP, StandIn, Supervisor, exit_kind};
+use crate::epochs::{Epochs, Stop};
+use crate::handoff::{DrainingParent, Handoff};
+use crate::host::{Host, Repair};
+use crate::metrics::ExitKind;
+use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_exit(&mut self, epoch: u32, pid: u32, result: Result<Exit, ProxyError>) {
@@ -57,7 +68,7 @@ impl<H: Host> Supervisor<H> {
                 self.write_heartbeat();
                 return;
             }
-            Life::Discovering { .. } | Life::Running => {}
+            Life::Discovering { .. } | Life::Starting | Life::Serving { .. } => {}
         }
         match child.state {
             EpochState::Draining => self.on_draining_exit(&child, code),
@@ -91,7 +102,7 @@ impl<H: Host> Supervisor<H> {
     /// The serving epoch exited: handed to its starting successor if there is one, else the
     /// question of who serves now goes to a probe.
     fn on_live_exit(&mut self, epoch: u32, code: i32, result: Result<Exit, ProxyError>) {
-        self.newest_live = None;
+        self.life.live_exited();
         self.set_marker(false);
         let exit = match result {
             Ok(exit) => exit,
@@ -331,7 +342,7 @@ impl<H: Host> Supervisor<H> {
             Ended::Wedged {
                 reason: WedgeReason::AdminUnresponsive,
                 ..
-            } => self.newest_live,
+            } => self.life.live(),
             _ => None,
         };
         for (epoch, state) in targets {
@@ -347,6 +358,7 @@ impl<H: Host> Supervisor<H> {
             outcome,
             kill_at: now + self.config.proxy.stop_grace,
             give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
+            live: self.life.live(),
         };
         self.write_heartbeat();
     }

@@ -1,7 +1,25 @@
 //! The handoff, step by step: the first epoch, the queue's turn, pre-flight, spawn, LIVE,
 //! failure, and the timers of a handoff in flight (deadline, overdue parent, foreign parent).
 
-use super::*;
+use envoy_agent_proxy::{
+    Ended, EpochState, Exit, HandoffKind, HandoffResult, Outcome, ProxyError, RestartError, Signal,
+    WedgeReason,
+};
+use std::time::{Duration, SystemTime};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::{
+    Event, FOREIGN_PARENT_CHECK, LOCK_RETRY, Life, Probe, StandIn, Supervisor, Version,
+    WATCHDOG_POLL, kept, last_line,
+};
+use crate::epochs::Stop;
+use crate::handoff::{
+    Attempt, Deadline, DrainingParent, Handoff, LiveChecks, LiveSign, Moment, Parent, Queue,
+    QueueWait,
+};
+use crate::host::{Checked, Guard, Host, Refusal};
+use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     /// Our first epoch starts a new family beside the predecessor's (`from`, run by
@@ -30,7 +48,7 @@ impl<H: Host> Supervisor<H> {
     /// Our first epoch's turn came: the node's epoch lock that discovery took (if any) goes
     /// to its handoff.
     fn end_discovery(&mut self) -> Option<Guard> {
-        match std::mem::replace(&mut self.life, Life::Running) {
+        match std::mem::replace(&mut self.life, Life::Starting) {
             Life::Discovering { lock, .. } => lock,
             other => {
                 self.life = other;
@@ -49,13 +67,13 @@ impl<H: Host> Supervisor<H> {
         );
         // Beside our serving epoch, or a successor's first epoch beside the predecessor, which
         // runs our version (discovery checked).
-        let beside = self.newest_live.is_some() || attempt.parent.is_some();
+        let beside = self.life.live().is_some() || attempt.parent.is_some();
         let running = self.version.known().filter(|_| beside).map(str::to_owned);
         // A first epoch with nothing to take over from risks nothing that Envoy's own start
         // would not say as well (and as fast): only an epoch beside a serving one is
         // validated first.
         let validate =
-            attempt.parent.is_some() || self.newest_live.is_some() || attempt.cold_from.is_some();
+            attempt.parent.is_some() || self.life.live().is_some() || attempt.cold_from.is_some();
         let check = self.host.preflight(running, validate);
         let events = self.events_tx.clone();
         let epoch = attempt.epoch;
@@ -125,7 +143,7 @@ impl<H: Host> Supervisor<H> {
     /// nothing serves.
     fn reject(&mut self, attempt: Attempt, lock: Option<Guard>, epoch: u32, message: String) {
         drop(lock);
-        if self.newest_live.is_none() {
+        if self.life.live().is_none() {
             tracing::error!(epoch, error = %message, "pre-flight rejects the first epoch");
             self.finish(attempt, Outcome::Rejected, message.clone());
             self.begin_stop(Ended::StartFailed { code: 1, message }, "pre-flight failed");
@@ -178,7 +196,7 @@ impl<H: Host> Supervisor<H> {
             Err(e) => {
                 drop(lock);
                 let message = e.to_string();
-                if self.newest_live.is_none() {
+                if self.life.live().is_none() {
                     self.finish(attempt, Outcome::Failed, message.clone());
                     self.begin_stop(
                         Ended::StartFailed { code: 1, message },
@@ -275,7 +293,7 @@ impl<H: Host> Supervisor<H> {
             }
             _ => Handoff::Idle,
         };
-        self.newest_live = Some(epoch);
+        self.life.went_live(epoch);
         self.served = true;
         // Our epoch is LIVE: the next successor (or restart) may allocate.
         drop(lock);
@@ -324,7 +342,7 @@ impl<H: Host> Supervisor<H> {
         let foreign_first = attempt.first && matches!(attempt.parent, Some(Parent::Foreign { .. }));
         if timed_out
             && !attempt.waiting_for_config.is_empty()
-            && (self.newest_live.is_some() || foreign_first)
+            && (self.life.live().is_some() || foreign_first)
             && serving_exited.is_none()
         {
             // It waited for its control plane: no failure of the serving epoch's, and
@@ -341,7 +359,7 @@ impl<H: Host> Supervisor<H> {
         } else {
             Outcome::Failed
         };
-        if self.newest_live.is_none() {
+        if self.life.live().is_none() {
             tracing::error!(epoch, code, "envoy failed to start\n{}", tail.trim_end());
             self.finish(attempt, outcome, message.clone());
             // Nothing of ours serves: the first epoch failed, or the serving one died while
@@ -403,8 +421,8 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn can_restart(&self) -> bool {
-        matches!(self.life, Life::Running)
-            && self.newest_live.is_some()
+        self.life.running()
+            && self.life.live().is_some()
             && !self.family.drained
             // What the next binary must match.
             && self.version.known().is_some()
@@ -500,7 +518,7 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn try_start_queued(&mut self, now: Instant) {
-        let Some(newest) = self.newest_live else {
+        let Some(newest) = self.life.live() else {
             return;
         };
         let lock = match self.host.try_lock() {

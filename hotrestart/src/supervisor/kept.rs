@@ -30,7 +30,14 @@
 //! parent is stopped with the family, as before. Without a cold base id
 //! (`--no-cold-handover`) no fresh family can start beside it: it is stopped too.
 
-use super::*;
+use envoy_agent_proxy::Signal;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::{Event, Supervisor};
+use crate::epochs::Stop;
+use crate::handoff::{DrainingParent, Handoff, Moment};
+use crate::host::{Guard, Host};
 
 /// What becomes of a draining parent whose child (the serving epoch) died.
 pub(crate) enum KeptParent {

@@ -1,6 +1,14 @@
 //! The node and the pod: heartbeats (read and written), the readiness marker, wedge records.
 
-use super::*;
+use envoy_agent_proxy::{HandoffKind, Outcome, Wedge, WedgeReason};
+use std::time::SystemTime;
+use tokio::time::Instant;
+
+use super::{Life, Supervisor, WEDGES_KEPT};
+use crate::handoff::Handoff;
+use crate::host::Host;
+use crate::node;
+use crate::node::{Heartbeat, NodeState};
 
 impl<H: Host> Supervisor<H> {
     /// The node's other fresh heartbeats of our family; notes a starting successor and reports
@@ -39,11 +47,11 @@ impl<H: Host> Supervisor<H> {
                 tracing::warn!(event = "heartbeat_rejected", %identity, %reason, "ignoring a heartbeat");
             }
         }
-        if matches!(self.life, Life::Running) {
+        if self.life.running() {
             // Our newest epoch, starting or not: a pod with a newer one is a successor (taking
             // over, or already serving), never a predecessor.
             let ours = [
-                self.newest_live,
+                self.life.live(),
                 self.epochs.newest().map(|c| c.epoch),
                 self.handoff.attempt().map(|a| a.epoch),
             ]
@@ -62,7 +70,7 @@ impl<H: Host> Supervisor<H> {
                 if let Some(s) = &successor {
                     tracing::info!(successor = %s, "a successor pod is starting");
                     // See its takeover soon.
-                    if self.newest_live.is_some() && !self.watchdog.in_flight {
+                    if self.life.live().is_some() && !self.watchdog.in_flight {
                         self.watchdog.next = Some(Instant::now());
                     }
                 }
@@ -99,14 +107,16 @@ impl<H: Host> Supervisor<H> {
         }
         let (state, newest) = match &self.life {
             Life::Discovering { .. } => (NodeState::Waiting, 0),
-            Life::Running => match (self.newest_live, self.handoff.attempt()) {
-                (Some(n), _) => (NodeState::Serving, n),
-                (None, Some(a)) => (NodeState::Starting, a.epoch),
-                (None, None) => (
-                    NodeState::Starting,
-                    self.epochs.newest().map_or(0, |c| c.epoch),
-                ),
-            },
+            Life::Starting | Life::Serving { .. } => {
+                match (self.life.live(), self.handoff.attempt()) {
+                    (Some(n), _) => (NodeState::Serving, n),
+                    (None, Some(a)) => (NodeState::Starting, a.epoch),
+                    (None, None) => (
+                        NodeState::Starting,
+                        self.epochs.newest().map_or(0, |c| c.epoch),
+                    ),
+                }
+            }
             Life::HandedOver { .. } => (
                 NodeState::HandedOver,
                 self.epochs.newest().map_or(0, |c| c.epoch),
@@ -134,8 +144,8 @@ impl<H: Host> Supervisor<H> {
             state,
             updated_unix_ms: now_ms,
             parent_draining_until_unix_ms: parent_until,
-            restart_in_flight: self.newest_live.is_some() && self.handoff.attempt().is_some(),
-            cold_takeover_of: self.cold_takeover_of.clone(),
+            restart_in_flight: self.life.live().is_some() && self.handoff.attempt().is_some(),
+            cold_takeover_of: self.handoff.cold_takeover_of().map(str::to_owned),
             handover: self
                 .family
                 .handoffs

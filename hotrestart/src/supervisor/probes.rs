@@ -4,16 +4,33 @@
 
 use envoy_agent_proxy::watchdog::{self, Silence};
 
-use super::*;
+use envoy_agent_proxy::admin::AdminState;
+use envoy_agent_proxy::{
+    AdminError, AdminHealth, Ended, EpochState, RestartError, ServerInfo, ServerState, WedgeReason,
+};
+use std::time::{Duration, SystemTime};
+use tokio::time::Instant;
+
+use super::{
+    DISCOVERY_POLL, Event, INCOMPATIBLE_REPORT, LOCK_RETRY, Life, MAX_RETRIES, Probe, START_REASON,
+    Supervisor, Version, WATCHDOG_POLL, WATCHDOG_POLL_SUCCESSOR, Waiting,
+};
+use crate::discovery;
+use crate::discovery::Discovery;
+use crate::handoff::{Handoff, LIVE_POLL, LiveSign, NotLive, Parent};
+use crate::host::Host;
+use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
-        if let Life::Discovering { probing, next, .. } = &mut self.life {
+        if let Life::Discovering { look, .. } = &mut self.life {
             if result.is_ok() && self.version.known().is_none() {
                 // Someone answers: only our own version tells whether we can take over. Ask
                 // it; look again once it is known.
-                *probing = false;
-                *next = Instant::now() + LIVE_POLL;
+                *look = Probing {
+                    next: Some(Instant::now() + LIVE_POLL),
+                    in_flight: false,
+                };
                 if self.version == Version::Unknown {
                     self.ask_version();
                 }
@@ -25,13 +42,14 @@ impl<H: Host> Supervisor<H> {
         let (waiting, reported_incompatible) = match &mut self.life {
             Life::Discovering {
                 waiting,
-                next,
-                probing,
+                look,
                 reported_incompatible,
                 ..
             } => {
-                *probing = false;
-                *next = Instant::now() + DISCOVERY_POLL;
+                *look = Probing {
+                    next: Some(Instant::now() + DISCOVERY_POLL),
+                    in_flight: false,
+                };
                 (waiting.clone(), *reported_incompatible)
             }
             // A late answer: the start was given up meanwhile.
@@ -205,8 +223,8 @@ impl<H: Host> Supervisor<H> {
         // The epoch each probe's answer is weighed against (see `takeover_seen`): only a newer
         // one's state matters.
         let ours = match &probe {
-            Probe::Watchdog => self.newest_live,
-            Probe::Successor(_) => self.newest_live.or(self.epochs.newest().map(|c| c.epoch)),
+            Probe::Watchdog => self.life.live(),
+            Probe::Successor(_) => self.life.live().or(self.epochs.newest().map(|c| c.epoch)),
             Probe::ServingExited(exit) => Some(exit.epoch),
             Probe::FailedChild { .. } => None,
         };
@@ -228,8 +246,8 @@ impl<H: Host> Supervisor<H> {
 
     /// Asks who answers on the admin address, in full (discovery), beside the loop.
     fn discover_probe(&mut self) {
-        if let Life::Discovering { probing, .. } = &mut self.life {
-            *probing = true;
+        if let Life::Discovering { look, .. } = &mut self.life {
+            look.in_flight = true;
         }
         let call = self.host.server_info();
         let events = self.events_tx.clone();
@@ -274,7 +292,7 @@ impl<H: Host> Supervisor<H> {
                 self.on_watchdog(sent, result);
             }
             Probe::Successor(reply) => {
-                let ours = self.newest_live.or(self.epochs.newest().map(|c| c.epoch));
+                let ours = self.life.live().or(self.epochs.newest().map(|c| c.epoch));
                 if let Some(successor) = self.takeover_seen(&result, ours) {
                     self.hand_over(successor);
                 }
@@ -320,7 +338,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Probe::FailedChild { epoch, retries } => {
-                if !matches!(self.life, Life::Running) || self.family.drained {
+                if !self.life.running() || self.family.drained {
                     return;
                 }
                 // Only a LIVE child gives the family an admin endpoint back once a failed one
@@ -379,14 +397,13 @@ impl<H: Host> Supervisor<H> {
     }
 
     pub(super) fn hand_over(&mut self, successor: String) {
-        if !matches!(self.life, Life::Running) {
+        if !self.life.running() {
             return;
         }
         tracing::info!(event = "handed_over", %successor, "handed over to {successor}");
-        if let Some(n) = self.newest_live {
+        if let Some(n) = self.life.live() {
             self.epochs.set_state(n, EpochState::Draining);
         }
-        self.newest_live = None;
         self.life = Life::HandedOver {
             successor: successor.clone(),
         };
@@ -417,7 +434,7 @@ impl<H: Host> Supervisor<H> {
         let Some(attempt) = self.handoff.attempt().filter(|a| a.epoch == epoch) else {
             return;
         };
-        let fresh = attempt.parent.is_none() && self.newest_live.is_none();
+        let fresh = attempt.parent.is_none() && self.life.live().is_none();
         let ours = match (&result, self.epochs.get(epoch)) {
             (Ok(Some(live)), Some(child)) => {
                 live.epoch == epoch
@@ -456,10 +473,10 @@ impl<H: Host> Supervisor<H> {
         sent: Instant,
         result: Result<Option<AdminState>, AdminError>,
     ) {
-        if !matches!(self.life, Life::Running) || self.newest_live.is_none() {
+        if self.life.serving().is_none() {
             return;
         }
-        if let Some(successor) = self.takeover_seen(&result, self.newest_live) {
+        if let Some(successor) = self.takeover_seen(&result, self.life.live()) {
             self.hand_over(successor);
             return;
         }
@@ -505,7 +522,7 @@ impl<H: Host> Supervisor<H> {
                 if silence != Silence::Brief && self.admin_health == AdminHealth::Answering {
                     tracing::warn!(
                         event = "admin_silent",
-                        epoch = self.newest_live,
+                        epoch = self.life.live(),
                         silent_for_ms = silent.as_millis() as u64,
                         deadline_ms = deadline.as_millis() as u64,
                         error = %e,
@@ -540,7 +557,7 @@ impl<H: Host> Supervisor<H> {
         if let AdminHealth::Silent { .. } = self.admin_health {
             tracing::info!(
                 event = "admin_answering",
-                epoch = self.newest_live,
+                epoch = self.life.live(),
                 silent_for_ms = (now - self.admin_ok).as_millis() as u64,
                 "envoy's admin API answers again"
             );
@@ -554,7 +571,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn discover(&mut self, now: Instant) {
         let Life::Discovering {
             lock,
-            next,
+            look,
             waiting,
             ..
         } = &mut self.life
@@ -568,7 +585,7 @@ impl<H: Host> Supervisor<H> {
                     if *waiting != Some(Waiting::Lock) {
                         tracing::info!(reason = %Waiting::Lock, "waiting to take over");
                     }
-                    *next = now + LOCK_RETRY;
+                    look.next = Some(now + LOCK_RETRY);
                     *waiting = Some(Waiting::Lock);
                     return;
                 }
