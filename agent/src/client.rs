@@ -106,8 +106,8 @@ pub async fn wait_ready(addr: &GrpcAddress, timeout: Duration) -> u8 {
 async fn watch_until_ready(addr: &GrpcAddress, left: Duration, last: &mut String) -> Option<u8> {
     let mut client = match connect(addr, left).await {
         Ok(c) => c,
-        Err(message) => {
-            *last = message;
+        Err(unreachable) => {
+            *last = unreachable.to_string();
             return None;
         }
     };
@@ -156,21 +156,33 @@ pub fn default_address() -> GrpcAddress {
     GrpcAddress::Unix(dir.join("grpc.sock"))
 }
 
+/// The agent's gRPC API cannot be reached.
+#[derive(Debug, thiserror::Error)]
+#[error("the agent is not reachable at {addr}: {error}")]
+pub struct Unreachable {
+    /// Where it was asked.
+    pub addr: GrpcAddress,
+    /// What the transport said.
+    pub error: tonic::transport::Error,
+}
+
 /// A client connected to `addr`.
 pub async fn connect(
     addr: &GrpcAddress,
     timeout: Duration,
-) -> Result<AgentServiceClient<Channel>, String> {
-    let unreachable =
-        |e: &dyn std::fmt::Display| format!("the agent is not reachable at {addr}: {e}");
+) -> Result<AgentServiceClient<Channel>, Unreachable> {
+    let unreachable = |error: tonic::transport::Error| Unreachable {
+        addr: addr.clone(),
+        error,
+    };
     let channel = match addr {
         GrpcAddress::Tcp(a) => Endpoint::from_shared(format!("http://{a}"))
-            .map_err(|e| unreachable(&e))?
+            .map_err(unreachable)?
             .connect_timeout(timeout)
             .timeout(timeout)
             .connect()
             .await
-            .map_err(|e| unreachable(&e))?,
+            .map_err(unreachable)?,
         GrpcAddress::Unix(path) => {
             let path = path.clone();
             // The URI is not used: every connection goes to the socket.
@@ -186,7 +198,7 @@ pub async fn connect(
                     }
                 }))
                 .await
-                .map_err(|e| unreachable(&e))?
+                .map_err(unreachable)?
         }
     };
     Ok(AgentServiceClient::new(channel))
@@ -793,8 +805,8 @@ pub async fn run(command: &Call, addr: &GrpcAddress, timeout: Duration) -> u8 {
     };
     let mut client = match connect(addr, call_timeout).await {
         Ok(c) => c,
-        Err(message) => {
-            eprintln!("envoy-agent: {message}");
+        Err(unreachable) => {
+            eprintln!("envoy-agent: {unreachable}");
             return exit_code::UNAVAILABLE;
         }
     };

@@ -381,6 +381,16 @@ pub fn status_message(
     }
 }
 
+/// Why the proxy is not ready, in words; empty when it is.
+fn not_ready(status: &AgentStatus) -> String {
+    status
+        .proxy
+        .ready()
+        .err()
+        .map(|why| why.to_string())
+        .unwrap_or_default()
+}
+
 /// The state's reason, for a person: why the agent drains, exits or is not ready.
 fn state_reason(status: &AgentStatus) -> String {
     let agent = &status.agent;
@@ -394,10 +404,10 @@ fn state_reason(status: &AgentStatus) -> String {
         AgentState::HandingOver { successor, .. } => format!("handing over to {successor}"),
         AgentState::Exiting { path, .. } => path.to_string(),
         AgentState::Recovering { .. } => agent.to_string(),
-        AgentState::Live { .. } => status.proxy.ready().err().unwrap_or_default(),
+        AgentState::Live { .. } => not_ready(status),
         // Empty while Envoy starts; what the proxy says when it stops on its own (wedged).
         AgentState::Starting { .. } if status.proxy.phase != ProxyPhase::Starting => {
-            status.proxy.ready().err().unwrap_or_default()
+            not_ready(status)
         }
         AgentState::Starting { .. } => String::new(),
     }

@@ -90,7 +90,7 @@ pub enum SetupError {
         /// The directory.
         dir: PathBuf,
         /// Why.
-        why: String,
+        why: crate::socket::Untrusted,
     },
     /// The channel's socket names would not fit a Unix socket address.
     #[error(
@@ -500,10 +500,10 @@ pub fn hot_restart_channel(
         true,
     )?;
     // Absolute and free of symlinks: the link is followed from another directory.
-    let target = std::fs::canonicalize(&channel_dir).map_err(|e| SetupError::PrivateDir {
+    let target = std::fs::canonicalize(&channel_dir).map_err(|error| SetupError::PrivateDir {
         what: "hot-restart socket directory",
         dir: channel_dir.clone(),
-        why: e.to_string(),
+        why: crate::socket::Untrusted::Unreadable { error },
     })?;
     let links = crate::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
     // Ours alone, so that nobody else can plant the link's name; Envoy running as another user

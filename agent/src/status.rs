@@ -331,7 +331,7 @@ async fn ready(State(agent): State<AgentHandle>) -> Response {
             // wedged Envoy being killed): say what the proxy says then, not "starting".
             let proxy = agent.status().borrow().proxy.clone();
             let why = match proxy.ready() {
-                Err(why) if proxy.phase != ProxyPhase::Starting => why,
+                Err(why) if proxy.phase != ProxyPhase::Starting => why.to_string(),
                 _ => format!("envoy is starting (since {})", ago(since)),
             };
             return text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}"));

@@ -52,11 +52,29 @@ fn epoch_of(path: &Path) -> Option<u32> {
         .ok()
 }
 
+/// Why the admin address files cannot be watched (a starting epoch's LIVE checks then go by
+/// their blind pace).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum WatchError {
+    /// The directory cannot be made.
+    #[error("cannot create {}: {error}", .dir.display())]
+    Create { dir: PathBuf, error: std::io::Error },
+    /// inotify refused (no watches left, ...).
+    #[error("cannot watch {}: {error}", .dir.display())]
+    Watch { dir: PathBuf, error: notify::Error },
+}
+
 impl AdminFiles {
     /// Watches `dir` (created if missing).
-    pub(crate) fn watch(dir: &Path) -> Result<Self, String> {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    pub(crate) fn watch(dir: &Path) -> Result<Self, WatchError> {
+        std::fs::create_dir_all(dir).map_err(|error| WatchError::Create {
+            dir: dir.to_owned(),
+            error,
+        })?;
+        let unwatchable = |error| WatchError::Watch {
+            dir: dir.to_owned(),
+            error,
+        };
         let waiting: Waiting = Arc::default();
         let seen = waiting.clone();
         let mut watcher =
@@ -75,10 +93,10 @@ impl AdminFiles {
                     }
                 }
             })
-            .map_err(|e| format!("cannot watch {}: {e}", dir.display()))?;
+            .map_err(unwatchable)?;
         watcher
             .watch(dir, RecursiveMode::NonRecursive)
-            .map_err(|e| format!("cannot watch {}: {e}", dir.display()))?;
+            .map_err(unwatchable)?;
         Ok(AdminFiles {
             dir: dir.to_path_buf(),
             waiting,

@@ -219,6 +219,21 @@ impl ControlPlane {
     }
 }
 
+/// Why the newest LIVE epoch's config does not make it ready.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigNotReady {
+    /// Its control plane has not sent every type it subscribes to (`summary`: each type and
+    /// whether it came).
+    #[error("config not received from the control plane ({summary})")]
+    Awaited {
+        /// Each type and whether it came (`cds: received, lds: waiting`).
+        summary: String,
+    },
+    /// Not read yet: nothing LIVE so far, or its first reading has not come.
+    #[error("envoy's config is not checked yet")]
+    Unchecked,
+}
+
 /// What the newest LIVE epoch has of its config, as readiness sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ConfigStatus {
@@ -232,17 +247,16 @@ pub enum ConfigStatus {
 }
 
 impl ConfigStatus {
-    /// Ready as far as config goes; otherwise why not, in words
+    /// Ready as far as config goes; otherwise why not
     /// (`config not received from the control plane (cds: received, lds: waiting)`).
-    pub fn ready(&self) -> Result<(), String> {
+    pub fn ready(&self) -> Result<(), ConfigNotReady> {
         match self {
             ConfigStatus::Static => Ok(()),
             ConfigStatus::Dynamic(cp) if cp.received() => Ok(()),
-            ConfigStatus::Dynamic(cp) => Err(format!(
-                "config not received from the control plane ({})",
-                cp.summary()
-            )),
-            ConfigStatus::Unknown => Err("envoy's config is not checked yet".to_owned()),
+            ConfigStatus::Dynamic(cp) => Err(ConfigNotReady::Awaited {
+                summary: cp.summary(),
+            }),
+            ConfigStatus::Unknown => Err(ConfigNotReady::Unchecked),
         }
     }
 
@@ -463,7 +477,7 @@ mod tests {
             now,
         );
         assert_eq!(
-            s.ready().unwrap_err(),
+            s.ready().unwrap_err().to_string(),
             "config not received from the control plane (cds: received, lds: waiting)"
         );
         let up = DOWN

@@ -67,7 +67,9 @@ pub use config_file::{
     MAX_CONFIG_SIZE, read_config, replace_atomically, replace_config, replace_privately,
     write_atomically,
 };
-pub use control_plane::{ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType};
+pub use control_plane::{
+    ConfigNotReady, ConfigStatus, ControlPlane, XdsCounts, XdsReading, XdsType,
+};
 pub use envoy::Envoy;
 pub use listeners::{DrainPlan, PlanNote, Scope};
 pub use log_level::{LogLevel, LogLevelCell, LogLevelError};
@@ -76,7 +78,7 @@ pub use process::{EnvoyProcess, exit_code, read_admin_file, signal_pid, wait_adm
 pub use socket_path::SocketPath;
 pub use state::{
     AdminHealth, EpochExit, EpochInfo, EpochState, FamilyState, HISTORY_KEPT, Handoff, HandoffKind,
-    HandoffResult, HandoffStage, Outcome, ProxyPhase, ProxyState, Wedge, WedgeReason,
+    HandoffResult, HandoffStage, NotReady, Outcome, ProxyPhase, ProxyState, Wedge, WedgeReason,
 };
 
 /// Exit code of a proxy that gave up because it was wedged (`EX_TEMPFAIL`: restart me).

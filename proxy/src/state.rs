@@ -143,19 +143,17 @@ impl ProxyState {
     /// Whether the newest epoch serves with its config (a dynamic bootstrap's: received from
     /// the control plane once) and answers its admin API; why not otherwise. What readiness
     /// reports.
-    pub fn ready(&self) -> Result<(), String> {
+    pub fn ready(&self) -> Result<(), NotReady> {
         // First: it stays true while a silent Envoy is being stopped as wedged.
         if let AdminHealth::Silent { since } = self.admin {
-            let silent = since.elapsed().unwrap_or_default();
-            return Err(format!(
-                "envoy's admin API has not answered for {}s",
-                silent.as_secs()
-            ));
+            return Err(NotReady::AdminSilent {
+                silent: since.elapsed().unwrap_or_default(),
+            });
         }
         if !self.serving() {
-            return Err(format!("envoy is {}", self.phase.as_str()));
+            return Err(NotReady::NotServing { phase: self.phase });
         }
-        self.config.ready()
+        Ok(self.config.ready()?)
     }
 
     /// Whether an older generation still drains connections of its own (a hot-restart parent,
@@ -167,6 +165,26 @@ impl ProxyState {
                 .as_ref()
                 .is_some_and(|f| f.foreign_parent_until.is_some())
     }
+}
+
+/// Why the proxy is not ready, as readiness, the status and the gRPC API say it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    /// The serving epoch's admin API has not answered for `silent` (the watchdog's reading).
+    #[error("envoy's admin API has not answered for {}s", .silent.as_secs())]
+    AdminSilent {
+        /// Since its last answer.
+        silent: Duration,
+    },
+    /// Nothing serves (starting, stopping, handed over, ...).
+    #[error("envoy is {}", .phase.as_str())]
+    NotServing {
+        /// What it does instead.
+        phase: ProxyPhase,
+    },
+    /// It serves without its config.
+    #[error(transparent)]
+    Config(#[from] crate::control_plane::ConfigNotReady),
 }
 
 /// How a hot restart ended.

@@ -896,7 +896,7 @@ async fn a_silent_serving_envoy_is_not_ready_until_it_answers_again() {
         .send_modify(|s| s.admin = AdminHealth::Silent { since });
     let silent = status.wait_for(|s| !s.ready()).await.unwrap().clone();
     assert!(silent.agent.serving(), "still live: {:?}", silent.agent);
-    let why = silent.proxy.ready().unwrap_err();
+    let why = silent.proxy.ready().unwrap_err().to_string();
     assert_eq!(why, "envoy's admin API has not answered for 4s");
     h.proxy
         .state

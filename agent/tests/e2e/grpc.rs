@@ -422,7 +422,7 @@ fn call_in_netns(pid: u32, addr: String, quit: bool) -> Result<(), tonic::Status
         runtime.block_on(async move {
             let mut c = connect(&addr.parse().unwrap(), PATIENCE)
                 .await
-                .map_err(tonic::Status::unavailable)?;
+                .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
             c.get_status(pb::GetStatusRequest {}).await?;
             if quit {
                 c.quit_quit_quit(pb::QuitQuitQuitRequest {}).await?;
