@@ -302,6 +302,19 @@ pub(crate) struct Checker {
     pub(crate) agent_binary: PathBuf,
 }
 
+/// How long before a client reported a failure its request (or handshake) began: a request
+/// or a QUIC handshake that timed out began a client timeout earlier. Over UDP nothing says
+/// that an Envoy went: a QUIC request or Initial sent to a frozen or killed Envoy hears
+/// nothing, and the client's retransmissions back off (0.2 s doubling), so a handshake begun
+/// in a fault's window may time out seconds after something serves again.
+fn began_before(reason: &str) -> Duration {
+    if reason.starts_with("timeout") || reason.starts_with("connect: TimeoutError") {
+        CLIENT_TIMEOUT
+    } else {
+        Duration::ZERO
+    }
+}
+
 impl Checker {
     /// Looks every [`TICK`] until the run ends or an invariant breaks.
     pub(crate) async fn run(self) {
@@ -383,13 +396,7 @@ impl Checker {
             })
             .collect();
         for (t, reason) in failures.iter().skip(seen) {
-            // A request that timed out was sent a client timeout earlier: a QUIC request to a
-            // killed Envoy hears nothing (no reset over UDP) until then.
-            let sent = if reason.starts_with("timeout") {
-                t - CLIENT_TIMEOUT.as_secs_f64()
-            } else {
-                *t
-            };
+            let sent = t - began_before(reason).as_secs_f64();
             self.judge_failure((sent * 1000.0) as u64, &format!("{name}: {reason}"));
         }
         if client.ended() && !self.shared.state().ending {
@@ -648,4 +655,21 @@ pub(crate) fn footprint(pid: u32) -> Option<(u64, usize)> {
         .and_then(|v| v.parse().ok())?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
     Some((rss, fds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timed_out_request_or_handshake_is_judged_when_it_began() {
+        // As h3_client.py words them.
+        assert_eq!(began_before("timeout None"), CLIENT_TIMEOUT);
+        assert_eq!(began_before("connect: TimeoutError "), CLIENT_TIMEOUT);
+        assert_eq!(
+            began_before("connect: ConnectionRefusedError [Errno 111]"),
+            Duration::ZERO
+        );
+        assert_eq!(began_before("stream reset 258"), Duration::ZERO);
+    }
 }
