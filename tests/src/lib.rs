@@ -515,6 +515,17 @@ pub struct Response {
     pub body: String,
 }
 
+/// Waits (within [`PATIENCE`]) until a fresh connection to `addr` gets `body` for `GET /`:
+/// after a hot restart's LIVE. Envoy says LIVE a moment before the new epoch asks its parent to
+/// stop accepting (the parent takes that on its own main thread), so a connection made in those
+/// milliseconds may still be the parent's, on the old config; every later one is the new one's.
+pub async fn serves(addr: SocketAddr, body: &str) {
+    eventually(&format!("{addr} serves {body:?}"), PATIENCE, || async {
+        (http_get(addr, "/").await.ok()?.body == body).then_some(())
+    })
+    .await;
+}
+
 /// `GET path` on a fresh connection with `Connection: close`, bounded by [`PATIENCE`].
 pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<Response> {
     http_request(addr, "GET", path).await

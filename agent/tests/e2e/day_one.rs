@@ -6,7 +6,7 @@ use std::ffi::OsStr;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Stdio;
 
-use envoy_agent_tests::{PATIENCE, TestDir, envoy_path, eventually, http_get, live_at};
+use envoy_agent_tests::{PATIENCE, TestDir, envoy_path, eventually, http_get, live_at, serves};
 use nix::sys::signal::Signal;
 
 use crate::{AGENT, agent};
@@ -151,7 +151,7 @@ async fn config_updates_are_serialised_and_restart_once() {
     envoy_agent_proxy::write_atomically(&path, sentinel.as_bytes()).unwrap();
     live_at(&agent.admin, 4).await;
     let hello = std::net::SocketAddr::from(([127, 0, 0, 1], p.listener_port));
-    assert_eq!(http_get(hello, "/").await.unwrap().body, "sentinel");
+    serves(hello, "sentinel").await;
     let candidates: Vec<String> = std::fs::read_dir(agent.dir.path())
         .unwrap()
         .filter_map(Result::ok)

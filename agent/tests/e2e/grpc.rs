@@ -6,7 +6,9 @@ use std::process::Stdio;
 use envoy_agent::client::connect;
 use envoy_agent::grpc::GrpcAddress;
 use envoy_agent_proto::pb;
-use envoy_agent_tests::{AgentProcess, KeepAlive, PATIENCE, eventually, free_port, http_get};
+use envoy_agent_tests::{
+    AgentProcess, KeepAlive, PATIENCE, eventually, free_port, http_get, serves,
+};
 use nix::sys::signal::Signal;
 use tokio_stream::StreamExt;
 
@@ -314,13 +316,7 @@ async fn supervisor_hot_restart_update_config_and_watch() {
         .into_inner();
     assert!(r.restarted);
     assert_eq!(r.epoch, Some(3));
-    // Envoy reports LIVE a moment before its child asks the parent to stop accepting (the
-    // parent takes that on its own main thread): a connection made in those milliseconds may
-    // still be the parent's (docs/api.md). New connections are the new config's from then on.
-    eventually("the new config serves", PATIENCE, || async {
-        (http_get(listener, "/").await.ok()?.body == "updated").then_some(())
-    })
-    .await;
+    serves(listener, "updated").await;
     let path = agent.dir.join("bootstrap.yaml");
     assert_eq!(std::fs::read_to_string(&path).unwrap(), good);
 

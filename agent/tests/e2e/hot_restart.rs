@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use envoy_agent_proxy::ServerState;
 use envoy_agent_tests::{
-    AgentProcess, Load, PATIENCE, bootstrap_yaml_on, eventually, http_get, process_alive,
+    AgentProcess, Load, PATIENCE, bootstrap_yaml_on, eventually, http_get, process_alive, serves,
 };
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -87,13 +87,13 @@ async fn config_changes_trigger_one_restart_each_and_bursts_one() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     live_at(&agent.admin, 2).await;
-    assert_eq!(http_get(hello, "/").await.unwrap().body, "burst 9");
+    serves(hello, "burst 9").await;
     one_generation(&agent).await;
     // A sentinel change: had the burst caused another restart, it would have come first and
     // the sentinel would land at epoch 4.
     write_bootstrap(&agent, "sentinel");
     live_at(&agent.admin, 3).await;
-    assert_eq!(http_get(hello, "/").await.unwrap().body, "sentinel");
+    serves(hello, "sentinel").await;
     assert_eq!(restarts(&agent, "live"), 3);
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
@@ -131,7 +131,7 @@ async fn a_configmap_symlink_swap_triggers_a_restart() {
     std::fs::remove_dir_all(config.join("..v1")).unwrap();
 
     live_at(&agent.admin, 1).await;
-    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "two");
+    serves(listener(&agent), "two").await;
     one_generation(&agent).await;
     // A sentinel swap: had the first swap caused two restarts, this one would land at 3.
     std::fs::create_dir_all(config.join("..v3")).unwrap();
@@ -143,7 +143,7 @@ async fn a_configmap_symlink_swap_triggers_a_restart() {
     std::os::unix::fs::symlink("..v3", config.join("..data_tmp")).unwrap();
     std::fs::rename(config.join("..data_tmp"), config.join("..data")).unwrap();
     live_at(&agent.admin, 2).await;
-    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "three");
+    serves(listener(&agent), "three").await;
     assert_eq!(restarts(&agent, "live"), 2);
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
@@ -184,7 +184,7 @@ async fn update_config_keeps_a_configmaps_symlinks_and_its_next_update_applies()
         crate::grpc::cli(&agent, &["update-config", update.to_str().unwrap()]).await;
     assert_eq!(code, 0, "{out}{err}");
     live_at(&agent.admin, 1).await;
-    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "two");
+    serves(listener(&agent), "two").await;
     let link = std::fs::symlink_metadata(config.join("bootstrap.yaml")).unwrap();
     assert!(link.file_type().is_symlink(), "the layout stays");
     one_generation(&agent).await;
@@ -193,7 +193,7 @@ async fn update_config_keeps_a_configmaps_symlinks_and_its_next_update_applies()
     std::os::unix::fs::symlink("..v2", config.join("..data_tmp")).unwrap();
     std::fs::rename(config.join("..data_tmp"), config.join("..data")).unwrap();
     live_at(&agent.admin, 2).await;
-    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "three");
+    serves(listener(&agent), "three").await;
     agent.signal(Signal::SIGTERM);
     assert_eq!(agent.exit().await.code(), Some(0));
 }
@@ -612,7 +612,7 @@ async fn a_new_epoch_stuck_initializing_is_stopped_and_its_wedge_cleared() {
     // The deadline stops epoch 1; its INITIALIZING flag is cleared; the old epoch lost its
     // admin to epoch 1, so the same epoch is retried, now on the fixed config.
     live_at(&agent.admin, 1).await;
-    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "fixed");
+    serves(listener(&agent), "fixed").await;
     let stderr = agent.stderr();
     assert!(
         stderr.contains("handoff_deadline"),

@@ -3,7 +3,7 @@
 //! handoff says whether its pre-flight found the verdict ready (`preflight_cache`).
 
 use envoy_agent_tests::{
-    AgentProcess, Load, PATIENCE, bootstrap_yaml_on, eventually, http_get, live_at,
+    AgentProcess, Load, PATIENCE, bootstrap_yaml_on, eventually, http_get, live_at, serves,
 };
 use nix::sys::signal::Signal;
 
@@ -176,7 +176,7 @@ async fn an_invalid_config_is_rejected_again_without_an_exec_and_the_serving_epo
     write_bootstrap(&agent, "fixed");
     agent.signal(Signal::SIGHUP);
     live_at(&agent.admin, 1).await;
-    assert_eq!(http_get(listener(&agent), "/").await.unwrap().body, "fixed");
+    serves(listener(&agent), "fixed").await;
     assert_eq!(agent.events("validate").len(), before + 2);
     let report = load.stop().await;
     assert_eq!(report.failed, 0, "failed requests: {:?}", report.errors);
