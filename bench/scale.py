@@ -448,8 +448,26 @@ def serving_envoys(agent_pid, envoy_path):
     return found
 
 
-def http_status(port, path="/ready", timeout=1.0):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket: Envoy's admin on the agent's socket (a node proxy's default)."""
+
+    def __init__(self, path, timeout):
+        super().__init__("localhost", timeout=timeout)
+        self.path_ = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path_)
+
+
+def http_status(admin, path="/ready", timeout=1.0):
+    """The status of GET `path` on Envoy's admin: `admin` is a TCP port on 127.0.0.1 or a Unix
+    socket's path."""
+    if isinstance(admin, str):
+        conn = UnixHTTPConnection(admin, timeout)
+    else:
+        conn = http.client.HTTPConnection("127.0.0.1", admin, timeout=timeout)
     try:
         conn.request("GET", path)
         resp = conn.getresponse()
@@ -542,6 +560,8 @@ class AgentLog:
     def __init__(self, path):
         self.path = path
         self.offset = 0
+        # Envoy's admin as the agent placed it (start_agent): a TCP port or a socket's path.
+        self.admin = None
         self.events = []
         self.partial = b""
 
@@ -589,10 +609,19 @@ NLMSG_ERROR, NLMSG_DONE = 2, 3
 TCP_LISTEN = 10
 
 
-def listen_inodes(port):
-    """Inodes of the IPv4 TCP sockets listening on `port` (which process generation owns it),
-    asked of the kernel over sock_diag for listening sockets only: /proc/net/tcp lists every
-    socket, tens of thousands of TIME_WAITs on a busy test machine, too slow to read every 2 ms."""
+def listen_inodes(admin):
+    """Which listening socket serves `admin` (which process generation owns it). A TCP port: the
+    inodes of the IPv4 sockets listening on it, asked of the kernel over sock_diag for listening
+    sockets only (/proc/net/tcp lists every socket, tens of thousands of TIME_WAITs on a busy
+    test machine, too slow to read every 2 ms). A Unix socket's path: the socket file's identity
+    (each epoch binds the path anew once its parent shut its admin)."""
+    if isinstance(admin, str):
+        try:
+            st = os.stat(admin)
+        except OSError:
+            return frozenset()
+        return frozenset([(st.st_dev, st.st_ino)])
+    port = admin
     s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
     try:
         # inet_diag_req_v2: family, protocol, ext, pad, states; then inet_diag_sockid.
@@ -640,9 +669,9 @@ class Poller(threading.Thread):
     closing its admin and the new one binding it is often under 2 ms, and requests made after
     that wait in the new epoch's accept queue and get 200 once it serves."""
 
-    def __init__(self, port):
+    def __init__(self, admin):
         super().__init__(daemon=True)
-        self.port = port
+        self.port = admin  # a TCP port, or a Unix socket's path
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.generation = 0
@@ -678,11 +707,13 @@ class Poller(threading.Thread):
                             if self.generation == generation and self.gone_at is None:
                                 self.gone_at = gone
                     if len(in_flight) < MAX_IN_FLIGHT:
-                        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+                        unix = isinstance(self.port, str)
+                        s = socket.socket(socket.AF_UNIX if unix else socket.AF_INET, socket.SOCK_STREAM)
+                        if not unix:
+                            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
                         s.setblocking(False)
                         started = time.time()
-                        code = s.connect_ex(("127.0.0.1", self.port))
+                        code = s.connect_ex(self.port if unix else ("127.0.0.1", self.port))
                         in_flight[s] = [started, now + 1.0, generation, b""]
                         sel.register(s, selectors.EVENT_WRITE)
                         if code not in (0, errno.EINPROGRESS):
@@ -817,7 +848,14 @@ class Bench:
         proc = self.t.popen(argv, agent_log.path, env)
         what = f"{size.name} {'node' if node else 'sidecar'}"
         try:
-            wait_for(f"{what}: Envoy /ready 200", lambda: http_status(size.admin_port) == 200,
+            # Where the agent put Envoy's admin: its socket (a node proxy's default) or the
+            # bootstrap's port.
+            placed = wait_for(f"{what}: the agent places Envoy's admin",
+                              lambda: [e for e in agent_log.read()
+                                       if e.get("event") in ("envoy_admin", "envoy_admin_open")][:1],
+                              self.args.ready_timeout_s, interval=0.05, alive=proc)[0]
+            agent_log.admin = placed.get("path", size.admin_port)
+            wait_for(f"{what}: Envoy /ready 200", lambda: http_status(agent_log.admin) == 200,
                      self.args.ready_timeout_s, interval=0.1, alive=proc)
         except RuntimeError:
             self.tail(agent_log)
@@ -948,7 +986,8 @@ class Bench:
         return result
 
     def hot_restarts(self, size, proc, agent_log):
-        poller = Poller(size.admin_port)
+        admin = agent_log.admin
+        poller = Poller(admin)
         poller.start()
         seen_after, preflight_ms, caches, durations = [], [], [], []
         down_seen = 0
@@ -957,11 +996,11 @@ class Bench:
                 wait_for(f"{size.name} node: one Envoy before restart {k + 1}",
                          lambda: len(serving_envoys(proc.pid, self.args.envoy)) == 1,
                          self.args.ready_timeout_s, interval=0.1, alive=proc)
-                if http_status(size.admin_port) != 200:
+                if http_status(admin) != 200:
                     raise RuntimeError(f"{size.name} node: Envoy not ready before restart {k + 1}")
                 done_before = len(agent_log.handoffs())
                 if not poller.arm():
-                    raise RuntimeError(f"{size.name} node: no socket listens on the admin port {size.admin_port}")
+                    raise RuntimeError(f"{size.name} node: no socket listens on Envoy's admin {admin}")
                 t_hup = time.time()
                 os.kill(proc.pid, signal.SIGHUP)
                 event = wait_for(f"{size.name} node: handoff {k + 1} logged",
