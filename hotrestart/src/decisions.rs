@@ -1766,6 +1766,50 @@ async fn a_predecessor_told_of_a_cold_takeover_drains_and_stops_its_family() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_drain_held_by_a_handoff_a_successors_takeover_made_moot_goes_to_our_family() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    f.host.world().live_after = Some(Duration::from_secs(30));
+    let restart = f.restart("SIGHUP");
+    f.spawned(&[0, 1]).await;
+    let drain = {
+        let handle = f.handle.clone();
+        tokio::spawn(async move {
+            handle
+                .drain(DrainOptions {
+                    listeners: Scope::Auto,
+                    skip_exit: false,
+                })
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        f.host.world().drains.is_empty(),
+        "held while epoch 1 starts"
+    );
+    let mut b = heartbeat("pod-b-2222", NodeState::Serving, 0, &f.host);
+    b.base_id = 8;
+    b.cold_takeover_of = Some("pod-a-0000aaaa".to_owned());
+    f.host.world().others = vec![b];
+    f.until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    // Answered by our family's Envoy, which still serves while it drains: not left for the
+    // stop to answer as "not serving".
+    let answered = tokio::time::timeout(Duration::from_secs(1), drain)
+        .await
+        .expect("answered once the takeover made the handoff moot")
+        .unwrap();
+    assert!(answered.is_ok(), "{answered:?}");
+    let drains = f.host.world().drains.clone();
+    assert_eq!(drains, [(Scope::All, false), (Scope::Auto, false)]);
+    drop(restart);
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_successor_finding_the_node_family_segment_unusable_takes_over_cold() {
     let host = FakeHost::default();
     {

@@ -19,10 +19,11 @@ use envoy_agent_proxy::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::answers::FamilyError;
 use crate::config::{Config, ConfigError};
 use crate::host::{Host, RealHost};
 use crate::metrics::SupervisorMetrics;
-use crate::supervisor::{Command, FamilyError, Supervisor};
+use crate::supervisor::{Command, Supervisor};
 
 /// Bound on one admin call of the supervisor.
 const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);

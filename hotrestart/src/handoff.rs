@@ -36,6 +36,7 @@ use envoy_agent_proxy::{Exit, RestartError, XdsType};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::answers::Deferred;
 use crate::host::Guard;
 use crate::probing::Probing;
 
@@ -319,6 +320,9 @@ pub(crate) enum Handoff {
         /// Its parent, the serving epoch, exited meanwhile (a stand-in answers for it): the
         /// family's outcome if this epoch fails too.
         serving_exited: Option<Exit>,
+        /// Drains and health-check failures asked meanwhile: the new epoch may take the
+        /// admin listener, so they go to whichever Envoy serves once this settles.
+        deferred: Deferred,
     },
     /// The previous generation drains until its child terminates it; no new epoch may start.
     ParentDraining {
@@ -336,6 +340,8 @@ pub(crate) enum Handoff {
         /// Still held (see `PreFlight`).
         lock: Option<Guard>,
         live: LiveChecks,
+        /// As `Starting`'s: the new family may become the family.
+        deferred: Deferred,
     },
     /// After a cold handover: the old family drains until `until`; what happens then depends
     /// on whose it is.

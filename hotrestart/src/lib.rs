@@ -62,6 +62,7 @@
 
 pub mod absorber;
 mod admin_files;
+mod answers;
 mod config;
 #[cfg(test)]
 mod decisions;
@@ -79,8 +80,8 @@ mod supervisor;
 mod testing;
 pub mod watch;
 
+pub use answers::FamilyError;
 pub use config::{Config, ConfigError, unique_identity};
 pub use envoy_agent_proxy::{EXIT_WEDGED, RestartError};
 pub use family::{EnvoyFamily, SupervisorHandle};
 pub use host::{Host, RealHost};
-pub use supervisor::FamilyError;

@@ -19,6 +19,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::answers::{DrainReply, FamilyError, HealthChecksReply};
 use crate::config::Config;
 use crate::epochs::Epochs;
 use crate::handoff::{DrainingParent, Handoff, Queue, Waiter, type_list};
@@ -56,24 +57,6 @@ const STOP_BACKSTOP: Duration = Duration::from_secs(5);
 pub(crate) const START_REASON: &str = "start";
 /// An incompatible predecessor is reported again after this long.
 const INCOMPATIBLE_REPORT: Duration = Duration::from_secs(60);
-
-/// Why the family did not do what it was asked: a drain, or failing its health checks.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum FamilyError {
-    /// The supervisor has ended: nothing is left to ask.
-    #[error("the supervisor is gone")]
-    Gone,
-    /// The serving Envoy's admin API refused or failed the call (shared: one call answers
-    /// every request that waited for it).
-    #[error(transparent)]
-    Admin(Arc<AdminError>),
-}
-
-/// Where a drain's answer goes: what it reached, or why it failed.
-pub(crate) type DrainReply = oneshot::Sender<Result<DrainPlan, FamilyError>>;
-/// Where the answer to failing the health checks goes.
-pub(crate) type HealthChecksReply = oneshot::Sender<Result<(), FamilyError>>;
 
 /// What steers the supervisor.
 #[derive(Debug)]
@@ -360,17 +343,9 @@ pub(crate) struct Supervisor<H: Host> {
     admin_ok: Instant,
     /// Whether the serving epoch answers the watchdog (readiness follows it).
     admin_health: AdminHealth,
-    /// Drains asked for while an epoch or a cold family starts, applied once that handoff has
-    /// settled, to whichever Envoy serves then. Beside the handoff rather than in it: they
-    /// are sent after it is gone, and one made moot by a successor's cold takeover leaves
-    /// them for the stop to answer.
-    pending_drains: Vec<(DrainOptions, DrainReply)>,
     /// Envoy was told to fail its health checks: an epoch that serves after a handoff settles
     /// is told too (the failure is a process's own state, not handed over).
     health_checks_failed: bool,
-    /// Requests to fail the health checks asked for while a handoff is under way, answered
-    /// once it has settled (as [`Supervisor::pending_drains`]).
-    pending_health_checks: Vec<HealthChecksReply>,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
@@ -440,9 +415,7 @@ impl<H: Host> Supervisor<H> {
             watchdog: Probing::default(),
             admin_ok: now,
             admin_health: AdminHealth::Answering,
-            pending_drains: Vec::new(),
             health_checks_failed: false,
-            pending_health_checks: Vec::new(),
             heartbeat_due: now,
             heartbeat_written: None,
             family,

@@ -32,6 +32,7 @@ use super::{
     Event, FOREIGN_PARENT_CHECK, FamilyError, Life, STOP_BACKSTOP, Supervisor, WATCHDOG_POLL,
     exit_kind, last_line,
 };
+use crate::answers::Deferred;
 use crate::discovery;
 use crate::epochs::Stop;
 use crate::handoff::{
@@ -145,6 +146,7 @@ impl<H: Host> Supervisor<H> {
                     },
                     // Its checks go to its own address (from its file): no parent to spare.
                     live: LiveChecks::new(now, LiveSign::Seen(now)),
+                    deferred: Deferred::default(),
                 };
                 // The node hears of each spawn.
                 self.write_heartbeat();
@@ -222,6 +224,7 @@ impl<H: Host> Supervisor<H> {
             child,
             lock,
             live,
+            deferred,
             ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
@@ -300,7 +303,7 @@ impl<H: Host> Supervisor<H> {
         self.publish();
         self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
-        self.flush_pending_drains();
+        self.settled(deferred);
     }
 
     /// The new family's Envoy exited before it was LIVE: the old family serves on.
@@ -309,6 +312,7 @@ impl<H: Host> Supervisor<H> {
             attempt,
             deadline,
             lock,
+            deferred,
             ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
@@ -319,7 +323,7 @@ impl<H: Host> Supervisor<H> {
         if killed && !attempt.waiting_for_config.is_empty() && !attempt.first {
             let waiting = attempt.waiting_for_config.clone();
             self.config_wait_ended(attempt, &waiting);
-            self.flush_pending_drains();
+            self.settled(deferred);
             return;
         }
         let (outcome, message) = if killed {
@@ -345,13 +349,14 @@ impl<H: Host> Supervisor<H> {
         self.finish(attempt, outcome, message.clone());
         if first {
             // A successor pod's start: nothing of ours serves (the predecessor does, untouched).
+            deferred.not_serving();
             self.begin_stop(
                 Ended::StartFailed { code: 1, message },
                 "the cold handover's new family failed",
             );
             return;
         }
-        self.flush_pending_drains();
+        self.settled(deferred);
         self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
     }
 
@@ -442,10 +447,18 @@ impl<H: Host> Supervisor<H> {
         self.drain_for_retirement();
         self.hand_over(successor);
         // Whatever handoff of ours was under way is moot: the whole family retires.
-        self.handoff = Handoff::Retiring {
-            until: Instant::now() + self.config.proxy.drain_duration + RETIRE_MARGIN,
-            old: OldFamily::Ours { kill_at: None },
-        };
+        let moot = std::mem::replace(
+            &mut self.handoff,
+            Handoff::Retiring {
+                until: Instant::now() + self.config.proxy.drain_duration + RETIRE_MARGIN,
+                old: OldFamily::Ours { kill_at: None },
+            },
+        );
+        // What was asked of it goes to our family, which still serves while it drains (as
+        // a drain asked a moment later would).
+        if let Handoff::Starting { deferred, .. } | Handoff::Cold { deferred, .. } = moot {
+            self.settled(deferred);
+        }
     }
 
     /// The configured admin port after a cold handover across pods: free once the

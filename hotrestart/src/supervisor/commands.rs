@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use super::{
     Command, DrainReply, Event, FamilyError, HealthChecksReply, Life, Probe, Supervisor, kept,
 };
+use crate::answers::Deferred;
 use crate::handoff::{Handoff, Waiter};
 use crate::host::Host;
 
@@ -121,7 +122,7 @@ impl<H: Host> Supervisor<H> {
                 .refuse(&RestartError::Refused("draining".to_owned()));
             self.set_marker(false);
         }
-        match &self.handoff {
+        match &mut self.handoff {
             Handoff::PreFlight { .. } => {
                 // Nothing started: the restart is moot.
                 if let Handoff::PreFlight { attempt, lock } =
@@ -136,11 +137,11 @@ impl<H: Host> Supervisor<H> {
                 }
                 self.send_drain(options, vec![reply]);
             }
-            Handoff::Starting { .. } | Handoff::Cold { .. } => {
+            Handoff::Starting { deferred, .. } | Handoff::Cold { deferred, .. } => {
                 // The new epoch may hold the admin listener (or become the family): drain
                 // whichever serves once the handoff has settled.
                 tracing::info!("a handoff is under way: the drain follows once it settles");
-                self.pending_drains.push((options, reply));
+                deferred.drains.push((options, reply));
             }
             Handoff::Idle | Handoff::ParentDraining { .. } | Handoff::Retiring { .. } => {
                 self.send_drain(options, vec![reply]);
@@ -167,10 +168,10 @@ impl<H: Host> Supervisor<H> {
     /// family): asked once it has settled.
     pub(super) fn fail_health_checks(&mut self, reply: HealthChecksReply) {
         self.health_checks_failed = true;
-        match &self.handoff {
-            Handoff::Starting { .. } | Handoff::Cold { .. } => {
+        match &mut self.handoff {
+            Handoff::Starting { deferred, .. } | Handoff::Cold { deferred, .. } => {
                 tracing::info!("a handoff is under way: health checks fail once it settles");
-                self.pending_health_checks.push(reply);
+                deferred.health_checks.push(reply);
             }
             _ => self.send_health_checks_fail(vec![reply]),
         }
@@ -190,18 +191,20 @@ impl<H: Host> Supervisor<H> {
     }
 
     /// Once a handoff has settled: the drains and health-check failures asked meanwhile go to
-    /// whichever Envoy serves now.
-    pub(super) fn flush_pending_drains(&mut self) {
+    /// whichever Envoy serves now (and an epoch that serves after a handoff is told to fail
+    /// its health checks again: the failure is a process's own state, not handed over).
+    pub(super) fn settled(&mut self, deferred: Deferred) {
+        let Deferred {
+            drains,
+            health_checks,
+        } = deferred;
         if self.health_checks_failed {
-            let replies = std::mem::take(&mut self.pending_health_checks);
-            self.send_health_checks_fail(replies);
+            self.send_health_checks_fail(health_checks);
         }
-        if self.pending_drains.is_empty() {
+        let Some(&(options, _)) = drains.first() else {
             return;
-        }
-        let pending = std::mem::take(&mut self.pending_drains);
-        let options = pending[0].0;
-        let replies = pending.into_iter().map(|(_, r)| r).collect();
+        };
+        let replies = drains.into_iter().map(|(_, r)| r).collect();
         self.send_drain(options, replies);
     }
 }

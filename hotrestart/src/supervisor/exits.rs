@@ -2,7 +2,7 @@
 //! stale-INITIALIZING repair, and the stop of every epoch.
 
 use envoy_agent_proxy::{
-    DrainPlan, Ended, EpochState, Exit, Outcome, ProxyError, RestartError, Signal, WedgeReason,
+    Ended, EpochState, Exit, Outcome, ProxyError, RestartError, Signal, WedgeReason,
 };
 use std::time::SystemTime;
 use tokio::time::Instant;
@@ -297,19 +297,35 @@ impl<H: Host> Supervisor<H> {
         let error = RestartError::Refused("stopping".to_owned());
         self.queue.refuse(&error);
         match std::mem::replace(&mut self.handoff, Handoff::Idle) {
-            Handoff::PreFlight { attempt, .. } | Handoff::Starting { attempt, .. } => {
+            Handoff::PreFlight { attempt, .. } => {
                 self.finish(
                     attempt,
                     Outcome::Failed,
                     "the family is stopping".to_owned(),
                 );
             }
-            Handoff::Cold { attempt, child, .. } => {
+            Handoff::Starting {
+                attempt, deferred, ..
+            } => {
                 self.finish(
                     attempt,
                     Outcome::Failed,
                     "the family is stopping".to_owned(),
                 );
+                deferred.not_serving();
+            }
+            Handoff::Cold {
+                attempt,
+                child,
+                deferred,
+                ..
+            } => {
+                self.finish(
+                    attempt,
+                    Outcome::Failed,
+                    "the family is stopping".to_owned(),
+                );
+                deferred.not_serving();
                 // Epoch 0 of its own family, no parent: SIGTERM stops it alone.
                 self.retiring.add(0, child.pid, child.signals);
             }
@@ -320,12 +336,6 @@ impl<H: Host> Supervisor<H> {
             tracing::info!(epoch, "stopping the old family's epoch");
             self.retiring
                 .signal(epoch, Signal::SIGTERM, Some(Stop::Shutdown));
-        }
-        for (options, reply) in self.pending_drains.drain(..) {
-            let _ = reply.send(Ok(DrainPlan::not_serving(options.listeners)));
-        }
-        for reply in self.pending_health_checks.drain(..) {
-            let _ = reply.send(Ok(()));
         }
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another

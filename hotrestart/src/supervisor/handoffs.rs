@@ -13,6 +13,7 @@ use super::{
     Event, FOREIGN_PARENT_CHECK, LOCK_RETRY, Life, Probe, StandIn, Supervisor, Version,
     WATCHDOG_POLL, kept, last_line,
 };
+use crate::answers::Deferred;
 use crate::epochs::Stop;
 use crate::handoff::{
     Attempt, Deadline, DrainingParent, Handoff, LiveChecks, LiveSign, Moment, Parent, Queue,
@@ -188,6 +189,7 @@ impl<H: Host> Supervisor<H> {
                     lock,
                     live: LiveChecks::new(now, sign),
                     serving_exited: None,
+                    deferred: Deferred::default(),
                 };
                 // The node hears of each spawn.
                 self.write_heartbeat();
@@ -249,6 +251,7 @@ impl<H: Host> Supervisor<H> {
             mut attempt,
             lock,
             live,
+            deferred,
             ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
@@ -311,7 +314,7 @@ impl<H: Host> Supervisor<H> {
         self.publish();
         self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
-        self.flush_pending_drains();
+        self.settled(deferred);
         if self.version == Version::Unknown {
             self.ask_version();
         }
@@ -332,6 +335,7 @@ impl<H: Host> Supervisor<H> {
             attempt,
             lock,
             serving_exited,
+            deferred,
             ..
         } = std::mem::replace(&mut self.handoff, Handoff::Idle)
         else {
@@ -350,7 +354,7 @@ impl<H: Host> Supervisor<H> {
             // back with the LIVE retry).
             let waiting = attempt.waiting_for_config.clone();
             self.config_wait_ended(attempt, &waiting);
-            self.flush_pending_drains();
+            self.settled(deferred);
             self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
             return;
         }
@@ -374,12 +378,13 @@ impl<H: Host> Supervisor<H> {
                 },
                 None => Ended::StartFailed { code, message },
             };
+            deferred.not_serving();
             self.begin_stop(ended, "nothing serves");
             return;
         }
         let retries = attempt.retries;
         self.finish(attempt, outcome, message);
-        self.flush_pending_drains();
+        self.settled(deferred);
         // The child may have shut the serving epoch's admin listener before it failed.
         self.probe(Probe::FailedChild { epoch, retries });
         self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
