@@ -35,6 +35,26 @@ pub(crate) struct Child {
     pub(crate) stopped: Option<(Stop, Signal)>,
 }
 
+impl Child {
+    /// Sends `signal`, remembering why when it stops the process.
+    pub(crate) fn signal(&mut self, signal: Signal, stop: Option<Stop>) {
+        if let Some(why) = stop {
+            self.stopped = Some((why, signal));
+        }
+        let _ = self.signals.send(signal);
+    }
+
+    pub(crate) fn info(&self) -> EpochInfo {
+        EpochInfo {
+            epoch: self.epoch,
+            pid: self.pid,
+            state: self.state,
+            started: self.started,
+            since: self.since,
+        }
+    }
+}
+
 /// Every process of the family that has not been reaped yet.
 #[derive(Debug, Default)]
 pub(crate) struct Epochs {
@@ -54,12 +74,6 @@ impl Epochs {
             signals,
             stopped: None,
         });
-        self.children.sort_by_key(|c| c.epoch);
-    }
-
-    /// Takes over a process another run of the supervisor started (a kept draining parent).
-    pub(crate) fn insert(&mut self, child: Child) {
-        self.children.push(child);
         self.children.sort_by_key(|c| c.epoch);
     }
 
@@ -96,10 +110,7 @@ impl Epochs {
     /// Sends `signal` to `epoch`'s process, remembering why when it stops it.
     pub(crate) fn signal(&mut self, epoch: u32, signal: Signal, stop: Option<Stop>) {
         if let Some(c) = self.get_mut(epoch) {
-            if let Some(why) = stop {
-                c.stopped = Some((why, signal));
-            }
-            let _ = c.signals.send(signal);
+            c.signal(signal, stop);
         }
     }
 
@@ -111,21 +122,16 @@ impl Epochs {
         self.children.iter()
     }
 
+    pub(crate) fn iter_mut(&mut self) -> std::slice::IterMut<'_, Child> {
+        self.children.iter_mut()
+    }
+
     /// The newest process.
     pub(crate) fn newest(&self) -> Option<&Child> {
         self.children.last()
     }
 
     pub(crate) fn infos(&self) -> Vec<EpochInfo> {
-        self.children
-            .iter()
-            .map(|c| EpochInfo {
-                epoch: c.epoch,
-                pid: c.pid,
-                state: c.state,
-                started: c.started,
-                since: c.since,
-            })
-            .collect()
+        self.children.iter().map(Child::info).collect()
     }
 }

@@ -37,6 +37,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::answers::Deferred;
+use crate::epochs::Epochs;
 use crate::host::Guard;
 use crate::probing::Probing;
 
@@ -351,10 +352,14 @@ pub(crate) enum Handoff {
 /// The family that a cold handover retires.
 #[derive(Debug)]
 pub(crate) enum OldFamily {
-    /// Ours (the supervisor's `retiring` books), or our whole family once a successor pod took
-    /// it over cold: SIGTERM at `until`, SIGKILL at `kill_at` (and again every backstop
-    /// period while anything is left).
-    Ours { kill_at: Option<Instant> },
+    /// Ours: the old family's processes (`epochs`), retired once the last is gone; or, once
+    /// a successor pod took ours over cold, our whole family (the supervisor's epochs) with
+    /// whatever was left of an older one. SIGTERM at `until`, SIGKILL at `kill_at` (and again
+    /// every backstop period while anything is left).
+    Ours {
+        kill_at: Option<Instant>,
+        epochs: Epochs,
+    },
     /// The predecessor pod's, whose agent drains and stops it: from `until` on, the configured
     /// admin address is looked at (at `look_at`, once one look found it still held) until it
     /// is free. Our heartbeat names the predecessor meanwhile, which tells it to retire.

@@ -36,6 +36,7 @@ mod handoffs;
 mod kept;
 mod node_io;
 mod probes;
+mod retired;
 
 /// How often the serving epoch's admin is checked by the watchdog.
 pub(crate) const WATCHDOG_POLL: Duration = Duration::from_secs(1);
@@ -192,6 +193,9 @@ enum Life {
         give_up: Instant,
         /// The epoch that served when the stop began, until it exits.
         live: Option<u32>,
+        /// Processes of ours outside the family that the stop took over from the handoff:
+        /// a retiring old family, a cold family that never became ours (see `retired`).
+        old: Epochs,
     },
 }
 
@@ -329,9 +333,6 @@ pub(crate) struct Supervisor<H: Host> {
 
     life: Life,
     epochs: Epochs,
-    /// After a cold handover: the old family's processes, until they are gone (and, when
-    /// stopping during one, the new family's Envoy that never became ours).
-    retiring: Epochs,
     handoff: Handoff,
     queue: Queue,
     /// The running Envoy's hot-restart version, which the next binary must match (the first
@@ -407,7 +408,6 @@ impl<H: Host> Supervisor<H> {
             state,
             metrics,
             epochs: Epochs::default(),
-            retiring: Epochs::default(),
             handoff: Handoff::Idle,
             queue: Queue::default(),
             version: Version::Unknown,
@@ -569,7 +569,7 @@ impl<H: Host> Supervisor<H> {
         match &self.life {
             Life::Stopping { outcome, .. }
                 if self.epochs.is_empty()
-                    && self.retiring.is_empty()
+                    && self.retired().next().is_none()
                     && !matches!(self.handoff, Handoff::Cold { .. }) =>
             {
                 Some(outcome.clone())
@@ -860,7 +860,7 @@ impl<H: Host> Supervisor<H> {
             self.phase_since = (phase, SystemTime::now());
         }
         self.family.handoff = self.handoff_info();
-        self.family.retiring = self.retiring.infos();
+        self.family.retiring = self.retired_infos();
         self.family.socket_path = self.host.socket_path().to_string();
         let state = ProxyState {
             phase,
@@ -1048,6 +1048,7 @@ mod life_tests {
             kill_at: now,
             give_up: now,
             live,
+            old: Epochs::default(),
         }
     }
 

@@ -8,7 +8,7 @@
 //!   Linux). The serving family is not touched: a new family that fails or misses the handoff
 //!   deadline is stopped and the old one serves on, as after a failed hot restart.
 //! - **Switch** (the new family is LIVE): the old family is told to drain gracefully (every
-//!   listener: the new family serves them all), its processes move to the `retiring` books,
+//!   listener: the new family serves them all), its processes move into the retiring state (`OldFamily::Ours`),
 //!   the new Envoy becomes epoch 0 of the family, and the host reaches its admin from now on.
 //!   The readiness marker stays: something of ours was LIVE throughout.
 //! - **Retire**: after the drain time the old family is terminated (SIGTERM, SIGKILL after
@@ -28,13 +28,14 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
+use super::retired::Retired;
 use super::{
     Event, FOREIGN_PARENT_CHECK, FamilyError, Life, STOP_BACKSTOP, Supervisor, WATCHDOG_POLL,
     exit_kind, last_line,
 };
 use crate::answers::Deferred;
 use crate::discovery;
-use crate::epochs::Stop;
+use crate::epochs::{Epochs, Stop};
 use crate::handoff::{
     Attempt, ColdChild, Deadline, Handoff, LiveChecks, LiveSign, NotLive, OldFamily,
 };
@@ -242,10 +243,10 @@ impl<H: Host> Supervisor<H> {
             HandoffKind::Cold { from_base_id, .. } => *from_base_id,
             HandoffKind::Hot => self.base_id,
         };
-        self.retiring = std::mem::take(&mut self.epochs);
-        let retiring: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
-        for epoch in retiring {
-            self.retiring.set_state(epoch, EpochState::Draining);
+        let mut old = std::mem::take(&mut self.epochs);
+        let epochs: Vec<u32> = old.iter().map(|c| c.epoch).collect();
+        for epoch in epochs {
+            old.set_state(epoch, EpochState::Draining);
         }
         self.epochs.add(0, child.pid, child.signals);
         self.epochs.set_state(0, EpochState::Live);
@@ -277,7 +278,10 @@ impl<H: Host> Supervisor<H> {
                     predecessor,
                     look_at: None,
                 },
-                None => OldFamily::Ours { kill_at: None },
+                None => OldFamily::Ours {
+                    kill_at: None,
+                    epochs: old,
+                },
             },
         };
         let migrate = std::fs::read_to_string(TCP_MIGRATE_REQ)
@@ -360,11 +364,12 @@ impl<H: Host> Supervisor<H> {
         self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
     }
 
-    /// One of the old family's processes (or, when stopping, the new one that never became
-    /// ours) exited.
+    /// One of the old family's processes, the kept parent, or (when stopping) the new family
+    /// that never became ours exited.
     pub(super) fn on_retired_exit(
         &mut self,
         child: crate::epochs::Child,
+        retired: Retired,
         result: Result<Exit, ProxyError>,
     ) {
         let kind = exit_kind(&result, false);
@@ -381,23 +386,28 @@ impl<H: Host> Supervisor<H> {
             how = last.map(|e| e.how.to_string()),
             "an envoy of the old family exited"
         );
-        self.kept_exited(child.pid);
-        let ours_retire = matches!(
-            self.handoff,
-            Handoff::Retiring {
-                old: OldFamily::Ours { .. },
-                ..
+        match retired {
+            Retired::Kept { stand_in } => self.kept_gone(child.epoch, stand_in),
+            Retired::OldFamily => {
+                let gone = matches!(
+                    &self.handoff,
+                    Handoff::Retiring {
+                        old: OldFamily::Ours { epochs, .. },
+                        ..
+                    } if epochs.is_empty() && !matches!(self.life, Life::HandedOver { .. })
+                );
+                if gone {
+                    self.handoff = Handoff::Idle;
+                    tracing::info!(
+                        event = "cold_handover",
+                        stage = "retired",
+                        base_id = self.base_id,
+                        "the old family is gone; a hot restart binds the configured admin address again"
+                    );
+                    self.queue_settling_restart();
+                }
             }
-        );
-        if self.retiring.is_empty() && ours_retire {
-            self.handoff = Handoff::Idle;
-            tracing::info!(
-                event = "cold_handover",
-                stage = "retired",
-                base_id = self.base_id,
-                "the old family is gone; a hot restart binds the configured admin address again"
-            );
-            self.queue_settling_restart();
+            Retired::Stopping => {}
         }
     }
 
@@ -446,19 +456,30 @@ impl<H: Host> Supervisor<H> {
         );
         self.drain_for_retirement();
         self.hand_over(successor);
-        // Whatever handoff of ours was under way is moot: the whole family retires.
-        let moot = std::mem::replace(
-            &mut self.handoff,
+        // Whatever handoff of ours was under way is moot: the whole family retires, with
+        // what is left of an older family we retired ourselves.
+        let until = Instant::now() + self.config.proxy.drain_duration + RETIRE_MARGIN;
+        let moot = std::mem::replace(&mut self.handoff, Handoff::Idle);
+        let older = match moot {
             Handoff::Retiring {
-                until: Instant::now() + self.config.proxy.drain_duration + RETIRE_MARGIN,
-                old: OldFamily::Ours { kill_at: None },
+                old: OldFamily::Ours { epochs, .. },
+                ..
+            } => epochs,
+            Handoff::Starting { deferred, .. } | Handoff::Cold { deferred, .. } => {
+                // What was asked of it goes to our family, which still serves while it
+                // drains (as a drain asked a moment later would).
+                self.settled(deferred);
+                Epochs::default()
+            }
+            _ => Epochs::default(),
+        };
+        self.handoff = Handoff::Retiring {
+            until,
+            old: OldFamily::Ours {
+                kill_at: None,
+                epochs: older,
             },
-        );
-        // What was asked of it goes to our family, which still serves while it drains (as
-        // a drain asked a moment later would).
-        if let Handoff::Starting { deferred, .. } | Handoff::Cold { deferred, .. } = moot {
-            self.settled(deferred);
-        }
+        };
     }
 
     /// The configured admin port after a cold handover across pods: free once the
@@ -528,25 +549,27 @@ impl<H: Host> Supervisor<H> {
             }
             Handoff::Retiring {
                 until,
-                old: OldFamily::Ours { kill_at },
-            } => match kill_at {
-                None if now >= *until => {
-                    *kill_at = Some(now + grace);
-                    Signal::SIGTERM
+                old: OldFamily::Ours { kill_at, epochs },
+            } => {
+                let signal = match kill_at {
+                    None if now >= *until => {
+                        *kill_at = Some(now + grace);
+                        Signal::SIGTERM
+                    }
+                    Some(at) if now >= *at => {
+                        *kill_at = Some(now + STOP_BACKSTOP);
+                        Signal::SIGKILL
+                    }
+                    _ => return,
+                };
+                for child in epochs.iter_mut() {
+                    tracing::info!(epoch = child.epoch, %signal, "stopping the old family's epoch");
+                    child.signal(signal, Some(Stop::Shutdown));
                 }
-                Some(at) if now >= *at => {
-                    *kill_at = Some(now + STOP_BACKSTOP);
-                    Signal::SIGKILL
-                }
-                _ => return,
-            },
+                signal
+            }
             _ => return,
         };
-        let epochs: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
-        for epoch in epochs {
-            tracing::info!(epoch, %signal, "stopping the old family's epoch");
-            self.retiring.signal(epoch, signal, Some(Stop::Shutdown));
-        }
         if matches!(self.life, Life::HandedOver { .. }) {
             // Our whole family retires (handed over cold to a successor pod).
             let epochs: Vec<u32> = self.epochs.iter().map(|c| c.epoch).collect();
@@ -563,7 +586,7 @@ impl<H: Host> Supervisor<H> {
             Handoff::Cold { deadline, .. } => deadline.wake(),
             Handoff::Retiring {
                 until,
-                old: OldFamily::Ours { kill_at: at } | OldFamily::Foreign { look_at: at, .. },
+                old: OldFamily::Ours { kill_at: at, .. } | OldFamily::Foreign { look_at: at, .. },
             } => Some(at.unwrap_or(*until)),
             _ => None,
         }

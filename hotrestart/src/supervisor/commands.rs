@@ -75,8 +75,9 @@ impl<H: Host> Supervisor<H> {
         }
         let waiting_for = match &self.handoff {
             Handoff::Idle => match &self.kept {
-                kept::KeptParent::Draining { epoch, .. } => Some(format!(
-                    "the parent kept through its child's crash (epoch {epoch}) still drains"
+                kept::KeptParent::Draining { child, .. } => Some(format!(
+                    "the parent kept through its child's crash (epoch {}) still drains",
+                    child.epoch
                 )),
                 _ => None,
             },

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use super::{Life, Probe, STOP_BACKSTOP, StandIn, Supervisor, exit_kind};
 use crate::epochs::{Epochs, Stop};
-use crate::handoff::{DrainingParent, Handoff};
+use crate::handoff::{DrainingParent, Handoff, OldFamily};
 use crate::host::{Host, Repair};
 use crate::metrics::ExitKind;
 use crate::probing::Probing;
@@ -20,8 +20,8 @@ impl<H: Host> Supervisor<H> {
             self.on_cold_exit(result);
             return;
         }
-        if let Some(child) = self.retiring.remove(epoch, pid) {
-            self.on_retired_exit(child, result);
+        if let Some((child, retired)) = self.take_retired(epoch, pid) {
+            self.on_retired_exit(child, retired, result);
             return;
         }
         let Some(child) = self.epochs.remove(epoch, pid) else {
@@ -268,7 +268,7 @@ impl<H: Host> Supervisor<H> {
             let left: Vec<u32> = self.epochs.iter().map(|c| c.pid).collect();
             tracing::error!(pids = ?left, "epochs did not stop in time; giving up on them");
             self.epochs = Epochs::default();
-            self.retiring = Epochs::default();
+            self.forget_retired();
         } else if now >= kill_at {
             if let Life::Stopping { kill_at, .. } = &mut self.life {
                 *kill_at = give_up;
@@ -279,11 +279,7 @@ impl<H: Host> Supervisor<H> {
                 self.epochs
                     .signal(epoch, Signal::SIGKILL, Some(Stop::Shutdown));
             }
-            let left: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
-            for epoch in left {
-                self.retiring
-                    .signal(epoch, Signal::SIGKILL, Some(Stop::Shutdown));
-            }
+            self.stop_retired(Signal::SIGKILL);
         }
     }
 
@@ -296,6 +292,8 @@ impl<H: Host> Supervisor<H> {
         self.set_marker(false);
         let error = RestartError::Refused("stopping".to_owned());
         self.queue.refuse(&error);
+        // What of ours runs outside the family, the stop takes over from the handoff.
+        let mut old = Epochs::default();
         match std::mem::replace(&mut self.handoff, Handoff::Idle) {
             Handoff::PreFlight { attempt, .. } => {
                 self.finish(
@@ -327,15 +325,13 @@ impl<H: Host> Supervisor<H> {
                 );
                 deferred.not_serving();
                 // Epoch 0 of its own family, no parent: SIGTERM stops it alone.
-                self.retiring.add(0, child.pid, child.signals);
+                old.add(0, child.pid, child.signals);
             }
+            Handoff::Retiring {
+                old: OldFamily::Ours { epochs, .. },
+                ..
+            } => old = epochs,
             _ => {}
-        }
-        let retiring: Vec<u32> = self.retiring.iter().map(|c| c.epoch).collect();
-        for epoch in retiring {
-            tracing::info!(epoch, "stopping the old family's epoch");
-            self.retiring
-                .signal(epoch, Signal::SIGTERM, Some(Stop::Shutdown));
         }
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
@@ -369,7 +365,11 @@ impl<H: Host> Supervisor<H> {
             kill_at: now + self.config.proxy.stop_grace,
             give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
             live: self.life.live(),
+            old,
         };
+        // Processes of ours outside the family: SIGTERM (none has a parent of ours to take
+        // with it).
+        self.stop_retired(Signal::SIGTERM);
         self.write_heartbeat();
     }
 }

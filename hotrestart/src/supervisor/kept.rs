@@ -19,7 +19,7 @@
 //!   packet to a child that is not there blocks its main thread for ever (the soak's eighth
 //!   finding; see `absorber`), deaf to SIGTERM and to the drain notice.
 //! - **Adopt**: the next run starts its family under the other base id, takes the parent into
-//!   its `retiring` books ([`KeptParent::Draining`]) and listens for its exit on the old run's
+//!   its own books ([`KeptParent::Draining`]) and listens for its exit on the old run's
 //!   event channel (its waiter sends there).
 //! - **Retire**: at the parent's own deadline (the parent-shutdown time after its child's
 //!   LIVE, when that child would have terminated it) it gets SIGTERM (it has no living parent
@@ -53,10 +53,9 @@ pub(crate) enum KeptParent {
         /// The dead child's sockets, held while the parent lives (none if they could not be).
         stand_in: Option<Guard>,
     },
-    /// This run adopted the parent (in `retiring`); it goes at `until`.
+    /// This run adopted the parent; it goes at `until`.
     Draining {
-        epoch: u32,
-        pid: u32,
+        child: crate::epochs::Child,
         until: Instant,
         stage: Retire,
         stand_in: Option<Guard>,
@@ -187,10 +186,8 @@ impl<H: Host> Supervisor<H> {
             base_id = next_base_id,
             "a draining parent of the crashed family still serves its in-flight requests; this family starts beside it"
         );
-        self.retiring.insert(child);
         self.kept = KeptParent::Draining {
-            epoch,
-            pid,
+            child,
             until: until.at,
             stage: Retire::Waiting,
             stand_in,
@@ -218,7 +215,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn kept_timers(&mut self, now: Instant) {
         let grace = self.config.parent_overdue_grace;
         let KeptParent::Draining {
-            epoch,
+            child,
             until,
             stage,
             ..
@@ -237,34 +234,22 @@ impl<H: Host> Supervisor<H> {
             }
             _ => return,
         };
-        let epoch = *epoch;
-        tracing::info!(event = "kept_parent_retired", epoch, %signal, "the kept parent's deadline passed");
-        self.retiring.signal(epoch, signal, Some(Stop::Overdue));
+        tracing::info!(event = "kept_parent_retired", epoch = child.epoch, %signal, "the kept parent's deadline passed");
+        child.signal(signal, Some(Stop::Overdue));
     }
 
-    /// A retired process exited: if it was the kept parent, nothing is left of the old run.
-    pub(super) fn kept_exited(&mut self, pid: u32) {
-        let KeptParent::Draining {
-            pid: p,
-            epoch,
-            stand_in,
-            ..
-        } = &self.kept
-        else {
-            return;
-        };
-        if *p == pid {
-            if stand_in.is_some() {
-                tracing::info!(
-                    event = "stand_in_released",
-                    epoch = epoch + 1,
-                    role = "child",
-                    "the kept parent is gone: its dead child's sockets are let go"
-                );
-            }
-            self.kept = KeptParent::None;
-            self.old_events = None;
+    /// The kept parent exited: nothing is left of the old run.
+    pub(super) fn kept_gone(&mut self, epoch: u32, stand_in: Option<Guard>) {
+        if stand_in.is_some() {
+            tracing::info!(
+                event = "stand_in_released",
+                epoch = epoch + 1,
+                role = "child",
+                "the kept parent is gone: its dead child's sockets are let go"
+            );
         }
+        drop(stand_in);
+        self.old_events = None;
     }
 }
 
