@@ -1068,7 +1068,7 @@ class Bench:
         extra = ["--exit-on-zero-active-connections", "--minimum-drain-duration", "0s",
                  "--termination-drain-duration", "12s"]
         # A drain held open by the idle connection for the whole window: the drain notice
-        # would have Envoy close it within seconds (docs/operations.md, "What each client is
+        # would have Envoy close it within seconds (docs/shutdown.md, "What each client is
         # told"), and the window measures what a held drain costs.
         if self.agent_has_flag("--drain-notice"):
             extra += ["--drain-notice", "off"]

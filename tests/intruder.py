@@ -2,7 +2,7 @@
 """An unprivileged process on the node, after an Envoy family's hot-restart channel.
 
 Run as another user (uid 65534) in the agent's network namespace. It tries what Envoy's
-channel allows anyone who can reach it (docs/operations.md, "Security: who can reach what"):
+channel allows anyone who can reach it (docs/security.md, "Security: who can reach what"):
 take a listening socket (PassListenSocket, answered with the fd over SCM_RIGHTS) and stop
 Envoy (Terminate), at every name the family's epochs could use, Envoy's abstract default and
 the agent's private files alike; and it tries to take the node's epoch lock. It prints one JSON

@@ -8,7 +8,7 @@
 //! resolve once the agent has acted on them.
 //!
 //! - `state`: the data it publishes and ends with ([`AgentState`], [`Status`],
-//!   [`ExitPath`] and its exit code; the exit paths are tabled in `docs/operations.md`).
+//!   [`ExitPath`] and its exit code; the exit paths are tabled in `docs/shutdown.md`).
 //! - `handle`: [`AgentHandle`] and its commands.
 //! - `actor`: the mode (an enum whose variants own their in-flight calls), the events, and
 //!   the one function that maps a request to stop (SIGTERM, SIGINT, gRPC `Stop`, quit) in a

@@ -463,7 +463,7 @@ pub fn raise_fd_limit() {
 pub const CHANNEL_DIR: &str = "hot-restart";
 
 /// The node proxy's hot-restart channel (who can reach it, and what it lets them do:
-/// `docs/operations.md#security-who-can-reach-what`): a user's own
+/// `docs/security.md#security-who-can-reach-what`): a user's own
 /// `--socket-path` (taken out of `extra_args`: the agent passes it to every epoch, and its
 /// stand-ins bind its names), else `<temp dir>/envoy-agent-hr-<uid>/<base id>/envoy`, through
 /// the agent's symlink to `<state dir>/hot-restart` (why: [`crate::channel_link`]): files of

@@ -30,7 +30,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_BODY: usize = 64 << 20;
 
 /// Where Envoy's admin API listens: a TCP address, or a Unix socket (`admin.address.pipe`),
-/// which only those who may enter its directory can reach (`docs/operations.md`).
+/// which only those who may enter its directory can reach (`docs/security.md`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Address {
     /// `admin.address.socket_address`: anyone of the network namespace can connect.

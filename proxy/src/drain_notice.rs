@@ -21,7 +21,7 @@
 //!
 //! The timers are scaled, not made: only a connection manager that has them is told that way.
 //! `max_connection_duration` has no default, so an HCM without it tells its idle and streaming
-//! connections nothing until they write a response (docs/operations.md has the measurements).
+//! connections nothing until they write a response (docs/shutdown.md has the measurements).
 //!
 //! The agent writes 1 ([`tell`]) when it drains an Envoy (every drain path) and when an epoch
 //! becomes a hot-restart parent that drains; the file is written atomically (the monitor

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 /// Where an Envoy family's hot-restart channel lives: Envoy's `--socket-path`. Each epoch binds
 /// `<path>_{parent,udp_parent}_<base_id * 10 + epoch % 3>` and its child the `_child_` names,
 /// and acts on any datagram it receives there: `PassListenSocket` hands out a listening
-/// socket, `Terminate` makes it exit (`docs/operations.md#security-who-can-reach-what`). Who
+/// socket, `Terminate` makes it exit (`docs/security.md#security-who-can-reach-what`). Who
 /// can reach the names is who can steer the family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SocketPath {

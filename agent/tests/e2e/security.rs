@@ -1,7 +1,7 @@
 //! Only the agent may use its Envoy's hot-restart channel: another user's process in the
 //! agent's network namespace (with hostNetwork, anything on the node) can neither take Envoy's
 //! listening sockets, nor stop it, nor hold the node's epoch lock (the threat model:
-//! `docs/operations.md#security-who-can-reach-what`).
+//! `docs/security.md#security-who-can-reach-what`).
 //! The neighbour is `tests/intruder.py`, run as uid 65534.
 
 use std::os::unix::fs::PermissionsExt;

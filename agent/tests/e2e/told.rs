@@ -7,7 +7,7 @@
 //! of an idle connection by Envoy's drain sequence), a GOAWAY on HTTP/2 and HTTP/3. Each
 //! client must hear it before Envoy stops (the agent's `stopping` event), and no request of a
 //! client that keeps asking fails. The long-lived streams are told only where the connection
-//! manager has a `max_connection_duration` (see docs/operations.md): the bootstrap here sets
+//! manager has a `max_connection_duration` (see docs/shutdown.md): the bootstrap here sets
 //! one, as the repository's own bootstraps do.
 
 use std::net::SocketAddr;

@@ -46,7 +46,7 @@ use envoy_agent_tests::{
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use checks::{Checker, Shared, Target, envoys, ready, serves};
+use checks::{Checker, EnvoyProc, Shared, Target, envoys, ready, serves};
 use schedule::{End, Kind, Mode, Schedule};
 
 /// A bad command line (`EX_USAGE`), as `envoy-agent` exits for one.
@@ -373,15 +373,69 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
     let shared = Shared::new(target);
 
     let load = Arc::new(Load::start(setup.listener, "/", 2, 2));
-    // The clients beside the load, each on a listener of its own (every traffic direction):
-    // HTTP/2 requests, a long-lived HTTP/2 stream through the upstream, HTTP/3 requests.
+    let clients = start_clients(cli, &setup)?;
+    let checker = tokio::spawn(
+        Checker {
+            shared: shared.clone(),
+            listeners: vec![setup.listener, setup.xds_listener],
+            load: load.clone(),
+            clients: clients.clone(),
+            marker: setup.marker(),
+            generations: if cli.mode == Mode::Node { 2 } else { 1 },
+            agent_binary: setup.agent_binary.clone(),
+        }
+        .run(),
+    );
+
+    let mut world = World {
+        setup: &mut setup,
+        shared: shared.clone(),
+        agent,
+        flood_script,
+        configs: 0,
+        pods: 0,
+        counts: Vec::new(),
+        control_plane: Arc::new(tokio::sync::Mutex::new(control_plane)),
+        control_plane_down: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    };
+    let mut schedule = Schedule::new(seed, weights);
+    inflict_until(&mut world, &mut schedule, cli.duration).await?;
+
+    // The end: the checker stops first (a drain makes readiness 503 and cuts requests).
+    shared.state().ending = true;
+    let _ = checker.await;
+    let load = Arc::try_unwrap(load).map_err(|_| anyhow::anyhow!("the load is still shared"))?;
+    let report = load.stop().await;
+    print_client_counts(&clients);
+    drop(clients);
+    let passed_so_far = !shared.failed();
+    let end = schedule.end;
+    let ended_well = if passed_so_far {
+        world.end(end).await?
+    } else {
+        false
+    };
+    world.summary(&report);
+    // A broken run kills the agent (dropped: SIGKILL, and Envoy follows it); anything of the run
+    // still running then (a stopped Envoy does not act on SIGTERM) must not outlive it.
+    drop(world);
+    leave_nothing_behind(&setup, ports);
+    Ok(passed_so_far && ended_well && !shared.failed())
+}
+
+/// The clients beside the load, each on a listener of its own (every traffic direction): HTTP/2
+/// requests, a long-lived HTTP/2 stream through the upstream, HTTP/3 requests.
+fn start_clients(
+    cli: &Cli,
+    setup: &Setup,
+) -> anyhow::Result<Vec<(&'static str, Arc<ClientProcess>)>> {
     let lasting = |interval: u64, path: Option<&str>| ClientOptions {
         interval: Duration::from_millis(interval),
         duration: cli.duration + Duration::from_secs(300),
         path: path.map(str::to_owned),
         ..ClientOptions::default()
     };
-    let clients: Vec<(&'static str, Arc<ClientProcess>)> = vec![
+    Ok(vec![
         (
             "HTTP/2 requests",
             Arc::new(
@@ -415,60 +469,12 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
                 .0,
             ),
         ),
-    ];
-    let checker = tokio::spawn(
-        Checker {
-            shared: shared.clone(),
-            listeners: vec![setup.listener, setup.xds_listener],
-            load: load.clone(),
-            clients: clients.clone(),
-            marker: setup.marker(),
-            generations: if cli.mode == Mode::Node { 2 } else { 1 },
-            agent_binary: setup.agent_binary.clone(),
-        }
-        .run(),
-    );
+    ])
+}
 
-    let mut world = World {
-        setup: &mut setup,
-        shared: shared.clone(),
-        agent,
-        flood_script,
-        configs: 0,
-        pods: 0,
-        counts: Vec::new(),
-        control_plane: Arc::new(tokio::sync::Mutex::new(control_plane)),
-        control_plane_down: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-    };
-    let mut schedule = Schedule::new(seed, weights);
-    let started = Instant::now();
-    shared.log(&format!(
-        "schedule: ends with {} at {:?}",
-        schedule.end, cli.duration
-    ));
-    loop {
-        let (gap, kind) = schedule.next_event();
-        let left = cli.duration.saturating_sub(started.elapsed());
-        if gap >= left {
-            tokio::time::sleep(left).await;
-            break;
-        }
-        tokio::time::sleep(gap).await;
-        if shared.failed() {
-            break;
-        }
-        world.inflict(kind).await?;
-        if shared.failed() {
-            break;
-        }
-    }
-
-    // The end: the checker stops first (a drain makes readiness 503 and cuts requests).
-    shared.state().ending = true;
-    let _ = checker.await;
-    let load = Arc::try_unwrap(load).map_err(|_| anyhow::anyhow!("the load is still shared"))?;
-    let report = load.stop().await;
-    for (name, client) in &clients {
+/// What each client saw, one line each.
+fn print_client_counts(clients: &[(&'static str, Arc<ClientProcess>)]) {
+    for (name, client) in clients {
         let events = client.events();
         let count = |pick: fn(&envoy_agent_tests::clients::Kind) -> bool| {
             events.iter().filter(|e| pick(&e.kind)).count()
@@ -489,28 +495,50 @@ async fn soak(cli: &Cli, seed: u64, weights: schedule::Weights) -> anyhow::Resul
             }
         );
     }
-    drop(clients);
-    let passed_so_far = !shared.failed();
-    let end = schedule.end;
-    let ended_well = if passed_so_far {
-        world.end(end).await?
-    } else {
-        false
-    };
-    world.summary(&report);
-    // A broken run kills the agent (dropped: SIGKILL, and Envoy follows it); anything of the run
-    // still running then (a stopped Envoy does not act on SIGTERM) must not outlive it.
-    drop(world);
+}
+
+/// Anything of the run still running (a stopped Envoy does not act on SIGTERM) is killed, and
+/// no shared memory is left behind for the next run on this machine.
+fn leave_nothing_behind(setup: &Setup, ports: HotRestartPorts) {
     let marker = setup.marker();
     for envoy in envoys(&marker) {
         let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGKILL);
         let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGCONT);
     }
-    // Whatever happened, leave no shared memory behind for the next run on this machine.
     for base_id in [ports.base_id, ports.base_id + 1] {
         let _ = std::fs::remove_file(shm(base_id));
     }
-    Ok(passed_so_far && ended_well && !shared.failed())
+}
+
+/// Draws the schedule's events and inflicts each until the duration ends or an invariant
+/// broke.
+async fn inflict_until(
+    world: &mut World<'_>,
+    schedule: &mut Schedule,
+    duration: Duration,
+) -> anyhow::Result<()> {
+    let shared = world.shared.clone();
+    let started = Instant::now();
+    shared.log(&format!(
+        "schedule: ends with {} at {:?}",
+        schedule.end, duration
+    ));
+    loop {
+        let (gap, kind) = schedule.next_event();
+        let left = duration.saturating_sub(started.elapsed());
+        if gap >= left {
+            tokio::time::sleep(left).await;
+            return Ok(());
+        }
+        tokio::time::sleep(gap).await;
+        if shared.failed() {
+            return Ok(());
+        }
+        world.inflict(kind).await?;
+        if shared.failed() {
+            return Ok(());
+        }
+    }
 }
 
 fn default_agent() -> PathBuf {
@@ -664,182 +692,201 @@ impl World<'_> {
                 self.shared
                     .log(&format!("update-config: answered {code:?}: {line}"));
             }
-            Kind::UpdateConfigRejected => {
-                let file = self.setup.dir.join("rejected.yaml");
-                std::fs::write(&file, self.setup.rejected_config())?;
-                let before = std::fs::read_to_string(&self.setup.bootstrap)?;
-                self.shared
-                    .event("update-config-rejected: a config Envoy rejects");
-                let path = file.display().to_string();
-                let (code, line) = self.cli(&["update-config", &path]).await?;
-                self.shared.log(&format!(
-                    "update-config-rejected: answered {code:?}: {line}"
-                ));
-                if code == Some(0) {
-                    self.shared.fail(
-                        "rejected_config_refused",
-                        &format!("update-config accepted a config Envoy rejects: {line}"),
-                    );
-                }
-                if std::fs::read_to_string(&self.setup.bootstrap)? != before {
-                    self.shared.fail(
-                        "rejected_config_refused",
-                        "a refused update-config changed the bootstrap on disk",
-                    );
-                }
-            }
-            Kind::RejectedOnDisk => {
-                self.shared
-                    .event("rejected-on-disk: a config Envoy rejects written over the bootstrap");
-                write_atomically(&self.setup.bootstrap, &self.setup.rejected_config())?;
-                // Long enough for the watch to see it and its pre-flight to refuse it; what
-                // must hold meanwhile (the serving epoch serves) the checker checks.
-                tokio::time::sleep(Duration::from_millis(1500)).await;
-                let body = self.next_body();
-                self.shared.log(&format!(
-                    "rejected-on-disk: a valid bootstrap again (body {body})"
-                ));
-                write_atomically(&self.setup.bootstrap, &self.setup.valid_config(&body))?;
-            }
-            Kind::FreezeShort => {
-                let Some(envoy) = newest else {
-                    self.shared.event("freeze-short: skipped, no Envoy runs");
-                    return Ok(());
-                };
-                let freeze = WEDGE_DEADLINE / 2;
-                self.shared.event(&format!(
-                    "freeze-short: SIGSTOP Envoy pid {} (epoch {}) for {freeze:?}",
-                    envoy.pid, envoy.epoch
-                ));
-                // Readiness may rightly say 200 for a moment while Envoy cannot answer.
-                self.shared.serve_check_off();
-                let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGSTOP);
-                tokio::time::sleep(freeze).await;
-                let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGCONT);
-                self.shared.serve_check_on(Duration::from_secs(2));
-                self.shared.log("freeze-short: SIGCONT");
-            }
-            Kind::FreezeLong => {
-                // The serving Envoy: the admin watchdog judges a LIVE one. A node's newest epoch
-                // may still be starting (its parent serving): frozen, only the handoff deadline
-                // (60 s) gives it up, which is not what this event checks.
-                let Some(envoy) = self.serving_envoy().await else {
-                    self.shared
-                        .event("freeze-long: skipped, no Envoy LIVE in 30s");
-                    return Ok(());
-                };
-                self.shared.event(&format!(
-                    "freeze-long: SIGSTOP Envoy pid {} (epoch {}) past the {WEDGE_DEADLINE:?} \
-                     deadline",
-                    envoy.pid, envoy.epoch
-                ));
-                self.shared.serve_check_off();
-                let window = self.shared.open_window("freeze-long");
-                let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGSTOP);
-                let killed = self
-                    .wait_gone(envoy.pid, WEDGE_DEADLINE + Duration::from_secs(20))
-                    .await;
-                // Continue it in any case: a stopped Envoy left behind would hang the end.
-                let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGCONT);
-                if !killed {
-                    self.shared.fail(
-                        "wedge_killed",
-                        &format!(
-                            "Envoy pid {} stayed stopped past the deadline and was not killed",
-                            envoy.pid
-                        ),
-                    );
-                }
-                self.serves_again(window, "freeze-long").await;
-                self.shared.serve_check_on(Duration::from_secs(2));
-            }
-            Kind::KillServing => {
-                let Some(envoy) = newest else {
-                    self.shared.event("kill-serving: skipped, no Envoy runs");
-                    return Ok(());
-                };
-                self.shared.event(&format!(
-                    "kill-serving: SIGKILL Envoy pid {} (epoch {}; {} Envoys run)",
-                    envoy.pid,
-                    envoy.epoch,
-                    envoys_now.len()
-                ));
-                // Two Envoys: the newest is LIVE (its parent drains: known finding 1) or still
-                // starting (its parent serves); the admin socket answers for the LIVE one.
-                let what = if envoys_now.len() < 2 {
-                    "kill-serving"
-                } else if self.agent.admin.server_info().await.is_ok_and(|i| {
-                    i.state == envoy_agent_proxy::ServerState::Live
-                        && i.restart_epoch == envoy.epoch
-                }) {
-                    "kill-serving (a parent drains)"
-                } else {
-                    "kill-serving (the child starts)"
-                };
-                let parent = (what == "kill-serving (a parent drains)")
-                    .then(|| envoys_now.first().copied())
-                    .flatten();
-                let window = self.shared.open_window(what);
-                let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGKILL);
-                self.wait_gone(envoy.pid, Duration::from_secs(10)).await;
-                match parent {
-                    // The kept parent (finding 1's fix) drops the QUIC packets that reach it
-                    // for connections it does not hold (its child is dead; finding 8's fix
-                    // stands in for it): an HTTP/3 client whose connection hashes to its
-                    // socket hears nothing until it is gone. Only that client's failures are
-                    // unavoidable that long; a cut stream, say, is a finding.
-                    Some(parent) => {
-                        let kept = self.shared.open_window_of(
-                            "kill-serving (the kept parent's QUIC)",
-                            Some(H3_CLIENT),
-                        );
-                        self.serves_again(window, what).await;
-                        self.wait_gone(parent.pid, Duration::from_secs(30)).await;
-                        let length = self.shared.close_window(kept);
-                        self.shared
-                            .log(&format!("{what}: the kept parent gone after {length:?}"));
-                    }
-                    None => self.serves_again(window, what).await,
-                }
-            }
+            Kind::UpdateConfigRejected => self.update_config_rejected().await?,
+            Kind::RejectedOnDisk => self.rejected_on_disk().await?,
+            Kind::FreezeShort => self.freeze_short(newest).await,
+            Kind::FreezeLong => self.freeze_long().await,
+            Kind::KillServing => self.kill_serving(newest, &envoys_now).await,
             Kind::ControlPlane => self.control_plane_down().await,
             Kind::FreezeAgent => self.freeze_agent().await,
             Kind::KillDrainingParent => self.kill_draining_parent().await?,
             Kind::SuccessorPod => self.successor_pod().await?,
-            Kind::StatusFlood => {
-                let status = self.shared.target().status;
-                self.shared.event(&format!(
-                    "status-flood: uid 65534 holds 300 connections to the status server {status} \
-                     for 4s"
-                ));
-                let out = tokio::process::Command::new("setpriv")
-                    .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
-                    .arg("/usr/bin/python3")
-                    .arg(&self.flood_script)
-                    .args([
-                        &status.ip().to_string(),
-                        &status.port().to_string(),
-                        "300",
-                        "4",
-                    ])
-                    .kill_on_drop(true)
-                    .output();
-                self.shared.state().flooding = true;
-                let out = tokio::time::timeout(Duration::from_secs(30), out).await;
-                // The flood's sockets close as it exits; the agent's side a moment later.
-                tokio::time::sleep(Duration::from_secs(2)).await;
-                self.shared.state().flooding = false;
-                match out {
-                    Ok(Ok(out)) => self.shared.log(&format!(
-                        "status-flood: {}",
-                        String::from_utf8_lossy(&out.stdout).trim()
-                    )),
-                    Ok(Err(e)) => bail!("cannot run the flood (setpriv, python3): {e}"),
-                    Err(_) => self
-                        .shared
-                        .log("status-flood: the flood did not end in 30s"),
-                }
+            Kind::StatusFlood => self.status_flood().await?,
+        }
+        Ok(())
+    }
+
+    /// update-config with a config Envoy rejects: refused, and the bootstrap on disk untouched.
+    async fn update_config_rejected(&mut self) -> anyhow::Result<()> {
+        let file = self.setup.dir.join("rejected.yaml");
+        std::fs::write(&file, self.setup.rejected_config())?;
+        let before = std::fs::read_to_string(&self.setup.bootstrap)?;
+        self.shared
+            .event("update-config-rejected: a config Envoy rejects");
+        let path = file.display().to_string();
+        let (code, line) = self.cli(&["update-config", &path]).await?;
+        self.shared.log(&format!(
+            "update-config-rejected: answered {code:?}: {line}"
+        ));
+        if code == Some(0) {
+            self.shared.fail(
+                "rejected_config_refused",
+                &format!("update-config accepted a config Envoy rejects: {line}"),
+            );
+        }
+        if std::fs::read_to_string(&self.setup.bootstrap)? != before {
+            self.shared.fail(
+                "rejected_config_refused",
+                "a refused update-config changed the bootstrap on disk",
+            );
+        }
+        Ok(())
+    }
+
+    /// A config Envoy rejects written over the bootstrap, then a valid one again.
+    async fn rejected_on_disk(&mut self) -> anyhow::Result<()> {
+        self.shared
+            .event("rejected-on-disk: a config Envoy rejects written over the bootstrap");
+        write_atomically(&self.setup.bootstrap, &self.setup.rejected_config())?;
+        // Long enough for the watch to see it and its pre-flight to refuse it; what
+        // must hold meanwhile (the serving epoch serves) the checker checks.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let body = self.next_body();
+        self.shared.log(&format!(
+            "rejected-on-disk: a valid bootstrap again (body {body})"
+        ));
+        write_atomically(&self.setup.bootstrap, &self.setup.valid_config(&body))?;
+        Ok(())
+    }
+
+    /// The newest Envoy stopped for half the wedge deadline: no wedge.
+    async fn freeze_short(&mut self, newest: Option<EnvoyProc>) {
+        let Some(envoy) = newest else {
+            self.shared.event("freeze-short: skipped, no Envoy runs");
+            return;
+        };
+        let freeze = WEDGE_DEADLINE / 2;
+        self.shared.event(&format!(
+            "freeze-short: SIGSTOP Envoy pid {} (epoch {}) for {freeze:?}",
+            envoy.pid, envoy.epoch
+        ));
+        // Readiness may rightly say 200 for a moment while Envoy cannot answer.
+        self.shared.serve_check_off();
+        let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGSTOP);
+        tokio::time::sleep(freeze).await;
+        let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGCONT);
+        self.shared.serve_check_on(Duration::from_secs(2));
+        self.shared.log("freeze-short: SIGCONT");
+    }
+
+    /// The serving Envoy stopped past the wedge deadline: killed, and served again.
+    async fn freeze_long(&mut self) {
+        // The serving Envoy: the admin watchdog judges a LIVE one. A node's newest epoch
+        // may still be starting (its parent serving): frozen, only the handoff deadline
+        // (60 s) gives it up, which is not what this event checks.
+        let Some(envoy) = self.serving_envoy().await else {
+            self.shared
+                .event("freeze-long: skipped, no Envoy LIVE in 30s");
+            return;
+        };
+        self.shared.event(&format!(
+            "freeze-long: SIGSTOP Envoy pid {} (epoch {}) past the {WEDGE_DEADLINE:?} \
+             deadline",
+            envoy.pid, envoy.epoch
+        ));
+        self.shared.serve_check_off();
+        let window = self.shared.open_window("freeze-long");
+        let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGSTOP);
+        let killed = self
+            .wait_gone(envoy.pid, WEDGE_DEADLINE + Duration::from_secs(20))
+            .await;
+        // Continue it in any case: a stopped Envoy left behind would hang the end.
+        let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGCONT);
+        if !killed {
+            self.shared.fail(
+                "wedge_killed",
+                &format!(
+                    "Envoy pid {} stayed stopped past the deadline and was not killed",
+                    envoy.pid
+                ),
+            );
+        }
+        self.serves_again(window, "freeze-long").await;
+        self.shared.serve_check_on(Duration::from_secs(2));
+    }
+
+    /// SIGKILL to the newest Envoy: served again (a parent that drains is kept).
+    async fn kill_serving(&mut self, newest: Option<EnvoyProc>, envoys_now: &[EnvoyProc]) {
+        let Some(envoy) = newest else {
+            self.shared.event("kill-serving: skipped, no Envoy runs");
+            return;
+        };
+        self.shared.event(&format!(
+            "kill-serving: SIGKILL Envoy pid {} (epoch {}; {} Envoys run)",
+            envoy.pid,
+            envoy.epoch,
+            envoys_now.len()
+        ));
+        // Two Envoys: the newest is LIVE (its parent drains: known finding 1) or still
+        // starting (its parent serves); the admin socket answers for the LIVE one.
+        let what = if envoys_now.len() < 2 {
+            "kill-serving"
+        } else if self.agent.admin.server_info().await.is_ok_and(|i| {
+            i.state == envoy_agent_proxy::ServerState::Live && i.restart_epoch == envoy.epoch
+        }) {
+            "kill-serving (a parent drains)"
+        } else {
+            "kill-serving (the child starts)"
+        };
+        let parent = (what == "kill-serving (a parent drains)")
+            .then(|| envoys_now.first().copied())
+            .flatten();
+        let window = self.shared.open_window(what);
+        let _ = kill(Pid::from_raw(envoy.pid as i32), Signal::SIGKILL);
+        self.wait_gone(envoy.pid, Duration::from_secs(10)).await;
+        match parent {
+            // The kept parent (finding 1's fix) drops the QUIC packets that reach it
+            // for connections it does not hold (its child is dead; finding 8's fix
+            // stands in for it): an HTTP/3 client whose connection hashes to its
+            // socket hears nothing until it is gone. Only that client's failures are
+            // unavoidable that long; a cut stream, say, is a finding.
+            Some(parent) => {
+                let kept = self
+                    .shared
+                    .open_window_of("kill-serving (the kept parent's QUIC)", Some(H3_CLIENT));
+                self.serves_again(window, what).await;
+                self.wait_gone(parent.pid, Duration::from_secs(30)).await;
+                let length = self.shared.close_window(kept);
+                self.shared
+                    .log(&format!("{what}: the kept parent gone after {length:?}"));
             }
+            None => self.serves_again(window, what).await,
+        }
+    }
+
+    /// A neighbour (uid 65534) holds 300 connections to the status server for 4 s.
+    async fn status_flood(&mut self) -> anyhow::Result<()> {
+        let status = self.shared.target().status;
+        self.shared.event(&format!(
+            "status-flood: uid 65534 holds 300 connections to the status server {status} \
+             for 4s"
+        ));
+        let out = tokio::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg("/usr/bin/python3")
+            .arg(&self.flood_script)
+            .args([
+                &status.ip().to_string(),
+                &status.port().to_string(),
+                "300",
+                "4",
+            ])
+            .kill_on_drop(true)
+            .output();
+        self.shared.state().flooding = true;
+        let out = tokio::time::timeout(Duration::from_secs(30), out).await;
+        // The flood's sockets close as it exits; the agent's side a moment later.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        self.shared.state().flooding = false;
+        match out {
+            Ok(Ok(out)) => self.shared.log(&format!(
+                "status-flood: {}",
+                String::from_utf8_lossy(&out.stdout).trim()
+            )),
+            Ok(Err(e)) => bail!("cannot run the flood (setpriv, python3): {e}"),
+            Err(_) => self
+                .shared
+                .log("status-flood: the flood did not end in 30s"),
         }
         Ok(())
     }
