@@ -550,26 +550,7 @@ async fn agent_handoffs(config: &BenchConfig) -> (Value, String) {
         .filter_map(|e| e["duration_ms"].as_f64())
         .collect();
 
-    // gRPC GetStatus.
-    let addr: GrpcAddress = agent
-        .grpc
-        .parse()
-        .unwrap_or_else(|e| panic!("grpc address: {e}"));
-    let mut client = envoy_agent::client::connect(&addr, PATIENCE)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut latencies = Vec::new();
-    let grpc_started = Instant::now();
-    for _ in 0..config.grpc_calls {
-        let t = Instant::now();
-        client
-            .get_status(pb::GetStatusRequest {})
-            .await
-            .unwrap_or_else(|e| panic!("GetStatus: {e}"));
-        latencies.push(t.elapsed());
-    }
-    let grpc_elapsed = grpc_started.elapsed();
-    latencies.sort();
+    let grpc = grpc_get_status(&agent.grpc, config.grpc_calls).await;
     let rss = rss_kib(supervisor);
     let cpu_all = cpu_between(cpu_before, cpu_seconds(supervisor));
     let stopping = Instant::now();
@@ -577,7 +558,58 @@ async fn agent_handoffs(config: &BenchConfig) -> (Value, String) {
     let code = agent.exit().await.code();
     let sigterm_to_exit = stopping.elapsed();
 
-    let svg = svg::timeline(
+    let svg = handoffs_timeline(config, &keep_alive, &per_request, &marks);
+    let json = json!({
+        "failed_requests": failures(&keep_alive, &per_request),
+        "hits": hits.report(),
+        "misses": misses.report(),
+        "validate_in_run": spread_ms(validations),
+        "supervisor": {
+            "cpu_over_hits": cpu_hits,
+            "cpu_over_run": cpu_all,
+            "max_rss_kib": rss,
+            "exit_code": code,
+        },
+        "sigterm_to_exit_ms": ms(sigterm_to_exit),
+        "grpc_get_status": grpc,
+    });
+    (json, svg)
+}
+
+/// `calls` sequential gRPC GetStatus calls over the agent's socket: their latency and rate.
+async fn grpc_get_status(grpc: &str, calls: u32) -> Value {
+    let addr: GrpcAddress = grpc.parse().unwrap_or_else(|e| panic!("grpc address: {e}"));
+    let mut client = envoy_agent::client::connect(&addr, PATIENCE)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut latencies = Vec::new();
+    let started = Instant::now();
+    for _ in 0..calls {
+        let t = Instant::now();
+        client
+            .get_status(pb::GetStatusRequest {})
+            .await
+            .unwrap_or_else(|e| panic!("GetStatus: {e}"));
+        latencies.push(t.elapsed());
+    }
+    let elapsed = started.elapsed();
+    latencies.sort();
+    json!({
+        "calls": calls,
+        "p50_ms": percentile(&latencies, 0.5),
+        "p99_ms": percentile(&latencies, 0.99),
+        "per_second": f64::from(calls) / elapsed.as_secs_f64().max(1e-9),
+    })
+}
+
+/// The timeline of the agent's handoffs under load, as an SVG.
+fn handoffs_timeline(
+    config: &BenchConfig,
+    keep_alive: &LoadReport,
+    per_request: &LoadReport,
+    marks: &[svg::Mark],
+) -> String {
+    svg::timeline(
         &format!(
             "envoy-agent: {} hot restarts under load ({} with the same config, {} with a changed one)",
             config.restarts * 2,
@@ -594,28 +626,8 @@ async fn agent_handoffs(config: &BenchConfig) -> (Value, String) {
                 buckets: per_request.timeline.clone(),
             },
         ],
-        &marks,
-    );
-    let json = json!({
-        "failed_requests": failures(&keep_alive, &per_request),
-        "hits": hits.report(),
-        "misses": misses.report(),
-        "validate_in_run": spread_ms(validations),
-        "supervisor": {
-            "cpu_over_hits": cpu_hits,
-            "cpu_over_run": cpu_all,
-            "max_rss_kib": rss,
-            "exit_code": code,
-        },
-        "sigterm_to_exit_ms": ms(sigterm_to_exit),
-        "grpc_get_status": {
-            "calls": config.grpc_calls,
-            "p50_ms": percentile(&latencies, 0.5),
-            "p99_ms": percentile(&latencies, 0.99),
-            "per_second": f64::from(config.grpc_calls) / grpc_elapsed.as_secs_f64().max(1e-9),
-        },
-    });
-    (json, svg)
+        marks,
+    )
 }
 
 /// 5. Exit-on-zero, hot restart off: last connection closed → exit.
@@ -706,26 +718,30 @@ pub async fn run(config: &BenchConfig) -> Report {
     Report { json, svg }
 }
 
-/// The report as a table for people.
+/// A distribution as "min / median / max" milliseconds.
+fn spread_cell(v: &Value) -> String {
+    if v.is_null() {
+        return "n/a".to_owned();
+    }
+    format!(
+        "{:.1} / {:.1} / {:.1}",
+        v["min_ms"].as_f64().unwrap_or(f64::NAN),
+        v["median_ms"].as_f64().unwrap_or(f64::NAN),
+        v["max_ms"].as_f64().unwrap_or(f64::NAN)
+    )
+}
+
+/// Failed requests as "N of total".
+fn failed_cell(f: &Value) -> String {
+    format!(
+        "{} of {}",
+        f["failed"],
+        f["ok"].as_u64().unwrap_or(0) + f["failed"].as_u64().unwrap_or(0)
+    )
+}
+
+/// The report as a table for people: the measures, then the targets.
 pub fn table(report: &Value) -> String {
-    let spread = |v: &Value| {
-        if v.is_null() {
-            return "n/a".to_owned();
-        }
-        format!(
-            "{:.1} / {:.1} / {:.1}",
-            v["min_ms"].as_f64().unwrap_or(f64::NAN),
-            v["median_ms"].as_f64().unwrap_or(f64::NAN),
-            v["max_ms"].as_f64().unwrap_or(f64::NAN)
-        )
-    };
-    let failed = |f: &Value| {
-        format!(
-            "{} of {}",
-            f["failed"],
-            f["ok"].as_u64().unwrap_or(0) + f["failed"].as_u64().unwrap_or(0)
-        )
-    };
     let a = &report["agent"];
     let b = &report["envoy_hot_restart"];
     let s = &report["startup"];
@@ -743,68 +759,68 @@ pub fn table(report: &Value) -> String {
         "| measure (min / median / max ms unless said) | value |\n|---|---|".to_owned(),
         format!(
             "| Envoy alone, cold start exec → LIVE (idle) | {} |",
-            spread(&e["exec_to_live"])
+            spread_cell(&e["exec_to_live"])
         ),
         format!(
             "| Envoy alone, `--mode validate` (idle) | {} |",
-            spread(&e["validate"])
+            spread_cell(&e["validate"])
         ),
         format!(
             "| Envoy's own hot restart exec → LIVE, under load (`hot-restarter.py`'s way) | {} |",
-            spread(&b["exec_to_live"])
+            spread_cell(&b["exec_to_live"])
         ),
         format!(
             "| agent handoff SIGHUP → LIVE, same config ({}) | {} |",
             caches("hits"),
-            spread(&a["hits"]["sighup_to_live"])
+            spread_cell(&a["hits"]["sighup_to_live"])
         ),
         format!(
             "| … of which pre-flight (the agent's `handoff` event) | {} |",
-            spread(&a["hits"]["agent_preflight"])
+            spread_cell(&a["hits"]["agent_preflight"])
         ),
         format!(
             "| … of which Envoy's start, spawn → LIVE | {} |",
-            spread(&a["hits"]["envoy_start_to_live"])
+            spread_cell(&a["hits"]["envoy_start_to_live"])
         ),
         format!(
             "| … the supervisor's LIVE after a 1 ms poller's (negative: before) | {} |",
-            spread(&a["hits"]["agent_live_after_independent_poller"])
+            spread_cell(&a["hits"]["agent_live_after_independent_poller"])
         ),
         format!(
             "| agent handoff SIGHUP → LIVE, changed config ({}) | {} |",
             caches("misses"),
-            spread(&a["misses"]["sighup_to_live"])
+            spread_cell(&a["misses"]["sighup_to_live"])
         ),
         format!(
             "| … of which pre-flight | {} |",
-            spread(&a["misses"]["agent_preflight"])
+            spread_cell(&a["misses"]["agent_preflight"])
         ),
         format!(
             "| `--mode validate` in the same run, under load | {} |",
-            spread(&a["validate_in_run"])
+            spread_cell(&a["validate_in_run"])
         ),
         format!(
             "| agent start → ready, hot restart (marker) | {} |",
-            spread(&s["hot_restart_start_to_ready"])
+            spread_cell(&s["hot_restart_start_to_ready"])
         ),
         format!(
             "| agent start → ready, one Envoy (`/healthz/ready`) | {} |",
-            spread(&s["sidecar_start_to_ready"])
+            spread_cell(&s["sidecar_start_to_ready"])
         ),
         format!(
             "| SIGTERM → exit, hot restart / one Envoy (`--termination-drain-duration 0s`) | {} / {} |",
-            spread(&s["hot_restart_sigterm_to_exit"]),
-            spread(&s["sidecar_sigterm_to_exit"])
+            spread_cell(&s["hot_restart_sigterm_to_exit"]),
+            spread_cell(&s["sidecar_sigterm_to_exit"])
         ),
         format!(
             "| failed requests, Envoy alone: keep-alive / new connection | {} / {} |",
-            failed(&b["failed_requests"]["keep_alive"]),
-            failed(&b["failed_requests"]["new_connection_per_request"])
+            failed_cell(&b["failed_requests"]["keep_alive"]),
+            failed_cell(&b["failed_requests"]["new_connection_per_request"])
         ),
         format!(
             "| failed requests, agent: keep-alive / new connection | {} / {} |",
-            failed(&a["failed_requests"]["keep_alive"]),
-            failed(&a["failed_requests"]["new_connection_per_request"])
+            failed_cell(&a["failed_requests"]["keep_alive"]),
+            failed_cell(&a["failed_requests"]["new_connection_per_request"])
         ),
         format!(
             "| supervisor CPU over the {} same-config restarts / the whole run | {:.3} s / {:.3} s |",
@@ -834,7 +850,14 @@ pub fn table(report: &Value) -> String {
         ),
     ];
     rows.push(String::new());
-    rows.push("| target (issue 14) | value | bound | met |\n|---|---|---|---|".to_owned());
+    rows.extend(target_rows(report));
+    rows.join("\n")
+}
+
+/// The targets' table: each target's value, bound and whether it was met.
+fn target_rows(report: &Value) -> Vec<String> {
+    let mut rows =
+        vec!["| target (issue 14) | value | bound | met |\n|---|---|---|---|".to_owned()];
     if let Some(targets) = report["targets"].as_object() {
         for (name, t) in targets {
             let value = ["value_ms", "value_s", "value_mib", "value"]
@@ -860,5 +883,5 @@ pub fn table(report: &Value) -> String {
             ));
         }
     }
-    rows.join("\n")
+    rows
 }

@@ -79,7 +79,6 @@ fn step(span: f64, ticks: f64) -> f64 {
 
 /// The SVG document.
 pub fn timeline(title: &str, panels: &[Panel], marks: &[Mark]) -> String {
-    let per_second = 1.0 / BUCKET.as_secs_f64();
     let buckets = panels
         .iter()
         .map(|p| p.buckets.len())
@@ -88,8 +87,10 @@ pub fn timeline(title: &str, panels: &[Panel], marks: &[Mark]) -> String {
         .max(1);
     let seconds = buckets as f64 * BUCKET.as_secs_f64();
     let height = TOP + panels.len() as f64 * (PANEL_HEIGHT + GAP) + 30.0;
-    let plot_width = WIDTH - LEFT - RIGHT;
-    let x = |s: f64| LEFT + s / seconds * plot_width;
+    let scale = Scale {
+        seconds,
+        plot_width: WIDTH - LEFT - RIGHT,
+    };
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -100,7 +101,28 @@ pub fn timeline(title: &str, panels: &[Panel], marks: &[Mark]) -> String {
         r#"<rect width="100%" height="100%" fill="white"/><text x="{LEFT}" y="20" font-size="15">{}</text>"#,
         escape(title)
     );
-    // Legend.
+    legend(&mut svg);
+    for (i, panel) in panels.iter().enumerate() {
+        draw_panel(&mut svg, panel, i, &scale, marks);
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// The horizontal scale: the run's seconds over the plot's width.
+struct Scale {
+    seconds: f64,
+    plot_width: f64,
+}
+
+impl Scale {
+    fn x(&self, s: f64) -> f64 {
+        LEFT + s / self.seconds * self.plot_width
+    }
+}
+
+/// The legend under the title: the lines and marks, each named.
+fn legend(svg: &mut String) {
     let mut lx = LEFT;
     for (color, label, dash) in [
         ("#1f77b4", "requests per second", ""),
@@ -122,104 +144,107 @@ pub fn timeline(title: &str, panels: &[Panel], marks: &[Mark]) -> String {
         );
         lx += 30.0 + label.len() as f64 * 6.3;
     }
-    for (i, panel) in panels.iter().enumerate() {
-        let top = TOP + GAP / 2.0 + i as f64 * (PANEL_HEIGHT + GAP);
-        let bottom = top + PANEL_HEIGHT;
-        let rates: Vec<f64> = panel
-            .buckets
-            .iter()
-            .map(|b| (b.ok + b.failed) as f64 * per_second)
-            .collect();
-        let failed_total: u64 = panel.buckets.iter().map(|b| b.failed).sum();
-        let ok_total: u64 = panel.buckets.iter().map(|b| b.ok).sum();
-        let max_rate = rates.iter().copied().fold(1.0, f64::max) * 1.1;
-        let y = |r: f64| bottom - r / max_rate * PANEL_HEIGHT;
+}
+
+/// One panel (the `i`th): its title, axes, the marks, requests per second and failures.
+fn draw_panel(svg: &mut String, panel: &Panel, i: usize, scale: &Scale, marks: &[Mark]) {
+    let per_second = 1.0 / BUCKET.as_secs_f64();
+    let (seconds, plot_width) = (scale.seconds, scale.plot_width);
+    let x = |s: f64| scale.x(s);
+    let top = TOP + GAP / 2.0 + i as f64 * (PANEL_HEIGHT + GAP);
+    let bottom = top + PANEL_HEIGHT;
+    let rates: Vec<f64> = panel
+        .buckets
+        .iter()
+        .map(|b| (b.ok + b.failed) as f64 * per_second)
+        .collect();
+    let failed_total: u64 = panel.buckets.iter().map(|b| b.failed).sum();
+    let ok_total: u64 = panel.buckets.iter().map(|b| b.ok).sum();
+    let max_rate = rates.iter().copied().fold(1.0, f64::max) * 1.1;
+    let y = |r: f64| bottom - r / max_rate * PANEL_HEIGHT;
+    let _ = writeln!(
+        svg,
+        r#"<text x="{LEFT}" y="{}" font-size="13">{} — {ok_total} answered, {failed_total} failed</text>"#,
+        top - 8.0,
+        escape(&panel.name)
+    );
+    let _ = writeln!(
+        svg,
+        r##"<rect x="{LEFT}" y="{top}" width="{plot_width}" height="{PANEL_HEIGHT}" fill="none" stroke="#999"/>"##
+    );
+    // Axes.
+    let ystep = step(max_rate, 4.0);
+    let mut r = 0.0;
+    while r <= max_rate {
         let _ = writeln!(
             svg,
-            r#"<text x="{LEFT}" y="{}" font-size="13">{} — {ok_total} answered, {failed_total} failed</text>"#,
-            top - 8.0,
-            escape(&panel.name)
+            r##"<line x1="{LEFT}" y1="{0:.1}" x2="{1}" y2="{0:.1}" stroke="#eee"/><text x="{2}" y="{3:.1}" text-anchor="end">{r:.0}</text>"##,
+            y(r),
+            LEFT + plot_width,
+            LEFT - 5.0,
+            y(r) + 4.0
         );
+        r += ystep;
+    }
+    let xstep = step(seconds, 10.0);
+    let mut s = 0.0;
+    while s <= seconds + 1e-9 {
         let _ = writeln!(
             svg,
-            r##"<rect x="{LEFT}" y="{top}" width="{plot_width}" height="{PANEL_HEIGHT}" fill="none" stroke="#999"/>"##
+            r#"<text x="{:.1}" y="{}" text-anchor="middle">{s:.0}s</text>"#,
+            x(s),
+            bottom + 15.0
         );
-        // Axes.
-        let ystep = step(max_rate, 4.0);
-        let mut r = 0.0;
-        while r <= max_rate {
-            let _ = writeln!(
-                svg,
-                r##"<line x1="{LEFT}" y1="{0:.1}" x2="{1}" y2="{0:.1}" stroke="#eee"/><text x="{2}" y="{3:.1}" text-anchor="end">{r:.0}</text>"##,
-                y(r),
-                LEFT + plot_width,
-                LEFT - 5.0,
-                y(r) + 4.0
-            );
-            r += ystep;
-        }
-        let xstep = step(seconds, 10.0);
-        let mut s = 0.0;
-        while s <= seconds + 1e-9 {
-            let _ = writeln!(
-                svg,
-                r#"<text x="{:.1}" y="{}" text-anchor="middle">{s:.0}s</text>"#,
-                x(s),
-                bottom + 15.0
-            );
-            s += xstep;
-        }
-        // Marks under the data.
-        for mark in marks {
-            let dash = match mark.kind {
-                MarkKind::Trigger => "4 3",
-                MarkKind::Live => "",
-                MarkKind::ParentExit => "2 2",
-            };
-            let _ = writeln!(
-                svg,
-                r#"<line x1="{0:.1}" y1="{top}" x2="{0:.1}" y2="{bottom}" stroke="{1}" stroke-width="1" stroke-dasharray="{dash}"/>"#,
-                x(mark.at_s),
-                mark.kind.color()
-            );
-        }
-        // Requests per second.
-        let mut points = String::new();
-        for (j, rate) in rates.iter().enumerate() {
-            let s = (j as f64 + 0.5) * BUCKET.as_secs_f64();
-            let _ = write!(points, "{:.1},{:.1} ", x(s), y(*rate));
-        }
+        s += xstep;
+    }
+    // Marks under the data.
+    for mark in marks {
+        let dash = match mark.kind {
+            MarkKind::Trigger => "4 3",
+            MarkKind::Live => "",
+            MarkKind::ParentExit => "2 2",
+        };
         let _ = writeln!(
             svg,
-            r##"<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="1.2"/>"##
-        );
-        // Failures: a red bar per bucket that had any, on their own scale (a count).
-        for (j, b) in panel
-            .buckets
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.failed > 0)
-        {
-            let s = j as f64 * BUCKET.as_secs_f64();
-            let h = (b.failed as f64 * 4.0).min(PANEL_HEIGHT);
-            let _ = writeln!(
-                svg,
-                r##"<rect x="{:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="#d62728"><title>{} failed</title></rect>"##,
-                x(s),
-                bottom - h,
-                (x(s + BUCKET.as_secs_f64()) - x(s)).max(1.5),
-                b.failed
-            );
-        }
-        let _ = writeln!(
-            svg,
-            r#"<text x="15" y="{:.1}" transform="rotate(-90 15 {:.1})" text-anchor="middle">req/s</text>"#,
-            top + PANEL_HEIGHT / 2.0,
-            top + PANEL_HEIGHT / 2.0
+            r#"<line x1="{0:.1}" y1="{top}" x2="{0:.1}" y2="{bottom}" stroke="{1}" stroke-width="1" stroke-dasharray="{dash}"/>"#,
+            x(mark.at_s),
+            mark.kind.color()
         );
     }
-    svg.push_str("</svg>\n");
-    svg
+    // Requests per second.
+    let mut points = String::new();
+    for (j, rate) in rates.iter().enumerate() {
+        let s = (j as f64 + 0.5) * BUCKET.as_secs_f64();
+        let _ = write!(points, "{:.1},{:.1} ", x(s), y(*rate));
+    }
+    let _ = writeln!(
+        svg,
+        r##"<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="1.2"/>"##
+    );
+    // Failures: a red bar per bucket that had any, on their own scale (a count).
+    for (j, b) in panel
+        .buckets
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.failed > 0)
+    {
+        let s = j as f64 * BUCKET.as_secs_f64();
+        let h = (b.failed as f64 * 4.0).min(PANEL_HEIGHT);
+        let _ = writeln!(
+            svg,
+            r##"<rect x="{:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="#d62728"><title>{} failed</title></rect>"##,
+            x(s),
+            bottom - h,
+            (x(s + BUCKET.as_secs_f64()) - x(s)).max(1.5),
+            b.failed
+        );
+    }
+    let _ = writeln!(
+        svg,
+        r#"<text x="15" y="{:.1}" transform="rotate(-90 15 {:.1})" text-anchor="middle">req/s</text>"#,
+        top + PANEL_HEIGHT / 2.0,
+        top + PANEL_HEIGHT / 2.0
+    );
 }
 
 #[cfg(test)]

@@ -366,8 +366,6 @@ pub(crate) struct Supervisor<H: Host> {
     xds_cost: Duration,
     /// A draining parent kept through its child's crash (see `kept`).
     kept: kept::KeptParent,
-    /// The last run's event channel while its kept parent runs: its exit comes there.
-    old_events: Option<mpsc::UnboundedReceiver<Event>>,
     /// An epoch of ours has served: the family's files (shared memory, sockets) are ours to
     /// remove once it is gone, unless a successor took it over.
     served: bool,
@@ -427,7 +425,6 @@ impl<H: Host> Supervisor<H> {
             xds: Probing::default(),
             xds_cost: Duration::ZERO,
             kept: kept::KeptParent::None,
-            old_events: None,
             served: false,
         }
     }
@@ -488,9 +485,8 @@ impl<H: Host> Supervisor<H> {
         fresh.family.wedges = wedges;
         fresh.family.last_handoff = last_handoff;
         if let kept::KeptParent::Handed { .. } = self.kept {
-            // The kept parent's waiter sends its exit to this run's channel.
             fresh.kept = self.kept;
-            fresh.old_events = Some(self.events);
+            kept::forward_exits(self.events, fresh.events_tx.clone());
         }
         fresh
     }
@@ -537,7 +533,6 @@ impl<H: Host> Supervisor<H> {
                 biased;
                 () = abort.cancelled(), if !stopping => Event::Abort,
                 Some(event) = self.events.recv() => event,
-                Some(event) = kept::old_exit(&mut self.old_events) => event,
                 Some(command) = self.commands.recv() => Event::Command(command),
                 changed = watch_changed(&mut self.watch) => match changed {
                     Some(crate::watch::Change::Settled) => Event::ConfigChanged,

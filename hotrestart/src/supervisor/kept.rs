@@ -19,8 +19,8 @@
 //!   packet to a child that is not there blocks its main thread for ever (the soak's eighth
 //!   finding; see `absorber`), deaf to SIGTERM and to the drain notice.
 //! - **Adopt**: the next run starts its family under the other base id, takes the parent into
-//!   its own books ([`KeptParent::Draining`]) and listens for its exit on the old run's
-//!   event channel (its waiter sends there).
+//!   its own books ([`KeptParent::Draining`]); its exit, which its waiter sends to the old
+//!   run's event channel, is passed on to the new run's.
 //! - **Retire**: at the parent's own deadline (the parent-shutdown time after its child's
 //!   LIVE, when that child would have terminated it) it gets SIGTERM (it has no living parent
 //!   or child for the signal to reach), SIGKILL after `parent_overdue_grace`. A stop of the
@@ -249,21 +249,21 @@ impl<H: Host> Supervisor<H> {
             );
         }
         drop(stand_in);
-        self.old_events = None;
     }
 }
 
-/// The next event of the last run's channel that still matters here (the kept parent's exit).
-pub(super) async fn old_exit(events: &mut Option<mpsc::UnboundedReceiver<Event>>) -> Option<Event> {
-    let Some(rx) = events else {
-        return std::future::pending().await;
-    };
-    loop {
-        match rx.recv().await {
-            Some(event @ Event::Exited { .. }) => return Some(event),
-            // Answers to the last run's questions: moot.
-            Some(_) => continue,
-            None => return None,
+/// The kept parent's waiter sends its exit to the run that kept it: its process exits are
+/// passed on to the next run's channel (the rest, answers to the last run's questions, are
+/// moot). The task ends once nothing of the last run can send anymore: the parent is gone.
+pub(super) fn forward_exits(
+    mut last_run: mpsc::UnboundedReceiver<Event>,
+    next_run: mpsc::UnboundedSender<Event>,
+) {
+    tokio::spawn(async move {
+        while let Some(event) = last_run.recv().await {
+            if matches!(event, Event::Exited { .. }) && next_run.send(event).is_err() {
+                return;
+            }
         }
-    }
+    });
 }
