@@ -711,7 +711,7 @@ impl RunArgs {
         let hot_restart = self.hot_restart()?;
         let exit_on_zero = self.exit_on_zero()?;
         if let Some(hot) = &hot_restart {
-            self.check_parent_shutdown(hot)?;
+            self.check_hot_restart(hot)?;
         }
         let crash_recovery = self.crash_recovery();
         let app_probes = self.app_probes()?;
@@ -750,9 +750,14 @@ impl RunArgs {
         })
     }
 
-    /// Refuses a parent-shutdown time that does not outlast the drain: the parent would be
-    /// terminated before its drain could end.
-    fn check_parent_shutdown(&self, hot: &HotRestartSettings) -> Result<(), SettingsError> {
+    /// Refuses what the family could not run with, before anything is made on disk: a
+    /// parent-shutdown time that does not outlast the drain (the parent would be terminated
+    /// before its drain could end), a cold base id that is the base id (a cold family would
+    /// share the serving one's shared memory and sockets).
+    fn check_hot_restart(&self, hot: &HotRestartSettings) -> Result<(), SettingsError> {
+        if hot.cold_base_id == Some(hot.base_id) {
+            return Err(envoy_agent_hotrestart::ConfigError::ColdBaseIdSame(hot.base_id).into());
+        }
         // Compared as Envoy gets them: whole seconds.
         let (drain, parent_shutdown) = (self.drain_time, hot.parent_shutdown_time);
         if parent_shutdown.as_secs() <= drain.as_secs() {
@@ -1481,5 +1486,24 @@ mod tests {
         let mut args = HOT.to_vec();
         args.extend(["--drain-time", "59s"]);
         assert!(settings(&args).is_ok());
+        // Refused here, before anything is made on disk (it was refused only once the
+        // runtime and state directories were made, and left them behind).
+        let base_id = settings(&HOT)
+            .unwrap()
+            .hot_restart
+            .unwrap()
+            .base_id
+            .to_string();
+        let mut args = HOT.to_vec();
+        args.extend(["--cold-base-id", &base_id]);
+        let err = settings(&args).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                SettingsError::HotRestart(envoy_agent_hotrestart::ConfigError::ColdBaseIdSame(_))
+            ),
+            "{err}"
+        );
+        assert_eq!(err.exit_code(), exit_code::USAGE);
     }
 }

@@ -214,18 +214,21 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     setup::raise_fd_limit();
     let own_runtime_dir = make_runtime_dir(settings, &proxy, &runtime_dir)?;
     let code = match &settings.hot_restart {
-        Some(hot) => {
-            let family = family(settings, hot, proxy, meter.as_ref())?;
-            serve(
-                settings,
-                Arc::new(family),
-                agent_metrics,
-                intents,
-                true,
-                log_level,
-            )
-            .await
-        }
+        // A refusal ends the run as any ending does: what it made is removed below.
+        Some(hot) => match family(settings, hot, proxy, meter.as_ref()) {
+            Ok(family) => {
+                serve(
+                    settings,
+                    Arc::new(family),
+                    agent_metrics,
+                    intents,
+                    true,
+                    log_level,
+                )
+                .await
+            }
+            Err(e) => Err(e.into()),
+        },
         None => {
             serve(
                 settings,
