@@ -1550,6 +1550,50 @@ async fn an_incompatible_binary_is_handed_over_cold_and_the_old_family_retires()
 }
 
 #[tokio::test(start_paused = true)]
+async fn handed_over_while_an_older_family_retires_our_family_still_stops_when_that_one_is_gone() {
+    let host = FakeHost::default();
+    host.world().node = true;
+    let f = start(host, config());
+    f.serving_at(0).await;
+    {
+        let mut w = f.host.world();
+        w.preflights.push_back(Err(incompatible()));
+        w.admin_version = "12.104".to_owned();
+    }
+    assert_eq!(f.restart("SIGHUP").await.unwrap(), Ok(0));
+    assert!(f.host.world().alive_in(7, 0), "the old family retires");
+    // A successor pod takes our new family over cold while the old one still drains.
+    // (Under the base id beside ours: the one our old family still holds.)
+    let b = heartbeat("pod-b-2222", NodeState::Serving, 0, &f.host);
+    let b = Heartbeat {
+        cold_takeover_of: Some("pod-a-0000aaaa".to_owned()),
+        ..b
+    };
+    f.host.world().others = vec![b];
+    f.until("handed over", |s| s.phase == ProxyPhase::HandedOver)
+        .await;
+    assert!(f.host.world().alive_in(7, 0), "the old family still drains");
+    // The old family goes before its time (it crashed, or someone killed it): our family's
+    // retirement is still the handover's, not over.
+    f.host.world().exit_in(7, 0, code(0));
+    f.until("our family stopped after the drain time", |s| {
+        s.epochs.is_empty()
+    })
+    .await;
+    assert_eq!(
+        f.host
+            .world()
+            .family_signals
+            .iter()
+            .filter(|(family, ..)| *family == 8)
+            .map(|(_, epoch, signal)| (*epoch, *signal))
+            .collect::<Vec<_>>(),
+        [(0, Signal::SIGTERM)]
+    );
+    f.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_new_family_that_fails_leaves_the_old_one_serving_untouched() {
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;
