@@ -122,6 +122,19 @@ impl Family {
         tokio::spawn(async move { handle.hot_restart(reason).await })
     }
 
+    /// A drain of the listeners the agent picks (`Scope::Auto`), asked beside the test.
+    fn drain(&self) -> JoinHandle<Result<envoy_agent_proxy::DrainPlan, crate::FamilyError>> {
+        let handle = self.handle.clone();
+        tokio::spawn(async move {
+            handle
+                .drain(DrainOptions {
+                    listeners: Scope::Auto,
+                    skip_exit: false,
+                })
+                .await
+        })
+    }
+
     async fn ended(self) -> (Ended, FakeHost) {
         let ended = tokio::time::timeout(BOUND, self.task)
             .await
@@ -980,17 +993,7 @@ async fn a_drain_during_a_handoff_waits_for_it_and_ends_hot_restarts() {
     f.host.world().live_after = Some(Duration::from_secs(2));
     let restart = f.restart("SIGHUP");
     f.spawned(&[0, 1]).await;
-    let drain = {
-        let handle = f.handle.clone();
-        tokio::spawn(async move {
-            handle
-                .drain(DrainOptions {
-                    listeners: Scope::Auto,
-                    skip_exit: false,
-                })
-                .await
-        })
-    };
+    let drain = f.drain();
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         f.host.world().drains.is_empty(),
@@ -1818,17 +1821,7 @@ async fn a_drain_held_by_a_handoff_a_successors_takeover_made_moot_goes_to_our_f
     f.host.world().live_after = Some(Duration::from_secs(30));
     let restart = f.restart("SIGHUP");
     f.spawned(&[0, 1]).await;
-    let drain = {
-        let handle = f.handle.clone();
-        tokio::spawn(async move {
-            handle
-                .drain(DrainOptions {
-                    listeners: Scope::Auto,
-                    skip_exit: false,
-                })
-                .await
-        })
-    };
+    let drain = f.drain();
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         f.host.world().drains.is_empty(),

@@ -292,46 +292,42 @@ impl<H: Host> Supervisor<H> {
         self.set_marker(false);
         let error = RestartError::Refused("stopping".to_owned());
         self.queue.refuse(&error);
-        // What of ours runs outside the family, the stop takes over from the handoff.
+        // What of ours runs outside the family, the stop takes over from the handoff; an
+        // attempt under way fails, and what was asked of it is answered.
         let mut old = Epochs::default();
-        match std::mem::replace(&mut self.handoff, Handoff::Idle) {
-            Handoff::PreFlight { attempt, .. } => {
-                self.finish(
-                    attempt,
-                    Outcome::Failed,
-                    "the family is stopping".to_owned(),
-                );
-            }
+        let (attempt, deferred) = match std::mem::replace(&mut self.handoff, Handoff::Idle) {
+            Handoff::PreFlight { attempt, .. } => (Some(attempt), None),
             Handoff::Starting {
                 attempt, deferred, ..
-            } => {
-                self.finish(
-                    attempt,
-                    Outcome::Failed,
-                    "the family is stopping".to_owned(),
-                );
-                deferred.not_serving();
-            }
+            } => (Some(attempt), Some(deferred)),
             Handoff::Cold {
                 attempt,
                 child,
                 deferred,
                 ..
             } => {
-                self.finish(
-                    attempt,
-                    Outcome::Failed,
-                    "the family is stopping".to_owned(),
-                );
-                deferred.not_serving();
                 // Epoch 0 of its own family, no parent: SIGTERM stops it alone.
                 old.add(0, child.pid, child.signals);
+                (Some(attempt), Some(deferred))
             }
             Handoff::Retiring {
                 old: OldFamily::Ours { epochs, .. },
                 ..
-            } => old = epochs,
-            _ => {}
+            } => {
+                old = epochs;
+                (None, None)
+            }
+            _ => (None, None),
+        };
+        if let Some(attempt) = attempt {
+            self.finish(
+                attempt,
+                Outcome::Failed,
+                "the family is stopping".to_owned(),
+            );
+        }
+        if let Some(deferred) = deferred {
+            deferred.not_serving();
         }
         self.watchdog = Probing::default();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
