@@ -8,8 +8,9 @@
 //!   Linux). The serving family is not touched: a new family that fails or misses the handoff
 //!   deadline is stopped and the old one serves on, as after a failed hot restart.
 //! - **Switch** (the new family is LIVE): the old family is told to drain gracefully (every
-//!   listener: the new family serves them all), its processes move into the retiring state (`OldFamily::Ours`),
-//!   the new Envoy becomes epoch 0 of the family, and the host reaches its admin from now on.
+//!   listener: the new family serves them all), its processes move into the retiring state
+//!   (`OldFamily::Ours`), the new Envoy becomes epoch 0 of the family, and the host reaches its
+//!   admin from now on.
 //!   The readiness marker stays: something of ours was LIVE throughout.
 //! - **Retire**: after the drain time the old family is terminated (SIGTERM, SIGKILL after
 //!   the stop grace). Connections still queued on its listen sockets when they close are reset
