@@ -337,6 +337,15 @@ fn head_lines(status: &pb::Status, now: SystemTime) -> Vec<String> {
             ),
         ));
     }
+    if status.log_lines_dropped > 0 {
+        lines.push(row(
+            "log lines dropped:",
+            format!(
+                "{} (their reader did not take them)",
+                status.log_lines_dropped
+            ),
+        ));
+    }
     if let Some(code) = status.exit_code {
         lines.push(row("exit code:", code));
     }

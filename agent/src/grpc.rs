@@ -378,6 +378,7 @@ pub fn status_message(
             .control_plane()
             .map(control_plane_message),
         admin_silent_since: proxy.admin.silent_since().and_then(timestamp),
+        log_lines_dropped: envoy_agent_proxy::output::dropped_lines(),
     }
 }
 

@@ -3,12 +3,17 @@
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches};
 use envoy_agent::cli::{Cli, Command, LogFormat, SettingsError};
 use envoy_agent::exit_code;
 use envoy_agent::{SetupError, UnixSignals};
+use envoy_agent_proxy::output;
 use tracing_subscriber::EnvFilter;
+
+/// How long the exit waits for its last log lines to be taken, at most.
+const OUTPUT_FLUSH: Duration = Duration::from_secs(2);
 
 fn main() -> ExitCode {
     let parsed = Cli::command()
@@ -45,9 +50,11 @@ fn main() -> ExitCode {
         EnvFilter::try_from_env("RUST_LOG").or_else(|_| EnvFilter::try_new(&cli.log_level))
     }
     .unwrap_or_else(|_| EnvFilter::new("info"));
+    // Written by a thread of its own, dropped rather than waited for: a log reader that stops
+    // reading must not stop the agent (envoy_agent_proxy::output).
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(output::stderr);
     match cli.log_format {
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => logs.json().flatten_event(true).init(),
@@ -86,13 +93,17 @@ fn main() -> ExitCode {
             Command::Completions { .. } => Ok(0),
         }
     });
-    match code {
-        Ok(code) => ExitCode::from(code),
+    let code = match code {
+        Ok(code) => code,
         Err(e) => {
-            eprintln!("envoy-agent: {}", one_line(&e));
-            ExitCode::from(exit_code_of(&e))
+            let said = format!("envoy-agent: {}\n", one_line(&e));
+            output::stderr().write_lines(said.as_bytes());
+            exit_code_of(&e)
         }
-    }
+    };
+    // The last lines (the exit's) are worth a moment, not a hang on a reader that stopped.
+    output::flush(OUTPUT_FLUSH);
+    ExitCode::from(code)
 }
 
 /// The exit code of a failed run: bad input says which; anything else is the agent's failure.

@@ -582,9 +582,12 @@ pub fn agent_metrics(state: &AgentState) -> String {
          # HELP envoy_agent_drain_start_time_seconds When the current drain started (Unix time; 0 when not draining).\n\
          # TYPE envoy_agent_drain_start_time_seconds gauge\nenvoy_agent_drain_start_time_seconds {draining_since:.3}\n\
          # HELP envoy_agent_state_start_time_seconds When the current state began (Unix time).\n\
-         # TYPE envoy_agent_state_start_time_seconds gauge\nenvoy_agent_state_start_time_seconds {:.3}",
+         # TYPE envoy_agent_state_start_time_seconds gauge\nenvoy_agent_state_start_time_seconds {:.3}\n\
+         # HELP envoy_agent_log_lines_dropped_total Lines of the agent's stdout and stderr (its log and Envoy's) dropped because their reader did not take them.\n\
+         # TYPE envoy_agent_log_lines_dropped_total counter\nenvoy_agent_log_lines_dropped_total {}",
         u8::from(state.draining()),
         unix_seconds(state.since()),
+        envoy_agent_proxy::output::dropped_lines(),
     );
     out
 }

@@ -23,8 +23,8 @@
 //! `error.type` for a kind of failure. Every histogram has explicit bucket boundaries in its
 //! own unit (seconds), not the SDK's defaults (meant for milliseconds). The supervisor's
 //! instruments are in `envoy_agent_hotrestart::metrics`; the agent's are
-//! `envoy_agent.drain.duration` (buckets: [`DRAIN_DURATION_BUCKETS`]), `envoy_agent.exits` and
-//! `envoy_agent.envoy.crashes`. Every instrument, with its attributes and their values, is
+//! `envoy_agent.drain.duration` (buckets: [`DRAIN_DURATION_BUCKETS`]), `envoy_agent.exits`,
+//! `envoy_agent.envoy.crashes` and `envoy_agent.log.dropped_lines`. Every instrument, with its attributes and their values, is
 //! tabled once in `docs/observability.md#metrics-otlp-push`.
 
 use std::sync::Arc;
@@ -285,6 +285,9 @@ struct Instruments {
     drain: Histogram<f64>,
     exits: Counter<u64>,
     crashes: Counter<u64>,
+    /// Held so that its callback stays registered.
+    #[allow(dead_code)]
+    log_dropped: opentelemetry::metrics::ObservableCounter<u64>,
 }
 
 /// The exit path attribute (`drain_time_elapsed`, `quitquitquit`, ...: `ExitPath::name`).
@@ -315,6 +318,16 @@ impl AgentMetrics {
                     .u64_counter("envoy_agent.exits")
                     .with_description("How the agent ended, by exit path.")
                     .with_unit("{exit}")
+                    .build(),
+                log_dropped: meter
+                    .u64_observable_counter("envoy_agent.log.dropped_lines")
+                    .with_description(
+                        "Lines of the agent's stdout and stderr dropped because their reader did not take them.",
+                    )
+                    .with_unit("{line}")
+                    .with_callback(|counter| {
+                        counter.observe(envoy_agent_proxy::output::dropped_lines(), &[]);
+                    })
                     .build(),
                 crashes: meter
                     .u64_counter("envoy_agent.envoy.crashes")

@@ -10,8 +10,10 @@
 //!   [`envoy_args`] and hands the command to one dedicated, never-ending thread that forks it
 //!   (Envoy's `PR_SET_PDEATHSIG` follows the forking *thread*; see `spawner`). Envoy gets its
 //!   own process group, so a terminal's Ctrl-C reaches the agent only and the agent decides
-//!   what Envoy gets. Envoy's stdout is inherited; its stderr is copied through to ours and the
-//!   last few KiB are kept, so an Envoy that refuses its config explains why in [`Exit`].
+//!   what Envoy gets. Envoy's stdout and stderr are pipes the agent always reads and copies
+//!   to its own through [`output`], which drops lines rather than wait for a reader that
+//!   stopped (an Envoy blocked on a full pipe stops serving); the last few KiB of its stderr
+//!   are kept, so an Envoy that refuses its config explains why in [`Exit`].
 //! - **Running.** `run` resolves when the proxy cannot serve anymore, and says how
 //!   ([`Ended`]). Meanwhile [`Proxy::state`] publishes its phase and epochs: `Starting` until
 //!   the admin API says LIVE, `Serving`, then `Exited`. When the bootstrap asks for admin port
@@ -49,6 +51,7 @@ pub mod drain_notice;
 mod envoy;
 pub mod listeners;
 pub mod log_level;
+pub mod output;
 pub mod preflight;
 mod process;
 pub mod reaper;

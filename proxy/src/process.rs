@@ -2,8 +2,9 @@
 //!
 //! [`crate::Envoy`] runs one of these at a time; the hot-restart supervisor runs several side
 //! by side (a draining parent and its child). Spawning goes through the spawner thread
-//! (`PR_SET_PDEATHSIG` follows it), into Envoy's own process group, with stderr copied through
-//! and its tail kept for error messages.
+//! (`PR_SET_PDEATHSIG` follows it), into Envoy's own process group, with its stdout and stderr
+//! always read and copied through [`crate::output`] (never waiting on our reader), and its
+//! stderr's tail kept for error messages.
 
 use std::collections::VecDeque;
 use std::os::unix::process::ExitStatusExt;
@@ -14,8 +15,8 @@ use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, ChildStderr, Command};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::{Child, Command};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -63,7 +64,8 @@ pub struct EnvoyProcess {
     started: Instant,
     stop_grace: Duration,
     tail: Arc<Mutex<Tail>>,
-    forwarder: Option<JoinHandle<()>>,
+    /// The tasks copying its stdout and stderr.
+    forwarders: Vec<JoinHandle<()>>,
 }
 
 // === impl EnvoyProcess ===
@@ -81,10 +83,14 @@ impl EnvoyProcess {
         let pid = child.id().unwrap_or_default();
         tracing::info!(event = "envoy_started", pid, epoch, "envoy started");
         let tail = Arc::new(Mutex::new(Tail::default()));
-        let forwarder = child
-            .stderr
-            .take()
-            .map(|stderr| tokio::spawn(forward_stderr(stderr, tail.clone())));
+        let mut forwarders = Vec::with_capacity(2);
+        if let Some(stdout) = child.stdout.take() {
+            forwarders.push(tokio::spawn(forward(stdout, crate::output::stdout(), None)));
+        }
+        if let Some(stderr) = child.stderr.take() {
+            let tail = Some(tail.clone());
+            forwarders.push(tokio::spawn(forward(stderr, crate::output::stderr(), tail)));
+        }
         Ok(EnvoyProcess {
             child,
             pid,
@@ -92,7 +98,7 @@ impl EnvoyProcess {
             started: Instant::now(),
             stop_grace: config.stop_grace,
             tail,
-            forwarder,
+            forwarders,
         })
     }
 
@@ -175,11 +181,15 @@ impl EnvoyProcess {
         let pid = self.pid;
         spawner::release(pid);
         let status = status.map_err(|source| ProxyError::Wait { pid, source })?;
-        if let Some(forwarder) = self.forwarder.take() {
-            // Envoy's last words arrive after its exit status; wait for them, boundedly (a
-            // grandchild holding the pipe open must not hold us).
-            let _ = tokio::time::timeout(STDERR_FLUSH_WAIT, forwarder).await;
-        }
+        // Envoy's last words arrive after its exit status; wait for them, boundedly (a
+        // grandchild holding a pipe open must not hold us).
+        let forwarders = std::mem::take(&mut self.forwarders);
+        let _ = tokio::time::timeout(STDERR_FLUSH_WAIT, async {
+            for forwarder in forwarders {
+                let _ = forwarder.await;
+            }
+        })
+        .await;
         let stderr_tail = self.tail.lock().map(|t| t.text()).unwrap_or_default();
         Ok(Exit {
             pid,
@@ -239,7 +249,9 @@ fn command(config: &ProxyConfig, epoch: u32) -> Command {
         .stdin(Stdio::null())
         // systemd's notification socket is the agent's, not Envoy's.
         .env_remove("NOTIFY_SOCKET")
-        .stdout(Stdio::inherit())
+        // Read by us, always: Envoy blocked on a full pipe (a log reader that stopped) would
+        // stop serving.
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         // Last resort only: if the future running Envoy is dropped, do not leak Envoy.
         .kill_on_drop(true);
@@ -274,24 +286,28 @@ pub async fn wait_admin_file(path: &Path) -> crate::admin::Address {
     }
 }
 
-/// Copies Envoy's stderr to ours as it comes and keeps the tail for error messages.
-async fn forward_stderr(mut stderr: ChildStderr, tail: Arc<Mutex<Tail>>) {
-    let mut out = tokio::io::stderr();
+/// Copies one of Envoy's outputs to ours as it comes, line by line, without ever waiting for
+/// our reader (lines it does not take are dropped and counted); keeps the tail in `tail`.
+async fn forward(
+    mut from: impl AsyncRead + Unpin,
+    to: &'static crate::output::Stream,
+    tail: Option<Arc<Mutex<Tail>>>,
+) {
+    let mut lines = crate::output::Lines::new(to);
     let mut buf = vec![0u8; 8 << 10];
     loop {
-        match stderr.read(&mut buf).await {
+        match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 let chunk = &buf[..n];
-                if let Ok(mut t) = tail.lock() {
+                if let Some(Ok(mut t)) = tail.as_ref().map(|t| t.lock()) {
                     t.push(chunk);
                 }
-                // Our stderr failing (closed terminal) must not stop the draining of Envoy's.
-                let _ = out.write_all(chunk).await;
+                lines.push(chunk);
             }
         }
     }
-    let _ = out.flush().await;
+    lines.finish();
 }
 
 /// The exit code a supervisor passes on for `status`: the code, or 128+N for signal N.

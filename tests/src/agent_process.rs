@@ -63,6 +63,9 @@ pub struct AgentBuilder {
     env: Vec<(String, String)>,
     /// Envoy arguments after the agent's `--`.
     envoy_args: Vec<String>,
+    /// Where the agent's stdout and stderr go instead of the kit's reader (then no event is
+    /// seen by the kit).
+    output: Option<std::fs::File>,
 }
 
 impl AgentBuilder {
@@ -168,6 +171,13 @@ impl AgentBuilder {
         self.hot_restart
     }
 
+    /// The agent's stdout and stderr into `file` (a FIFO nobody reads, say) instead of the
+    /// kit's reader: [`AgentProcess::events`] and its kin then see nothing.
+    pub fn output(mut self, file: std::fs::File) -> Self {
+        self.output = Some(file);
+        self
+    }
+
     /// Starts the agent; waits for Envoy's admin address (and the status server, without hot
     /// restart), and for Envoy to be LIVE unless told not to.
     pub async fn start(mut self) -> AgentProcess {
@@ -252,8 +262,18 @@ impl AgentBuilder {
             .env("ENVOY_AGENT_LOG_FORMAT", "json")
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
-            .stderr(Stdio::piped())
             .kill_on_drop(true);
+        match self.output.take() {
+            Some(file) => {
+                let copy = file
+                    .try_clone()
+                    .unwrap_or_else(|e| panic!("the agent's output: {e}"));
+                command.stdout(copy).stderr(file);
+            }
+            None => {
+                command.stderr(Stdio::piped());
+            }
+        }
         let mut child = command
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.binary.display()));
@@ -409,6 +429,7 @@ impl AgentProcess {
             wait_nothing: false,
             env: Vec::new(),
             envoy_args: Vec::new(),
+            output: None,
         }
     }
 

@@ -29,6 +29,7 @@ mod security;
 mod shipped;
 mod shutdown_budget;
 mod shutdown_timeline;
+mod stalled_log;
 mod status;
 mod systemd;
 mod telemetry;
