@@ -23,9 +23,10 @@
 //! not held open by its app's outbound connections.
 //!
 //! Connections are counted by the kernel where it can ([`active_connections_from_kernel`]:
-//! the connections Envoy's processes hold on the drained listeners' ports, excluded ports and
-//! the admin's left out), so that a count asks nothing of Envoy's main thread whatever the
-//! config's size; by the stats where only Envoy knows (exclusions by listener name, requests).
+//! the connections on the drained listeners' ports, excluded ports and the admin's left out,
+//! picked by the kernel itself), so that a count asks nothing of Envoy's main thread whatever
+//! the config's size, and costs the agent what those connections cost, whatever the node
+//! holds; by the stats where only Envoy knows (exclusions by listener name, requests).
 //! The ports are the drained listeners', not the listening sockets found at the count: once
 //! Envoy's drain time ends it closes its listening sockets, and the connections it accepted
 //! stay open until they end or Envoy exits. A count from the stats makes Envoy visit every
@@ -458,11 +459,18 @@ pub async fn active_requests(
 /// stay open until they end or Envoy exits. Without them, the listening sockets found now
 /// say which ports are downstream ones (and a count after they closed finds nothing: the
 /// caller confirms a zero with the stats).
+///
+/// With the ports, the kernel picks the connections on them (a filter on the ports and
+/// states), so a count costs what those connections cost, not what the node holds, and it
+/// stops at `limit` (1 tells zero from not-zero at the cost of one connection); no Envoy's
+/// descriptors are walked. Without them the count is whole and walks Envoy's descriptors to
+/// find its listening sockets.
 pub async fn active_connections_from_kernel(
     pids: Vec<u32>,
     admin_port: Option<u16>,
     exclusions: &Exclusions,
     ports: Option<BTreeSet<u16>>,
+    limit: u64,
 ) -> Result<u64, DrainError> {
     if pids.is_empty() {
         // Nothing to count is not zero.
@@ -476,7 +484,9 @@ pub async fn active_connections_from_kernel(
             .collect::<BTreeSet<u16>>()
     });
     let counted = tokio::task::spawn_blocking(move || match ports {
-        Some(ports) => envoy_agent_proxy::socket_table::connections_on_ports(&pids, &ports),
+        Some(ports) => {
+            envoy_agent_proxy::socket_table::connections_on_ports(pids[0], &ports, limit)
+        }
         None => envoy_agent_proxy::socket_table::downstream_connections(&pids, &excluded),
     })
     .await

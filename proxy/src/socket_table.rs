@@ -103,6 +103,10 @@ mod diag {
     const AF_INET: u8 = 2;
     const AF_INET6: u8 = 10;
     const TCP_TIME_WAIT: u32 = 6;
+    const TCP_LISTEN: u32 = 10;
+    const INET_DIAG_REQ_BYTECODE: u16 = 1;
+    const BC_JMP: u8 = 1;
+    const BC_S_EQ: u8 = 11;
     /// Every state but `TIME_WAIT` (no process holds such a socket).
     const STATES: u32 = 0xFFF & !(1 << TCP_TIME_WAIT);
     /// `struct nlmsghdr`.
@@ -111,6 +115,27 @@ mod diag {
     const MESSAGE: usize = 72;
 
     pub(super) fn scan(each: &mut impl FnMut(&Entry) -> bool) -> std::io::Result<()> {
+        scan_with(STATES, &[], each)
+    }
+
+    /// The sockets, not listening, whose local port is one of `ports`: the kernel picks them
+    /// (a filter on the ports and the states), so the dump costs what they cost, not what the
+    /// namespace holds. `each` saying to stop ends the dump where it is.
+    pub(super) fn scan_ports(
+        ports: &std::collections::BTreeSet<u16>,
+        each: &mut impl FnMut(&Entry) -> bool,
+    ) -> std::io::Result<()> {
+        if ports.is_empty() {
+            return Ok(());
+        }
+        scan_with(STATES & !(1 << TCP_LISTEN), &port_filter(ports), each)
+    }
+
+    fn scan_with(
+        states: u32,
+        filter: &[u8],
+        each: &mut impl FnMut(&Entry) -> bool,
+    ) -> std::io::Result<()> {
         let fd = socket(
             AddressFamily::Netlink,
             SockType::Datagram,
@@ -118,30 +143,70 @@ mod diag {
             SockProtocol::NetlinkSockDiag,
         )?;
         for family in [AF_INET, AF_INET6] {
-            if !dump(&fd, family, each)? {
+            if !dump(&fd, family, states, filter, each)? {
                 break;
             }
         }
+        // Closing the socket ends a dump left unread.
         Ok(())
+    }
+
+    /// `inet_diag`'s bytecode (`INET_DIAG_REQ_BYTECODE`) for "the local port is one of
+    /// `ports`", as `ss` compiles `sport = :a or sport = :b`: each test (`S_EQ`, its port in
+    /// the next op) goes on to a jump to the end (accept) when it holds, else skips that jump
+    /// to the next test; the last one's "no" jumps past the end (reject). The kernel audits
+    /// that every jump lands on an op along the "yes" path.
+    pub(super) fn port_filter(ports: &std::collections::BTreeSet<u16>) -> Vec<u8> {
+        let op = |code: u8, yes: u8, no: u16| {
+            let mut b = vec![code, yes];
+            b.extend_from_slice(&no.to_ne_bytes());
+            b
+        };
+        let mut code: Vec<u8> = Vec::new();
+        for (i, port) in ports.iter().rev().enumerate() {
+            let mut test = op(BC_S_EQ, 8, 12);
+            test.extend(op(0, 0, *port));
+            if i > 0 {
+                // The jump to the end (accept) over what follows.
+                test.extend(op(BC_JMP, 4, (code.len() + 4) as u16));
+            }
+            test.extend_from_slice(&code);
+            code = test;
+        }
+        code
     }
 
     /// One family's dump; `false` once `each` said to stop.
     fn dump(
         fd: &std::os::fd::OwnedFd,
         family: u8,
+        states: u32,
+        filter: &[u8],
         each: &mut impl FnMut(&Entry) -> bool,
     ) -> std::io::Result<bool> {
         use std::os::fd::AsRawFd;
-        // struct nlmsghdr, then struct inet_diag_req_v2 (the socket id left zero: all).
-        let mut request = Vec::with_capacity(HEADER + 56);
-        request.extend_from_slice(&((HEADER + 56) as u32).to_ne_bytes());
+        // struct nlmsghdr, struct inet_diag_req_v2 (the socket id left zero: all), then the
+        // filter as a struct rtattr, if any.
+        let attr = if filter.is_empty() {
+            0
+        } else {
+            4 + filter.len()
+        };
+        let len = HEADER + 56 + attr;
+        let mut request = Vec::with_capacity(len);
+        request.extend_from_slice(&(len as u32).to_ne_bytes());
         request.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
         request.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
         request.extend_from_slice(&1u32.to_ne_bytes());
         request.extend_from_slice(&0u32.to_ne_bytes());
         request.extend_from_slice(&[family, IPPROTO_TCP, 0, 0]);
-        request.extend_from_slice(&STATES.to_ne_bytes());
+        request.extend_from_slice(&states.to_ne_bytes());
         request.extend_from_slice(&[0u8; 48]);
+        if attr > 0 {
+            request.extend_from_slice(&(attr as u16).to_ne_bytes());
+            request.extend_from_slice(&INET_DIAG_REQ_BYTECODE.to_ne_bytes());
+            request.extend_from_slice(filter);
+        }
         sendto(
             fd.as_raw_fd(),
             &request,
@@ -183,6 +248,9 @@ mod diag {
                 }
                 // Messages are aligned to 4 bytes.
                 at += (len + 3) & !3;
+            }
+            if !go_on {
+                return Ok(false);
             }
         }
     }
@@ -333,26 +401,43 @@ pub fn downstream_connections(pids: &[u32], excluded: &BTreeSet<u16>) -> Result<
         .count() as u64)
 }
 
-/// How many connections the processes `pids` hold whose local port is one of `ports` (the
-/// drained listeners'), listening or not: their downstream connections, also after Envoy
-/// closed its listening sockets at the end of its drain time. Listening sockets themselves
-/// do not count. The table read is that of `pids[0]`'s namespace.
-pub fn connections_on_ports(pids: &[u32], ports: &BTreeSet<u16>) -> Result<u64, TableError> {
-    let Some(first) = pids.first() else {
+/// How many connections are held on a local port in `ports` (the drained listeners'),
+/// listening sockets left out, in the namespace process `pid` is in; counted no further than
+/// `limit` (1: whether there is any). Their downstream connections, also after Envoy closed its
+/// listening sockets at the end of its drain time.
+///
+/// The kernel picks them (`sock_diag` with a filter on the ports and the states), so a count
+/// costs what those connections cost, not what the node holds (a node proxy with host
+/// networking sees every socket of the node), and a limit ends the dump early. No process's
+/// descriptors are walked: a connection whose local port is a listener's is a downstream one
+/// (the kernel hands out no ephemeral port a listener holds). Where the filter is refused (a
+/// kernel without `S_EQ`, before 4.16) or the namespace is another's, the whole table is read
+/// and filtered here.
+pub fn connections_on_ports(
+    pid: u32,
+    ports: &BTreeSet<u16>,
+    limit: u64,
+) -> Result<u64, TableError> {
+    if ports.is_empty() || limit == 0 {
         return Ok(0);
-    };
-    let inodes = sockets_of(pids);
-    let mut held = 0u64;
-    scan(Some(*first), |e| {
-        if e.inode != 0
-            && e.state != LISTEN
-            && inodes.contains(&e.inode)
-            && ports.contains(&e.local.port())
-        {
-            held += 1;
+    }
+    let count = |held: &mut u64, e: &Entry| {
+        if e.inode != 0 && e.state != LISTEN && ports.contains(&e.local.port()) {
+            *held += 1;
         }
-        true
-    })?;
+        *held < limit
+    };
+    if same_netns(pid) {
+        let mut held = 0u64;
+        match diag::scan_ports(ports, &mut |e: &Entry| count(&mut held, e)) {
+            Ok(()) => return Ok(held),
+            Err(e) => {
+                tracing::debug!(error = %e, "sock_diag with a filter: reading the whole table")
+            }
+        }
+    }
+    let mut held = 0u64;
+    scan(Some(pid), |e| count(&mut held, e))?;
     Ok(held)
 }
 
@@ -466,7 +551,7 @@ mod tests {
         let (accepted, _) = listener.accept().unwrap();
         let me = std::process::id();
         let ports = BTreeSet::from([port]);
-        assert_eq!(connections_on_ports(&[me], &ports).unwrap(), 1);
+        assert_eq!(connections_on_ports(me, &ports, u64::MAX).unwrap(), 1);
         // As Envoy does at the end of its drain time: the listening socket closes, the
         // accepted connection stays.
         drop(listener);
@@ -475,9 +560,98 @@ mod tests {
             0,
             "keyed on listening sockets, the count loses it"
         );
-        assert_eq!(connections_on_ports(&[me], &ports).unwrap(), 1);
+        assert_eq!(connections_on_ports(me, &ports, u64::MAX).unwrap(), 1);
         drop(accepted);
         drop(client);
-        assert_eq!(connections_on_ports(&[me], &ports).unwrap(), 0);
+        assert_eq!(connections_on_ports(me, &ports, u64::MAX).unwrap(), 0);
+    }
+
+    /// The kernel's filter picks exactly the connections on the ports asked (of several, and
+    /// none of another port's), as the whole table read here does; a limit stops the count.
+    #[test]
+    fn the_kernel_s_port_filter_picks_what_the_whole_table_does() {
+        let _one = SOCKETS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let listeners: Vec<_> = (0..3)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        let port = |i: usize| listeners[i].local_addr().unwrap().port();
+        let mut open = Vec::new();
+        for (i, n) in [(0, 2), (1, 3), (2, 4)] {
+            for _ in 0..n {
+                open.push(std::net::TcpStream::connect(("127.0.0.1", port(i))).unwrap());
+                open.push(listeners[i].accept().unwrap().0);
+            }
+        }
+        let v6 = std::net::TcpListener::bind("[::1]:0").ok();
+        let v6_port = v6.as_ref().map(|l| l.local_addr().unwrap().port());
+        if let Some(l) = &v6 {
+            open.push(std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap());
+            open.push(l.accept().unwrap().0);
+        }
+        let by_table = |ports: &BTreeSet<u16>| {
+            let mut held = 0u64;
+            scan(None, |e| {
+                if e.inode != 0 && e.state != LISTEN && ports.contains(&e.local.port()) {
+                    held += 1;
+                }
+                true
+            })
+            .unwrap();
+            held
+        };
+        let by_kernel = |ports: &BTreeSet<u16>, limit: u64| {
+            let mut held = 0u64;
+            diag::scan_ports(ports, &mut |e: &Entry| {
+                assert!(ports.contains(&e.local.port()), "{e:?} is not on {ports:?}");
+                assert_ne!(e.state, LISTEN, "{e:?}");
+                held += 1;
+                held < limit
+            })
+            .expect("the kernel takes the filter");
+            held
+        };
+        let mut cases = vec![
+            (BTreeSet::from([port(0)]), 2),
+            (BTreeSet::from([port(1)]), 3),
+            (BTreeSet::from([port(0), port(2)]), 6),
+            (BTreeSet::from([port(0), port(1), port(2)]), 9),
+            (BTreeSet::from([1]), 0),
+        ];
+        if let Some(p) = v6_port {
+            cases.push((BTreeSet::from([p, port(1)]), 4));
+        }
+        for (ports, n) in cases {
+            assert_eq!(by_kernel(&ports, u64::MAX), n, "{ports:?}");
+            assert_eq!(by_table(&ports), n, "{ports:?}");
+            let me = std::process::id();
+            assert_eq!(connections_on_ports(me, &ports, u64::MAX).unwrap(), n);
+            assert_eq!(connections_on_ports(me, &ports, 1).unwrap(), n.min(1));
+        }
+    }
+
+    #[test]
+    fn the_port_filter_is_as_ss_compiles_it() {
+        let ne = |n: u16| n.to_ne_bytes();
+        let one = diag::port_filter(&BTreeSet::from([80]));
+        assert_eq!(one, [&[11, 8][..], &ne(12), &[0, 0], &ne(80)].concat());
+        let two = diag::port_filter(&BTreeSet::from([80, 443]));
+        assert_eq!(
+            two,
+            [
+                &[11, 8][..],
+                &ne(12),
+                &[0, 0],
+                &ne(80),
+                &[1, 4],
+                &ne(12),
+                &[11, 8],
+                &ne(12),
+                &[0, 0],
+                &ne(443),
+            ]
+            .concat()
+        );
     }
 }

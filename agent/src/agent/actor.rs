@@ -25,7 +25,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::Agent;
 use super::handle::{AgentError, Command, Reply};
-use super::shutdown::{Answer, Counted, ListenersRead, Pending, Shutdown, Step, settle};
+use super::shutdown::{
+    self, Answer, Counted, ListenersRead, Pace, Pending, Shutdown, Step, Tally, settle,
+};
 use super::state::{
     AgentConfig, AgentExit, AgentState, DrainPhase, DrainProgress, DrainReason, ExitPath, Via,
 };
@@ -36,8 +38,11 @@ use crate::timeline::Step as TimelineStep;
 /// Bound on asking the proxy whether a successor takes over (it asks the admin API).
 const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// The share of a core a drain's count from the kernel's socket table may take of the agent.
-const KERNEL_COUNT_SHARE: u32 = 4;
+/// The share of a core a drain's quick counts from the kernel (is any connection left?) may
+/// take of the agent: 1/100. Each stops at the first connection found, so at the poll
+/// interval they cost far less; the whole counts take as much again at most
+/// ([`shutdown::WHOLE_COUNT_SHARE`]): the wait costs at most 2% of a core.
+const KERNEL_PROBE_SHARE: u32 = 100;
 
 /// Why nothing runs while the agent recovers from a crash.
 const RECOVERING: &str = "no envoy runs: the agent is recovering from a crash";
@@ -354,11 +359,14 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Mode::ShuttingDown(s) => {
                 let now = Instant::now();
                 step_taken(TimelineStep::Stop, s.offset(now).as_millis() as u64);
-                self.still_open = s.listeners().map(<[_]>::to_vec);
-                // At zero nothing is open, whatever the last (older) reading said.
-                (!matches!(path, ExitPath::ZeroActive(_)))
-                    .then(|| s.still_open())
-                    .flatten()
+                // At zero nothing is open, whatever the last (older) reading said: the count
+                // is fresher than the listeners' reading, and the stop says what it saw.
+                let zero = matches!(path, ExitPath::ZeroActive(_));
+                self.still_open = match zero {
+                    true => s.listeners().map(|_| Vec::new()),
+                    false => s.listeners().map(<[_]>::to_vec),
+                };
+                (!zero).then(|| s.still_open()).flatten()
             }
             _ => None,
         };
@@ -697,10 +705,10 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                         s.drain_sent(now, call);
                     }
                 }
-                Step::Count => {
-                    let call = self.count_call();
+                Step::Count(tally) => {
+                    let call = self.count_call(tally);
                     if let Mode::ShuttingDown(s) = &mut self.mode {
-                        s.count_sent(now, call);
+                        s.count_sent(now, tally, call);
                     }
                 }
                 Step::ReadListeners => {
@@ -957,15 +965,15 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
     /// main thread for a count from its stats (at most 1/20 of it), the agent's own for one
     /// from the kernel's table (at most a quarter of a core; a kernel count of zero is
     /// confirmed from the stats, and paced as one).
-    fn count_call(&self) -> Call<Counted> {
-        let count = self.count_future();
+    fn count_call(&self, tally: Tally) -> Call<Counted> {
+        let count = self.count_future(tally);
         Box::pin(async move {
             let asked = Instant::now();
-            let (count, share) = count.await;
+            let (count, pace) = count.await;
             Counted {
                 count,
                 took: asked.elapsed(),
-                share,
+                pace,
             }
         })
     }
@@ -1005,10 +1013,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         }
     }
 
-    fn count_future(&self) -> Call<(Result<u64, DrainError>, u32)> {
+    /// A count as `tally` asks where the kernel counts (Envoy's stats count whole); answers
+    /// the count and how it paces the next.
+    fn count_future(&self, tally: Tally) -> Call<(Result<u64, DrainError>, Pace)> {
+        const STATS: Pace = Pace::Every(envoy_agent_proxy::admin::BUSY_SHARE);
         if let Some(counter) = &self.agent.counter {
             let count = counter();
-            return Box::pin(async move { (count.await, envoy_agent_proxy::admin::BUSY_SHARE) });
+            return Box::pin(async move { (count.await, STATS) });
         }
         let config: &AgentConfig = &self.agent.config;
         let admin = self
@@ -1030,7 +1041,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                     Some(admin) => envoy_agent_drain::active(&admin, what, &exclusions).await,
                     None => Err(DrainError::AdminUnknown),
                 };
-                (count, envoy_agent_proxy::admin::BUSY_SHARE)
+                (count, STATS)
             });
         }
         // Connections from the kernel: nothing asked of Envoy's main thread, but for a zero.
@@ -1057,26 +1068,33 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 .filter_map(|l| l.port)
                 .collect()
         });
+        // Without the ports the count is whole (it finds Envoy's listening sockets first).
+        let (limit, pace) = match (tally, &ports) {
+            (Tally::Any, Some(_)) => (1, Pace::Quick(KERNEL_PROBE_SHARE)),
+            (_, Some(_)) => (u64::MAX, Pace::Whole(shutdown::WHOLE_COUNT_SHARE)),
+            (_, None) => (u64::MAX, Pace::Every(KERNEL_PROBE_SHARE)),
+        };
         Box::pin(async move {
             let kernel = envoy_agent_drain::active_connections_from_kernel(
                 pids,
                 admin_port,
                 &exclusions,
                 ports,
+                limit,
             )
             .await;
             // Without a plan (Envoy has not answered the drain: its admin API may be silent)
             // there is nothing to confirm against, and the kernel's zero stands.
             if !matches!(kernel, Ok(0)) || !confirm {
-                return (kernel, KERNEL_COUNT_SHARE);
+                return (kernel, pace);
             }
             // Zero stops Envoy: the stats must agree (a QUIC connection, a listener the kernel
             // cannot tie to a port). Where they do not, the larger count is trusted.
             let Some(admin) = admin else {
-                return (kernel, KERNEL_COUNT_SHARE);
+                return (kernel, pace);
             };
             match envoy_agent_drain::active_connections(&admin, &exclusions).await {
-                Ok(0) => (Ok(0), envoy_agent_proxy::admin::BUSY_SHARE),
+                Ok(0) => (Ok(0), STATS),
                 Ok(n) => {
                     tracing::info!(
                         event = "count_disagreement",
@@ -1084,13 +1102,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                         stats = n,
                         "the kernel sees no connection on the drained listeners, envoy's stats see some: trusting the stats"
                     );
-                    (Ok(n), envoy_agent_proxy::admin::BUSY_SHARE)
+                    (Ok(n), STATS)
                 }
                 // The kernel's zero stands for TCP: a silent admin API (a stopped Envoy) must
                 // not hold the exit.
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot confirm a zero count from envoy's stats: the kernel's stands");
-                    (kernel, envoy_agent_proxy::admin::BUSY_SHARE)
+                    (kernel, STATS)
                 }
             }
         })

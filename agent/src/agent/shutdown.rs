@@ -6,8 +6,10 @@
 //! readiness off (`--not-ready-at`); Envoy's health checks failing (`--healthcheck-fail-at`),
 //! asked again each [`DRAIN_RETRY`] until Envoy accepts, never holding up anything else; the
 //! drain request after the drain delay, sent again each [`DRAIN_RETRY`] until Envoy accepts
-//! it; in exit-on-zero mode, counts from the minimum drain duration on, paced by their cost;
-//! the stop, at zero, at the deadline, or when counting fails too often. [`Shutdown::poll`]
+//! it; in exit-on-zero mode, counts from the minimum drain duration on, paced by their cost:
+//! a whole count at most each [`WHOLE_COUNT_EVERY`] (the status's number), quick ones between
+//! that only tell zero from not zero (the kernel's stops at the first connection found); the
+//! stop, at zero, at the deadline, or when counting fails too often. [`Shutdown::poll`]
 //! says what is due at an instant; the actor makes the calls and reports them back
 //! ([`Shutdown::drain_sent`], [`Shutdown::count_sent`], ...) and their answers
 //! ([`Shutdown::drain_answered`], [`Shutdown::counted`], ...). Dropping a `Shutdown` drops its
@@ -42,13 +44,41 @@ pub(super) async fn settle<T>(slot: &mut Pending<T>) -> T {
 /// the shutdown, ending meanwhile, reports that Envoy never accepted a drain.
 pub(super) const DRAIN_RETRY: Duration = Duration::from_secs(1);
 
-/// A count's answer: the count, how long it took, and the share of a core it may take
-/// (its cadence is stretched to keep to that share).
+/// A count's answer: the count, how long it took, and how it paces the counts after it.
 pub(super) struct Counted {
     pub(super) count: Result<u64, DrainError>,
     pub(super) took: Duration,
-    pub(super) share: u32,
+    pub(super) pace: Pace,
 }
+
+/// What a count asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Tally {
+    /// How many: for the status, and the first count.
+    Whole,
+    /// Whether any is left: a count that may stop at the first one found (the kernel's).
+    Any,
+}
+
+/// What kind of count answered, and the share of a core (its `1/n`) such counts may take:
+/// the cadence of their kind is stretched to keep to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pace {
+    /// Every count of its source is whole (Envoy's stats): the next count waits.
+    Every(u32),
+    /// A quick count (stopped at the first connection found): a zero is a whole answer,
+    /// anything else says "at least this many". The next quick count waits.
+    Quick(u32),
+    /// A whole count between quick ones: the next whole count waits; quick ones go on.
+    Whole(u32),
+}
+
+/// How often, at most, a whole count is taken while the quick ones tell zero from not zero
+/// (the status's number is refreshed this often); its cost stretches it further, to
+/// [`WHOLE_COUNT_SHARE`].
+pub(super) const WHOLE_COUNT_EVERY: Duration = Duration::from_secs(1);
+/// A whole count takes at most 1/100 of a core.
+pub(super) const WHOLE_COUNT_SHARE: u32 = 100;
 
 /// How often, at most, exit-on-zero reads what each listener holds (for the status; Envoy
 /// visits every stat to answer, so the reading is also paced by its cost).
@@ -89,8 +119,8 @@ pub(super) enum Step {
     FailHealthChecks,
     /// Send the drain request.
     SendDrain,
-    /// Count what exit-on-zero counts.
-    Count,
+    /// Count what exit-on-zero counts, as much as this says.
+    Count(Tally),
     /// Read what each counted listener holds (exit-on-zero, for the status).
     ReadListeners,
     /// Stop Envoy: the drain is over, by this path.
@@ -178,6 +208,8 @@ pub(super) struct Shutdown {
     /// Exit-on-zero: counting starts here (the minimum drain duration after `drain_at`).
     count_from: Instant,
     next_count: Instant,
+    /// When the next count is a whole one.
+    next_whole: Instant,
     poll_interval: Duration,
     /// When Envoy is stopped at the latest; none in exit-on-zero mode when the termination
     /// drain duration is not longer than the minimum (Istio's: count until zero, no cap).
@@ -222,6 +254,7 @@ impl Shutdown {
             counting: config.exit_on_zero,
             count_from,
             next_count: count_from,
+            next_whole: count_from,
             poll_interval: config.poll_interval,
             deadline: deadline.map(|d| drain_at + d),
             stats_errors: 0,
@@ -311,7 +344,11 @@ impl Shutdown {
             && self.count_call.is_none()
             && self.count_from.max(self.next_count) <= now
         {
-            return Step::Count;
+            return Step::Count(if self.next_whole <= now {
+                Tally::Whole
+            } else {
+                Tally::Any
+            });
         }
         if self.listeners_due(now) {
             return Step::ReadListeners;
@@ -446,13 +483,17 @@ impl Shutdown {
         self.drain_call = Some(call);
     }
 
-    /// A count went out at `now` as `call`.
+    /// A count of `tally` went out at `now` as `call`.
     pub(super) fn count_sent(
         &mut self,
         now: Instant,
+        tally: Tally,
         call: Pin<Box<dyn Future<Output = Counted> + Send>>,
     ) {
         self.next_count = now + self.poll_interval;
+        if tally == Tally::Whole {
+            self.next_whole = now + WHOLE_COUNT_EVERY;
+        }
         self.count_call = Some(call);
     }
 
@@ -493,12 +534,30 @@ impl Shutdown {
         // A count from Envoy's stats makes it visit every stat (most of a second on a large
         // config): paced by what it took.
         let asked = now.checked_sub(counted.took).unwrap_or(now);
-        self.next_count = self.next_count.max(
-            asked
-                + envoy_agent_proxy::admin::paced(self.poll_interval, counted.took, counted.share),
-        );
+        let paced = |base: Duration, share: u32| {
+            asked + envoy_agent_proxy::admin::paced(base, counted.took, share)
+        };
+        match counted.pace {
+            Pace::Every(share) => {
+                self.next_count = self.next_count.max(paced(self.poll_interval, share));
+                self.next_whole = self.next_whole.max(self.next_count);
+            }
+            Pace::Quick(share) => {
+                self.next_count = self.next_count.max(paced(self.poll_interval, share));
+            }
+            Pace::Whole(share) => {
+                self.next_whole = self.next_whole.max(paced(WHOLE_COUNT_EVERY, share));
+            }
+        }
         match counted.count {
             Ok(0) if !parent_draining => Some(ExitPath::ZeroActive(what)),
+            // Not zero, and no number for the status: the last whole count stands.
+            Ok(n)
+                if matches!(counted.pace, Pace::Quick(_)) && n > 0 && self.last_count.is_some() =>
+            {
+                self.stats_errors = 0;
+                None
+            }
             Ok(n) => {
                 self.stats_errors = 0;
                 self.last_count = Some(n);
@@ -591,7 +650,7 @@ mod tests {
         Counted {
             count,
             took: Duration::ZERO,
-            share: 20,
+            pace: Pace::Every(20),
         }
     }
 
@@ -699,11 +758,79 @@ mod tests {
         let from = t0 + config.minimum_drain_duration;
         assert_eq!(s.poll(t0), Step::Wait(Some(from)));
         let late = from + Duration::from_secs(3600);
-        assert_eq!(s.poll(late), Step::Count);
-        s.count_sent(late, never());
+        assert_eq!(s.poll(late), Step::Count(Tally::Whole));
+        s.count_sent(late, Tally::Whole, never());
         assert_eq!(s.poll(late), Step::ReadListeners);
         s.listeners_sent(late, never());
         assert_eq!(s.poll(late), Step::Wait(None));
+    }
+
+    /// Between whole counts (the status's number, each second at most, and at most 1/100 of
+    /// a core), quick ones at the poll interval tell zero from not zero; a quick one that
+    /// finds some leaves the last number standing.
+    #[tokio::test(start_paused = true)]
+    async fn quick_counts_between_whole_ones_tell_zero_and_leave_the_number_standing() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Connections),
+            termination_drain_duration: Duration::from_secs(600),
+            ..AgentConfig::default()
+        };
+        let (mut s, t0) = begin(&config);
+        drain(&mut s, t0, Ok(accepted())).await;
+        let mut now = t0 + config.minimum_drain_duration;
+        let answer = |n: u64, pace: Pace, took: Duration| Counted {
+            count: Ok(n),
+            took,
+            pace,
+        };
+        assert_eq!(s.poll(now), Step::Count(Tally::Whole), "the first is whole");
+        s.count_sent(now, Tally::Whole, never());
+        s.count_call = None;
+        // A whole count of 15,000 that took 20 ms: the next whole one after 2 s (1/100).
+        let took = Duration::from_millis(20);
+        assert_eq!(
+            s.counted(
+                answer(15_000, Pace::Whole(WHOLE_COUNT_SHARE), took),
+                false,
+                now + took
+            ),
+            None
+        );
+        let whole_again = now + took * WHOLE_COUNT_SHARE;
+        let mut quick = 0;
+        loop {
+            now = match s.poll(now) {
+                Step::Count(tally) => {
+                    s.count_sent(now, tally, never());
+                    s.count_call = None;
+                    if tally == Tally::Whole {
+                        break;
+                    }
+                    quick += 1;
+                    assert_eq!(
+                        s.counted(answer(1, Pace::Quick(100), Duration::ZERO), false, now),
+                        None
+                    );
+                    assert_eq!(s.progress().last_count.map(|(n, _)| n), Some(15_000));
+                    now
+                }
+                Step::ReadListeners => {
+                    s.listeners_sent(now, never());
+                    now
+                }
+                Step::Wait(Some(at)) => at,
+                other => panic!("{other:?}"),
+            };
+        }
+        assert_eq!(now, whole_again);
+        let polls = (took * WHOLE_COUNT_SHARE - config.poll_interval).as_millis()
+            / config.poll_interval.as_millis();
+        assert_eq!(quick as u128, polls, "quick counts at the poll interval");
+        // The last client leaves: the next quick count stops the wait.
+        assert_eq!(
+            s.counted(answer(0, Pace::Quick(100), Duration::ZERO), false, now),
+            Some(ExitPath::ZeroActive(Counting::Connections))
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -761,7 +888,7 @@ mod tests {
         let (mut s, t0) = begin(&config);
         drain(&mut s, t0, Ok(accepted())).await;
         let from = t0 + config.minimum_drain_duration;
-        s.count_sent(from, never());
+        s.count_sent(from, Tally::Whole, never());
         assert_eq!(s.poll(from), Step::ReadListeners);
         let held = ListenerActivity {
             name: "0.0.0.0_8080".to_owned(),
