@@ -8,6 +8,11 @@
 # (idle CPU, RSS, hot-restart LIVE latency, pre-flight, a drain's load, a Prometheus scrape's cost
 # and how concurrent scrapes share Envoy's walk). Builds only the release agent; writes
 # target/bench/scale.json; ARGS go to scale.py (e.g. --only large, --idle-s 10, --scrapes-only).
+#
+# scripts/bench.sh --zero-wait [ARGS]: instead, exit-on-zero's wait (bench/zero_wait.py): the
+# agent's CPU while N idle connections hold the drain open, with other sockets on the node, and
+# how soon zero is seen once they close; writes target/bench/zero-wait.json; ARGS go to
+# zero_wait.py (e.g. --connections 1000,15000 --other-sockets 15000 --modes sidecar,node).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -z "${ENVOY_PATH:-}" ]; then
@@ -19,6 +24,12 @@ if [ "${1:-}" = "--scale" ]; then
   cargo build --locked --release -p envoy-agent
   mkdir -p target/bench
   exec python3 bench/scale.py --agent target/release/envoy-agent --envoy "$ENVOY_PATH" --json target/bench/scale.json "$@"
+fi
+if [ "${1:-}" = "--zero-wait" ]; then
+  shift
+  cargo build --locked --release -p envoy-agent
+  mkdir -p target/bench
+  exec python3 bench/zero_wait.py --agent target/release/envoy-agent --envoy "$ENVOY_PATH" --json target/bench/zero-wait.json "$@"
 fi
 cargo build --locked --release -p envoy-agent -p envoy-agent-bench
 mkdir -p target/bench

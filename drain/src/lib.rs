@@ -461,16 +461,17 @@ pub async fn active_requests(
 /// caller confirms a zero with the stats).
 ///
 /// With the ports, the kernel picks the connections on them (a filter on the ports and
-/// states), so a count costs what those connections cost, not what the node holds, and it
-/// stops at `limit` (1 tells zero from not-zero at the cost of one connection); no Envoy's
-/// descriptors are walked. Without them the count is whole and walks Envoy's descriptors to
-/// find its listening sockets.
+/// states), so a count costs what those connections cost, not what the node holds; no Envoy's
+/// descriptors are walked. With `quick` (the connections found by earlier quick counts) the
+/// answer only tells zero from not zero, by one exact question about a connection found before
+/// while there is one ([`envoy_agent_proxy::socket_table::any_on_ports`]). Without the ports
+/// the count is whole and walks Envoy's descriptors to find its listening sockets.
 pub async fn active_connections_from_kernel(
     pids: Vec<u32>,
     admin_port: Option<u16>,
     exclusions: &Exclusions,
     ports: Option<BTreeSet<u16>>,
-    limit: u64,
+    quick: Option<Known>,
 ) -> Result<u64, DrainError> {
     if pids.is_empty() {
         // Nothing to count is not zero.
@@ -484,9 +485,15 @@ pub async fn active_connections_from_kernel(
             .collect::<BTreeSet<u16>>()
     });
     let counted = tokio::task::spawn_blocking(move || match ports {
-        Some(ports) => {
-            envoy_agent_proxy::socket_table::connections_on_ports(pids[0], &ports, limit)
-        }
+        Some(ports) => match quick {
+            Some(known) => {
+                let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+                envoy_agent_proxy::socket_table::any_on_ports(pids[0], &ports, &mut known)
+            }
+            None => {
+                envoy_agent_proxy::socket_table::connections_on_ports(pids[0], &ports, u64::MAX)
+            }
+        },
         None => envoy_agent_proxy::socket_table::downstream_connections(&pids, &excluded),
     })
     .await
@@ -496,6 +503,10 @@ pub async fn active_connections_from_kernel(
     })??;
     Ok(counted)
 }
+
+/// The connections quick counts found, to ask about again (shared with the blocking thread
+/// that counts).
+pub type Known = std::sync::Arc<std::sync::Mutex<Vec<envoy_agent_proxy::socket_table::SocketId>>>;
 
 /// What `counting` counts: [`active_connections`] or [`active_requests`].
 pub async fn active(

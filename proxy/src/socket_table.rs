@@ -28,6 +28,18 @@ pub struct Entry {
     pub inode: u64,
 }
 
+/// A socket as the kernel's `sock_diag` names it (its address family, and its `struct
+/// inet_diag_sockid`: the 4-tuple, the interface and the cookie): enough to ask about it again
+/// with one exact request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SocketId {
+    family: u8,
+    id: [u8; 48],
+}
+
+/// How many connections [`any_on_ports`] remembers from a dump.
+const KNOWN_KEPT: usize = 64;
+
 /// The kernel's `TCP_LISTEN`.
 pub const LISTEN: u8 = 0x0A;
 
@@ -92,7 +104,7 @@ mod diag {
         socket,
     };
 
-    use super::Entry;
+    use super::{Entry, SocketId};
 
     const SOCK_DIAG_BY_FAMILY: u16 = 20;
     const NLM_F_REQUEST: u16 = 0x1;
@@ -115,7 +127,7 @@ mod diag {
     const MESSAGE: usize = 72;
 
     pub(super) fn scan(each: &mut impl FnMut(&Entry) -> bool) -> std::io::Result<()> {
-        scan_with(STATES, &[], each)
+        scan_with(STATES, &[], &mut |e: &Entry, _: &SocketId| each(e))
     }
 
     /// The sockets, not listening, whose local port is one of `ports`: the kernel picks them
@@ -123,7 +135,7 @@ mod diag {
     /// namespace holds. `each` saying to stop ends the dump where it is.
     pub(super) fn scan_ports(
         ports: &std::collections::BTreeSet<u16>,
-        each: &mut impl FnMut(&Entry) -> bool,
+        each: &mut impl FnMut(&Entry, &SocketId) -> bool,
     ) -> std::io::Result<()> {
         if ports.is_empty() {
             return Ok(());
@@ -134,7 +146,7 @@ mod diag {
     fn scan_with(
         states: u32,
         filter: &[u8],
-        each: &mut impl FnMut(&Entry) -> bool,
+        each: &mut impl FnMut(&Entry, &SocketId) -> bool,
     ) -> std::io::Result<()> {
         let fd = socket(
             AddressFamily::Netlink,
@@ -182,7 +194,7 @@ mod diag {
         family: u8,
         states: u32,
         filter: &[u8],
-        each: &mut impl FnMut(&Entry) -> bool,
+        each: &mut impl FnMut(&Entry, &SocketId) -> bool,
     ) -> std::io::Result<bool> {
         use std::os::fd::AsRawFd;
         // struct nlmsghdr, struct inet_diag_req_v2 (the socket id left zero: all), then the
@@ -238,9 +250,10 @@ mod diag {
                         return Err(std::io::Error::from_raw_os_error(-errno));
                     }
                     SOCK_DIAG_BY_FAMILY if go_on && len >= HEADER + MESSAGE => {
-                        if let Some(entry) = parse(&buf[at + HEADER..at + len]) {
+                        let message = &buf[at + HEADER..at + len];
+                        if let (Some(entry), Some(id)) = (parse(message), SocketId::of(message)) {
                             if entry.inode != 0 {
-                                go_on = each(&entry);
+                                go_on = each(&entry, &id);
                             }
                         }
                     }
@@ -252,6 +265,61 @@ mod diag {
             if !go_on {
                 return Ok(false);
             }
+        }
+    }
+
+    impl SocketId {
+        /// The id of the socket a `struct inet_diag_msg` describes.
+        fn of(m: &[u8]) -> Option<SocketId> {
+            Some(SocketId {
+                family: *m.first()?,
+                id: m.get(4..52)?.try_into().ok()?,
+            })
+        }
+    }
+
+    /// The socket `id` names, if it is still there: one exact request (its 4-tuple in the
+    /// kernel's hash, its cookie checked), whatever the namespace holds.
+    pub(super) fn lookup(id: &SocketId) -> std::io::Result<Option<Entry>> {
+        use std::os::fd::AsRawFd;
+        let fd = socket(
+            AddressFamily::Netlink,
+            SockType::Datagram,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkSockDiag,
+        )?;
+        let len = HEADER + 56;
+        let mut request = Vec::with_capacity(len);
+        request.extend_from_slice(&(len as u32).to_ne_bytes());
+        request.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+        request.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+        request.extend_from_slice(&1u32.to_ne_bytes());
+        request.extend_from_slice(&0u32.to_ne_bytes());
+        request.extend_from_slice(&[id.family, IPPROTO_TCP, 0, 0]);
+        request.extend_from_slice(&STATES.to_ne_bytes());
+        request.extend_from_slice(&id.id);
+        sendto(
+            fd.as_raw_fd(),
+            &request,
+            &NetlinkAddr::new(0, 0),
+            MsgFlags::empty(),
+        )?;
+        let mut buf = vec![0u8; 8 * 1024];
+        let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
+        if n < HEADER {
+            return Err(std::io::Error::other("sock_diag: a truncated answer"));
+        }
+        match u16::from_ne_bytes([buf[4], buf[5]]) {
+            SOCK_DIAG_BY_FAMILY if n >= HEADER + MESSAGE => Ok(parse(&buf[HEADER..n])),
+            NLMSG_ERROR if n >= HEADER + 4 => {
+                let errno = -i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]);
+                match nix::errno::Errno::from_raw(errno) {
+                    // Gone, or another socket on its 4-tuple since (the cookie differs).
+                    nix::errno::Errno::ENOENT | nix::errno::Errno::ESTALE => Ok(None),
+                    _ => Err(std::io::Error::from_raw_os_error(errno)),
+                }
+            }
+            _ => Err(std::io::Error::other("sock_diag: an unexpected answer")),
         }
     }
 
@@ -429,7 +497,7 @@ pub fn connections_on_ports(
     };
     if same_netns(pid) {
         let mut held = 0u64;
-        match diag::scan_ports(ports, &mut |e: &Entry| count(&mut held, e)) {
+        match diag::scan_ports(ports, &mut |e: &Entry, _: &SocketId| count(&mut held, e)) {
             Ok(()) => return Ok(held),
             Err(e) => {
                 tracing::debug!(error = %e, "sock_diag with a filter: reading the whole table")
@@ -439,6 +507,57 @@ pub fn connections_on_ports(
     let mut held = 0u64;
     scan(Some(pid), |e| count(&mut held, e))?;
     Ok(held)
+}
+
+/// Whether any connection is held on a local port in `ports` (as [`connections_on_ports`]
+/// counts them), in the namespace process `pid` is in: 0, or at least one.
+///
+/// `known` carries connections found by an earlier call: while one of them is still held, one
+/// exact request answers (a cost that does not depend on the node, nor on how many
+/// connections there are). Only when none is left does it ask for a dump with the kernel's
+/// filter, which ends at the first batch and remembers a few of what it found for the next
+/// calls. A zero is always a dump's answer.
+pub fn any_on_ports(
+    pid: u32,
+    ports: &BTreeSet<u16>,
+    known: &mut Vec<SocketId>,
+) -> Result<u64, TableError> {
+    if ports.is_empty() {
+        return Ok(0);
+    }
+    if !same_netns(pid) {
+        return connections_on_ports(pid, ports, 1);
+    }
+    let held = |e: &Entry| e.inode != 0 && e.state != LISTEN && ports.contains(&e.local.port());
+    while let Some(id) = known.last() {
+        match diag::lookup(id) {
+            Ok(Some(e)) if held(&e) => return Ok(1),
+            Ok(_) => {
+                known.pop();
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "sock_diag lookup: counting instead");
+                known.clear();
+                return connections_on_ports(pid, ports, 1);
+            }
+        }
+    }
+    let mut found = 0u64;
+    let dumped = diag::scan_ports(ports, &mut |e: &Entry, id: &SocketId| {
+        if held(e) {
+            found += 1;
+            known.push(*id);
+        }
+        known.len() < KNOWN_KEPT
+    });
+    match dumped {
+        Ok(()) => Ok(found),
+        Err(e) => {
+            tracing::debug!(error = %e, "sock_diag with a filter: reading the whole table");
+            known.clear();
+            connections_on_ports(pid, ports, 1)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -603,7 +722,7 @@ mod tests {
         };
         let by_kernel = |ports: &BTreeSet<u16>, limit: u64| {
             let mut held = 0u64;
-            diag::scan_ports(ports, &mut |e: &Entry| {
+            diag::scan_ports(ports, &mut |e: &Entry, _: &SocketId| {
                 assert!(ports.contains(&e.local.port()), "{e:?} is not on {ports:?}");
                 assert_ne!(e.state, LISTEN, "{e:?}");
                 held += 1;
@@ -653,5 +772,50 @@ mod tests {
             ]
             .concat()
         );
+    }
+
+    /// The quick question: a connection found once is asked about again by one exact request
+    /// while it stays; once the last one goes, the answer is zero (a dump's).
+    #[test]
+    fn any_connection_is_told_from_those_found_before() {
+        let _one = SOCKETS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let ports = BTreeSet::from([port]);
+        let me = std::process::id();
+        let mut known = Vec::new();
+        assert_eq!(any_on_ports(me, &ports, &mut known).unwrap(), 0);
+        let mut pairs = Vec::new();
+        for _ in 0..3 {
+            let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            pairs.push((c, listener.accept().unwrap().0));
+        }
+        assert_eq!(any_on_ports(me, &ports, &mut known).unwrap(), 3, "a dump");
+        assert_eq!(known.len(), 3);
+        for id in &known {
+            let entry = diag::lookup(id).unwrap().expect("still there");
+            assert_eq!(entry.local.port(), port);
+        }
+        // Asked again: an exact request for the last one found, which is still there.
+        assert_eq!(any_on_ports(me, &ports, &mut known).unwrap(), 1);
+        assert_eq!(known.len(), 3);
+        // They go one by one; the gone are forgotten, the answer stays "some" until the last.
+        while let Some((client, accepted)) = pairs.pop() {
+            drop(accepted);
+            drop(client);
+            let left = pairs.len() as u64;
+            assert_eq!(
+                any_on_ports(me, &ports, &mut known).unwrap().min(1),
+                left.min(1)
+            );
+        }
+        assert!(known.is_empty());
+        // A connection none was found of before: the dump finds it.
+        let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let _a = listener.accept().unwrap();
+        assert_eq!(any_on_ports(me, &ports, &mut known).unwrap(), 1);
+        drop(c);
     }
 }

@@ -39,9 +39,9 @@ use crate::timeline::Step as TimelineStep;
 const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The share of a core a drain's quick counts from the kernel (is any connection left?) may
-/// take of the agent: 1/100. Each stops at the first connection found, so at the poll
-/// interval they cost far less; the whole counts take as much again at most
-/// ([`shutdown::WHOLE_COUNT_SHARE`]): the wait costs at most 2% of a core.
+/// take of the agent: 1/100. Each asks about one connection found before (a dump only when
+/// none is left), so at the poll interval they cost far less; the whole counts take 1/400 at
+/// most ([`shutdown::WHOLE_COUNT_SHARE`]): the wait costs at most 1.25% of a core.
 const KERNEL_PROBE_SHARE: u32 = 100;
 
 /// Why nothing runs while the agent recovers from a crash.
@@ -635,6 +635,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         let Mode::ShuttingDown(s) = &mut self.mode else {
             return;
         };
+        tracing::trace!(
+            event = "counted",
+            pace = ?counted.pace,
+            took_us = counted.took.as_micros() as u64,
+            count = counted.count.as_ref().ok(),
+            "a count came back"
+        );
         if let Some(path) = s.counted(counted, parent_draining, Instant::now()) {
             self.stop(path);
         }
@@ -1069,10 +1076,16 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 .collect()
         });
         // Without the ports the count is whole (it finds Envoy's listening sockets first).
-        let (limit, pace) = match (tally, &ports) {
-            (Tally::Any, Some(_)) => (1, Pace::Quick(KERNEL_PROBE_SHARE)),
-            (_, Some(_)) => (u64::MAX, Pace::Whole(shutdown::WHOLE_COUNT_SHARE)),
-            (_, None) => (u64::MAX, Pace::Every(KERNEL_PROBE_SHARE)),
+        let known = match &self.mode {
+            Mode::ShuttingDown(s) => Some(s.known()),
+            _ => None,
+        };
+        let (quick, pace) = match (tally, &ports) {
+            (Tally::Any, Some(_)) => (known, Pace::Quick(KERNEL_PROBE_SHARE)),
+            (_, Some(_)) => (None, Pace::Whole(shutdown::WHOLE_COUNT_SHARE)),
+            // Before Envoy answered the drain, or never (a silent admin API): the old way, at
+            // a busy share (the exit on zero depends on it alone).
+            (_, None) => (None, Pace::Every(envoy_agent_proxy::admin::BUSY_SHARE)),
         };
         Box::pin(async move {
             let kernel = envoy_agent_drain::active_connections_from_kernel(
@@ -1080,7 +1093,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 admin_port,
                 &exclusions,
                 ports,
-                limit,
+                quick,
             )
             .await;
             // Without a plan (Envoy has not answered the drain: its admin API may be silent)

@@ -8,8 +8,8 @@
 //! drain request after the drain delay, sent again each [`DRAIN_RETRY`] until Envoy accepts
 //! it; in exit-on-zero mode, counts from the minimum drain duration on, paced by their cost:
 //! a whole count at most each [`WHOLE_COUNT_EVERY`] (the status's number), quick ones between
-//! that only tell zero from not zero (the kernel's stops at the first connection found); the
-//! stop, at zero, at the deadline, or when counting fails too often. [`Shutdown::poll`]
+//! that only tell zero from not zero (the kernel's asks about one connection it found before);
+//! the stop, at zero, at the deadline, or when counting fails too often. [`Shutdown::poll`]
 //! says what is due at an instant; the actor makes the calls and reports them back
 //! ([`Shutdown::drain_sent`], [`Shutdown::count_sent`], ...) and their answers
 //! ([`Shutdown::drain_answered`], [`Shutdown::counted`], ...). Dropping a `Shutdown` drops its
@@ -76,9 +76,11 @@ pub(super) enum Pace {
 /// How often, at most, a whole count is taken while the quick ones tell zero from not zero
 /// (the status's number is refreshed this often); its cost stretches it further, to
 /// [`WHOLE_COUNT_SHARE`].
-pub(super) const WHOLE_COUNT_EVERY: Duration = Duration::from_secs(1);
-/// A whole count takes at most 1/100 of a core.
-pub(super) const WHOLE_COUNT_SHARE: u32 = 100;
+pub(super) const WHOLE_COUNT_EVERY: Duration = Duration::from_secs(2);
+/// Whole counts take at most 1/400 of a core. Whatever it finds, a dump walks the kernel's
+/// whole table of connections (on a node of 262,144 buckets and ~40,000 sockets, ~4 ms a
+/// family): only its answer is filtered.
+pub(super) const WHOLE_COUNT_SHARE: u32 = 400;
 
 /// How often, at most, exit-on-zero reads what each listener holds (for the status; Envoy
 /// visits every stat to answer, so the reading is also paced by its cost).
@@ -210,6 +212,8 @@ pub(super) struct Shutdown {
     next_count: Instant,
     /// When the next count is a whole one.
     next_whole: Instant,
+    /// The connections the quick counts found, asked about again by the next.
+    known: envoy_agent_drain::Known,
     poll_interval: Duration,
     /// When Envoy is stopped at the latest; none in exit-on-zero mode when the termination
     /// drain duration is not longer than the minimum (Istio's: count until zero, no cap).
@@ -255,6 +259,7 @@ impl Shutdown {
             count_from,
             next_count: count_from,
             next_whole: count_from,
+            known: envoy_agent_drain::Known::default(),
             poll_interval: config.poll_interval,
             deadline: deadline.map(|d| drain_at + d),
             stats_errors: 0,
@@ -483,6 +488,11 @@ impl Shutdown {
         self.drain_call = Some(call);
     }
 
+    /// The connections the quick counts found, for the next.
+    pub(super) fn known(&self) -> envoy_agent_drain::Known {
+        self.known.clone()
+    }
+
     /// A count of `tally` went out at `now` as `call`.
     pub(super) fn count_sent(
         &mut self,
@@ -512,6 +522,10 @@ impl Shutdown {
         self.drain = match result {
             Ok(plan) => {
                 self.progress.drained = Some(plan.clone());
+                // What is counted changed (the drained listeners' ports, the kernel's quick
+                // counts): the next count goes at once, not at the pace of one before it.
+                self.next_count = self.next_count.min(now);
+                self.next_whole = self.next_whole.min(now);
                 DrainAsk::Accepted
             }
             Err(e) => DrainAsk::Failed {
@@ -765,7 +779,7 @@ mod tests {
         assert_eq!(s.poll(late), Step::Wait(None));
     }
 
-    /// Between whole counts (the status's number, each second at most, and at most 1/100 of
+    /// Between whole counts (the status's number, each 2 s at most, and at most 1/400 of
     /// a core), quick ones at the poll interval tell zero from not zero; a quick one that
     /// finds some leaves the last number standing.
     #[tokio::test(start_paused = true)]
@@ -786,7 +800,7 @@ mod tests {
         assert_eq!(s.poll(now), Step::Count(Tally::Whole), "the first is whole");
         s.count_sent(now, Tally::Whole, never());
         s.count_call = None;
-        // A whole count of 15,000 that took 20 ms: the next whole one after 2 s (1/100).
+        // A whole count of 15,000 that took 20 ms: the next whole one after 8 s (1/400).
         let took = Duration::from_millis(20);
         assert_eq!(
             s.counted(
@@ -831,6 +845,38 @@ mod tests {
             s.counted(answer(0, Pace::Quick(100), Duration::ZERO), false, now),
             Some(ExitPath::ZeroActive(Counting::Connections))
         );
+    }
+
+    /// A count taken before Envoy answered the drain (the old, whole way: no ports yet), however
+    /// slow, does not hold back the counts once the drain's answer names what to count.
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_s_answer_brings_the_next_count_forward() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Connections),
+            minimum_drain_duration: Duration::ZERO,
+            termination_drain_duration: Duration::from_secs(600),
+            ..AgentConfig::default()
+        };
+        let (mut s, t0) = begin(&config);
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        s.drain_sent(t0, never());
+        assert_eq!(s.poll(t0), Step::Count(Tally::Whole), "counting already");
+        s.count_sent(t0, Tally::Whole, never());
+        s.count_call = None;
+        let took = Duration::from_millis(100);
+        let slow = Counted {
+            count: Ok(15_000),
+            took,
+            pace: Pace::Every(20),
+        };
+        assert_eq!(s.counted(slow, false, t0 + took), None);
+        assert!(
+            !matches!(s.poll(t0 + took), Step::Count(_)),
+            "paced by its cost"
+        );
+        s.drain_call = None;
+        s.drain_answered(&Ok(accepted()), t0 + took);
+        assert_eq!(s.poll(t0 + took), Step::Count(Tally::Whole));
     }
 
     #[tokio::test(start_paused = true)]

@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::exit_paths::{Mode, agent_in, both_modes};
 use crate::grpc::get_status;
 
-async fn status(agent: &AgentProcess) -> pb::Status {
+pub(crate) async fn status(agent: &AgentProcess) -> pb::Status {
     let addr: GrpcAddress = agent.grpc.parse().unwrap();
     let mut client = connect(&addr, PATIENCE).await.unwrap();
     get_status(&mut client).await
