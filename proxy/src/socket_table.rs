@@ -148,12 +148,7 @@ mod diag {
         filter: &[u8],
         each: &mut impl FnMut(&Entry, &SocketId) -> bool,
     ) -> std::io::Result<()> {
-        let fd = socket(
-            AddressFamily::Netlink,
-            SockType::Datagram,
-            SockFlag::SOCK_CLOEXEC,
-            SockProtocol::NetlinkSockDiag,
-        )?;
+        let fd = open()?;
         for family in [AF_INET, AF_INET6] {
             if !dump(&fd, family, states, filter, each)? {
                 break;
@@ -188,17 +183,20 @@ mod diag {
         code
     }
 
-    /// One family's dump; `false` once `each` said to stop.
-    fn dump(
-        fd: &std::os::fd::OwnedFd,
-        family: u8,
-        states: u32,
-        filter: &[u8],
-        each: &mut impl FnMut(&Entry, &SocketId) -> bool,
-    ) -> std::io::Result<bool> {
-        use std::os::fd::AsRawFd;
-        // struct nlmsghdr, struct inet_diag_req_v2 (the socket id left zero: all), then the
-        // filter as a struct rtattr, if any.
+    /// A `NETLINK_SOCK_DIAG` socket.
+    fn open() -> std::io::Result<std::os::fd::OwnedFd> {
+        Ok(socket(
+            AddressFamily::Netlink,
+            SockType::Datagram,
+            SockFlag::SOCK_CLOEXEC,
+            SockProtocol::NetlinkSockDiag,
+        )?)
+    }
+
+    /// A `struct nlmsghdr` and a `struct inet_diag_req_v2` for TCP sockets of `family` in
+    /// `states` (`id`: one socket's, or zero for all), then `filter` as a `struct rtattr`, if
+    /// any.
+    fn request(flags: u16, family: u8, states: u32, id: &[u8; 48], filter: &[u8]) -> Vec<u8> {
         let attr = if filter.is_empty() {
             0
         } else {
@@ -208,23 +206,44 @@ mod diag {
         let mut request = Vec::with_capacity(len);
         request.extend_from_slice(&(len as u32).to_ne_bytes());
         request.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-        request.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+        request.extend_from_slice(&flags.to_ne_bytes());
         request.extend_from_slice(&1u32.to_ne_bytes());
         request.extend_from_slice(&0u32.to_ne_bytes());
         request.extend_from_slice(&[family, IPPROTO_TCP, 0, 0]);
         request.extend_from_slice(&states.to_ne_bytes());
-        request.extend_from_slice(&[0u8; 48]);
+        request.extend_from_slice(id);
         if attr > 0 {
             request.extend_from_slice(&(attr as u16).to_ne_bytes());
             request.extend_from_slice(&INET_DIAG_REQ_BYTECODE.to_ne_bytes());
             request.extend_from_slice(filter);
         }
+        request
+    }
+
+    /// Sends `request` to the kernel.
+    fn send(fd: &std::os::fd::OwnedFd, request: &[u8]) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
         sendto(
             fd.as_raw_fd(),
-            &request,
+            request,
             &NetlinkAddr::new(0, 0),
             MsgFlags::empty(),
         )?;
+        Ok(())
+    }
+
+    /// One family's dump; `false` once `each` said to stop.
+    fn dump(
+        fd: &std::os::fd::OwnedFd,
+        family: u8,
+        states: u32,
+        filter: &[u8],
+        each: &mut impl FnMut(&Entry, &SocketId) -> bool,
+    ) -> std::io::Result<bool> {
+        use std::os::fd::AsRawFd;
+        // The socket id left zero: all.
+        let flags = NLM_F_REQUEST | NLM_F_DUMP;
+        send(fd, &request(flags, family, states, &[0u8; 48], filter))?;
         let mut buf = vec![0u8; 64 * 1024];
         let mut go_on = true;
         loop {
@@ -282,28 +301,8 @@ mod diag {
     /// kernel's hash, its cookie checked), whatever the namespace holds.
     pub(super) fn lookup(id: &SocketId) -> std::io::Result<Option<Entry>> {
         use std::os::fd::AsRawFd;
-        let fd = socket(
-            AddressFamily::Netlink,
-            SockType::Datagram,
-            SockFlag::SOCK_CLOEXEC,
-            SockProtocol::NetlinkSockDiag,
-        )?;
-        let len = HEADER + 56;
-        let mut request = Vec::with_capacity(len);
-        request.extend_from_slice(&(len as u32).to_ne_bytes());
-        request.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-        request.extend_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-        request.extend_from_slice(&1u32.to_ne_bytes());
-        request.extend_from_slice(&0u32.to_ne_bytes());
-        request.extend_from_slice(&[id.family, IPPROTO_TCP, 0, 0]);
-        request.extend_from_slice(&STATES.to_ne_bytes());
-        request.extend_from_slice(&id.id);
-        sendto(
-            fd.as_raw_fd(),
-            &request,
-            &NetlinkAddr::new(0, 0),
-            MsgFlags::empty(),
-        )?;
+        let fd = open()?;
+        send(&fd, &request(NLM_F_REQUEST, id.family, STATES, &id.id, &[]))?;
         let mut buf = vec![0u8; 8 * 1024];
         let n = recv(fd.as_raw_fd(), &mut buf, MsgFlags::empty())?;
         if n < HEADER {
