@@ -968,9 +968,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             && config.exclusions.by_port_only()
     }
 
-    /// One exit-on-zero count, with what it took and the share of a core it may take: Envoy's
-    /// main thread for a count from its stats (at most 1/20 of it), the agent's own for one
-    /// from the kernel's table (at most a quarter of a core; a kernel count of zero is
+    /// One exit-on-zero count, with what it took and how it paces the next: Envoy's main
+    /// thread for a count from its stats (at most 1/20 of it), the agent's own for one from
+    /// the kernel (quick ones 1/100 of a core, whole ones 1/400; a kernel count of zero is
     /// confirmed from the stats, and paced as one).
     fn count_call(&self, tally: Tally) -> Call<Counted> {
         let count = self.count_future(tally);

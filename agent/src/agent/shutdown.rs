@@ -56,7 +56,8 @@ pub(super) struct Counted {
 pub(super) enum Tally {
     /// How many: for the status, and the first count.
     Whole,
-    /// Whether any is left: a count that may stop at the first one found (the kernel's).
+    /// Whether any is left: the kernel's asks about a connection it found before, and looks
+    /// further only when none of those is left.
     Any,
 }
 
@@ -66,8 +67,8 @@ pub(super) enum Tally {
 pub(super) enum Pace {
     /// Every count of its source is whole (Envoy's stats): the next count waits.
     Every(u32),
-    /// A quick count (stopped at the first connection found): a zero is a whole answer,
-    /// anything else says "at least this many". The next quick count waits.
+    /// A quick count (whether any is left): a zero is a whole answer, anything else says
+    /// "at least this many". The next quick count waits.
     Quick(u32),
     /// A whole count between quick ones: the next whole count waits; quick ones go on.
     Whole(u32),
