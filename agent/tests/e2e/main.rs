@@ -22,6 +22,7 @@ mod hot_restart;
 mod hung;
 mod manifests;
 mod merged_metrics;
+mod outbound;
 mod preflight_cache;
 mod run;
 mod scrape;
