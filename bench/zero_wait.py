@@ -4,12 +4,16 @@ zero, with N idle keep-alive connections held open through the drain and M other
 the node (issue 48).
 
 For each N in --connections and each mode in --modes, it starts `envoy-agent run` (sidecar, or
---hot-restart as a node proxy) with `--exit-on-zero connections`, opens N keep-alive connections
+--hot-restart as a node proxy) with `--exit-on-zero connections` and `--drain-notice off` (the
+idle clients are held through the drain, not told to go), opens N keep-alive connections
 to Envoy's listener (one request each, answered), opens M other TCP sockets on loopback in a
 process of their own (M/2 connected pairs: "the rest of the node"), sends SIGTERM, and measures
 over --wait-s seconds of the drain the agent's CPU time (utime + stime from /proc, as a share of
 one core). Then it closes every connection at once and measures how long until the agent logs
-its `stopping` event with exit path `zero_connections` (its at_unix_ms). Each cell is
+its `stopping` event with exit path `zero_connections` (its at_unix_ms): from the clients' last
+close, and from Envoy's last close of its ends (as `ss` sees them: established or CLOSE-WAIT;
+Envoy takes a while to close thousands). ZERO_WAIT_LOG_LEVEL sets the agent's log level and
+ZERO_WAIT_KEEP_LOG copies each run's log there. Each cell is
 --repeats runs; the table shows the median and the range.
 
 Run through scripts/bench.sh --zero-wait (release build). Python 3 standard library only. Every
