@@ -14,8 +14,9 @@
 //!   the one function that maps a request to stop (SIGTERM, SIGINT, gRPC `Stop`, quit) in a
 //!   mode to a transition.
 //! - `shutdown`: the graceful shutdown's clock (drain delay, drain request and its retries,
-//!   exit-on-zero counts and their pacing, the deadline), which says what is due at an
-//!   instant.
+//!   exit-on-zero counts and their pacing, the deadline, a sidecar's app rule), which says
+//!   what is due at an instant. A drain request (`/drain`, gRPC `Drain`) runs the same
+//!   timeline to a drained, serving Envoy; a signal that follows continues it to the stop.
 //!
 //! # Ordering, cancellation, drop
 //!
@@ -55,8 +56,8 @@ mod state;
 pub use handle::{AgentError, AgentHandle};
 pub use shutdown::describe_listener;
 pub use state::{
-    AgentConfig, AgentExit, AgentState, DrainPhase, DrainProgress, DrainReason, EXIT_SOFTWARE,
-    ExitPath, Status, Via,
+    AgentConfig, AgentExit, AgentState, AppWatch, DrainPhase, DrainProgress, DrainReason,
+    EXIT_SOFTWARE, ExitPath, Status, Via,
 };
 
 /// Runs a proxy until it exits or an intent or command stops it. See the module docs.

@@ -25,7 +25,7 @@ use crate::settings::{
     Counting, DrainSettings, DrainStrategy, EnvoyAdmin, EnvoySettings, GrpcAddress,
     HotRestartSettings, RunAs, Settings, TelemetrySettings,
 };
-use crate::timeline::HealthCheckFailAt;
+use crate::timeline::{AppHold, HealthCheckFailAt};
 
 /// Process manager for the Envoy proxy: starts Envoy, keeps it healthy, drains it on shutdown.
 #[derive(Debug, Parser)]
@@ -479,6 +479,16 @@ pub struct RunArgs {
     )]
     pub healthcheck_fail_at: HealthCheckFailAt,
 
+    /// Sidecar: after SIGTERM (SIGINT, gRPC Stop), while the app still holds connections to
+    /// Envoy's OUTBOUND listeners (it is shutting down and calls out), Envoy keeps serving
+    /// them, however the drain goes, for at most this long after the signal; once the app lets
+    /// go (it exited, or closed them), Envoy stops within about a second. Meanwhile the failed
+    /// health checks and the drain notice, which would tell the app's connections to close,
+    /// wait. `off`: Envoy stops on the drain's clock. A node proxy has no app: refused with
+    /// --hot-restart. [default: 25s, bounded by --shutdown-budget]
+    #[arg(long, env = "ENVOY_AGENT_APP_HOLD", value_name = "DURATION|off")]
+    pub app_hold: Option<AppHold>,
+
     /// Where the agent writes, as it exits, how it ended (the exit path and code, how long the
     /// shutdown took, what each listener still held), for `kubectl describe pod`; at most 4096
     /// bytes, as Kubernetes keeps. The default is written only if it exists (the kubelet
@@ -729,6 +739,7 @@ impl RunArgs {
                 exclude_listener_prefixes: self.exclude_listener_prefixes,
                 timeline: shutdown.timeline,
                 handover_timeout: shutdown.handover_timeout,
+                app_hold: shutdown.app_hold,
             },
             status_address: self.status_address,
             app_probes,
@@ -815,6 +826,17 @@ impl RunArgs {
                 .termination_drain_duration
                 .unwrap_or(defaults::TERMINATION_DRAIN_DURATION),
         };
+        let app_hold = match (self.app_hold, hot_restart) {
+            (Some(AppHold::For(_)), Some(_)) => return Err(SettingsError::AppHoldNodeProxy),
+            (_, Some(_)) | (Some(AppHold::Off), None) => None,
+            (Some(AppHold::For(d)), None) => Some(d),
+            (None, None) => Some(defaults::APP_HOLD),
+        };
+        // The budget bounds the hold as it bounds the drain: Envoy is stopped by then.
+        let app_hold = match (&budget, app_hold) {
+            (Some(split), Some(hold)) => Some(hold.min(split.drain_delay + split.drain)),
+            (_, hold) => hold,
+        };
         let timeline = crate::timeline::fit(crate::timeline::Steps {
             not_ready: self.not_ready_at,
             fail_health_checks: self.healthcheck_fail_at,
@@ -831,6 +853,7 @@ impl RunArgs {
             handover_timeout,
             termination_drain_duration,
             timeline,
+            app_hold,
         })
     }
 
@@ -968,6 +991,8 @@ struct Shutdown {
     termination_drain_duration: Duration,
     /// When each step of the shutdown happens.
     timeline: crate::timeline::Timeline,
+    /// A sidecar's app rule's bound; none: off.
+    app_hold: Option<Duration>,
 }
 
 /// `run`'s flags that parse one by one but cannot work together: refused before anything
@@ -995,6 +1020,11 @@ pub enum SettingsError {
     /// A step of the shutdown's timeline comes after Envoy's latest stop.
     #[error(transparent)]
     Timeline(#[from] crate::timeline::TimelineError),
+    /// `--app-hold` with `--hot-restart`: a node proxy has no app beside it.
+    #[error(
+        "--app-hold is a sidecar's (the app beside Envoy): a node proxy (--hot-restart) has none"
+    )]
+    AppHoldNodeProxy,
     /// The app probes' JSON cannot be used.
     #[error(transparent)]
     AppProbes(#[from] app_probe::ConfigError),

@@ -1083,6 +1083,9 @@ mod tests {
                 inbound_only: false,
                 drained_note: String::new(),
                 accepted: true,
+                app: pb::AppWatch::Holding.into(),
+                app_hold_until: at(1020),
+                stops: true,
             }),
             settings: Some(pb::Settings {
                 drain_time: Some(prost_types::Duration {

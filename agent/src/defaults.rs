@@ -12,6 +12,14 @@ use std::time::Duration;
 
 /// `--termination-drain-duration`, without `--shutdown-budget`.
 pub const TERMINATION_DRAIN_DURATION: Duration = Duration::from_secs(5);
+/// `--app-hold` (a sidecar's): Kubernetes' default grace period (30 s) less the stop grace
+/// (5 s), so that Envoy is stopped by the agent, not killed with the pod.
+pub const APP_HOLD: Duration = Duration::from_secs(25);
+/// How long a sidecar's app must hold no connection to Envoy's outbound listeners before it is
+/// taken to have let go (a pool that closes a connection and opens another is not done).
+pub const APP_LET_GO: Duration = Duration::from_millis(500);
+/// How often a sidecar's app rule asks the kernel whether the app holds connections.
+pub const APP_PROBE_EVERY: Duration = Duration::from_millis(100);
 /// `--minimum-drain-duration`.
 pub const MINIMUM_DRAIN_DURATION: Duration = Duration::from_secs(5);
 /// `--drain-poll-interval`.

@@ -44,8 +44,8 @@ use tonic::{Request, Response, Status};
 
 use crate::admin_view::{Bounds, View, ViewError};
 use crate::agent::{
-    AgentConfig, AgentError, AgentHandle, AgentState, Counting, DrainPhase, DrainProgress,
-    DrainReason, ExitPath, Status as AgentStatus, Via,
+    AgentConfig, AgentError, AgentHandle, AgentState, AppWatch, Counting, DrainPhase,
+    DrainProgress, DrainReason, ExitPath, Status as AgentStatus, Via,
 };
 use crate::crash::{CrashAction, CrashKind, Crashes};
 use crate::log_level::{EnvoyLogLevel, SetError};
@@ -201,6 +201,8 @@ fn exit_path(path: ExitPath) -> pb::ExitPath {
         ExitPath::ProxyFailed => pb::ExitPath::ProxyFailed,
         ExitPath::CrashLoop { .. } => pb::ExitPath::CrashLoop,
         ExitPath::StoppedWhileRecovering => pb::ExitPath::StoppedWhileRecovering,
+        ExitPath::AppDone => pb::ExitPath::AppDone,
+        ExitPath::AppHoldElapsed => pb::ExitPath::AppHoldElapsed,
     }
 }
 
@@ -499,6 +501,19 @@ fn drain_message(d: &DrainProgress) -> pb::Drain {
         inbound_only: d.drained.as_ref().is_some_and(|p| p.inbound_only),
         drained_note: d.drained.as_ref().map(drained_note).unwrap_or_default(),
         accepted: d.drained.is_some(),
+        app: match d.app {
+            None => pb::AppWatch::Unspecified,
+            Some(AppWatch::Unknown) => pb::AppWatch::Unknown,
+            Some(AppWatch::NotSeen) => pb::AppWatch::NotSeen,
+            Some(AppWatch::Holding { .. }) => pb::AppWatch::Holding,
+            Some(AppWatch::LetGo) => pb::AppWatch::LetGo,
+        }
+        .into(),
+        app_hold_until: match d.app {
+            Some(AppWatch::Holding { until }) => timestamp(until),
+            _ => None,
+        },
+        stops: d.stops,
     }
 }
 
@@ -740,6 +755,7 @@ impl AgentService for Service {
         let options = DrainOptions {
             listeners,
             skip_exit: r.skip_exit,
+            hold_notice: false,
         };
         let plan = self
             .agent

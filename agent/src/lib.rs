@@ -98,6 +98,7 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
         poll_interval: drain.poll_interval,
         handover_timeout: drain.handover_timeout,
         crash_recovery: settings.crash_recovery,
+        app_hold: drain.app_hold,
         ..AgentConfig::default()
     }
 }

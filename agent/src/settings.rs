@@ -179,6 +179,10 @@ pub struct DrainSettings {
     /// (`--shutdown-budget`'s share, else [`crate::defaults::handover_timeout`] of the mode's
     /// deadlines).
     pub handover_timeout: Duration,
+    /// A sidecar's app rule: how long after the signal, at most, Envoy keeps serving an app
+    /// that holds connections to its outbound listeners (`--app-hold`, bounded by
+    /// `--shutdown-budget`); none: off, and always in a node proxy.
+    pub app_hold: Option<Duration>,
 }
 
 /// The OTLP metrics export as the flags give it. What they leave out comes from the standard

@@ -766,7 +766,13 @@ mod tests {
             let f = fixture();
             let (status, body) = call(&f, Method::POST, "/drain", peer).await;
             assert_eq!((status, body.as_str()), (StatusCode::OK, "OK\n"), "{peer}");
-            assert_eq!(f.proxy.calls(), [Call::Drain { skip_exit: true }]);
+            // On the shutdown's timeline: health checks fail with the drain (the default).
+            let calls = f.proxy.calls();
+            assert!(
+                calls.contains(&Call::Drain { skip_exit: true }),
+                "{calls:?}"
+            );
+            assert!(calls.contains(&Call::FailHealthChecks), "{calls:?}");
             // The server keeps answering during the drain.
             let (status, body) = call(&f, Method::GET, "/healthz/ready", peer).await;
             assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);

@@ -53,6 +53,38 @@ impl fmt::Display for HealthCheckFailAt {
     }
 }
 
+/// A sidecar's app rule (`--app-hold`): how long after the signal, at most, Envoy keeps
+/// serving an app that still holds connections to its outbound listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppHold {
+    /// Envoy is stopped on the drain's clock, whatever the app does.
+    Off,
+    /// At most this long after the signal.
+    For(Duration),
+}
+
+impl FromStr for AppHold {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "off" => Ok(AppHold::Off),
+            other => parse_duration(other)
+                .map(AppHold::For)
+                .map_err(|e| format!("{e}; or `off`")),
+        }
+    }
+}
+
+impl fmt::Display for AppHold {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AppHold::Off => f.write_str("off"),
+            AppHold::For(d) => f.write_str(&span(*d)),
+        }
+    }
+}
+
 /// How long after the drain starts Envoy is stopped at the latest: the termination drain
 /// duration, except in exit-on-zero mode when it is not longer than the minimum (nothing would
 /// ever be counted): then there is none, and the agent counts until zero (Istio's behaviour).

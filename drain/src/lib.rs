@@ -174,7 +174,7 @@ impl Exclusions {
     }
 
     /// Whether the listener on `port` counts by port (the admin's, the excluded ports' do not).
-    fn counts_port(&self, port: u16) -> bool {
+    pub fn counts_port(&self, port: u16) -> bool {
         !self.ports.contains(&port)
     }
 
@@ -502,6 +502,23 @@ pub async fn active_connections_from_kernel(
         source: std::io::Error::other(e.to_string()),
     })??;
     Ok(counted)
+}
+
+/// Whether process `pid` (a sidecar's Envoy) holds any connection on `ports` (its outbound
+/// listeners'): whether the app beside it still calls out through it. Asked of the kernel as
+/// exit-on-zero's quick counts are (one exact question about a connection found before, a
+/// filtered dump only when none is left), on a blocking thread; nothing is asked of Envoy.
+pub async fn any_held(pid: u32, ports: BTreeSet<u16>, known: Known) -> Result<bool, DrainError> {
+    let held = tokio::task::spawn_blocking(move || {
+        let mut known = known.lock().unwrap_or_else(|p| p.into_inner());
+        envoy_agent_proxy::socket_table::any_on_ports(pid, &ports, &mut known)
+    })
+    .await
+    .map_err(|e| envoy_agent_proxy::socket_table::TableError {
+        path: "/proc".into(),
+        source: std::io::Error::other(e.to_string()),
+    })??;
+    Ok(held > 0)
 }
 
 /// The connections quick counts found, to ask about again (shared with the blocking thread

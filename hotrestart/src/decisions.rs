@@ -130,6 +130,7 @@ impl Family {
                 .drain(DrainOptions {
                     listeners: Scope::Auto,
                     skip_exit: false,
+                    hold_notice: false,
                 })
                 .await
         })
@@ -1364,6 +1365,7 @@ async fn a_successor_told_to_drain_while_taking_over_kills_its_child_and_leaves(
         .drain(DrainOptions {
             listeners: Scope::Auto,
             skip_exit: false,
+            hold_notice: false,
         })
         .await
         .unwrap();

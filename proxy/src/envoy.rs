@@ -292,7 +292,14 @@ impl Proxy for Envoy {
             options.skip_exit,
         )
         .await?;
-        crate::drain_notice::tell(&self.config, 0);
+        if options.hold_notice {
+            tracing::info!(
+                event = "drain_notice_held",
+                "no drain notice: the app still calls out through envoy's outbound listeners"
+            );
+        } else {
+            crate::drain_notice::tell(&self.config, 0);
+        }
         Ok(plan)
     }
 

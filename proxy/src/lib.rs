@@ -162,6 +162,10 @@ pub struct DrainOptions {
     pub listeners: Scope,
     /// Keep the listeners accepting for as long as Envoy runs.
     pub skip_exit: bool,
+    /// Leave out the drain notice (`drain_notice`): it reaches every connection manager
+    /// Envoy-wide, and a sidecar's app still calls out through its outbound listeners. A proxy
+    /// that never serves a sidecar (hot restart) tells it all the same.
+    pub hold_notice: bool,
 }
 
 /// What an accepted config update did.

@@ -74,6 +74,12 @@ pub struct Listener {
     pub port: Option<u16>,
     /// A UDP (QUIC) listener: the kernel's TCP table does not see its connections.
     pub udp: bool,
+    /// `drain_type: MODIFY_ONLY`: Envoy's failed health checks (`/healthcheck/fail`) do not
+    /// drain it (they drain every `DEFAULT` one).
+    pub modify_only: bool,
+    /// `bypass_overload_manager: true` (Envoy 1.31+): the overload manager's actions, the
+    /// agent's drain notice among them, do not reach its connections.
+    pub bypasses_overload_manager: bool,
 }
 
 /// How many drained listeners a log line names.
@@ -250,6 +256,8 @@ pub async fn read(admin: &AdminClient) -> Result<Vec<Listener>, AdminError> {
                 ),
                 port: status.local_address.map(|a| a.port()),
                 udp: config.is_some_and(|c| c.udp),
+                modify_only: config.is_some_and(|c| c.modify_only),
+                bypasses_overload_manager: config.is_some_and(|c| c.bypasses_overload_manager),
                 name: status.name,
             }
         })
@@ -305,6 +313,8 @@ struct Configured {
     direction: Direction,
     stat_name: String,
     udp: bool,
+    modify_only: bool,
+    bypasses_overload_manager: bool,
 }
 
 #[derive(Deserialize)]
@@ -334,6 +344,9 @@ struct RawListener {
     #[serde(default)]
     stat_prefix: String,
     address: Option<RawAddress>,
+    drain_type: Option<String>,
+    #[serde(default)]
+    bypass_overload_manager: bool,
 }
 
 #[derive(Deserialize)]
@@ -379,6 +392,8 @@ fn parse_dump(body: &[u8]) -> Result<Vec<Configured>, serde_json::Error> {
                 direction: Direction::parse(l.traffic_direction.as_deref()),
                 stat_name,
                 udp,
+                modify_only: l.drain_type.as_deref() == Some("MODIFY_ONLY"),
+                bypasses_overload_manager: l.bypass_overload_manager,
             }
         })
         .collect())
@@ -395,6 +410,8 @@ mod tests {
             stat_name: format!("{name}_stats"),
             port: Some(1),
             udp: false,
+            modify_only: false,
+            bypasses_overload_manager: false,
         }
     }
 
@@ -534,7 +551,8 @@ mod tests {
             ]
         );
         let dynamics = br#"{"configs":[{"name":"lds_out","active_state":{"listener":{
-            "name":"lds_out","traffic_direction":"OUTBOUND",
+            "name":"lds_out","traffic_direction":"OUTBOUND","drain_type":"MODIFY_ONLY",
+            "bypass_overload_manager":true,
             "address":{"socket_address":{"address":"0.0.0.0","port_value":15001}}}}},
             {"name":"warming_only"}]}"#;
         let parsed = parse_dump(dynamics).unwrap();
@@ -545,6 +563,14 @@ mod tests {
         );
         assert_eq!(parsed[0].direction, Direction::Outbound);
         assert_eq!(parsed[0].stat_name, "0.0.0.0_15001");
+        // What a sidecar's app rule asks of an outbound listener (issue 49).
+        assert!(parsed[0].modify_only && parsed[0].bypasses_overload_manager);
+        let statics = parse_dump(statics).unwrap();
+        assert!(
+            statics
+                .iter()
+                .all(|c| !c.modify_only && !c.bypasses_overload_manager)
+        );
         assert!(parse_dump(b"{}").unwrap().is_empty());
     }
 }

@@ -194,6 +194,7 @@ async fn drain_with_skip_exit_keeps_accepting_and_closes_connections() {
         .drain(DrainOptions {
             listeners: Scope::All,
             skip_exit: true,
+            hold_notice: false,
         })
         .await
         .unwrap();

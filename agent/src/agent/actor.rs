@@ -25,12 +25,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::Agent;
 use super::handle::{AgentError, Command, Reply};
-use super::shutdown::{
-    self, Answer, Counted, ListenersRead, Pace, Pending, Shutdown, Step, Tally, settle,
-};
-use super::state::{
-    AgentConfig, AgentExit, AgentState, DrainPhase, DrainProgress, DrainReason, ExitPath, Via,
-};
+use super::shutdown::{self, Answer, Counted, Ending, ListenersRead, Pace, Shutdown, Step, Tally};
+use super::state::{AgentConfig, AgentExit, AgentState, DrainPhase, DrainReason, ExitPath, Via};
 use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
 use crate::signal::{Intent, IntentSource};
 use crate::timeline::Step as TimelineStep;
@@ -63,23 +59,13 @@ pub(super) enum OnSignal {
 pub(super) enum Mode {
     /// Envoy runs (starting or LIVE).
     Running(OnSignal),
-    /// A drain request was accepted (or is being asked): Envoy drains and keeps running; the
-    /// next SIGTERM stops.
-    Drained {
-        reason: DrainReason,
-        /// The latest drain request, while it is out.
-        request: Pending<Result<DrainPlan, ProxyError>>,
-        /// What the status says of it (what the last accepted request reached).
-        progress: Box<DrainProgress>,
-        /// Its callers, answered with its result.
-        replies: Vec<Reply<Option<DrainPlan>>>,
-    },
     /// A stop is coming (for `reason`): asking the proxy whether a successor pod takes over.
     Deciding {
         reason: DrainReason,
         successor: Call<Option<String>>,
     },
-    /// The graceful shutdown: delay, drain, wait.
+    /// The graceful shutdown's timeline: delay, drain, wait, stop; or a drain request's,
+    /// which ends with Envoy drained and serving (until a signal continues it to the stop).
     ShuttingDown(Box<Shutdown>),
     /// A successor pod takes over: waiting for it to terminate our Envoy (or, should it go
     /// away, to drain our own for `reason`).
@@ -119,6 +105,8 @@ pub(super) enum Transition {
     Decide(DrainReason),
     /// Stop Envoy now, by this path.
     StopNow(ExitPath),
+    /// A drain request's timeline goes on to the stop.
+    Continue,
     /// Nothing changes (why, for the log).
     Stay(&'static str),
 }
@@ -133,6 +121,7 @@ pub(super) fn on_stop(mode: &Mode, ask: StopAsk) -> Transition {
         (_, Mode::Stopping(_)) => Transition::Stay("already stopping"),
         (StopAsk::Quit(via), _) => Transition::StopNow(ExitPath::QuitQuitQuit(via)),
         (_, Mode::Recovering { .. }) => Transition::StopNow(ExitPath::StoppedWhileRecovering),
+        (_, Mode::ShuttingDown(s)) if s.ending() == Ending::KeepServing => Transition::Continue,
         (
             StopAsk::Signal(_),
             Mode::ShuttingDown(_) | Mode::Deciding { .. } | Mode::HandingOver { .. },
@@ -141,9 +130,7 @@ pub(super) fn on_stop(mode: &Mode, ask: StopAsk) -> Transition {
             StopAsk::Stop,
             Mode::ShuttingDown(_) | Mode::Deciding { .. } | Mode::HandingOver { .. },
         ) => Transition::Stay("already on the way out"),
-        (_, Mode::Drained { .. } | Mode::Running(OnSignal::StopAtOnce)) => {
-            Transition::StopNow(ExitPath::SignalAfterDrain)
-        }
+        (_, Mode::Running(OnSignal::StopAtOnce)) => Transition::StopNow(ExitPath::SignalAfterDrain),
         (StopAsk::Signal(intent), Mode::Running(OnSignal::Drain)) => {
             Transition::Decide(DrainReason::Signal(intent))
         }
@@ -171,6 +158,10 @@ enum Event {
     Counted(Counted),
     /// A reading of what each counted listener holds.
     ListenersRead(ListenersRead),
+    /// Envoy's listeners, for a sidecar's app rule.
+    OutboundRead(Result<Vec<envoy_agent_proxy::listeners::Listener>, String>),
+    /// Whether the app holds a connection to an outbound listener.
+    AppProbed(Result<bool, DrainError>),
     /// The mode's timer.
     Tick,
 }
@@ -265,7 +256,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         let mode = match &self.mode {
             Mode::HandingOver { until, .. } => Some(*until),
             Mode::Recovering { next_at, .. } => Some(*next_at),
-            Mode::ShuttingDown(s) => s.next_wake(),
+            Mode::ShuttingDown(s) => s.next_wake(Instant::now()),
             _ => None,
         };
         earliest(mode, self.crash_loop.streak_ends_at())
@@ -293,6 +284,19 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 if let Mode::ShuttingDown(s) = &mut self.mode {
                     s.listeners_read(read, Instant::now());
                 }
+            }
+            Event::OutboundRead(read) => {
+                let exclusions = &self.agent.config.exclusions;
+                if let Mode::ShuttingDown(s) = &mut self.mode {
+                    s.outbound_read(read, |p| exclusions.counts_port(p), Instant::now());
+                }
+                self.on_tick();
+            }
+            Event::AppProbed(held) => {
+                if let Mode::ShuttingDown(s) = &mut self.mode {
+                    s.probed(held, Instant::now());
+                }
+                self.on_tick();
             }
             Event::Tick => self.on_tick(),
         }
@@ -336,6 +340,16 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         match on_stop(&self.mode, ask) {
             Transition::Stay(why) => tracing::info!(?ask, "{why}"),
             Transition::StopNow(path) => self.stop(path),
+            Transition::Continue => {
+                tracing::info!(
+                    ?ask,
+                    "stopping: the drain request's timeline goes on to the stop"
+                );
+                if let Mode::ShuttingDown(s) = &mut self.mode {
+                    s.continue_to_stop(&self.agent.config);
+                }
+                self.on_tick();
+            }
             Transition::Decide(reason) => {
                 tracing::info!(%reason, "stopping: is a successor pod taking over?");
                 self.drain_started.get_or_insert_with(Instant::now);
@@ -373,7 +387,6 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         self.stop_began = Some(Instant::now());
         let drained = match &self.mode {
             Mode::ShuttingDown(s) => s.progress().drained.as_ref(),
-            Mode::Drained { progress, .. } => progress.drained.as_ref(),
             _ => None,
         }
         .map(DrainPlan::drained_names);
@@ -390,10 +403,8 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 .map(|open| format!(" (still open: {open})"))
                 .unwrap_or_default()
         );
-        if let Mode::Drained { replies, .. } =
-            std::mem::replace(&mut self.mode, Mode::Stopping(path))
-        {
-            for reply in replies {
+        if let Mode::ShuttingDown(mut s) = std::mem::replace(&mut self.mode, Mode::Stopping(path)) {
+            for reply in s.take_replies() {
                 let _ = reply.send(Ok(None));
             }
         }
@@ -479,7 +490,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Command::HotRestart { reason, reply } => {
                 // After a drain request the proxy refuses on its own (or has no hot restart
                 // at all); on the way out, the agent refuses.
-                if matches!(self.mode, Mode::Running(_) | Mode::Drained { .. }) {
+                if matches!(self.mode, Mode::Running(_)) {
                     self.spawn_reply(Some(reply), |p| async move {
                         p.hot_restart(reason).await.map_err(AgentError::Restart)
                     });
@@ -520,35 +531,30 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         via: Via,
         reply: Reply<Option<DrainPlan>>,
     ) {
-        let call = drain_call(&self.agent.proxy, options);
         match &mut self.mode {
             Mode::Running(_) => {
                 let reason = DrainReason::Request(via);
-                tracing::info!(%reason, skip_exit = options.skip_exit, "draining on request: envoy keeps running, the next SIGTERM stops it");
+                let config = &self.agent.config;
+                tracing::info!(
+                    %reason,
+                    skip_exit = options.skip_exit,
+                    drain_delay = ?config.drain_delay,
+                    "draining on request, on the shutdown's timeline: envoy keeps running, a signal continues to the stop"
+                );
                 self.drain_started.get_or_insert_with(Instant::now);
                 self.drain_reason.get_or_insert(reason);
-                self.mode = Mode::Drained {
+                self.mode = Mode::ShuttingDown(Box::new(Shutdown::begin_request(
+                    config,
                     reason,
-                    request: Some(call),
-                    progress: Box::new(DrainProgress {
-                        reason,
-                        started: SystemTime::now(),
-                        deadline: None,
-                        counting: None,
-                        last_count: None,
-                        listeners: None,
-                        drained: None,
-                    }),
-                    replies: vec![reply],
-                };
+                    options,
+                    reply,
+                    Instant::now(),
+                    SystemTime::now(),
+                )));
+                self.on_tick();
             }
-            // Asked again: the latest request's answer goes to every caller.
-            Mode::Drained {
-                request, replies, ..
-            } => {
-                *request = Some(call);
-                replies.push(reply);
-            }
+            // Asked again: answered with the drain's answer.
+            Mode::ShuttingDown(s) if s.ending() == Ending::KeepServing => s.add_reply(reply),
             Mode::Recovering { .. } => {
                 let _ = reply.send(Err(AgentError::DrainFailed(RECOVERING.to_owned())));
             }
@@ -609,24 +615,8 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 tracing::warn!(event = "drain_request_failed", error = %e, "drain request failed")
             }
         }
-        match &mut self.mode {
-            Mode::ShuttingDown(s) => s.drain_answered(&result, Instant::now()),
-            Mode::Drained {
-                replies, progress, ..
-            } => {
-                if let Ok(plan) = &result {
-                    progress.drained = Some(plan.clone());
-                }
-                for reply in replies.drain(..) {
-                    let _ = reply.send(
-                        result
-                            .as_ref()
-                            .map(|plan| Some(plan.clone()))
-                            .map_err(|e| AgentError::DrainFailed(e.to_string())),
-                    );
-                }
-            }
-            _ => {}
+        if let Mode::ShuttingDown(s) = &mut self.mode {
+            s.drain_answered(&result, Instant::now());
         }
     }
 
@@ -704,7 +694,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 }
                 Step::SendDrain => {
                     let first = !s.drain_asked();
-                    let call = drain_call(&self.agent.proxy, DrainOptions::default());
+                    let call = drain_call(&self.agent.proxy, s.drain_options(now));
                     if first {
                         step_taken(TimelineStep::Drain, offset_ms);
                     }
@@ -722,6 +712,35 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                     let call = self.listeners_call();
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.listeners_sent(now, call);
+                    }
+                }
+                Step::ReadOutbound => {
+                    let admin = self.agent.proxy.admin_address().map(AdminClient::new);
+                    let call: Call<_> = Box::pin(async move {
+                        match admin {
+                            Some(admin) => envoy_agent_proxy::listeners::read(&admin)
+                                .await
+                                .map_err(|e| e.to_string()),
+                            None => Err("envoy's admin address is not known".to_owned()),
+                        }
+                    });
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.outbound_sent(call);
+                    }
+                }
+                Step::ProbeApp => {
+                    let pid = self.proxy_state.borrow().epochs.first().map(|e| e.pid);
+                    let Some((ports, known)) = s.probe() else {
+                        return;
+                    };
+                    let call: Call<_> = Box::pin(async move {
+                        match pid {
+                            Some(pid) => envoy_agent_drain::any_held(pid, ports, known).await,
+                            None => Err(DrainError::NoProcess),
+                        }
+                    });
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.probe_sent(now, call);
                     }
                 }
                 Step::Stop(path) => {
@@ -803,12 +822,6 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 since: now,
                 successor: successor.clone(),
             },
-            Mode::Drained { reason, .. } => AgentState::Draining {
-                since: now,
-                reason: *reason,
-                phase: DrainPhase::Draining,
-                ready: false,
-            },
             Mode::Running(_) => match proxy.phase {
                 ProxyPhase::Serving => AgentState::Live { since: now },
                 ProxyPhase::HandedOver => AgentState::HandedOver {
@@ -824,7 +837,6 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         };
         let drain = match &self.mode {
             Mode::ShuttingDown(s) => Some(s.progress().clone()),
-            Mode::Drained { progress, .. } => Some((**progress).clone()),
             _ => None,
         };
         let crashes = self.crash_loop.crashes();
@@ -1148,12 +1160,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
 async fn mode_work(mode: &mut Mode) -> Event {
     match mode {
         Mode::Deciding { successor, .. } => Event::Successor(successor.await),
-        Mode::Drained { request, .. } => Event::DrainAnswered(settle(request).await),
         Mode::ShuttingDown(s) => match s.answer().await {
             Answer::Drain(result) => Event::DrainAnswered(result),
             Answer::HealthChecks(result) => Event::HealthChecksAnswered(result),
             Answer::Count(counted) => Event::Counted(counted),
             Answer::Listeners(read) => Event::ListenersRead(read),
+            Answer::Outbound(read) => Event::OutboundRead(read),
+            Answer::App(held) => Event::AppProbed(held),
         },
         _ => std::future::pending().await,
     }
@@ -1294,20 +1307,14 @@ mod tests {
             ("running, no drain", Mode::Running(OnSignal::StopAtOnce)),
             (
                 "drained",
-                Mode::Drained {
-                    reason: DrainReason::Request(Via::Grpc),
-                    request: None,
-                    progress: Box::new(DrainProgress {
-                        reason: DrainReason::Request(Via::Grpc),
-                        started: SystemTime::now(),
-                        deadline: None,
-                        counting: None,
-                        last_count: None,
-                        listeners: None,
-                        drained: None,
-                    }),
-                    replies: Vec::new(),
-                },
+                Mode::ShuttingDown(Box::new(Shutdown::begin_request(
+                    &AgentConfig::default(),
+                    DrainReason::Request(Via::Grpc),
+                    DrainOptions::default(),
+                    tokio::sync::oneshot::channel().0,
+                    now,
+                    SystemTime::now(),
+                ))),
             ),
             ("deciding", deciding()),
             (
@@ -1370,9 +1377,9 @@ mod tests {
             (
                 "drained",
                 [
-                    StopNow(SignalAfterDrain),
-                    StopNow(SignalAfterDrain),
-                    StopNow(SignalAfterDrain),
+                    Continue,
+                    Continue,
+                    Continue,
                     StopNow(QuitQuitQuit(Via::Http)),
                 ],
             ),

@@ -113,6 +113,7 @@ impl AgentHandle {
             DrainOptions {
                 listeners: Scope::Auto,
                 skip_exit: true,
+                hold_notice: false,
             },
             via,
         )

@@ -15,17 +15,21 @@
 //! ([`Shutdown::drain_answered`], [`Shutdown::counted`], ...). Dropping a `Shutdown` drops its
 //! calls (their connections close).
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
 use envoy_agent_drain::{Counting, DrainError, ListenerActivity};
-use envoy_agent_proxy::{DrainPlan, ProxyError};
+use envoy_agent_proxy::listeners::{Direction, Listener};
+use envoy_agent_proxy::{DrainOptions, DrainPlan, ProxyError};
 use tokio::time::Instant;
 
+use crate::defaults::{APP_LET_GO, APP_PROBE_EVERY};
 use crate::timeline::HealthCheckFailAt;
 
-use super::state::{AgentConfig, DrainPhase, DrainProgress, DrainReason, ExitPath};
+use super::handle::{AgentError, Reply};
+use super::state::{AgentConfig, AppWatch, DrainPhase, DrainProgress, DrainReason, ExitPath};
 
 /// A call beside the loop, if one is out.
 pub(super) type Pending<T> = Option<Pin<Box<dyn Future<Output = T> + Send>>>;
@@ -126,6 +130,10 @@ pub(super) enum Step {
     Count(Tally),
     /// Read what each counted listener holds (exit-on-zero, for the status).
     ReadListeners,
+    /// Read Envoy's listeners, for the outbound ones a sidecar's app calls out through.
+    ReadOutbound,
+    /// Ask the kernel whether the app holds a connection to an outbound listener's port.
+    ProbeApp,
     /// Stop Envoy: the drain is over, by this path.
     Stop(ExitPath),
     /// Nothing before this instant (none: before an answer comes).
@@ -138,6 +146,61 @@ pub(super) enum Answer {
     HealthChecks(Result<(), ProxyError>),
     Count(Counted),
     Listeners(ListenersRead),
+    /// Envoy's listeners (or why they could not be read).
+    Outbound(Result<Vec<Listener>, String>),
+    /// Whether the app holds a connection to an outbound listener.
+    App(Result<bool, DrainError>),
+}
+
+/// How a timeline ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ending {
+    /// Envoy is stopped (a signal, gRPC `Stop`).
+    Stop,
+    /// Envoy keeps serving, drained (a drain request: `/drain`, gRPC `Drain`); a signal that
+    /// follows continues the timeline to the stop ([`Shutdown::continue_to_stop`]).
+    KeepServing,
+}
+
+/// A sidecar's app rule (`--app-hold`): the app beside Envoy, as Envoy's outbound listeners
+/// see it. The app calls out through them; while it holds a connection to one it is still at
+/// work (it is shutting down), and Envoy keeps serving it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum App {
+    /// Not watched: a node proxy, `--app-hold off`, no outbound listener, or they could not
+    /// be read.
+    Off,
+    /// Envoy's listeners are to be read (`sent`: the reading is out).
+    Reading { sent: bool },
+    /// Watching the outbound listeners' `ports`.
+    Watched {
+        ports: BTreeSet<u16>,
+        reaches: Reaches,
+        seen: Seen,
+    },
+}
+
+/// Which of the timeline's Envoy-wide steps would tell an outbound listener's clients to
+/// close (measured on 1.40; docs/shutdown.md has the table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Reaches {
+    /// Failed health checks drain every `drain_type: DEFAULT` listener.
+    health_checks: bool,
+    /// The drain notice reaches every listener but those that bypass the overload manager.
+    notice: bool,
+}
+
+/// What the app rule's probes saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    /// Nothing asked yet: the Envoy-wide steps wait for the first answer.
+    Unprobed,
+    /// Never seen holding a connection: nothing is held for it.
+    Never,
+    /// Holding at the last probe.
+    Holding,
+    /// It held, and has held none since `since`.
+    LetGo { since: Instant },
 }
 
 /// Where the shutdown's drain request to Envoy is.
@@ -213,6 +276,24 @@ pub(super) struct Shutdown {
     next_count: Instant,
     /// When the next count is a whole one.
     next_whole: Instant,
+    /// Exit-on-zero reached zero while the app still held Envoy: the stop waits for it.
+    zero: Option<Counting>,
+    /// What ends the timeline.
+    ending: Ending,
+    /// What the drain request asks.
+    options: DrainOptions,
+    /// A drain request's callers, answered once Envoy accepts the drain.
+    replies: Vec<Reply<Option<DrainPlan>>>,
+    /// A sidecar's app rule.
+    app: App,
+    /// The app rule holds nothing from here on (`--app-hold` after the signal).
+    app_until: Instant,
+    app_call: Pending<Result<bool, DrainError>>,
+    outbound_call: Pending<Result<Vec<Listener>, String>>,
+    next_probe: Instant,
+    /// The connections the app's probes found, asked about again by the next.
+    app_known: envoy_agent_drain::Known,
+    app_errors: u32,
     /// The connections the quick counts found, asked about again by the next.
     known: envoy_agent_drain::Known,
     poll_interval: Duration,
@@ -240,9 +321,44 @@ impl Shutdown {
         now: Instant,
         wall: SystemTime,
     ) -> Shutdown {
+        Shutdown::timeline(
+            config,
+            reason,
+            Ending::Stop,
+            DrainOptions::default(),
+            now,
+            wall,
+        )
+    }
+
+    /// A drain request's timeline (`/drain`, gRPC `Drain`): the same steps as a shutdown's,
+    /// ending with Envoy drained and serving; `reply` hears once Envoy accepts the drain.
+    pub(super) fn begin_request(
+        config: &AgentConfig,
+        reason: DrainReason,
+        options: DrainOptions,
+        reply: Reply<Option<DrainPlan>>,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Shutdown {
+        let mut s = Shutdown::timeline(config, reason, Ending::KeepServing, options, now, wall);
+        s.replies.push(reply);
+        s
+    }
+
+    fn timeline(
+        config: &AgentConfig,
+        reason: DrainReason,
+        ending: Ending,
+        options: DrainOptions,
+        now: Instant,
+        wall: SystemTime,
+    ) -> Shutdown {
         let drain_at = now + config.drain_delay;
         let count_from = drain_at + config.minimum_drain_duration;
-        let deadline = config.drain_deadline();
+        let stops = ending == Ending::Stop;
+        let deadline = config.drain_deadline().filter(|_| stops);
+        let counting = config.exit_on_zero.filter(|_| stops);
         Shutdown {
             reason,
             began: now,
@@ -256,10 +372,24 @@ impl Shutdown {
             health_call: None,
             drain_at,
             drain: DrainAsk::Due,
-            counting: config.exit_on_zero,
+            counting,
             count_from,
             next_count: count_from,
             next_whole: count_from,
+            zero: None,
+            ending,
+            options,
+            replies: Vec::new(),
+            app: match config.app_hold {
+                Some(_) => App::Reading { sent: false },
+                None => App::Off,
+            },
+            app_until: now + config.app_hold.unwrap_or_default(),
+            app_call: None,
+            outbound_call: None,
+            next_probe: now,
+            app_known: envoy_agent_drain::Known::default(),
+            app_errors: 0,
             known: envoy_agent_drain::Known::default(),
             poll_interval: config.poll_interval,
             deadline: deadline.map(|d| drain_at + d),
@@ -270,10 +400,12 @@ impl Shutdown {
                 reason,
                 started: wall,
                 deadline: deadline.map(|d| wall + config.drain_delay + d),
-                counting: config.exit_on_zero,
+                counting,
                 last_count: None,
                 listeners: None,
                 drained: None,
+                app: config.app_hold.map(|_| AppWatch::Unknown),
+                stops,
             },
             drain_call: None,
             count_call: None,
@@ -311,12 +443,25 @@ impl Shutdown {
 
     /// What is due at `now`. The drain request goes out before a deadline at the same
     /// instant is judged, so that a zero termination drain duration stops on a request just
-    /// sent (unanswered, not failed).
+    /// sent (unanswered, not failed). A sidecar's Envoy-wide steps wait for the app rule's
+    /// first answer, and those that would tell the app's outbound connections to close wait
+    /// while it holds them.
     pub(super) fn poll(&self, now: Instant) -> Step {
         if !self.not_ready_said && self.not_ready_at <= now {
             return Step::NotReady;
         }
+        if self.app == (App::Reading { sent: false }) {
+            return Step::ReadOutbound;
+        }
+        // The app let go, or its hold ran out with the drain over: what was held for it is
+        // not worth doing now.
+        if self.app_seen() {
+            if let Some(path) = self.due_stop(now) {
+                return Step::Stop(path);
+            }
+        }
         let health_due = self.health_call.is_none()
+            && !self.health_held(now)
             && match self.health {
                 Some(HealthAsk::Due { at }) => at <= now,
                 Some(HealthAsk::Failed { retry_at }) => retry_at <= now,
@@ -326,6 +471,7 @@ impl Shutdown {
             return Step::FailHealthChecks;
         }
         let drain_due = self.drain_call.is_none()
+            && !self.app_undecided(now)
             && match &self.drain {
                 DrainAsk::Due => self.drain_at <= now,
                 DrainAsk::Failed { retry_at, .. } => *retry_at <= now,
@@ -334,22 +480,13 @@ impl Shutdown {
         if drain_due {
             return Step::SendDrain;
         }
-        if self.deadline.is_some_and(|d| d <= now) {
-            // Never claim a drain that Envoy did not accept, nor that anything remained
-            // unless it was counted.
-            return Step::Stop(
-                match (self.drain.failure(now), self.counting, self.last_count) {
-                    (Some(_), ..) => ExitPath::DrainFailed,
-                    (None, Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
-                    _ => ExitPath::DrainTimeElapsed,
-                },
-            );
+        if let Some(path) = self.due_stop(now) {
+            return Step::Stop(path);
         }
-        if self.counting.is_some()
-            && self.drain != DrainAsk::Due
-            && self.count_call.is_none()
-            && self.count_from.max(self.next_count) <= now
-        {
+        if self.probe_due(now) {
+            return Step::ProbeApp;
+        }
+        if self.count_due(now) {
             return Step::Count(if self.next_whole <= now {
                 Tally::Whole
             } else {
@@ -359,7 +496,118 @@ impl Shutdown {
         if self.listeners_due(now) {
             return Step::ReadListeners;
         }
-        Step::Wait(self.next_wake())
+        Step::Wait(self.next_wake(now))
+    }
+
+    /// Whether the timeline has come to the stop at `now`, and by which path. The app
+    /// letting go ends it at once; the drain's own end (zero, the deadline) waits while the
+    /// app holds Envoy, until `--app-hold` runs out.
+    fn due_stop(&self, now: Instant) -> Option<ExitPath> {
+        if self.ending != Ending::Stop {
+            return None;
+        }
+        if self.app_let_go(now) {
+            return Some(ExitPath::AppDone);
+        }
+        let over = match (self.zero, self.deadline) {
+            (Some(what), _) => ExitPath::ZeroActive(what),
+            (None, Some(d)) if d <= now => {
+                // Never claim a drain that Envoy did not accept, nor that anything remained
+                // unless it was counted.
+                match (self.drain.failure(now), self.counting, self.last_count) {
+                    (Some(_), ..) => ExitPath::DrainFailed,
+                    (None, Some(what), Some(n)) if n > 0 => ExitPath::DrainDeadline(what),
+                    _ => ExitPath::DrainTimeElapsed,
+                }
+            }
+            _ => return None,
+        };
+        if self.app_holds(now) {
+            return None;
+        }
+        if self.app_seen() && self.app_until <= now {
+            return Some(ExitPath::AppHoldElapsed);
+        }
+        Some(over)
+    }
+
+    fn count_due(&self, now: Instant) -> bool {
+        self.counting.is_some()
+            && self.zero.is_none()
+            && self.drain != DrainAsk::Due
+            && self.count_call.is_none()
+            && self.count_from.max(self.next_count) <= now
+    }
+
+    /// The app rule has not answered yet: the drain and the health checks wait for it.
+    fn app_undecided(&self, now: Instant) -> bool {
+        now < self.app_until
+            && matches!(
+                self.app,
+                App::Reading { .. }
+                    | App::Watched {
+                        seen: Seen::Unprobed,
+                        ..
+                    }
+            )
+    }
+
+    /// The app holds Envoy at `now`: seen holding a connection to an outbound listener (or
+    /// letting go, not for long enough yet), before `--app-hold` runs out.
+    fn app_holds(&self, now: Instant) -> bool {
+        now < self.app_until
+            && matches!(
+                self.app,
+                App::Watched {
+                    seen: Seen::Holding | Seen::LetGo { .. },
+                    ..
+                }
+            )
+            && !self.app_let_go(now)
+    }
+
+    /// The app held a connection since the signal, and none for [`APP_LET_GO`].
+    fn app_let_go(&self, now: Instant) -> bool {
+        matches!(self.app, App::Watched { seen: Seen::LetGo { since }, .. } if since + APP_LET_GO <= now)
+    }
+
+    /// The app was seen holding a connection since the signal.
+    fn app_seen(&self) -> bool {
+        matches!(
+            self.app,
+            App::Watched {
+                seen: Seen::Holding | Seen::LetGo { .. },
+                ..
+            }
+        )
+    }
+
+    /// The health checks wait: failing them would drain the outbound listeners the app still
+    /// calls out through (or may: the first answer has not come).
+    fn health_held(&self, now: Instant) -> bool {
+        let reaches = match &self.app {
+            App::Reading { .. } => true,
+            App::Watched { reaches, .. } => reaches.health_checks,
+            App::Off => false,
+        };
+        reaches && (self.app_undecided(now) || self.app_holds(now))
+    }
+
+    fn probe_due(&self, now: Instant) -> bool {
+        matches!(self.app, App::Watched { .. })
+            && self.app_call.is_none()
+            && now < self.app_until
+            && self.next_probe <= now
+    }
+
+    /// What the drain request asks at `now`: the notice left out while the app holds Envoy
+    /// and the notice would reach its outbound connections.
+    pub(super) fn drain_options(&self, now: Instant) -> DrainOptions {
+        let notice_reaches = matches!(&self.app, App::Watched { reaches, .. } if reaches.notice);
+        DrainOptions {
+            hold_notice: notice_reaches && self.app_holds(now),
+            ..self.options
+        }
     }
 
     /// Why Envoy never accepted a drain, as judged at `now` (for [`ExitPath::DrainFailed`]).
@@ -368,27 +616,56 @@ impl Shutdown {
     }
 
     /// The next instant something is due on its own (none: only an answer moves it on).
-    pub(super) fn next_wake(&self) -> Option<Instant> {
-        let mut wake = self.deadline;
-        let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w| w.min(t)));
+    /// What is held (by the app rule) waits for the rule's answers, not for its instant.
+    pub(super) fn next_wake(&self, now: Instant) -> Option<Instant> {
+        let mut wake = None;
+        let mut consider = |t: Instant| wake = Some(wake.map_or(t, |w: Instant| w.min(t)));
+        if let Some(d) = self.deadline.filter(|_| !self.app_holds(now)) {
+            consider(d);
+        }
         if !self.not_ready_said {
             consider(self.not_ready_at);
         }
-        match self.health {
-            Some(HealthAsk::Due { at }) => consider(at),
-            Some(HealthAsk::Failed { retry_at }) => consider(retry_at),
-            Some(HealthAsk::InFlight | HealthAsk::Accepted) | None => {}
+        if self.app == (App::Reading { sent: false }) {
+            consider(self.began);
         }
-        match &self.drain {
-            DrainAsk::Due => consider(self.drain_at),
-            DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
-            DrainAsk::InFlight { .. } | DrainAsk::Accepted => {}
+        if !self.health_held(now) {
+            match self.health {
+                Some(HealthAsk::Due { at }) => consider(at),
+                Some(HealthAsk::Failed { retry_at }) => consider(retry_at),
+                Some(HealthAsk::InFlight | HealthAsk::Accepted) | None => {}
+            }
         }
-        if self.counting.is_some() && self.drain != DrainAsk::Due && self.count_call.is_none() {
+        if !self.app_undecided(now) {
+            match &self.drain {
+                DrainAsk::Due => consider(self.drain_at),
+                DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
+                DrainAsk::InFlight { .. } | DrainAsk::Accepted => {}
+            }
+        }
+        if self.counting.is_some()
+            && self.zero.is_none()
+            && self.drain != DrainAsk::Due
+            && self.count_call.is_none()
+        {
             consider(self.next_count.max(self.count_from));
         }
         if self.counting.is_some() && self.drain != DrainAsk::Due && self.listeners_call.is_none() {
             consider(self.next_listeners);
+        }
+        if let App::Watched { seen, .. } = &self.app {
+            if self.app_call.is_none() && now < self.app_until {
+                consider(self.next_probe);
+            }
+            if let Seen::LetGo { since } = seen {
+                consider(*since + APP_LET_GO);
+            }
+            if self.app_seen() && now < self.app_until {
+                consider(self.app_until);
+            }
+            if matches!(seen, Seen::Unprobed) && now < self.app_until {
+                consider(self.app_until);
+            }
         }
         wake
     }
@@ -515,11 +792,195 @@ impl Shutdown {
             result = settle(&mut self.health_call) => Answer::HealthChecks(result),
             counted = settle(&mut self.count_call) => Answer::Count(counted),
             read = settle(&mut self.listeners_call) => Answer::Listeners(read),
+            read = settle(&mut self.outbound_call) => Answer::Outbound(read),
+            held = settle(&mut self.app_call) => Answer::App(held),
+        }
+    }
+
+    /// What ends the timeline.
+    pub(super) fn ending(&self) -> Ending {
+        self.ending
+    }
+
+    /// A drain request's timeline continues to the stop (a signal, gRPC `Stop`): the
+    /// deadline and exit-on-zero of a shutdown begun when the request was, so that the
+    /// signal does not start another timeline (a deadline already past stops at once).
+    pub(super) fn continue_to_stop(&mut self, config: &AgentConfig) {
+        if self.ending == Ending::Stop {
+            return;
+        }
+        self.ending = Ending::Stop;
+        let deadline = config.drain_deadline();
+        self.deadline = deadline.map(|d| self.drain_at + d);
+        self.counting = config.exit_on_zero;
+        self.progress.deadline = deadline.map(|d| self.progress.started + config.drain_delay + d);
+        self.progress.counting = config.exit_on_zero;
+        self.progress.stops = true;
+    }
+
+    /// Another drain request: answered now when Envoy already accepted the drain, else
+    /// with the first answer.
+    pub(super) fn add_reply(&mut self, reply: Reply<Option<DrainPlan>>) {
+        match (&self.drain, &self.progress.drained) {
+            (DrainAsk::Accepted, Some(plan)) => {
+                let _ = reply.send(Ok(Some(plan.clone())));
+            }
+            _ => self.replies.push(reply),
+        }
+    }
+
+    /// The drain request's callers, for the stop to answer (nothing more is asked of Envoy).
+    pub(super) fn take_replies(&mut self) -> Vec<Reply<Option<DrainPlan>>> {
+        std::mem::take(&mut self.replies)
+    }
+
+    /// The reading of Envoy's listeners for the app rule went out as `call`.
+    pub(super) fn outbound_sent(
+        &mut self,
+        call: Pin<Box<dyn Future<Output = Result<Vec<Listener>, String>> + Send>>,
+    ) {
+        self.app = App::Reading { sent: true };
+        self.outbound_call = Some(call);
+    }
+
+    /// Envoy's listeners, for the app rule: it watches the outbound TCP ones that count
+    /// (`counts`: not excluded), or nothing when there are none or they could not be read.
+    pub(super) fn outbound_read(
+        &mut self,
+        read: Result<Vec<Listener>, String>,
+        counts: impl Fn(u16) -> bool,
+        now: Instant,
+    ) {
+        let listeners = match read {
+            Ok(l) => l,
+            Err(why) => {
+                tracing::warn!(event = "app_rule_off", error = %why, "cannot read envoy's listeners: envoy is stopped on the drain's clock, whatever the app still does");
+                self.set_app(App::Off);
+                return;
+            }
+        };
+        let outbound: Vec<&Listener> = listeners
+            .iter()
+            .filter(|l| l.direction == Direction::Outbound && !l.udp)
+            .filter(|l| l.port.is_some_and(&counts))
+            .collect();
+        if outbound.is_empty() {
+            tracing::info!(
+                event = "app_rule_off",
+                "no outbound listener: nothing of the app's to wait for"
+            );
+            self.set_app(App::Off);
+            return;
+        }
+        let reaches = Reaches {
+            health_checks: outbound.iter().any(|l| !l.modify_only),
+            notice: outbound.iter().any(|l| !l.bypasses_overload_manager),
+        };
+        let ports = outbound.iter().filter_map(|l| l.port).collect();
+        self.next_probe = now;
+        self.set_app(App::Watched {
+            ports,
+            reaches,
+            seen: Seen::Unprobed,
+        });
+    }
+
+    /// What the app rule's next probe asks about: the outbound listeners' ports, and the
+    /// connections found before.
+    pub(super) fn probe(&self) -> Option<(BTreeSet<u16>, envoy_agent_drain::Known)> {
+        match &self.app {
+            App::Watched { ports, .. } => Some((ports.clone(), self.app_known.clone())),
+            _ => None,
+        }
+    }
+
+    /// A probe went out at `now` as `call`.
+    pub(super) fn probe_sent(
+        &mut self,
+        now: Instant,
+        call: Pin<Box<dyn Future<Output = Result<bool, DrainError>> + Send>>,
+    ) {
+        self.next_probe = now + APP_PROBE_EVERY;
+        self.app_call = Some(call);
+    }
+
+    /// A probe's answer at `now`: whether the app holds a connection to an outbound
+    /// listener. Failures, too many in a row, turn the rule off.
+    pub(super) fn probed(&mut self, held: Result<bool, DrainError>, now: Instant) {
+        let App::Watched { seen, .. } = &self.app else {
+            return;
+        };
+        let seen = *seen;
+        let next = match held {
+            Ok(true) => {
+                self.app_errors = 0;
+                if !matches!(seen, Seen::Holding | Seen::LetGo { .. }) {
+                    tracing::info!(
+                        event = "app_holding",
+                        "the app calls out through envoy's outbound listeners: envoy serves it until it lets go"
+                    );
+                }
+                Seen::Holding
+            }
+            Ok(false) => {
+                self.app_errors = 0;
+                match seen {
+                    Seen::Unprobed => Seen::Never,
+                    Seen::Holding => Seen::LetGo { since: now },
+                    other => other,
+                }
+            }
+            Err(e) => {
+                self.app_errors += 1;
+                tracing::debug!(error = %e, errors = self.app_errors, "cannot tell whether the app holds connections");
+                if self.app_errors >= self.stats_error_budget {
+                    tracing::warn!(event = "app_rule_off", error = %e, "cannot tell whether the app holds connections: envoy is stopped on the drain's clock");
+                    self.set_app(App::Off);
+                    return;
+                }
+                seen
+            }
+        };
+        if let App::Watched { seen, .. } = &mut self.app {
+            *seen = next;
+        }
+        self.progress.app = Some(self.app_watch(now));
+    }
+
+    fn set_app(&mut self, app: App) {
+        self.app = app;
+        self.progress.app = match self.app {
+            App::Off => None,
+            _ => Some(self.app_watch(self.began)),
+        };
+    }
+
+    /// What the status says of the app rule.
+    fn app_watch(&self, now: Instant) -> AppWatch {
+        match &self.app {
+            App::Off | App::Reading { .. } => AppWatch::Unknown,
+            App::Watched { seen, .. } => match seen {
+                Seen::Unprobed => AppWatch::Unknown,
+                Seen::Never => AppWatch::NotSeen,
+                _ if self.app_let_go(now) => AppWatch::LetGo,
+                Seen::Holding | Seen::LetGo { .. } => AppWatch::Holding {
+                    until: self.progress.started
+                        + self.app_until.saturating_duration_since(self.began),
+                },
+            },
         }
     }
 
     /// Envoy answered the drain request at `now`.
     pub(super) fn drain_answered(&mut self, result: &Result<DrainPlan, ProxyError>, now: Instant) {
+        for reply in self.replies.drain(..) {
+            let _ = reply.send(
+                result
+                    .as_ref()
+                    .map(|plan| Some(plan.clone()))
+                    .map_err(|e| AgentError::DrainFailed(e.to_string())),
+            );
+        }
         self.drain = match result {
             Ok(plan) => {
                 self.progress.drained = Some(plan.clone());
@@ -565,7 +1026,11 @@ impl Shutdown {
             }
         }
         match counted.count {
-            Ok(0) if !parent_draining => Some(ExitPath::ZeroActive(what)),
+            Ok(0) if !parent_draining => {
+                // Nothing more to count: the stop is now, or when the app lets go.
+                self.zero = Some(what);
+                self.due_stop(now)
+            }
             // Not zero, and no number for the status: the last whole count stands.
             Ok(n)
                 if matches!(counted.pace, Pace::Quick(_)) && n > 0 && self.last_count.is_some() =>
@@ -625,6 +1090,15 @@ mod tests {
 
     const SIGTERM: DrainReason = DrainReason::Signal(Intent::Terminate);
 
+    /// The defaults without the app rule (a node proxy's, or a sidecar's with `--app-hold
+    /// off`): the timeline alone. The rule's own tests turn it on.
+    fn config() -> AgentConfig {
+        AgentConfig {
+            app_hold: None,
+            ..AgentConfig::default()
+        }
+    }
+
     /// A shutdown begun now, its steps at the signal taken (readiness off, health checks
     /// failed) when they are due then.
     fn begin(config: &AgentConfig) -> (Shutdown, Instant) {
@@ -673,7 +1147,7 @@ mod tests {
     async fn the_drain_goes_out_after_the_delay_and_the_deadline_follows_the_termination_drain() {
         let config = AgentConfig {
             drain_delay: Duration::from_secs(3),
-            ..AgentConfig::default()
+            ..config()
         };
         let (mut s, t0) = begin(&config);
         assert_eq!(s.poll(t0), Step::Wait(Some(t0 + Duration::from_secs(3))));
@@ -696,7 +1170,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn by_default_readiness_health_checks_and_the_drain_go_at_the_signal_in_that_order() {
         let now = Instant::now();
-        let mut s = Shutdown::begin(&AgentConfig::default(), SIGTERM, now, SystemTime::now());
+        let mut s = Shutdown::begin(&config(), SIGTERM, now, SystemTime::now());
         assert!(!s.ready(now));
         assert_eq!(s.poll(now), Step::NotReady);
         s.not_ready_said();
@@ -714,7 +1188,7 @@ mod tests {
             not_ready_at: secs(10),
             fail_health_checks_at: HealthCheckFailAt::After(secs(15)),
             termination_drain_duration: secs(30),
-            ..AgentConfig::default()
+            ..config()
         };
         let t0 = Instant::now();
         let mut s = Shutdown::begin(&config, SIGTERM, t0, SystemTime::now());
@@ -749,7 +1223,7 @@ mod tests {
     async fn health_checks_off_are_never_asked_to_fail() {
         let config = AgentConfig {
             fail_health_checks_at: HealthCheckFailAt::Off,
-            ..AgentConfig::default()
+            ..config()
         };
         let (mut s, t0) = begin(&config);
         assert_eq!(s.poll(t0), Step::SendDrain);
@@ -764,7 +1238,7 @@ mod tests {
     async fn exit_on_zero_without_a_longer_termination_drain_has_no_deadline() {
         let config = AgentConfig {
             exit_on_zero: Some(Counting::Connections),
-            ..AgentConfig::default()
+            ..config()
         };
         assert_eq!(config.drain_deadline(), None);
         let (mut s, t0) = begin(&config);
@@ -788,7 +1262,7 @@ mod tests {
         let config = AgentConfig {
             exit_on_zero: Some(Counting::Connections),
             termination_drain_duration: Duration::from_secs(600),
-            ..AgentConfig::default()
+            ..config()
         };
         let (mut s, t0) = begin(&config);
         drain(&mut s, t0, Ok(accepted())).await;
@@ -856,7 +1330,7 @@ mod tests {
             exit_on_zero: Some(Counting::Connections),
             minimum_drain_duration: Duration::ZERO,
             termination_drain_duration: Duration::from_secs(600),
-            ..AgentConfig::default()
+            ..config()
         };
         let (mut s, t0) = begin(&config);
         assert_eq!(s.poll(t0), Step::SendDrain);
@@ -885,7 +1359,7 @@ mod tests {
         let config = AgentConfig {
             exit_on_zero: Some(Counting::Requests),
             termination_drain_duration: Duration::from_secs(60),
-            ..AgentConfig::default()
+            ..config()
         };
         let (mut s, t0) = begin(&config);
         assert_eq!(s.counted(counted(Ok(0)), true, t0), None);
@@ -900,7 +1374,7 @@ mod tests {
         let config = AgentConfig {
             exit_on_zero: Some(Counting::Connections),
             termination_drain_duration: Duration::from_secs(60),
-            ..AgentConfig::default()
+            ..config()
         };
         let end = Duration::from_secs(60);
         let (mut s, t0) = begin(&config);
@@ -930,7 +1404,7 @@ mod tests {
         let config = AgentConfig {
             exit_on_zero: Some(Counting::Connections),
             termination_drain_duration: Duration::from_secs(600),
-            ..AgentConfig::default()
+            ..config()
         };
         let (mut s, t0) = begin(&config);
         drain(&mut s, t0, Ok(accepted())).await;
@@ -974,7 +1448,7 @@ mod tests {
         let config = AgentConfig {
             exit_on_zero: Some(Counting::Connections),
             stats_error_budget: 2,
-            ..AgentConfig::default()
+            ..config()
         };
         let (mut s, t0) = begin(&config);
         assert_eq!(
@@ -984,6 +1458,201 @@ mod tests {
         assert_eq!(
             s.counted(counted(Err(DrainError::AdminUnknown)), false, t0),
             Some(ExitPath::StatsUnavailable(Counting::Connections))
+        );
+    }
+
+    // A sidecar's app rule (issue 49).
+
+    fn sidecar() -> AgentConfig {
+        AgentConfig {
+            app_hold: Some(Duration::from_secs(25)),
+            ..config()
+        }
+    }
+
+    fn envoy_listener(name: &str, direction: Direction, port: u16, marked: bool) -> Listener {
+        Listener {
+            name: name.to_owned(),
+            direction,
+            stat_name: name.to_owned(),
+            port: Some(port),
+            udp: false,
+            modify_only: marked,
+            bypasses_overload_manager: marked,
+        }
+    }
+
+    /// A sidecar's shutdown at `t0`, its outbound listener read (`marked`: MODIFY_ONLY and
+    /// bypassing the overload manager) and the app's first probe answered `held`.
+    fn sidecar_shutdown(config: &AgentConfig, marked: bool, held: bool) -> (Shutdown, Instant) {
+        let t0 = Instant::now();
+        let mut s = Shutdown::begin(config, SIGTERM, t0, SystemTime::now());
+        assert_eq!(s.poll(t0), Step::NotReady);
+        s.not_ready_said();
+        assert_eq!(s.poll(t0), Step::ReadOutbound, "the app rule reads first");
+        s.outbound_sent(never());
+        s.outbound_call = None;
+        // Nothing Envoy-wide before the rule knows the app.
+        assert!(matches!(s.poll(t0), Step::Wait(_)));
+        s.outbound_read(
+            Ok(vec![
+                envoy_listener("in", Direction::Inbound, 8080, false),
+                envoy_listener("out", Direction::Outbound, 15001, marked),
+            ]),
+            |_| true,
+            t0,
+        );
+        if marked {
+            // Nothing of the app's to hold them for.
+            assert_eq!(s.poll(t0), Step::FailHealthChecks);
+            s.health_checks_sent(never());
+            s.health_call = None;
+        }
+        assert_eq!(s.poll(t0), Step::ProbeApp);
+        assert_eq!(s.probe().unwrap().0, BTreeSet::from([15001]));
+        s.probe_sent(t0, never());
+        s.app_call = None;
+        if !marked {
+            assert!(
+                matches!(s.poll(t0), Step::Wait(_)),
+                "waits for the first probe"
+            );
+        }
+        s.probed(Ok(held), t0);
+        (s, t0)
+    }
+
+    /// The app's probe at `at` answers `held`.
+    fn probe(s: &mut Shutdown, at: Instant, held: bool) {
+        assert_eq!(s.poll(at), Step::ProbeApp);
+        s.probe_sent(at, never());
+        s.app_call = None;
+        s.probed(Ok(held), at);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sidecar_serves_an_app_that_holds_outbound_connections_until_it_lets_go() {
+        let config = AgentConfig {
+            fail_health_checks_at: HealthCheckFailAt::Drain,
+            ..sidecar()
+        };
+        let (mut s, t0) = sidecar_shutdown(&config, false, true);
+        // Health checks would drain the outbound listener: they wait. The drain goes, its
+        // notice left out.
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        assert!(s.drain_options(t0).hold_notice);
+        drain(&mut s, t0, Ok(accepted())).await;
+        assert_eq!(s.progress().app.map(AppWatch::name), Some("holding"));
+        // Past the drain's deadline (5 s) the app still calls out: Envoy serves it.
+        let mut at = t0;
+        while at < t0 + Duration::from_secs(12) {
+            at += APP_PROBE_EVERY;
+            probe(&mut s, at, true);
+            assert!(matches!(s.poll(at), Step::Wait(_)), "{:?}", s.poll(at));
+        }
+        // It exits: the stop follows once it has let go for long enough.
+        at += APP_PROBE_EVERY;
+        probe(&mut s, at, false);
+        let gone = at;
+        while at < gone + APP_LET_GO {
+            assert!(matches!(s.poll(at), Step::Wait(_)));
+            at += APP_PROBE_EVERY;
+            if at < gone + APP_LET_GO {
+                probe(&mut s, at, false);
+            }
+        }
+        assert_eq!(s.poll(gone + APP_LET_GO), Step::Stop(ExitPath::AppDone));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sidecar_whose_app_is_gone_stops_as_the_timeline_says() {
+        let config = AgentConfig {
+            fail_health_checks_at: HealthCheckFailAt::Drain,
+            ..sidecar()
+        };
+        let (mut s, t0) = sidecar_shutdown(&config, false, false);
+        assert_eq!(s.poll(t0), Step::FailHealthChecks);
+        s.health_checks_sent(never());
+        s.health_call = None;
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        assert!(
+            !s.drain_options(t0).hold_notice,
+            "the notice goes with the drain"
+        );
+        drain(&mut s, t0, Ok(accepted())).await;
+        assert_eq!(s.progress().app.map(AppWatch::name), Some("not_seen"));
+        let deadline = t0 + Duration::from_secs(5);
+        assert_eq!(s.poll(deadline), Step::Stop(ExitPath::DrainTimeElapsed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn outbound_listeners_marked_to_be_left_alone_hold_nothing_back() {
+        let config = AgentConfig {
+            fail_health_checks_at: HealthCheckFailAt::Drain,
+            ..sidecar()
+        };
+        let (s, t0) = sidecar_shutdown(&config, true, true);
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        assert!(!s.drain_options(t0).hold_notice);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_hold_ends_at_app_hold_and_a_zero_waits_for_the_app() {
+        let config = AgentConfig {
+            exit_on_zero: Some(Counting::Requests),
+            minimum_drain_duration: Duration::from_secs(1),
+            app_hold: Some(Duration::from_secs(3)),
+            ..config()
+        };
+        let (mut s, t0) = sidecar_shutdown(&config, false, true);
+        drain(&mut s, t0, Ok(accepted())).await;
+        let at = t0 + Duration::from_secs(1);
+        probe(&mut s, at, true);
+        assert_eq!(s.poll(at), Step::Count(Tally::Whole));
+        // The inbound side is done; the app is not.
+        assert_eq!(s.counted(counted(Ok(0)), false, at), None);
+        let end = t0 + Duration::from_secs(3);
+        assert!(!matches!(
+            s.poll(end - Duration::from_millis(1)),
+            Step::Stop(_)
+        ));
+        assert_eq!(s.poll(end), Step::Stop(ExitPath::AppHoldElapsed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_request_keeps_serving_and_a_signal_continues_it() {
+        let (reply, _answer) = tokio::sync::oneshot::channel();
+        let t0 = Instant::now();
+        let config = AgentConfig {
+            drain_delay: Duration::from_secs(3),
+            fail_health_checks_at: HealthCheckFailAt::Off,
+            ..config()
+        };
+        let mut s = Shutdown::begin_request(
+            &config,
+            DrainReason::Request(super::super::state::Via::Http),
+            DrainOptions {
+                skip_exit: true,
+                ..DrainOptions::default()
+            },
+            reply,
+            t0,
+            SystemTime::now(),
+        );
+        assert_eq!(s.poll(t0), Step::NotReady);
+        s.not_ready_said();
+        assert_eq!(s.poll(t0), Step::Wait(Some(t0 + Duration::from_secs(3))));
+        let at = t0 + Duration::from_secs(3);
+        assert_eq!(s.poll(at), Step::SendDrain);
+        assert!(s.drain_options(at).skip_exit);
+        drain(&mut s, at, Ok(accepted())).await;
+        // No deadline, no stop: Envoy serves, drained.
+        assert_eq!(s.poll(at + Duration::from_secs(3600)), Step::Wait(None));
+        s.continue_to_stop(&config);
+        assert_eq!(
+            s.poll(at + Duration::from_secs(5)),
+            Step::Stop(ExitPath::DrainTimeElapsed),
+            "the deadline counts from the request's drain"
         );
     }
 }

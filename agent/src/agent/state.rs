@@ -45,6 +45,10 @@ pub struct AgentConfig {
     pub handover_timeout: Duration,
     /// Crash recovery in place; `None`: a crash of the serving Envoy ends the agent.
     pub crash_recovery: Option<CrashRecovery>,
+    /// A sidecar's app rule (`--app-hold`): while the app holds connections to Envoy's
+    /// outbound listeners, Envoy keeps serving them, for at most this long after the signal;
+    /// none: off (a node proxy, `--app-hold off`).
+    pub app_hold: Option<Duration>,
 }
 
 impl Default for AgentConfig {
@@ -67,6 +71,7 @@ impl Default for AgentConfig {
                 defaults::PARENT_SHUTDOWN_TIME,
             ),
             crash_recovery: None,
+            app_hold: Some(defaults::APP_HOLD),
         }
     }
 }
@@ -183,6 +188,12 @@ pub enum ExitPath {
     },
     /// SIGTERM/SIGINT (or `Stop`) during a crash back-off, while nothing ran.
     StoppedWhileRecovering,
+    /// A sidecar's app let go of Envoy's outbound listeners (it exited, or closed its
+    /// connections): nothing Envoy serves is needed any more.
+    AppDone,
+    /// A sidecar's app still held connections to Envoy's outbound listeners when `--app-hold`
+    /// ran out.
+    AppHoldElapsed,
 }
 
 impl fmt::Display for ExitPath {
@@ -222,6 +233,10 @@ impl fmt::Display for ExitPath {
             ),
             ExitPath::StoppedWhileRecovering => {
                 f.write_str("stopped while recovering from a crash")
+            }
+            ExitPath::AppDone => f.write_str("the app's outbound connections closed"),
+            ExitPath::AppHoldElapsed => {
+                f.write_str("the app still held outbound connections when --app-hold ran out")
             }
         }
     }
@@ -265,6 +280,8 @@ impl ExitPath {
             ExitPath::ProxyFailed => "proxy_failed",
             ExitPath::CrashLoop { .. } => "crash_loop",
             ExitPath::StoppedWhileRecovering => "stopped_while_recovering",
+            ExitPath::AppDone => "app_done",
+            ExitPath::AppHoldElapsed => "app_hold_elapsed",
         }
     }
 
@@ -502,6 +519,42 @@ pub struct DrainProgress {
     /// What the drain reached, once Envoy accepted it: the listeners drained, by their
     /// configured names, and why those.
     pub drained: Option<DrainPlan>,
+    /// A sidecar's app rule: whether the app still holds connections to Envoy's outbound
+    /// listeners; none where the rule is off or has nothing to watch.
+    pub app: Option<AppWatch>,
+    /// Whether the timeline ends in a stop (a signal, gRPC `Stop`); a drain request's keeps
+    /// Envoy serving until a signal continues it.
+    pub stops: bool,
+}
+
+/// What a sidecar's app rule saw last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AppWatch {
+    /// Not known yet (Envoy's outbound listeners are being read, or not asked yet).
+    Unknown,
+    /// Not seen holding any connection to an outbound listener since the signal: nothing
+    /// is held for it.
+    NotSeen,
+    /// It holds connections to Envoy's outbound listeners: Envoy keeps serving them, until
+    /// the time given at the latest (`--app-hold`).
+    Holding {
+        /// When the hold ends at the latest.
+        until: SystemTime,
+    },
+    /// It let go (it exited, or closed its connections): Envoy stops.
+    LetGo,
+}
+
+impl AppWatch {
+    /// `unknown`, `not_seen`, `holding`, `let_go`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AppWatch::Unknown => "unknown",
+            AppWatch::NotSeen => "not_seen",
+            AppWatch::Holding { .. } => "holding",
+            AppWatch::LetGo => "let_go",
+        }
+    }
 }
 
 /// How the agent's run ended; [`AgentExit::code`] is the process exit code.

@@ -210,7 +210,7 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn drain_request_keeps_running_and_the_next_sigterm_stops_at_once() {
+async fn drain_request_keeps_running_and_a_sigterm_continues_its_timeline_to_the_stop() {
     let h = start(FakeProxy::default(), config());
     h.proxy.go_live();
     h.handle.drain_now(Via::Http).await.unwrap();
@@ -225,18 +225,65 @@ async fn drain_request_keeps_running_and_the_next_sigterm_stops_at_once() {
     // Draining "forever": an hour later Envoy still runs.
     tokio::time::sleep(Duration::from_secs(3600)).await;
     assert_eq!(h.proxy.calls(), [Call::Drain { skip_exit: true }]);
-    // After a drain request, the proxy answers hot restarts itself (a family refuses).
+    // On the way out: no hot restart.
     let answer = h.handle.hot_restart("x".to_owned()).await.unwrap_err();
     assert!(
-        matches!(answer, AgentError::Restart(RestartError::Unsupported)),
+        matches!(answer, AgentError::Restart(RestartError::Refused(_))),
         "{answer}"
     );
+    // The timeline's deadline (5 s after the drain) passed long ago: the stop is at once.
     let before = Instant::now();
     h.signal(Intent::Terminate).await;
     let (exit, proxy, _) = h.exit().await;
-    assert_eq!(exit.path, ExitPath::SignalAfterDrain);
+    assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+    assert_eq!(exit.reason, Some(DrainReason::Request(Via::Http)));
     assert_eq!(proxy.calls(), [Call::Drain { skip_exit: true }, Call::Stop]);
     assert_eq!(proxy.stopped_at().unwrap(), before);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_drain_request_keeps_the_timeline_and_a_sigterm_within_it_stops_at_its_deadline() {
+    let h = start(
+        FakeProxy::default(),
+        AgentConfig {
+            drain_delay: Duration::from_secs(3),
+            ..config()
+        },
+    );
+    h.proxy.go_live();
+    let handle = h.handle.clone();
+    let asked = Instant::now();
+    let drained = tokio::spawn(async move { handle.drain_now(Via::Http).await });
+    // Readiness off at once (--not-ready-at 0s), the drain only after the delay.
+    h.state(|s| {
+        matches!(
+            s,
+            AgentState::Draining {
+                phase: DrainPhase::Delay,
+                ready: false,
+                ..
+            }
+        )
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(h.proxy.calls().is_empty(), "nothing asked of envoy yet");
+    // A SIGTERM now continues the same timeline: no second one, no stop at once.
+    h.signal(Intent::Terminate).await;
+    drained.await.unwrap().unwrap();
+    assert_eq!(
+        asked.elapsed(),
+        Duration::from_secs(3),
+        "resolved once envoy drains"
+    );
+    let (exit, proxy, started) = h.exit().await;
+    assert_eq!(exit.path, ExitPath::DrainTimeElapsed);
+    assert_eq!(proxy.calls(), [Call::Drain { skip_exit: true }, Call::Stop]);
+    assert_eq!(
+        proxy.stopped_at().unwrap() - started,
+        Duration::from_secs(8),
+        "the delay and the termination drain duration, from the request"
+    );
 }
 
 #[tokio::test(start_paused = true)]
