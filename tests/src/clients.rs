@@ -159,6 +159,8 @@ pub enum Kind {
     Served { count: u64 },
     /// An upstream's streaming answer ended early: the downstream went away.
     Aborted { count: u64, error: String },
+    /// The app (`tests/clients/app.py`) got SIGTERM and is finishing its work.
+    Stopping,
     /// `tests/clients/certs.py` wrote a certificate and its key.
     Certs { cert: PathBuf, key: PathBuf },
     /// A line that is none of the above (kept for the failure message).
@@ -273,6 +275,11 @@ impl ClientProcess {
         let mut all = vec![path.into_os_string()];
         all.extend_from_slice(args);
         Self::spawn(script, &test_tool("python"), &all, json_lines())
+    }
+
+    /// The process's id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self._child.id()
     }
 
     /// Every event so far.
@@ -523,6 +530,38 @@ impl H1Client {
             args.push("--reconnect".into());
         }
         H1Client(ClientProcess::python("h1_keepalive.py", &args))
+    }
+}
+
+/// `tests/clients/app.py`: the app beside a sidecar. It calls out through Envoy's outbound
+/// listener over one HTTP/1.1 keep-alive connection (a new one only when Envoy closes it or
+/// says `Connection: close`) and, on SIGTERM, goes on calling for its shutdown time, then
+/// exits. Events: `Connected`, `Response`, `Failure`, `Stopping`, `Done`.
+#[derive(Debug)]
+pub struct App(pub ClientProcess);
+client_newtype!(App);
+
+impl App {
+    /// Calls to `addr` every `interval`; `shutdown`: how long it goes on after SIGTERM.
+    pub fn start(addr: SocketAddr, interval: Duration, shutdown: Duration) -> App {
+        let mut args = host_port(addr);
+        args.extend(os(&[
+            "--interval-ms",
+            &interval.as_millis().to_string(),
+            "--shutdown",
+            &shutdown.as_secs_f64().to_string(),
+        ]));
+        App(ClientProcess::python("app.py", &args))
+    }
+
+    /// SIGTERM, as the kubelet sends it.
+    pub fn terminate(&self) {
+        let pid = self.pid().expect("the app runs");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("SIGTERM to the app");
     }
 }
 

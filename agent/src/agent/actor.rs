@@ -490,7 +490,8 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
             Command::HotRestart { reason, reply } => {
                 // After a drain request the proxy refuses on its own (or has no hot restart
                 // at all); on the way out, the agent refuses.
-                if matches!(self.mode, Mode::Running(_)) {
+                let drained = matches!(&self.mode, Mode::ShuttingDown(s) if s.ending() == Ending::KeepServing);
+                if matches!(self.mode, Mode::Running(_)) || drained {
                     self.spawn_reply(Some(reply), |p| async move {
                         p.hot_restart(reason).await.map_err(AgentError::Restart)
                     });

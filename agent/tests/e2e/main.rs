@@ -6,6 +6,7 @@
 
 mod admin_view;
 mod api;
+mod app;
 mod app_health;
 mod channel;
 mod clients;

@@ -1,5 +1,5 @@
-//! A sidecar's drain and the app's outbound connections, as the agent behaves today (issue 49
-//! asks for better defaults): the failed health checks drain every `drain_type: DEFAULT`
+//! A sidecar's drain and outbound connections without the app rule (`--app-hold off`; with it,
+//! the default, see `app.rs`): the failed health checks drain every `drain_type: DEFAULT`
 //! listener, and the drain notice reaches every connection manager Envoy-wide, so an outbound
 //! listener's keep-alive clients are told to close too. An outbound listener with
 //! `drain_type: MODIFY_ONLY` and `bypass_overload_manager: true` (Envoy 1.31+) is left alone
@@ -12,7 +12,7 @@ use nix::sys::signal::Signal;
 
 use crate::agent;
 
-fn listener(name: &str, direction: &str, extra: &str) -> String {
+pub(crate) fn listener(name: &str, direction: &str, extra: &str) -> String {
     format!(
         r#"  - name: {name}
     address:
@@ -41,7 +41,11 @@ fn listener(name: &str, direction: &str, extra: &str) -> String {
 
 /// When a keep-alive client asking every 50 ms was first told to close, after `from`; none if
 /// never before `until`.
-async fn told_after(mut client: KeepAlive, from: Instant, until: Instant) -> Option<Duration> {
+pub(crate) async fn told_after(
+    mut client: KeepAlive,
+    from: Instant,
+    until: Instant,
+) -> Option<Duration> {
     while Instant::now() < until {
         match client.get("/").await {
             Ok(r) if r.status == 200 && !r.connection_close() => {}
@@ -68,7 +72,14 @@ async fn an_outbound_listener_marked_modify_only_and_bypassing_the_overload_mana
     );
     let mut agent = agent()
         .bootstrap(bootstrap)
-        .args(&["--drain-delay", "1s", "--termination-drain-duration", "5s"])
+        .args(&[
+            "--drain-delay",
+            "1s",
+            "--termination-drain-duration",
+            "5s",
+            "--app-hold",
+            "off",
+        ])
         .start()
         .await;
     let mut clients = Vec::new();

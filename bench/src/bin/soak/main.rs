@@ -1207,10 +1207,11 @@ impl World<'_> {
                 let (code, line) = self.cli(&["drain"]).await?;
                 self.shared
                     .log(&format!("end: drain answered {code:?}: {line}"));
-                // The drain under way before the signal: what an operator's preStop does.
+                // The drain under way before the signal: what an operator's preStop does. The
+                // signal continues the drain's timeline to its deadline (issue 49).
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 self.signal(Signal::SIGTERM);
-                &["signal_after_drain", "stopped_while_recovering"]
+                &["drain_time_elapsed", "stopped_while_recovering"]
             }
             End::Sigterm => {
                 self.signal(Signal::SIGTERM);
