@@ -402,11 +402,30 @@ fn drain_lines(d: &pb::Drain, now: SystemTime) -> Vec<String> {
             "  deadline:",
             if d.deadline.is_some() {
                 when(&d.deadline, now)
+            } else if !d.stops {
+                "none: a drain request keeps envoy serving; a signal continues to the stop"
+                    .to_owned()
             } else {
                 "none (exit-on-zero counts until nothing is left)".to_owned()
             },
         ),
     ];
+    match pb::AppWatch::try_from(d.app) {
+        Ok(pb::AppWatch::Unknown) => lines.push(row("  the app:", "not known yet".to_owned())),
+        Ok(pb::AppWatch::NotSeen) => lines.push(row(
+            "  the app:",
+            "holds no outbound connection: nothing held for it".to_owned(),
+        )),
+        Ok(pb::AppWatch::Holding) => lines.push(row(
+            "  the app:",
+            format!(
+                "calls out through envoy: served until it lets go, {} at the latest",
+                when(&d.app_hold_until, now)
+            ),
+        )),
+        Ok(pb::AppWatch::LetGo) => lines.push(row("  the app:", "let go".to_owned())),
+        Ok(pb::AppWatch::Unspecified) | Err(_) => {}
+    }
     if d.accepted {
         lines.push(row("  drained:", drained(d)));
     }
@@ -1169,6 +1188,9 @@ mod tests {
         has("newest LIVE epoch:  4");
         has("drain:              sigterm since 1970-01-01T00:16:35Z (5.0s ago)");
         has("deadline:         1970-01-01T00:17:05Z (in 25.0s)");
+        has(
+            "  the app:          calls out through envoy: served until it lets go, 1970-01-01T00:17:00Z (in 20.0s) at the latest",
+        );
         has("  requests:         3 active, counted 1970-01-01T00:16:39Z (1.0s ago)");
         assert!(
             !text.contains("connections:"),
