@@ -44,6 +44,11 @@ pub(super) async fn settle<T>(slot: &mut Pending<T>) -> T {
     value
 }
 
+/// How long, at most, the drain and the failed health checks wait for a sidecar's app rule to
+/// say whether the app holds outbound connections (it takes milliseconds: three admin calls
+/// and one question to the kernel).
+pub(super) const APP_DECIDE_WITHIN: Duration = Duration::from_millis(250);
+
 /// How soon a failed drain request is sent again; and how long one may go unanswered before
 /// the shutdown, ending meanwhile, reports that Envoy never accepted a drain.
 pub(super) const DRAIN_RETRY: Duration = Duration::from_secs(1);
@@ -539,9 +544,11 @@ impl Shutdown {
             && self.count_from.max(self.next_count) <= now
     }
 
-    /// The app rule has not answered yet: the drain and the health checks wait for it.
+    /// The app rule has not answered yet: the drain and the health checks wait for it, for
+    /// [`APP_DECIDE_WITHIN`] at most (an admin API that does not answer must not hold them).
     fn app_undecided(&self, now: Instant) -> bool {
         now < self.app_until
+            && now < self.began + APP_DECIDE_WITHIN
             && matches!(
                 self.app,
                 App::Reading { .. }
@@ -628,6 +635,9 @@ impl Shutdown {
         }
         if self.app == (App::Reading { sent: false }) {
             consider(self.began);
+        }
+        if self.app_undecided(now) {
+            consider(self.began + APP_DECIDE_WITHIN);
         }
         if !self.health_held(now) {
             match self.health {
@@ -1654,5 +1664,25 @@ mod tests {
             Step::Stop(ExitPath::DrainTimeElapsed),
             "the deadline counts from the request's drain"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_app_rule_without_an_answer_holds_the_drain_for_a_moment_only() {
+        let config = AgentConfig {
+            fail_health_checks_at: HealthCheckFailAt::Drain,
+            ..sidecar()
+        };
+        let t0 = Instant::now();
+        let mut s = Shutdown::begin(&config, SIGTERM, t0, SystemTime::now());
+        s.not_ready_said();
+        assert_eq!(s.poll(t0), Step::ReadOutbound);
+        s.outbound_sent(never());
+        // Envoy's admin API does not answer the reading.
+        assert_eq!(s.poll(t0), Step::Wait(Some(t0 + APP_DECIDE_WITHIN)));
+        let at = t0 + APP_DECIDE_WITHIN;
+        assert_eq!(s.poll(at), Step::FailHealthChecks);
+        s.health_checks_sent(never());
+        assert_eq!(s.poll(at), Step::SendDrain);
+        assert!(!s.drain_options(at).hold_notice);
     }
 }
