@@ -8,12 +8,13 @@
 //!   after the app exits (`app_done`), however long the app takes, while the inbound client
 //!   is told to go;
 //! - a native sidecar's preStop (`envoy-agent drain --skip-exit`) with `--drain-delay 3s`
-//!   leaves the inbound client alone for 3 s and tells it after.
+//!   leaves the inbound client alone for 3 s and tells it after;
+//! - an app calling out over HTTP/2 hears no GOAWAY while an inbound HTTP/2 client is told.
 
 use std::time::{Duration, Instant};
 
 use envoy_agent_tests::KeepAlive;
-use envoy_agent_tests::clients::{App, Kind};
+use envoy_agent_tests::clients::{App, ClientOptions, H2Client, Kind, Mode};
 use nix::sys::signal::Signal;
 
 use crate::agent;
@@ -186,4 +187,43 @@ async fn a_prestop_drain_keeps_the_drain_delay_before_telling_inbound_clients() 
     agent
         .wait_event("exit", "exit_path", "drain_time_elapsed")
         .await;
+}
+
+/// HTTP/2 on both sides, at the defaults: an app calling out over HTTP/2 hears no GOAWAY while
+/// it calls, and Envoy stops once its connection is gone; an inbound HTTP/2 client that asks is
+/// told (a GOAWAY on its next response).
+#[tokio::test]
+async fn an_http2_app_hears_no_goaway_while_an_inbound_http2_client_is_told() {
+    let mut agent = agent().bootstrap(bootstrap()).start().await;
+    let app = H2Client::start(
+        Mode::Requests,
+        agent.listener("outbound").await,
+        &ClientOptions {
+            interval: Duration::from_millis(100),
+            duration: Duration::from_secs(8),
+            ..ClientOptions::default()
+        },
+    );
+    let inbound = H2Client::requests(agent.listener("inbound").await, Duration::from_millis(100));
+    for client in [&app, &inbound] {
+        client
+            .wait_for("an answer", |e| {
+                matches!(e.kind, Kind::Response { status: 200, .. }).then_some(())
+            })
+            .await;
+    }
+    agent.signal(Signal::SIGTERM);
+    inbound
+        .wait_for("the inbound client's GOAWAY", |e| {
+            matches!(e.kind, Kind::Goaway { .. }).then_some(())
+        })
+        .await;
+    app.finished(Duration::from_secs(20)).await;
+    assert!(
+        !app.saw_goaway() && app.failures().is_empty(),
+        "the app's HTTP/2 connection is left alone:\n{}",
+        app.describe()
+    );
+    assert_eq!(agent.exit().await.code(), Some(0));
+    agent.wait_event("exit", "exit_path", "app_done").await;
 }
