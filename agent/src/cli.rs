@@ -350,9 +350,46 @@ pub struct RunArgs {
     #[arg(long = "node-ip", env = "ENVOY_AGENT_NODE_IPS", value_delimiter = ',')]
     pub node_ips: Vec<String>,
 
-    /// Envoy's worker threads (`--concurrency`); 0 lets Envoy choose. Keep it constant.
+    /// Envoy's worker threads (`--concurrency`); 0: from the container's CPU quota (the floor,
+    /// at least 1), or Envoy's choice without one. Keep it constant.
     #[arg(long, env = "ENVOY_AGENT_CONCURRENCY", default_value_t = 0)]
     pub concurrency: u32,
+
+    /// Envoy sheds load before this memory limit instead of being OOM-killed: `auto` (the
+    /// container's: its cgroup's, v1 or v2), a size (`512Mi`), or `off`. Its heap is taken as
+    /// full at a share of it, and it returns free memory, answers new requests 503 and refuses
+    /// new connections as it fills (--memory-guard-thresholds). No limit found: nothing is
+    /// added. A bootstrap whose overload manager has the same parts keeps its own.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_MEMORY_GUARD",
+        default_value = "auto",
+        value_name = "auto|off|SIZE"
+    )]
+    pub memory_guard: crate::container::MemoryGuardArg,
+
+    /// The memory guard's shares: `heap` of the limit (Envoy's heap is about 80% of what the
+    /// cgroup counts), then of that heap `shrink_heap`, `stop_accepting_requests` and
+    /// `reject_connections` (tcp_listener_accept); any subset, the rest as by default.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_MEMORY_GUARD_THRESHOLDS",
+        default_value = "heap=0.85,shrink_heap=0.8,stop_accepting_requests=0.9,reject_connections=0.95",
+        value_name = "NAME=SHARE,..."
+    )]
+    pub memory_guard_thresholds: crate::container::GuardShares,
+
+    /// A bound on Envoy's downstream connections (global_downstream_max_connections), so that
+    /// a connection past it is refused cleanly instead of accept failing once descriptors run
+    /// out: `auto` (half of the open-file limit Envoy runs with, less 1024 kept), a count, or
+    /// `off`. A bootstrap with its own bound keeps it.
+    #[arg(
+        long,
+        env = "ENVOY_AGENT_MAX_DOWNSTREAM_CONNECTIONS",
+        default_value = "auto",
+        value_name = "auto|off|N"
+    )]
+    pub max_downstream_connections: crate::container::MaxConnectionsArg,
 
     /// How long Envoy drains (`--drain-time-s`: whole seconds; anything else is refused).
     #[arg(long, env = "ENVOY_AGENT_DRAIN_TIME", value_parser = parse_whole_seconds, default_value = "45s")]
@@ -876,6 +913,9 @@ impl RunArgs {
             log_as_json: self.proxy_log_as_json,
             node_ips: self.node_ips.clone(),
             concurrency: self.concurrency,
+            memory_guard: self.memory_guard,
+            memory_guard_thresholds: self.memory_guard_thresholds,
+            max_downstream_connections: self.max_downstream_connections,
             drain_time: self.drain_time,
             drain_strategy: match self.drain_strategy {
                 DrainStrategyArg::Immediate => DrainStrategy::Immediate,

@@ -90,6 +90,8 @@ pub enum CrashKind {
     /// Hot restart: the family was judged wedged (its admin silent past its deadline, a
     /// stale INITIALIZING flag) and stopped; the agent would exit 75.
     Wedged,
+    /// The serving Envoy was OOM-killed (SIGKILL, its container's OOM-kill count risen).
+    OomKilled,
 }
 
 impl CrashKind {
@@ -100,6 +102,7 @@ impl CrashKind {
             CrashKind::Lost => "lost",
             CrashKind::StartFailed => "start_failed",
             CrashKind::Wedged => "wedged",
+            CrashKind::OomKilled => "oom_killed",
         }
     }
 }
@@ -171,6 +174,9 @@ pub fn crash_of(ended: &Ended, served: bool) -> Option<Crash> {
         return None;
     }
     let (kind, exit) = match ended {
+        Ended::Exited(exit) | Ended::Lost { exit, .. } if exit.oom.is_some() => {
+            (CrashKind::OomKilled, exit)
+        }
         Ended::Exited(exit) if exit.code() != 0 => (CrashKind::Exited, exit),
         Ended::Lost { exit, .. } => (CrashKind::Lost, exit),
         Ended::StartFailed { message, .. } | Ended::Wedged { message, .. } => {

@@ -157,6 +157,24 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
             &envoy.component_log_level,
         )
         .to_string(),
+        app_hold: config.app_hold.and_then(duration),
+        container: None,
+    }
+}
+
+/// How Envoy fits its container, as decided at start.
+pub fn container(fit: &crate::container::Fit) -> pb::Container {
+    pb::Container {
+        memory_cgroup: fit.memory_cgroup.clone().unwrap_or_default(),
+        memory_limit_bytes: fit.memory_limit,
+        memory_guard_heap_bytes: fit.memory.on().map(|g| g.max_heap()),
+        memory_guard_off: fit.memory.why_off().to_owned(),
+        max_downstream_connections: fit.connections.on(),
+        max_downstream_connections_off: fit.connections.why_off().to_owned(),
+        open_file_limit: fit.nofile,
+        cpu_quota: fit.cpu_quota,
+        concurrency: fit.workers.concurrency,
+        workers: fit.workers.why.clone(),
     }
 }
 
@@ -203,6 +221,7 @@ fn exit_path(path: ExitPath) -> pb::ExitPath {
         ExitPath::StoppedWhileRecovering => pb::ExitPath::StoppedWhileRecovering,
         ExitPath::AppDone => pb::ExitPath::AppDone,
         ExitPath::AppHoldElapsed => pb::ExitPath::AppHoldElapsed,
+        ExitPath::OomKilled { .. } => pb::ExitPath::OomKilled,
     }
 }
 
@@ -579,6 +598,7 @@ fn crash_recovery_message(crashes: &Crashes, agent: &AgentState) -> Option<pb::C
                         CrashKind::Lost => pb::CrashKind::Lost,
                         CrashKind::StartFailed => pb::CrashKind::StartFailed,
                         CrashKind::Wedged => pb::CrashKind::Wedged,
+                        CrashKind::OomKilled => pb::CrashKind::OomKilled,
                     }
                     .into(),
                     epoch: c.process.map(|(epoch, _)| epoch),

@@ -46,6 +46,7 @@ pub mod channel_link;
 pub mod cli;
 pub mod client;
 mod connections;
+pub mod container;
 pub mod crash;
 pub mod defaults;
 pub mod duration;
@@ -187,7 +188,8 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
         .as_ref()
         .map(telemetry::AgentMetrics::new)
         .unwrap_or_default();
-    let proxy = configure_proxy(settings, binary, admin, extra_args, &runtime_dir, &temp_dir)?;
+    let mut proxy = configure_proxy(settings, binary, admin, extra_args, &runtime_dir, &temp_dir)?;
+    let fit = fit_container(settings, &mut proxy);
     // Shared with every clone of the proxy's config: a level set at run time reaches every
     // Envoy started later.
     let log_level = log_level::EnvoyLogLevel::new(
@@ -225,6 +227,7 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
                     intents,
                     true,
                     log_level,
+                    &fit,
                 )
                 .await
             }
@@ -238,6 +241,7 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
                 intents,
                 false,
                 log_level,
+                &fit,
             )
             .await
         }
@@ -251,6 +255,32 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     reaper_stop.cancel();
     let _ = reaper.await;
     code
+}
+
+/// Fits Envoy into its container ([`container`]): decides from the cgroups and the open-file
+/// limit, logs it, and puts it into the proxy's config.
+fn fit_container(settings: &Settings, proxy: &mut ProxyConfig) -> container::Fit {
+    let envoy = &settings.envoy;
+    let asked = container::Asked {
+        memory: envoy.memory_guard,
+        shares: envoy.memory_guard_thresholds,
+        connections: envoy.max_downstream_connections,
+        concurrency: envoy.concurrency,
+        extra_args: &proxy.extra_args,
+        bootstrap: &envoy.config_path,
+    };
+    let fit = container::fit(
+        &asked,
+        envoy_agent_proxy::cgroup::container(),
+        container::nofile(),
+    );
+    fit.log();
+    proxy.memory_guard = fit.memory.on();
+    proxy.max_downstream_connections = fit.connections.on();
+    if let Some(n) = fit.workers.concurrency {
+        proxy.concurrency = n;
+    }
+    fit
 }
 
 /// The proxy's config: [`setup::proxy_config`] with the hot-restart channel and the
@@ -357,11 +387,13 @@ async fn serve<P: Proxy>(
     intents: impl IntentSource,
     node_proxy: bool,
     log_level: log_level::EnvoyLogLevel,
+    fit: &container::Fit,
 ) -> anyhow::Result<u8> {
     let config = agent_config(settings);
     // What GetStatus reports as the settings in force: taken once, here, from the same
     // settings the agent and the proxy were built from.
-    let reported = grpc::settings(settings, &config);
+    let mut reported = grpc::settings(settings, &config);
+    reported.container = Some(grpc::container(fit));
     let (agent, handle) = Agent::new(proxy, config);
     let agent = agent.with_metrics(metrics);
     let cancel = CancellationToken::new();

@@ -124,8 +124,15 @@ pub struct EnvoySettings {
     pub log_as_json: bool,
     /// The node's IPs (`--node-ip`).
     pub node_ips: Vec<String>,
-    /// Envoy's worker threads; 0 lets Envoy choose (`--concurrency`).
+    /// Envoy's worker threads; 0 lets the agent choose from the CPU quota, or Envoy
+    /// (`--concurrency`).
     pub concurrency: u32,
+    /// Which memory limit Envoy sheds load below (`--memory-guard`).
+    pub memory_guard: crate::container::MemoryGuardArg,
+    /// The memory guard's shares (`--memory-guard-thresholds`).
+    pub memory_guard_thresholds: crate::container::GuardShares,
+    /// The bound on Envoy's downstream connections (`--max-downstream-connections`).
+    pub max_downstream_connections: crate::container::MaxConnectionsArg,
     /// How long Envoy drains, whole seconds (`--drain-time`).
     pub drain_time: Duration,
     /// How Envoy closes connections during a drain (`--drain-strategy`).

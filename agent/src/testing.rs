@@ -136,6 +136,7 @@ pub(crate) fn killed(signal: i32) -> Exit {
     Exit {
         status: ExitStatus::from_raw(signal),
         stderr_tail: "killed\n".to_owned(),
+        oom: None,
         ..exit(0, false)
     }
 }
@@ -148,6 +149,7 @@ pub(crate) fn exit(code: i32, aborted: bool) -> Exit {
         aborted,
         ran_for: Duration::ZERO,
         stderr_tail: String::new(),
+        oom: None,
     }
 }
 

@@ -566,6 +566,7 @@ impl FakeHost {
                 aborted: false,
                 ran_for: started.elapsed(),
                 stderr_tail: format!("fake envoy {epoch} ended\n"),
+                oom: None,
             }));
         });
         Spawned {

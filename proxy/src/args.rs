@@ -259,11 +259,18 @@ fn config_overlay(config: &ProxyConfig, epoch: u32) -> Option<String> {
             serde_json::json!({ "outlier_detection": { "event_log_path": path } }),
         );
     }
+    let mut overload = crate::overload::Parts::default();
     if let Some(file) = crate::drain_notice::file(config, epoch) {
-        overlay.insert(
-            "overload_manager".to_owned(),
-            crate::drain_notice::overlay(&file),
-        );
+        overload.extend(crate::drain_notice::overlay(&file));
+    }
+    if let Some(guard) = &config.memory_guard {
+        overload.memory(guard);
+    }
+    if let Some(max) = config.max_downstream_connections {
+        overload.connections(max);
+    }
+    if !overload.is_empty() {
+        overlay.insert("overload_manager".to_owned(), overload.into_json());
     }
     if let Some(admin) = admin_overlay(config) {
         overlay.insert("admin".to_owned(), admin);

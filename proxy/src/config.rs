@@ -156,6 +156,12 @@ pub struct ProxyConfig {
     /// How long the serving Envoy's admin API may stay silent before it is judged wedged (and
     /// killed); readiness turns off sooner (see [`crate::watchdog`]).
     pub admin_unresponsive_deadline: Duration,
+    /// Envoy sheds load before its container's memory limit ([`crate::overload`]); none: off,
+    /// no limit found, or the bootstrap's overload manager already has its parts.
+    pub memory_guard: Option<crate::overload::MemoryGuard>,
+    /// The bound on Envoy's downstream connections ([`crate::overload::connections_for`]);
+    /// none: off, or the operator's own.
+    pub max_downstream_connections: Option<u64>,
 }
 
 impl ProxyConfig {
@@ -188,6 +194,8 @@ impl ProxyConfig {
             extra_args: Vec::new(),
             stop_grace: Duration::from_secs(5),
             admin_unresponsive_deadline: Duration::from_secs(30),
+            memory_guard: None,
+            max_downstream_connections: None,
         }
     }
 }

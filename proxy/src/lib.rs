@@ -44,6 +44,7 @@ pub mod admin;
 pub mod args;
 pub mod bootstrap;
 mod candidate;
+pub mod cgroup;
 mod config;
 mod config_file;
 pub mod control_plane;
@@ -52,6 +53,7 @@ mod envoy;
 pub mod listeners;
 pub mod log_level;
 pub mod output;
+pub mod overload;
 pub mod preflight;
 mod process;
 pub mod reaper;
@@ -257,6 +259,28 @@ pub struct Exit {
     pub ran_for: Duration,
     /// The last lines it wrote to stderr.
     pub stderr_tail: String,
+    /// It was OOM-killed (SIGKILL, and its container's OOM-kill count rose).
+    pub oom: Option<OomKill>,
+}
+
+/// The kernel's OOM killer ended an Envoy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OomKill {
+    /// The container's memory limit, when known.
+    pub limit: Option<u64>,
+}
+
+impl std::fmt::Display for OomKill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.limit {
+            Some(limit) => write!(
+                f,
+                "OOM-killed at the container's memory limit ({} MiB)",
+                limit >> 20
+            ),
+            None => f.write_str("OOM-killed"),
+        }
+    }
 }
 
 impl Exit {

@@ -66,6 +66,9 @@ pub struct EnvoyProcess {
     tail: Arc<Mutex<Tail>>,
     /// The tasks copying its stdout and stderr.
     forwarders: Vec<JoinHandle<()>>,
+    /// The container's OOM-kill count when it started: a SIGKILL with the count risen is the
+    /// OOM killer's.
+    oom_kills: Option<u64>,
 }
 
 // === impl EnvoyProcess ===
@@ -81,6 +84,7 @@ impl EnvoyProcess {
                 source,
             })?;
         let pid = child.id().unwrap_or_default();
+        let oom_kills = crate::cgroup::container().oom_kills();
         tracing::info!(event = "envoy_started", pid, epoch, "envoy started");
         let tail = Arc::new(Mutex::new(Tail::default()));
         let mut forwarders = Vec::with_capacity(2);
@@ -99,6 +103,7 @@ impl EnvoyProcess {
             stop_grace: config.stop_grace,
             tail,
             forwarders,
+            oom_kills,
         })
     }
 
@@ -191,6 +196,16 @@ impl EnvoyProcess {
         })
         .await;
         let stderr_tail = self.tail.lock().map(|t| t.text()).unwrap_or_default();
+        let oom = oom_killed(&status, self.oom_kills);
+        if let Some(oom) = &oom {
+            tracing::warn!(
+                event = "oom_killed",
+                pid,
+                epoch = self.epoch,
+                limit_bytes = oom.limit,
+                "envoy was OOM-killed: {oom}"
+            );
+        }
         Ok(Exit {
             pid,
             epoch: self.epoch,
@@ -198,6 +213,7 @@ impl EnvoyProcess {
             aborted,
             ran_for: self.started.elapsed(),
             stderr_tail,
+            oom,
         })
     }
 
@@ -317,6 +333,20 @@ pub fn exit_code(status: &ExitStatus) -> i32 {
         (None, Some(signal)) => 128 + signal,
         (None, None) => 1,
     }
+}
+
+/// Whether a death by `status` was the OOM killer's: SIGKILL, and the container's OOM-kill count
+/// risen since `before` (a `kill -9` leaves it as it was).
+fn oom_killed(status: &ExitStatus, before: Option<u64>) -> Option<crate::OomKill> {
+    use std::os::unix::process::ExitStatusExt;
+    if status.signal() != Some(Signal::SIGKILL as i32) {
+        return None;
+    }
+    let container = crate::cgroup::container();
+    let after = container.oom_kills()?;
+    (after > before?).then(|| crate::OomKill {
+        limit: container.memory_limit(),
+    })
 }
 
 #[cfg(test)]

@@ -882,6 +882,11 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                     (_, Some(path @ ExitPath::CrashLoop { .. })) => path,
                     (Ended::Stopped { .. }, Some(path)) => path,
                     (Ended::Stopped { .. }, None) => ExitPath::ProxyStopped,
+                    (Ended::Exited(exit) | Ended::Lost { exit, .. }, _) if exit.oom.is_some() => {
+                        ExitPath::OomKilled {
+                            limit: exit.oom.and_then(|o| o.limit),
+                        }
+                    }
                     (Ended::Exited(exit), _) => ExitPath::ProxyExited { code: exit.code() },
                     (Ended::Lost { .. }, _) => ExitPath::ProxyLost { code: ended.code() },
                     (Ended::StartFailed { .. }, _) => ExitPath::StartFailed { code: ended.code() },
@@ -1269,9 +1274,10 @@ fn log_ended(ended: &Ended) {
         }
         Ended::Exited(exit) | Ended::Lost { exit, .. } => {
             let code = exit.code();
-            let hint = match exit.status.signal() {
-                Some(9) => " (SIGKILL: it may have been OOM-killed)",
-                _ => "",
+            let hint = match (exit.oom, exit.status.signal()) {
+                (Some(oom), _) => format!(" ({oom})"),
+                (None, Some(9)) => " (SIGKILL, not by the OOM killer)".to_owned(),
+                _ => String::new(),
             };
             tracing::error!(
                 pid = exit.pid,

@@ -188,6 +188,11 @@ pub enum ExitPath {
     },
     /// SIGTERM/SIGINT (or `Stop`) during a crash back-off, while nothing ran.
     StoppedWhileRecovering,
+    /// Envoy was OOM-killed: SIGKILL, and its container's OOM-kill count rose.
+    OomKilled {
+        /// The container's memory limit, when known.
+        limit: Option<u64>,
+    },
     /// A sidecar's app let go of Envoy's outbound listeners (it exited, or closed its
     /// connections): nothing Envoy serves is needed any more.
     AppDone,
@@ -235,6 +240,13 @@ impl fmt::Display for ExitPath {
                 f.write_str("stopped while recovering from a crash")
             }
             ExitPath::AppDone => f.write_str("the app's outbound connections closed"),
+            ExitPath::OomKilled { limit } => {
+                write!(
+                    f,
+                    "envoy was {}",
+                    envoy_agent_proxy::OomKill { limit: *limit }
+                )
+            }
             ExitPath::AppHoldElapsed => {
                 f.write_str("the app still held outbound connections when --app-hold ran out")
             }
@@ -251,6 +263,8 @@ impl ExitPath {
             | ExitPath::StartFailed { code }
             | ExitPath::CrashLoop { code } => code,
             ExitPath::Wedged { .. } => crate::exit_code::WEDGED,
+            // 128 + SIGKILL, as Envoy's own code would be.
+            ExitPath::OomKilled { .. } => 137,
             ExitPath::ProxyFailed => crate::exit_code::SOFTWARE,
             // Stopped as asked, but not gracefully: no success to report.
             ExitPath::DrainFailed => crate::exit_code::FAILURE,
@@ -281,6 +295,7 @@ impl ExitPath {
             ExitPath::CrashLoop { .. } => "crash_loop",
             ExitPath::StoppedWhileRecovering => "stopped_while_recovering",
             ExitPath::AppDone => "app_done",
+            ExitPath::OomKilled { .. } => "oom_killed",
             ExitPath::AppHoldElapsed => "app_hold_elapsed",
         }
     }
