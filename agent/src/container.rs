@@ -395,6 +395,7 @@ mod tests {
             "4:memory:/pod\n3:cpu:/pod\n",
             "35 31 0:32 / /m rw - cgroup cgroup rw,memory\n32 31 0:29 / /c rw - cgroup cgroup rw,cpu\n",
             dir.path(),
+            7,
         );
         (dir, c)
     }

@@ -10,8 +10,9 @@
 //! - a container without a cgroup namespace: the path is the host's, and the mount's root is
 //!   that same path (Docker mounts the container's own cgroup at `/sys/fs/cgroup/memory`);
 //! - a container with a cgroup namespace but the host's mounts visible: the path is `/` (the
-//!   namespace's root), outside the mount's root: the namespace's root is taken as the mount's
-//!   (the path then counts from the mount point).
+//!   namespace's root), and the mount's root shows as `/..` (it is above the namespace's):
+//!   the process's cgroup is then found by its pid, the directory under the mount point whose
+//!   `cgroup.procs` lists it.
 //!
 //! A limit is the smallest on the way up from the process's cgroup to the mount's root (a
 //! pod's limit sits on the pod's cgroup, a container's on its own). "No limit" is v2's `max`,
@@ -90,14 +91,16 @@ pub fn container() -> &'static Container {
             &read("/proc/self/cgroup"),
             &read("/proc/self/mountinfo"),
             Path::new("/"),
+            std::process::id(),
         )
     })
 }
 
 impl Container {
     /// The container from `/proc/self/cgroup`'s and `/proc/self/mountinfo`'s text, with the
-    /// mount points under `root` (`/`; a test's directory in tests).
-    pub fn from_proc(cgroup: &str, mountinfo: &str, root: &Path) -> Container {
+    /// mount points under `root` (`/`; a test's directory in tests), for process `pid` (the
+    /// reader).
+    pub fn from_proc(cgroup: &str, mountinfo: &str, root: &Path, pid: u32) -> Container {
         let mounts = parse_mountinfo(mountinfo);
         let lines = parse_cgroup(cgroup);
         let find = |controller: &str, v2_file: &str| {
@@ -105,7 +108,7 @@ impl Container {
                 .iter()
                 .find(|l| l.controllers.is_empty() && l.hierarchy == "0")
                 .and_then(|l| {
-                    hierarchy(Version::V2, &l.path, &mounts, root, |m| {
+                    hierarchy(Version::V2, &l.path, &mounts, root, pid, |m| {
                         m.fstype == "cgroup2"
                     })
                 })
@@ -115,7 +118,7 @@ impl Container {
                     .iter()
                     .find(|l| l.controllers.iter().any(|c| c == controller))
                     .and_then(|l| {
-                        hierarchy(Version::V1, &l.path, &mounts, root, |m| {
+                        hierarchy(Version::V1, &l.path, &mounts, root, pid, |m| {
                             m.fstype == "cgroup" && m.options.iter().any(|o| o == controller)
                         })
                     })
@@ -261,12 +264,16 @@ fn hierarchy(
     path: &str,
     mounts: &[Mount],
     root: &Path,
+    pid: u32,
     pick: impl Fn(&Mount) -> bool,
 ) -> Option<Hierarchy> {
     let candidates: Vec<&Mount> = mounts.iter().filter(|m| pick(m)).collect();
     // The mount whose root holds the path, the deepest; else (a cgroup namespace over the
     // host's mounts) the first, its root taken as the namespace's.
     let under = |m: &Mount| {
+        if m.root.starts_with("/..") {
+            return false;
+        }
         let r = m.root.trim_end_matches('/');
         path == m.root || r.is_empty() || path.starts_with(&format!("{r}/"))
     };
@@ -283,10 +290,10 @@ fn hierarchy(
     };
     let point = root.join(mount.point.trim_start_matches('/'));
     let mut dir = point.join(rel.trim_start_matches('/'));
-    if !dir.is_dir() {
-        // The path cannot be followed (a namespace's path on the host's mount): the mount's
-        // own cgroup is the container's.
-        dir = point.clone();
+    if mount.root.starts_with("/..") || !dir.is_dir() {
+        // The path cannot be followed (a namespace's path on the host's mount): the cgroup
+        // whose `cgroup.procs` lists the process, else the mount's own.
+        dir = find_pid(&point, pid).unwrap_or_else(|| point.clone());
     }
     if !dir.is_dir() {
         return None;
@@ -304,6 +311,37 @@ fn hierarchy(
     }
     Some(Hierarchy { version, dirs })
 }
+
+/// The directory under `point` whose `cgroup.procs` lists `pid`, breadth first, looking at
+/// [`SEARCHED`] directories at most (a node has thousands of cgroups).
+fn find_pid(point: &Path, pid: u32) -> Option<PathBuf> {
+    let pid = pid.to_string();
+    let mut queue = std::collections::VecDeque::from([point.to_path_buf()]);
+    let mut seen = 0;
+    while let Some(dir) = queue.pop_front() {
+        seen += 1;
+        if seen > SEARCHED {
+            return None;
+        }
+        let listed = std::fs::read_to_string(dir.join("cgroup.procs"))
+            .is_ok_and(|procs| procs.lines().any(|l| l.trim() == pid));
+        if listed {
+            return Some(dir);
+        }
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            queue.extend(
+                entries
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.path()),
+            );
+        }
+    }
+    None
+}
+
+/// How many cgroup directories [`find_pid`] looks at, at most.
+const SEARCHED: usize = 20_000;
 
 /// A limit file: bytes, or none for `max`, `-1` and v1's page-rounded `i64::MAX`.
 fn read_limit(path: &Path) -> Option<u64> {
@@ -392,6 +430,7 @@ mod tests {
             "12:memory:/kubepods/pod1/ctr\n3:cpu,cpuacct:/kubepods/pod1/ctr\n0::/kubepods/pod1/ctr\n",
             V1_MOUNTS,
             t.path(),
+            7,
         );
         let memory = c.memory.as_ref().unwrap();
         assert_eq!(
@@ -421,6 +460,7 @@ mod tests {
             "9:memory:/docker/abc\n",
             "35 31 0:32 /docker/abc /sys/fs/cgroup/memory ro - cgroup cgroup rw,memory\n",
             t.path(),
+            7,
         );
         assert_eq!(
             c.memory.as_ref().unwrap().dir(),
@@ -446,9 +486,39 @@ mod tests {
             "4:memory:/sub\n",
             "35 31 0:32 /test/ns /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
             t.path(),
+            7,
         );
         assert_eq!(c.memory_limit(), Some(50 << 20));
-        let c = Container::from_proc("4:memory:/\n", V1_MOUNTS, t.path());
+        // `unshare --cgroup` over the host's mounts: the mount's root shows as `/..`; the
+        // process is found by its pid.
+        let t2 = tree(&[
+            (
+                "sys/fs/cgroup/memory/memory.limit_in_bytes",
+                "9223372036854771712\n",
+            ),
+            ("sys/fs/cgroup/memory/other/cgroup.procs", "3\n"),
+            (
+                "sys/fs/cgroup/memory/other/memory.limit_in_bytes",
+                "1048576\n",
+            ),
+            ("sys/fs/cgroup/memory/ctr/cgroup.procs", "5\n7\n"),
+            (
+                "sys/fs/cgroup/memory/ctr/memory.limit_in_bytes",
+                "314572800\n",
+            ),
+        ]);
+        let c = Container::from_proc(
+            "4:memory:/\n",
+            "35 31 0:32 /.. /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n",
+            t2.path(),
+            7,
+        );
+        assert_eq!(
+            c.memory.as_ref().unwrap().dir(),
+            t2.path().join("sys/fs/cgroup/memory/ctr")
+        );
+        assert_eq!(c.memory_limit(), Some(300 << 20));
+        let c = Container::from_proc("4:memory:/\n", V1_MOUNTS, t.path(), 7);
         assert_eq!(
             c.memory.as_ref().unwrap().dir(),
             t.path().join("sys/fs/cgroup/memory")
@@ -486,6 +556,7 @@ mod tests {
             "0::/kubepods.slice/pod.slice/ctr.scope\n",
             "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw,nsdelegate\n",
             t.path(),
+            7,
         );
         assert_eq!(c.memory.as_ref().unwrap().version, Version::V2);
         assert_eq!(c.memory_limit(), Some(200 << 20));
@@ -497,6 +568,7 @@ mod tests {
             "0::/\n",
             "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
             t.path(),
+            7,
         );
         assert_eq!(c.memory_limit(), None);
         assert_eq!(c.oom_kills(), None, "no memory.events");
@@ -505,7 +577,10 @@ mod tests {
     #[test]
     fn nothing_to_read_is_no_container() {
         let t = tree(&[]);
-        assert_eq!(Container::from_proc("", "", t.path()), Container::default());
+        assert_eq!(
+            Container::from_proc("", "", t.path(), 7),
+            Container::default()
+        );
         assert_eq!(Container::default().memory_limit(), None);
         assert_eq!(unescape(r"/a\040b"), "/a b");
     }

@@ -50,6 +50,8 @@ pub struct AgentBuilder {
     wait_live: bool,
     admin_at: Option<envoy_agent_proxy::admin::Address>,
     wrapper: Vec<String>,
+    /// Envoy gets `--concurrency 1` from the kit (tests run in parallel on small machines).
+    kit_workers: bool,
     envoy_path: Option<PathBuf>,
     hot_restart: Option<HotRestartPorts>,
     /// Whether this agent owns the family's shared memory (removes it when dropped).
@@ -135,6 +137,12 @@ impl AgentBuilder {
     /// its arguments.
     pub fn wrapper(mut self, wrapper: &[&str]) -> Self {
         self.wrapper = wrapper.iter().map(|s| s.to_string()).collect();
+        self
+    }
+
+    /// Leaves Envoy's workers to the agent (no `--concurrency 1` from the kit).
+    pub fn agents_workers(mut self) -> Self {
+        self.kit_workers = false;
         self
     }
 
@@ -243,13 +251,26 @@ impl AgentBuilder {
                 command
                     .args(["--hot-restart", "--base-id", &p.base_id.to_string()])
                     .args(&self.args)
-                    .args(["--", "--concurrency", "1"])
+                    .arg("--")
+                    .args(
+                        self.kit_workers
+                            .then_some(["--concurrency", "1"])
+                            .iter()
+                            .flatten(),
+                    )
                     .args(&self.envoy_args);
             }
             None => {
                 command
                     .args(&self.args)
-                    .args(["--", "--concurrency", "1", "--admin-address-path"])
+                    .arg("--")
+                    .args(
+                        self.kit_workers
+                            .then_some(["--concurrency", "1"])
+                            .iter()
+                            .flatten(),
+                    )
+                    .arg("--admin-address-path")
                     .arg(&admin_file)
                     .args(&self.envoy_args);
             }
@@ -422,6 +443,7 @@ impl AgentProcess {
             wait_live: true,
             admin_at: None,
             wrapper: Vec::new(),
+            kit_workers: true,
             envoy_path: None,
             hot_restart: None,
             owns_shm: false,

@@ -565,6 +565,30 @@ impl App {
     }
 }
 
+/// `tests/clients/uploads.py`: uploads held open, the load that fills a buffering Envoy's
+/// memory. Every `every` a POST of `size` bytes starts, sends all but its last byte and holds
+/// it; once the last has started (and a second more), each finishes and reads its answer.
+/// Events: a `Response` (its status) or a `Failure` per upload, then `Done`.
+#[derive(Debug)]
+pub struct Uploads(pub ClientProcess);
+client_newtype!(Uploads);
+
+impl Uploads {
+    /// `count` uploads of `size` bytes to `addr`, one each `every`.
+    pub fn start(addr: SocketAddr, count: u32, size: u64, every: Duration) -> Uploads {
+        let mut args = host_port(addr);
+        args.extend(os(&[
+            "--count",
+            &count.to_string(),
+            "--size",
+            &size.to_string(),
+            "--every-ms",
+            &every.as_millis().to_string(),
+        ]));
+        Uploads(ClientProcess::python("uploads.py", &args))
+    }
+}
+
 /// The modes of [`H2Client`] and [`H3Client`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {

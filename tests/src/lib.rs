@@ -23,6 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 mod agent_process;
+pub mod cgroup;
 pub mod clients;
 pub mod control_plane;
 pub mod json;

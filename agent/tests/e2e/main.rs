@@ -11,6 +11,7 @@ mod app_health;
 mod channel;
 mod clients;
 mod cold_handover;
+mod container;
 mod control_plane;
 mod crash_recovery;
 mod cross_pod;
