@@ -683,7 +683,39 @@ fn settings_lines(s: &pb::Settings, family: bool) -> Vec<String> {
     if !s.proxy_log_level.is_empty() {
         lines.push(row("envoy log level:", &s.proxy_log_level));
     }
+    if let Some(c) = &s.container {
+        lines.extend(container_lines(c));
+    }
     lines
+}
+
+/// How Envoy fits its container: the memory guard, the connections' bound, the workers.
+fn container_lines(c: &pb::Container) -> Vec<String> {
+    let mib = |b: u64| format!("{} MiB", b >> 20);
+    let memory = match (c.memory_limit_bytes, c.memory_guard_heap_bytes) {
+        (Some(limit), Some(heap)) => format!(
+            "limit {}: envoy sheds load before it (heap {})",
+            mib(limit),
+            mib(heap)
+        ),
+        _ => format!("no guard: {}", c.memory_guard_off),
+    };
+    let connections = match c.max_downstream_connections {
+        Some(n) => format!("at most {n} downstream"),
+        None => format!(
+            "unbounded by the agent: {}",
+            c.max_downstream_connections_off
+        ),
+    };
+    let workers = match c.concurrency {
+        Some(n) => format!("{n} ({})", c.workers),
+        None => c.workers.clone(),
+    };
+    vec![
+        row("memory:", memory),
+        row("connection bound:", connections),
+        row("workers:", workers),
+    ]
 }
 
 fn timeline_line(t: &pb::ShutdownTimeline) -> String {
@@ -1137,6 +1169,14 @@ mod tests {
                         nanos: 250_000_000,
                     }),
                 }),
+                container: Some(pb::Container {
+                    memory_limit_bytes: Some(160 << 20),
+                    memory_guard_heap_bytes: Some(142_606_336),
+                    max_downstream_connections_off: "--max-downstream-connections off".into(),
+                    concurrency: Some(1),
+                    workers: "the container's CPU quota (1.00 CPUs)".into(),
+                    ..Default::default()
+                }),
                 ..Default::default()
             }),
             family: Some(pb::Family {
@@ -1206,6 +1246,9 @@ mod tests {
         assert!(!text.contains("epoch 1 live"), "only the last 3: {text}");
         has("wedge:              stale_initializing: cleared");
         has("envoy log level:    warning,upstream:debug");
+        has("memory:             limit 160 MiB: envoy sheds load before it (heap 136 MiB)");
+        has("connection bound:   unbounded by the agent: --max-downstream-connections off");
+        has("workers:            1 (the container's CPU quota (1.00 CPUs))");
         has(
             "drain time 45s, termination drain -, drain delay 250ms, exit on zero requests (minimum 5s)",
         );

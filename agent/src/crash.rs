@@ -384,6 +384,18 @@ mod tests {
         );
         let crash = crash_of(&crashed, true).unwrap();
         assert_eq!((crash.kind, crash.code), (CrashKind::Exited, 139));
+        // Issue 50: a SIGKILL the OOM killer sent is named as one; a plain one is not.
+        let killed = crate::testing::killed(9);
+        let oom = envoy_agent_proxy::Exit {
+            oom: Some(envoy_agent_proxy::OomKill {
+                limit: Some(160 << 20),
+            }),
+            ..killed.clone()
+        };
+        let crash = crash_of(&Ended::Exited(oom), true).unwrap();
+        assert_eq!((crash.kind.as_str(), crash.code), ("oom_killed", 137));
+        let crash = crash_of(&Ended::Exited(killed), true).unwrap();
+        assert_eq!((crash.kind.as_str(), crash.code), ("exited", 137));
         assert!(crash_of(&Ended::Exited(exit(0, false)), true).is_none());
         assert!(crash_of(&Ended::Stopped { last: None }, true).is_none());
         let wedged = Ended::Wedged {

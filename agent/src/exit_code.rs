@@ -19,7 +19,7 @@ pub const TABLE: &[(&str, &str)] = &[
     ),
     (
         "128+N",
-        "Envoy died from signal N (137: SIGKILL, e.g. the OOM killer)",
+        "Envoy died from signal N (137: SIGKILL; exit path `oom_killed` when the container's OOM killer sent it, as its cgroup counts, `proxy_exited` otherwise)",
     ),
     (
         "the crash's code",
