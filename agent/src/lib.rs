@@ -535,11 +535,13 @@ async fn grpc_server(
 /// The agent's end: logged, written to the termination message, and turned into the exit
 /// code (or the error that ended it).
 fn end(settings: &Settings, exit: AgentExit) -> anyhow::Result<u8> {
+    let envoy_said = exit.envoy_said();
     tracing::info!(
         event = "exit",
         exit_path = exit.path.name(),
         counting = exit.path.counting().map(agent::Counting::name),
         code = exit.code(),
+        envoy_said = envoy_said.as_deref(),
         "envoy-agent exiting: {}",
         exit.path
     );
@@ -549,6 +551,7 @@ fn end(settings: &Settings, exit: AgentExit) -> anyhow::Result<u8> {
         reason: exit.reason,
         took: exit.took,
         still_open: exit.still_open.as_deref(),
+        envoy_said: envoy_said.as_deref(),
     };
     settings.termination_message.write(&summary.text());
     match exit.error {

@@ -95,6 +95,9 @@ pub struct Summary<'a> {
     /// Exit-on-zero: what each counted listener still held at the last reading before the
     /// stop; none when never read.
     pub still_open: Option<&'a [ListenerActivity]>,
+    /// Envoy's own reason, when it ended by itself with an error (a start it failed, a crash):
+    /// the end of its stderr.
+    pub envoy_said: Option<&'a str>,
 }
 
 impl Summary<'_> {
@@ -122,6 +125,15 @@ impl Summary<'_> {
                 out.push_str(&listeners_within(listeners, room));
             }
             out.push('\n');
+        }
+        if let Some(said) = self.envoy_said.map(str::trim).filter(|s| !s.is_empty()) {
+            // Its end, which says why, where the whole does not fit.
+            let room = LIMIT.saturating_sub(out.len() + "envoy said: \n".len());
+            let mut start = said.len().saturating_sub(room);
+            while !said.is_char_boundary(start) {
+                start += 1;
+            }
+            out.push_str(&format!("envoy said: {}\n", &said[start..]));
         }
         truncate(&mut out, LIMIT);
         out
@@ -178,6 +190,37 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_start_gives_envoys_reason_its_end_where_it_does_not_fit() {
+        let reason = "error initializing configuration 'b.yaml': Proto constraint validation failed (HttpStatusValidationError.Code: value must be greater than or equal to 100)";
+        let summary = Summary {
+            path: ExitPath::StartFailed { code: 1 },
+            code: 1,
+            reason: None,
+            took: None,
+            still_open: None,
+            envoy_said: Some(reason),
+        };
+        let text = summary.text();
+        assert_eq!(
+            text,
+            format!(
+                "envoy-agent exited 1: start_failed (envoy failed to start (exit 1))\nenvoy said: {reason}\n"
+            )
+        );
+        let long = format!("{}{reason}", "x".repeat(10_000));
+        let text = Summary {
+            envoy_said: Some(&long),
+            ..summary
+        }
+        .text();
+        assert!(text.len() <= LIMIT, "{}", text.len());
+        assert!(
+            text.trim_end().ends_with("greater than or equal to 100)"),
+            "the end says why"
+        );
+    }
+
+    #[test]
     fn the_message_says_the_exit_path_the_code_the_time_and_what_was_open() {
         let open = [listener("ingress_http", 3), listener("ingress_tcp", 1)];
         let text = Summary {
@@ -185,6 +228,7 @@ mod tests {
             code: 0,
             reason: Some(DrainReason::Signal(Intent::Terminate)),
             took: Some(Duration::from_millis(30_250)),
+            envoy_said: None,
             still_open: Some(&open),
         }
         .text();
@@ -206,6 +250,7 @@ mod tests {
             reason: None,
             took: None,
             still_open: None,
+            envoy_said: None,
         }
         .text();
         assert_eq!(
@@ -217,6 +262,7 @@ mod tests {
             code: 0,
             reason: Some(DrainReason::Stop),
             took: Some(Duration::from_secs(6)),
+            envoy_said: None,
             still_open: Some(&[]),
         }
         .text();
@@ -236,6 +282,7 @@ mod tests {
             code: 0,
             reason: Some(DrainReason::Signal(Intent::Terminate)),
             took: Some(Duration::from_secs(45)),
+            envoy_said: None,
             still_open: Some(&open),
         }
         .text();
@@ -250,6 +297,7 @@ mod tests {
         // One name longer than the limit: only the count.
         let huge = [listener(&"x".repeat(5000), 1)];
         let text = Summary {
+            envoy_said: None,
             still_open: Some(&huge),
             ..Summary {
                 path: ExitPath::DrainTimeElapsed,
@@ -257,6 +305,7 @@ mod tests {
                 reason: None,
                 took: Some(Duration::from_secs(1)),
                 still_open: None,
+                envoy_said: None,
             }
         }
         .text();

@@ -517,15 +517,17 @@ async fn a_family_that_hot_restarted_has_its_files_removed_at_the_end() {
     assert_eq!(f.stop_and_clean_up().await, 1);
 }
 
-/// A family whose first epoch never served leaves everything as it found it: what is there
-/// may be another pod's.
+/// Issue 51: a family whose epoch 0 was ours removes what that epoch made, also when it never
+/// served (a bootstrap Envoy rejects left its shared memory behind). Whether another pod's
+/// family still uses the base id is the host's to judge at removal (its admin answers, the
+/// node's lock is held: nothing is removed).
 #[tokio::test(start_paused = true)]
-async fn a_family_that_never_served_removes_nothing() {
+async fn a_first_epoch_that_never_served_removes_what_it_made() {
     let host = FakeHost::default();
     host.world().live_after = None;
     let f = start(host, config());
     f.spawned(&[0]).await;
-    assert_eq!(f.stop_and_clean_up().await, 0);
+    assert_eq!(f.stop_and_clean_up().await, 1);
 }
 
 /// A family handed over to a successor pod is the successor's: nothing of it is removed.

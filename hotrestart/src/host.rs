@@ -301,6 +301,10 @@ pub struct RealHost {
     live_kept: Arc<Mutex<KeptConnection>>,
     /// What the last look at the node's state directory found.
     last_look: Arc<Mutex<node::LastLook>>,
+    /// The channel's short name (`<temp dir>/envoy-agent-hr-<uid>/<base id>`, a symlink of
+    /// the agent's to the state dir's channel directory) and where it leads: removed with the
+    /// family's files, made again before a spawn that finds it gone.
+    channel_link: Option<(PathBuf, PathBuf)>,
 }
 
 impl RealHost {
@@ -326,7 +330,19 @@ impl RealHost {
         // release put over the binary before then would become the baseline and never be
         // validated ahead of the restart.
         let binary_seen = FileId::of(&proxy.binary_path).ok();
+        let channel_link = match configured_socket_path(&proxy) {
+            SocketPath::File(prefix) => prefix.parent().and_then(|link| {
+                let meta = std::fs::symlink_metadata(link).ok()?;
+                let ours = meta.file_type().is_symlink()
+                    && std::os::unix::fs::MetadataExt::uid(&meta)
+                        == nix::unistd::geteuid().as_raw();
+                let target = std::fs::read_link(link).ok()?;
+                ours.then(|| (link.to_path_buf(), target))
+            }),
+            SocketPath::Abstract(_) => None,
+        };
         RealHost {
+            channel_link,
             target: Arc::new(Mutex::new(Target {
                 base_id,
                 admin: admin.clone(),
@@ -524,6 +540,20 @@ fn configured_socket_path(proxy: &ProxyConfig) -> SocketPath {
 
 impl Host for RealHost {
     async fn spawn(&self, epoch: u32) -> Result<Spawned, ProxyError> {
+        // The family's files were removed when another run of it ended (its link with them):
+        // the link is ours to make again, in the agent's own directory.
+        if let Some((link, target)) = &self.channel_link
+            && std::fs::symlink_metadata(link).is_err()
+        {
+            match std::os::unix::fs::symlink(target, link) {
+                Ok(()) => {
+                    tracing::info!(link = %link.display(), "made the hot-restart channel's link again")
+                }
+                Err(e) => {
+                    tracing::warn!(link = %link.display(), error = %e, "cannot make the hot-restart channel's link again")
+                }
+            }
+        }
         let mut proxy = self.proxy.clone();
         if let Some(hot) = &mut proxy.hot_restart {
             let target = self.target();
@@ -937,6 +967,13 @@ impl Host for RealHost {
             if segment.is_file() {
                 remove(segment);
             }
+        }
+        // The channel's short name, still leading to our channel directory (another agent of
+        // the family would have re-pointed it): nothing of the family is left to bind through it.
+        if let Some((link, target)) = &self.channel_link
+            && std::fs::read_link(link).is_ok_and(|t| t == *target)
+        {
+            remove(link.clone());
         }
         Ok(removed)
     }

@@ -369,6 +369,9 @@ pub(crate) struct Supervisor<H: Host> {
     /// An epoch of ours has served: the family's files (shared memory, sockets) are ours to
     /// remove once it is gone, unless a successor took it over.
     served: bool,
+    /// Our epoch 0 started: the family's shared memory is ours (its epoch 0 made it), also
+    /// when that epoch never served (a bootstrap Envoy rejects).
+    created: bool,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -426,6 +429,7 @@ impl<H: Host> Supervisor<H> {
             xds_cost: Duration::ZERO,
             kept: kept::KeptParent::None,
             served: false,
+            created: false,
         }
     }
 
@@ -455,7 +459,7 @@ impl<H: Host> Supervisor<H> {
     /// Whether the family that ended was ours to the end: an epoch of ours served and no
     /// successor took it over. Its files are then left to nobody but us.
     pub(crate) fn family_files_ours(&self) -> bool {
-        self.served && self.family.handed_over_to.is_none()
+        (self.served || self.created) && self.family.handed_over_to.is_none()
     }
 
     /// The supervisor of a fresh family after this one ended (crash recovery in place): the
@@ -1028,6 +1032,9 @@ fn last_line(text: &str) -> String {
         .rev()
         .find(|l| !l.trim().is_empty())
         .unwrap_or("")
+        // Envoy's rejection ends with a line that continues the one before it (": Proto
+        // constraint validation failed ..."): not a second colon after ours.
+        .trim_start_matches([':', ' '])
         .trim()
         .to_owned()
 }

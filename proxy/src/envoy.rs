@@ -250,6 +250,7 @@ impl Proxy for Envoy {
             result = watch_admin => result,
         };
         self.pid.send_replace(None);
+        let served = self.state.borrow().phase == ProxyPhase::Serving;
         self.publish(ProxyPhase::Exited, None);
         let exit = result?;
         if let Ok(message) = wedged_rx.await {
@@ -260,6 +261,13 @@ impl Proxy for Envoy {
         }
         Ok(if exit.aborted {
             Ended::Stopped { last: Some(exit) }
+        } else if !served && exit.oom.is_none() {
+            // Never LIVE: a start that failed (a bootstrap Envoy rejects), as a node proxy's
+            // first epoch says it, with Envoy's reason.
+            Ended::StartFailed {
+                code: exit.code(),
+                message: start_failure(&exit.stderr_tail),
+            }
         } else {
             Ended::Exited(exit)
         })
@@ -363,3 +371,21 @@ fn remove_logged(path: &PathBuf) {
         Err(e) => tracing::warn!(path = %path.display(), error = %e, "cannot remove"),
     }
 }
+/// Why an Envoy that never served stopped, in its words: the end of its stderr, its last
+/// lines joined (its rejection spans a line or two), at most [`START_FAILURE_KEPT`] bytes.
+fn start_failure(tail: &str) -> String {
+    let lines: Vec<&str> = tail.lines().filter(|l| !l.trim().is_empty()).collect();
+    let text = lines[lines.len().saturating_sub(2)..].join(" ");
+    let text = text.trim();
+    if text.len() <= START_FAILURE_KEPT {
+        return text.to_owned();
+    }
+    let mut cut = text.len() - START_FAILURE_KEPT;
+    while !text.is_char_boundary(cut) {
+        cut += 1;
+    }
+    format!("...{}", &text[cut..])
+}
+
+/// How much of a failed start's stderr the reason keeps.
+const START_FAILURE_KEPT: usize = 1024;

@@ -414,7 +414,11 @@ impl Shutdown {
             },
             drain_call: None,
             count_call: None,
-            next_listeners: count_from,
+            // With exit-on-zero, from its first count; else from the drain.
+            next_listeners: match counting {
+                Some(_) => count_from,
+                None => drain_at,
+            },
             listeners_call: None,
         }
     }
@@ -660,7 +664,10 @@ impl Shutdown {
         {
             consider(self.next_count.max(self.count_from));
         }
-        if self.counting.is_some() && self.drain != DrainAsk::Due && self.listeners_call.is_none() {
+        if self.ending == Ending::Stop
+            && self.drain != DrainAsk::Due
+            && self.listeners_call.is_none()
+        {
             consider(self.next_listeners);
         }
         if let App::Watched { seen, .. } = &self.app {
@@ -680,8 +687,10 @@ impl Shutdown {
         wake
     }
 
+    /// What each drained listener holds is read in every drain that ends in a stop, so that
+    /// the stop can say what was still open whatever ended it (exit-on-zero or not).
     fn listeners_due(&self, now: Instant) -> bool {
-        self.counting.is_some()
+        self.ending == Ending::Stop
             && self.drain != DrainAsk::Due
             && self.listeners_call.is_none()
             && self.next_listeners <= now
@@ -1145,6 +1154,13 @@ mod tests {
         s.drain_answered(&result, now);
     }
 
+    /// [`drain`], with the listeners' readings (every stopping drain takes them) out of the way:
+    /// one is out for good.
+    async fn drain_unread(s: &mut Shutdown, now: Instant, result: Result<DrainPlan, ProxyError>) {
+        drain(s, now, result).await;
+        s.listeners_sent(now, never());
+    }
+
     fn counted(count: Result<u64, DrainError>) -> Counted {
         Counted {
             count,
@@ -1167,7 +1183,7 @@ mod tests {
         assert_eq!(s.poll(at), Step::FailHealthChecks);
         s.health_checks_sent(never());
         assert_eq!(s.poll(at), Step::SendDrain);
-        drain(&mut s, at, Ok(accepted())).await;
+        drain_unread(&mut s, at, Ok(accepted())).await;
         assert_eq!(s.phase(at), DrainPhase::Draining);
         // The deadline: the delay plus the termination drain duration.
         assert_eq!(s.poll(at), Step::Wait(Some(at + Duration::from_secs(5))));
@@ -1203,7 +1219,7 @@ mod tests {
         let t0 = Instant::now();
         let mut s = Shutdown::begin(&config, SIGTERM, t0, SystemTime::now());
         assert_eq!(s.poll(t0), Step::SendDrain);
-        drain(&mut s, t0, Ok(accepted())).await;
+        drain_unread(&mut s, t0, Ok(accepted())).await;
         assert!(s.ready(t0), "ready while it drains");
         assert_eq!(s.poll(t0), Step::Wait(Some(t0 + secs(10))));
         assert_eq!(s.poll(t0 + secs(10)), Step::NotReady);
@@ -1551,7 +1567,7 @@ mod tests {
         // notice left out.
         assert_eq!(s.poll(t0), Step::SendDrain);
         assert!(s.drain_options(t0).hold_notice);
-        drain(&mut s, t0, Ok(accepted())).await;
+        drain_unread(&mut s, t0, Ok(accepted())).await;
         assert_eq!(s.progress().app.map(AppWatch::name), Some("holding"));
         // Past the drain's deadline (5 s) the app still calls out: Envoy serves it.
         let mut at = t0;
@@ -1684,5 +1700,36 @@ mod tests {
         s.health_checks_sent(never());
         assert_eq!(s.poll(at), Step::SendDrain);
         assert!(!s.drain_options(at).hold_notice);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_exit_on_zero_the_listeners_are_read_for_the_stop_to_name_what_was_open() {
+        let (mut s, t0) = begin(&config());
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        drain(&mut s, t0, Ok(accepted())).await;
+        assert_eq!(s.poll(t0), Step::ReadListeners, "from the drain on");
+        s.listeners_sent(t0, never());
+        s.listeners_call = None;
+        s.listeners_read(
+            ListenersRead {
+                listeners: Ok(vec![ListenerActivity {
+                    name: "ingress".to_owned(),
+                    connections: 1,
+                    requests: Some(1),
+                    upgrades: None,
+                }]),
+                took: Duration::ZERO,
+            },
+            t0,
+        );
+        assert_eq!(
+            s.still_open().as_deref(),
+            Some("ingress: 1 connections, 1 requests")
+        );
+        assert_eq!(
+            s.poll(t0 + Duration::from_secs(1)),
+            Step::ReadListeners,
+            "each second"
+        );
     }
 }

@@ -596,4 +596,23 @@ impl AgentExit {
     pub fn code(&self) -> u8 {
         self.path.code()
     }
+
+    /// Envoy's own reason, when it ended by itself with an error: a failed start's message,
+    /// or the last lines of a crashed Envoy's stderr.
+    pub fn envoy_said(&self) -> Option<String> {
+        let last_lines = |tail: &str| {
+            let lines: Vec<&str> = tail.lines().filter(|l| !l.trim().is_empty()).collect();
+            lines[lines.len().saturating_sub(2)..].join("\n")
+        };
+        match self.ended.as_ref()? {
+            Ended::StartFailed { message, .. } | Ended::Wedged { message, .. } => {
+                Some(message.clone())
+            }
+            Ended::Exited(exit) | Ended::Lost { exit, .. } if exit.code() != 0 => {
+                Some(last_lines(&exit.stderr_tail))
+            }
+            _ => None,
+        }
+        .filter(|s| !s.trim().is_empty())
+    }
 }

@@ -22,6 +22,7 @@ mod grpc;
 mod handoff_faults;
 mod hot_restart;
 mod hung;
+mod leftovers;
 mod manifests;
 mod merged_metrics;
 mod outbound;

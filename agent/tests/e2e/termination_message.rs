@@ -91,3 +91,37 @@ async fn a_stop_at_zero_connections_says_nothing_was_left(mode: Mode) {
     );
     assert!(message.contains("\nstill open: nothing\n"), "{message}");
 }
+
+both_modes!(a_drain_that_ends_at_its_deadline_names_what_was_still_open);
+
+/// Issue 51: without exit-on-zero too, a drain that ends at its deadline names, per listener,
+/// what was still open (here an idle keep-alive connection the drain could not close in time).
+async fn a_drain_that_ends_at_its_deadline_names_what_was_still_open(mode: Mode) {
+    let builder = agent_in(mode);
+    let path = builder.dir().join("termination-log");
+    let path_arg = path.display().to_string();
+    let mut agent = builder
+        .args(&[
+            "--termination-drain-duration",
+            "3s",
+            "--termination-message-path",
+            &path_arg,
+        ])
+        .start()
+        .await;
+    let mut client = KeepAlive::connect(agent.listener("hello").await)
+        .await
+        .unwrap();
+    assert_eq!(client.get("/").await.unwrap().status, 200);
+    agent.signal(Signal::SIGTERM);
+    assert_eq!(agent.exit().await.code(), Some(0));
+    let stopping = agent
+        .wait_event("stopping", "exit_path", "drain_time_elapsed")
+        .await;
+    let message = std::fs::read_to_string(&path).expect("the termination message");
+    assert!(
+        message.contains("still open: hello: 1 connections"),
+        "{message}\n{stopping}"
+    );
+    drop(client);
+}

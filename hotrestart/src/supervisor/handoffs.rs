@@ -165,6 +165,7 @@ impl<H: Host> Supervisor<H> {
         );
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
+                self.created |= epoch == 0;
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
                 let sign = match spawned.admin_bound {
                     Some(bound) => {
@@ -617,7 +618,12 @@ impl<H: Host> Supervisor<H> {
                 reason = %attempt.reason,
                 preflight_cache = attempt.checked.cache(),
                 error = %message,
-                "hot restart did not happen; the serving epoch keeps serving"
+                "{}",
+                if attempt.first && self.life.serving().is_none() {
+                    "the first epoch did not start: nothing serves"
+                } else {
+                    "hot restart did not happen; the serving epoch keeps serving"
+                }
             ),
         }
         for waiter in attempt.waiters {
