@@ -15,6 +15,11 @@ if [ -z "${ENVOY_UPGRADE_FROM_PATH:-}" ]; then
   ENVOY_UPGRADE_FROM_PATH="$(ENVOY_VERSION=1.39.3 scripts/install-envoy.sh)"
   export ENVOY_UPGRADE_FROM_PATH
 fi
+# Every supported release, for the e2e smoke test of each (agent/tests/e2e/releases.rs; the list
+# is its SUPPORTED): installed once under .envoy/<release>/.
+for release in 1.36.4 1.37.0 1.38.3 1.39.3 1.40.0; do
+  ENVOY_VERSION="$release" scripts/install-envoy.sh > /dev/null
+done
 # The second-language clients the tests use (Python's grpcio, h2 and aioquic, grpcurl, nghttp).
 if [ -z "${ENVOY_AGENT_TEST_TOOLS:-}" ]; then
   ENVOY_AGENT_TEST_TOOLS="$(scripts/install-test-tools.sh)"

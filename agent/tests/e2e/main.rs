@@ -27,6 +27,7 @@ mod manifests;
 mod merged_metrics;
 mod outbound;
 mod preflight_cache;
+mod releases;
 mod run;
 mod scrape;
 mod security;
