@@ -311,6 +311,10 @@ impl Proxy for Envoy {
         Ok(plan)
     }
 
+    fn tell_drain_notice(&self) {
+        crate::drain_notice::tell(&self.config, 0);
+    }
+
     async fn fail_health_checks(&self) -> Result<(), ProxyError> {
         let addr = self
             .admin

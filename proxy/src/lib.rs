@@ -127,6 +127,10 @@ pub trait Proxy: Send + Sync + 'static {
     /// hot-restart family also fails the health checks of an epoch that starts serving later.
     fn fail_health_checks(&self) -> impl Future<Output = Result<(), ProxyError>> + Send;
 
+    /// Tells the serving Envoy's drain notice now, after a drain that left it out
+    /// ([`DrainOptions::hold_notice`]). A proxy that never leaves it out has nothing to do.
+    fn tell_drain_notice(&self) {}
+
     /// Hot-restarts; resolves with the new epoch once it is LIVE, or why not.
     fn hot_restart(&self, reason: String)
     -> impl Future<Output = Result<u32, RestartError>> + Send;

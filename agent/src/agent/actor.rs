@@ -695,12 +695,13 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 }
                 Step::SendDrain => {
                     let first = !s.drain_asked();
-                    let call = drain_call(&self.agent.proxy, s.drain_options(now));
+                    let options = s.drain_options(now);
+                    let call = drain_call(&self.agent.proxy, options);
                     if first {
                         step_taken(TimelineStep::Drain, offset_ms);
                     }
                     if let Mode::ShuttingDown(s) = &mut self.mode {
-                        s.drain_sent(now, call);
+                        s.drain_sent(now, options.hold_notice, call);
                     }
                 }
                 Step::Count(tally) => {
@@ -713,6 +714,16 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                     let call = self.listeners_call();
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.listeners_sent(now, call);
+                    }
+                }
+                Step::TellNotice => {
+                    tracing::info!(
+                        event = "drain_notice_released",
+                        "the app let go of envoy's outbound listeners: telling the drain notice"
+                    );
+                    self.agent.proxy.tell_drain_notice();
+                    if let Mode::ShuttingDown(s) = &mut self.mode {
+                        s.notice_told();
                     }
                 }
                 Step::ReadOutbound => {

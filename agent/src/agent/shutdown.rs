@@ -139,6 +139,9 @@ pub(super) enum Step {
     ReadOutbound,
     /// Ask the kernel whether the app holds a connection to an outbound listener's port.
     ProbeApp,
+    /// Tell the drain notice, held while the app called out (a drain request's timeline,
+    /// which does not stop when the app lets go).
+    TellNotice,
     /// Stop Envoy: the drain is over, by this path.
     Stop(ExitPath),
     /// Nothing before this instant (none: before an answer comes).
@@ -298,6 +301,8 @@ pub(super) struct Shutdown {
     next_probe: Instant,
     /// The connections the app's probes found, asked about again by the next.
     app_known: envoy_agent_drain::Known,
+    /// The drain went without its notice (the app held Envoy): told once it lets go.
+    notice_held: bool,
     app_errors: u32,
     /// The connections the quick counts found, asked about again by the next.
     known: envoy_agent_drain::Known,
@@ -394,6 +399,7 @@ impl Shutdown {
             outbound_call: None,
             next_probe: now,
             app_known: envoy_agent_drain::Known::default(),
+            notice_held: false,
             app_errors: 0,
             known: envoy_agent_drain::Known::default(),
             poll_interval: config.poll_interval,
@@ -488,6 +494,9 @@ impl Shutdown {
             };
         if drain_due {
             return Step::SendDrain;
+        }
+        if self.notice_held && self.drain == DrainAsk::Accepted && !self.app_holds(now) {
+            return Step::TellNotice;
         }
         if let Some(path) = self.due_stop(now) {
             return Step::Stop(path);
@@ -619,6 +628,11 @@ impl Shutdown {
             hold_notice: notice_reaches && self.app_holds(now),
             ..self.options
         }
+    }
+
+    /// The held drain notice was told.
+    pub(super) fn notice_told(&mut self) {
+        self.notice_held = false;
     }
 
     /// Why Envoy never accepted a drain, as judged at `now` (for [`ExitPath::DrainFailed`]).
@@ -771,12 +785,14 @@ impl Shutdown {
         });
     }
 
-    /// The drain request went out at `now` as `call`.
+    /// The drain request went out at `now` as `call`, `holding` the notice or not.
     pub(super) fn drain_sent(
         &mut self,
         now: Instant,
+        holding: bool,
         call: Pin<Box<dyn Future<Output = Result<DrainPlan, ProxyError>> + Send>>,
     ) {
+        self.notice_held = holding;
         let failed = match &self.drain {
             DrainAsk::Failed { error, .. } => Some(error.clone()),
             _ => None,
@@ -1147,7 +1163,7 @@ mod tests {
 
     /// The drain request goes out at `now` and Envoy answers `result`.
     async fn drain(s: &mut Shutdown, now: Instant, result: Result<DrainPlan, ProxyError>) {
-        s.drain_sent(now, Box::pin(std::future::ready(result)));
+        s.drain_sent(now, false, Box::pin(std::future::ready(result)));
         let Answer::Drain(result) = s.answer().await else {
             panic!("not the drain answered")
         };
@@ -1360,7 +1376,7 @@ mod tests {
         };
         let (mut s, t0) = begin(&config);
         assert_eq!(s.poll(t0), Step::SendDrain);
-        s.drain_sent(t0, never());
+        s.drain_sent(t0, false, never());
         assert_eq!(s.poll(t0), Step::Count(Tally::Whole), "counting already");
         s.count_sent(t0, Tally::Whole, never());
         s.count_call = None;
@@ -1420,7 +1436,7 @@ mod tests {
         drain(&mut s, t0, Err(ProxyError::NotRunning)).await;
         assert_eq!(s.poll(t0 + DRAIN_RETRY), Step::SendDrain, "asked again");
         assert_eq!(s.poll(t0 + end), Step::SendDrain);
-        s.drain_sent(t0 + end, never());
+        s.drain_sent(t0 + end, false, never());
         assert_eq!(s.poll(t0 + end), Step::Stop(ExitPath::DrainFailed));
         assert!(s.drain_failure(t0 + end).is_some());
     }
@@ -1731,5 +1747,64 @@ mod tests {
             Step::ReadListeners,
             "each second"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_requests_held_notice_is_told_once_the_app_lets_go() {
+        let (reply, _answer) = tokio::sync::oneshot::channel();
+        let config = AgentConfig {
+            fail_health_checks_at: HealthCheckFailAt::Off,
+            ..sidecar()
+        };
+        let t0 = Instant::now();
+        let mut s = Shutdown::begin_request(
+            &config,
+            DrainReason::Request(super::super::state::Via::Http),
+            DrainOptions::default(),
+            reply,
+            t0,
+            SystemTime::now(),
+        );
+        s.not_ready_said();
+        assert_eq!(s.poll(t0), Step::ReadOutbound);
+        s.outbound_sent(never());
+        s.outbound_call = None;
+        s.outbound_read(
+            Ok(vec![envoy_listener(
+                "out",
+                Direction::Outbound,
+                15001,
+                false,
+            )]),
+            |_| true,
+            t0,
+        );
+        probe(&mut s, t0, true);
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        let options = s.drain_options(t0);
+        assert!(options.hold_notice);
+        s.drain_sent(
+            t0,
+            options.hold_notice,
+            Box::pin(std::future::ready(Ok(accepted()))),
+        );
+        let Answer::Drain(result) = s.answer().await else {
+            panic!("not the drain answered")
+        };
+        s.drain_answered(&result, t0);
+        let at = t0 + APP_PROBE_EVERY;
+        probe(&mut s, at, false);
+        assert!(
+            !matches!(s.poll(at), Step::TellNotice),
+            "not before it has let go"
+        );
+        let gone = at + APP_LET_GO;
+        assert_eq!(
+            s.poll(gone),
+            Step::TellNotice,
+            "a request's timeline does not stop"
+        );
+        s.notice_told();
+        assert!(!matches!(s.poll(gone), Step::TellNotice));
     }
 }
