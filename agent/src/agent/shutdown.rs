@@ -44,8 +44,8 @@ pub(super) async fn settle<T>(slot: &mut Pending<T>) -> T {
     value
 }
 
-/// How long, at most, the drain and the failed health checks wait for a sidecar's app rule to
-/// say whether the app holds outbound connections (it takes milliseconds: three admin calls
+/// How long, at most, the failed health checks and the drain notice wait for a sidecar's app
+/// rule to say whether the app holds outbound connections (it takes milliseconds: three admin calls
 /// and one question to the kernel).
 pub(super) const APP_DECIDE_WITHIN: Duration = Duration::from_millis(250);
 
@@ -475,6 +475,11 @@ impl Shutdown {
                 return Step::Stop(path);
             }
         }
+        // The first probe first: it decides what waits for the app (it costs one question to
+        // the kernel).
+        if self.first_probe_due(now) {
+            return Step::ProbeApp;
+        }
         let health_due = self.health_call.is_none()
             && !self.health_held(now)
             && match self.health {
@@ -485,8 +490,8 @@ impl Shutdown {
         if health_due {
             return Step::FailHealthChecks;
         }
+        // The drain itself never waits for the app rule (it is inbound-only); its notice does.
         let drain_due = self.drain_call.is_none()
-            && !self.app_undecided(now)
             && match &self.drain {
                 DrainAsk::Due => self.drain_at <= now,
                 DrainAsk::Failed { retry_at, .. } => *retry_at <= now,
@@ -495,7 +500,11 @@ impl Shutdown {
         if drain_due {
             return Step::SendDrain;
         }
-        if self.notice_held && self.drain == DrainAsk::Accepted && !self.app_holds(now) {
+        if self.notice_held
+            && self.drain == DrainAsk::Accepted
+            && !self.app_undecided(now)
+            && !self.app_holds(now)
+        {
             return Step::TellNotice;
         }
         if let Some(path) = self.due_stop(now) {
@@ -557,8 +566,9 @@ impl Shutdown {
             && self.count_from.max(self.next_count) <= now
     }
 
-    /// The app rule has not answered yet: the drain and the health checks wait for it, for
-    /// [`APP_DECIDE_WITHIN`] at most (an admin API that does not answer must not hold them).
+    /// The app rule has not answered yet: the health checks and the drain notice wait for it,
+    /// for [`APP_DECIDE_WITHIN`] at most (an admin API that does not answer must not hold
+    /// them).
     fn app_undecided(&self, now: Instant) -> bool {
         now < self.app_until
             && now < self.began + APP_DECIDE_WITHIN
@@ -613,6 +623,16 @@ impl Shutdown {
         reaches && (self.app_undecided(now) || self.app_holds(now))
     }
 
+    fn first_probe_due(&self, now: Instant) -> bool {
+        matches!(
+            self.app,
+            App::Watched {
+                seen: Seen::Unprobed,
+                ..
+            }
+        ) && self.probe_due(now)
+    }
+
     fn probe_due(&self, now: Instant) -> bool {
         matches!(self.app, App::Watched { .. })
             && self.app_call.is_none()
@@ -620,12 +640,17 @@ impl Shutdown {
             && self.next_probe <= now
     }
 
-    /// What the drain request asks at `now`: the notice left out while the app holds Envoy
-    /// and the notice would reach its outbound connections.
+    /// What the drain request asks at `now`: the notice left out while the app holds Envoy (or
+    /// may: the rule has not answered yet) and the notice would reach its outbound
+    /// connections. A notice left out is told once the app lets go ([`Step::TellNotice`]).
     pub(super) fn drain_options(&self, now: Instant) -> DrainOptions {
-        let notice_reaches = matches!(&self.app, App::Watched { reaches, .. } if reaches.notice);
+        let notice_reaches = match &self.app {
+            App::Off => false,
+            App::Reading { .. } => true,
+            App::Watched { reaches, .. } => reaches.notice,
+        };
         DrainOptions {
-            hold_notice: notice_reaches && self.app_holds(now),
+            hold_notice: notice_reaches && (self.app_undecided(now) || self.app_holds(now)),
             ..self.options
         }
     }
@@ -664,12 +689,10 @@ impl Shutdown {
                 Some(HealthAsk::InFlight | HealthAsk::Accepted) | None => {}
             }
         }
-        if !self.app_undecided(now) {
-            match &self.drain {
-                DrainAsk::Due => consider(self.drain_at),
-                DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
-                DrainAsk::InFlight { .. } | DrainAsk::Accepted => {}
-            }
+        match &self.drain {
+            DrainAsk::Due => consider(self.drain_at),
+            DrainAsk::Failed { retry_at, .. } => consider(*retry_at),
+            DrainAsk::InFlight { .. } | DrainAsk::Accepted => {}
         }
         if self.counting.is_some()
             && self.zero.is_none()
@@ -1534,8 +1557,9 @@ mod tests {
         assert_eq!(s.poll(t0), Step::ReadOutbound, "the app rule reads first");
         s.outbound_sent(never());
         s.outbound_call = None;
-        // Nothing Envoy-wide before the rule knows the app.
-        assert!(matches!(s.poll(t0), Step::Wait(_)));
+        // The drain (inbound-only) does not wait for the rule; its notice will.
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        assert!(s.drain_options(t0).hold_notice);
         s.outbound_read(
             Ok(vec![
                 envoy_listener("in", Direction::Inbound, 8080, false),
@@ -1544,21 +1568,15 @@ mod tests {
             |_| true,
             t0,
         );
-        if marked {
-            // Nothing of the app's to hold them for.
-            assert_eq!(s.poll(t0), Step::FailHealthChecks);
-            s.health_checks_sent(never());
-            s.health_call = None;
-        }
-        assert_eq!(s.poll(t0), Step::ProbeApp);
+        assert_eq!(s.poll(t0), Step::ProbeApp, "the first probe first");
         assert_eq!(s.probe().unwrap().0, BTreeSet::from([15001]));
         s.probe_sent(t0, never());
         s.app_call = None;
-        if !marked {
-            assert!(
-                matches!(s.poll(t0), Step::Wait(_)),
-                "waits for the first probe"
-            );
+        match marked {
+            // Nothing of the app's to hold them for.
+            true => assert_eq!(s.poll(t0), Step::FailHealthChecks),
+            // The health checks wait for the first answer; the drain does not.
+            false => assert_eq!(s.poll(t0), Step::SendDrain),
         }
         s.probed(Ok(held), t0);
         (s, t0)
@@ -1633,7 +1651,10 @@ mod tests {
             fail_health_checks_at: HealthCheckFailAt::Drain,
             ..sidecar()
         };
-        let (s, t0) = sidecar_shutdown(&config, true, true);
+        let (mut s, t0) = sidecar_shutdown(&config, true, true);
+        assert_eq!(s.poll(t0), Step::FailHealthChecks);
+        s.health_checks_sent(never());
+        s.health_call = None;
         assert_eq!(s.poll(t0), Step::SendDrain);
         assert!(!s.drain_options(t0).hold_notice);
     }
@@ -1699,7 +1720,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn an_app_rule_without_an_answer_holds_the_drain_for_a_moment_only() {
+    async fn an_app_rule_without_an_answer_holds_the_health_checks_and_notice_a_moment_only() {
         let config = AgentConfig {
             fail_health_checks_at: HealthCheckFailAt::Drain,
             ..sidecar()
@@ -1709,13 +1730,28 @@ mod tests {
         s.not_ready_said();
         assert_eq!(s.poll(t0), Step::ReadOutbound);
         s.outbound_sent(never());
-        // Envoy's admin API does not answer the reading.
+        // Envoy's admin API does not answer the reading: the drain goes at once, its notice
+        // held; the health checks wait.
+        assert_eq!(s.poll(t0), Step::SendDrain);
+        let options = s.drain_options(t0);
+        assert!(options.hold_notice);
+        s.drain_sent(
+            t0,
+            options.hold_notice,
+            Box::pin(std::future::ready(Ok(accepted()))),
+        );
+        let Answer::Drain(result) = s.answer().await else {
+            panic!("not the drain answered")
+        };
+        s.drain_answered(&result, t0);
+        s.listeners_sent(t0, never());
         assert_eq!(s.poll(t0), Step::Wait(Some(t0 + APP_DECIDE_WITHIN)));
         let at = t0 + APP_DECIDE_WITHIN;
         assert_eq!(s.poll(at), Step::FailHealthChecks);
         s.health_checks_sent(never());
-        assert_eq!(s.poll(at), Step::SendDrain);
-        assert!(!s.drain_options(at).hold_notice);
+        assert_eq!(s.poll(at), Step::TellNotice);
+        s.notice_told();
+        assert!(matches!(s.poll(at), Step::Wait(_)));
     }
 
     #[tokio::test(start_paused = true)]
