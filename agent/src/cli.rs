@@ -381,7 +381,8 @@ pub struct RunArgs {
 
     /// A bound on Envoy's downstream connections (global_downstream_max_connections), so that
     /// a connection past it is refused cleanly instead of accept failing once descriptors run
-    /// out: `auto` (half of the open-file limit Envoy runs with, less 1024 kept), a count, or
+    /// out: `auto` (half of the open-file limit Envoy runs with, less a quarter of it, at most
+    /// 1024, kept: 384 under 1024), a count, or
     /// `off`. A bootstrap with its own bound keeps it.
     #[arg(
         long,

@@ -75,14 +75,17 @@ impl MemoryGuard {
     }
 }
 
-/// Descriptors kept for Envoy's own files, upstream connections beyond one per downstream, and
-/// its admin, when the connections' bound is derived from the open-file limit.
+/// Descriptors kept for Envoy's own files, listeners, admin and upstream connections beyond
+/// one per downstream, when the connections' bound is derived from the open-file limit: a
+/// quarter of the limit, at most this many.
 pub const DESCRIPTORS_KEPT: u64 = 1024;
 
 /// The bound on downstream connections for an open-file limit of `nofile`: each downstream
-/// connection may take an upstream one too, and some descriptors are kept for the rest.
+/// connection may take an upstream one too, and some descriptors are kept for the rest (a
+/// quarter of a small limit: 1024 gives 384).
 pub fn connections_for(nofile: u64) -> u64 {
-    (nofile.saturating_sub(DESCRIPTORS_KEPT) / 2).max(1)
+    let kept = DESCRIPTORS_KEPT.min(nofile / 4);
+    (nofile.saturating_sub(kept) / 2).max(1)
 }
 
 /// The overload manager's parts the agent adds: monitors, actions, load-shed points.
@@ -279,7 +282,9 @@ mod tests {
             json["resource_monitors"][1]["typed_config"]["max_active_downstream_connections"],
             523_776
         );
-        assert_eq!(connections_for(100), 1);
+        assert_eq!(connections_for(1024), 384, "a container's common default");
+        assert_eq!(connections_for(20_000), 9_488);
+        assert_eq!(connections_for(2), 1);
     }
 
     #[test]

@@ -1287,7 +1287,13 @@ fn log_ended(ended: &Ended) {
             let code = exit.code();
             let hint = match (exit.oom, exit.status.signal()) {
                 (Some(oom), _) => format!(" ({oom})"),
-                (None, Some(9)) => " (SIGKILL, not by the OOM killer)".to_owned(),
+                // Only a container that counts its OOM kills can tell them from a `kill -9`.
+                (None, Some(9)) if envoy_agent_proxy::cgroup::container().oom_kills().is_some() => {
+                    " (SIGKILL, not by the OOM killer)".to_owned()
+                }
+                (None, Some(9)) => {
+                    " (SIGKILL: no memory cgroup counts OOM kills here to tell one)".to_owned()
+                }
                 _ => String::new(),
             };
             tracing::error!(
