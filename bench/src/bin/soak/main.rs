@@ -294,6 +294,11 @@ impl Setup {
                     identity,
                 ])
                 .args(NODE_ARGS);
+        } else {
+            // The soak's long-lived streams client on the OUTBOUND listener is a client whose
+            // drain the end checks (every client told), not an app beside the sidecar: the app
+            // rule, which would serve it untold until --app-hold, is e2e `app`'s to test.
+            builder = builder.args(&["--app-hold", "off"]);
         }
         if self.pid1 {
             builder = builder.wrapper(POD);
