@@ -20,8 +20,8 @@ use hyper_util::rt::TokioIo;
 use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::config::settings::GrpcAddress;
 use crate::exit_code;
-use crate::settings::GrpcAddress;
 
 /// What a client subcommand asks the agent: one RPC.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,11 +7,11 @@
 //! ([`AgentHandle::reopen_logs`]). `WatchStatus` streams read the actor's `watch` channel, so a
 //! slow watcher skips to the latest state and costs the actor nothing. Over TCP, mutating RPCs
 //! are taken only from a loopback peer whose socket the kernel says belongs to the agent's own
-//! user, root or a `--control-allow-uid` ([`crate::peer`]; with hostNetwork every process of the
+//! user, root or a `--control-allow-uid` ([`crate::callers::peer`]; with hostNetwork every process of the
 //! node shares the loopback), else refused (PERMISSION_DENIED), unless `--grpc-allow-remote`; a
 //! Unix socket is guarded by its mode (0600). Reading RPCs are open to any peer, except
 //! `AdminGet`: Envoy's admin views carry its config and certificates, so they are served to the
-//! callers mutating RPCs are ([`crate::admin_view`] decides which views there are).
+//! callers mutating RPCs are ([`crate::grpc::admin_view`] decides which views there are).
 //! `SetLogLevel` is a change ([`crate::log_level`] keeps the level in force). Reflection is
 //! built at its first request (decoding its descriptor sets is most of the agent's heap, and
 //! most agents are never asked).
@@ -25,6 +25,9 @@
 //! a snapshot taken at start ([`settings`], from the same [`Settings`] the agent was built from);
 //! only Envoy's admin address (Envoy may pick it at start) and its log level (`SetLogLevel`
 //! changes it) are filled in per call.
+
+pub mod admin_view;
+pub mod socket;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -42,15 +45,15 @@ use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::admin_view::{Bounds, View, ViewError};
 use crate::agent::{
     AgentConfig, AgentError, AgentHandle, AgentState, AppWatch, Counting, DrainPhase,
     DrainProgress, DrainReason, ExitPath, Status as AgentStatus, Via,
 };
+pub use crate::config::settings::GrpcAddress;
+use crate::config::settings::{DrainStrategy, Settings};
 use crate::crash::{CrashAction, CrashKind, Crashes};
+use crate::grpc::admin_view::{Bounds, View, ViewError};
 use crate::log_level::{EnvoyLogLevel, SetError};
-pub use crate::settings::GrpcAddress;
-use crate::settings::{DrainStrategy, Settings};
 use crate::signal::Intent;
 
 /// The service name, as health checks and reflection know it.
@@ -163,7 +166,7 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
 }
 
 /// How Envoy fits its container, as decided at start.
-pub fn container(fit: &crate::container::Fit) -> pb::Container {
+pub fn container(fit: &crate::config::container::Fit) -> pb::Container {
     pb::Container {
         memory_cgroup: fit.memory_cgroup.clone().unwrap_or_default(),
         memory_limit_bytes: fit.memory_limit,
@@ -671,7 +674,7 @@ impl Service {
                 "{peer} is not a loopback peer (the agent allows {calls} from loopback only; see --grpc-allow-remote)"
             )));
         }
-        let callers = crate::peer::Callers {
+        let callers = crate::callers::peer::Callers {
             uids: self.settings.control_allow_uids.clone(),
         };
         callers.check(peer, local).await.map_err(|refusal| {
@@ -895,7 +898,8 @@ impl AgentService for Service {
             ?peer,
             "admin view"
         );
-        let mut chunks = crate::admin_view::stream(self.agent.admin(), view, Bounds::default());
+        let mut chunks =
+            crate::grpc::admin_view::stream(self.agent.admin(), view, Bounds::default());
         // The first chunk decides the call's status: Envoy refusing or silent is an error of
         // the call (which a client reads as such), not an answer that ends oddly.
         let first = match chunks.next().await {
@@ -1156,7 +1160,7 @@ async fn serve_tcp(
             },
         };
         tracing::info!(addr = %listener.local_addr().map_err(|e| e.to_string())?, "gRPC server listening");
-        let connections = crate::connections::Connections::new("grpc");
+        let connections = crate::callers::connections::Connections::new("grpc");
         let held = cancel.clone();
         let incoming =
             paced(tokio_stream::wrappers::TcpListenerStream::new(listener)).map(move |accepted| {
@@ -1177,15 +1181,17 @@ fn serve_unix(
     path: &std::path::Path,
     router: tonic::transport::server::Router,
     cancel: CancellationToken,
-) -> Result<Served, crate::socket::SocketError> {
-    let listener = crate::socket::bind_private(path).and_then(|l| {
-        tokio::net::UnixListener::from_std(l).map_err(|source| crate::socket::SocketError::Bind {
-            path: path.to_owned(),
-            source,
+) -> Result<Served, crate::grpc::socket::SocketError> {
+    let listener = crate::grpc::socket::bind_private(path).and_then(|l| {
+        tokio::net::UnixListener::from_std(l).map_err(|source| {
+            crate::grpc::socket::SocketError::Bind {
+                path: path.to_owned(),
+                source,
+            }
         })
     })?;
     tracing::info!(path = %path.display(), "gRPC server listening");
-    let connections = crate::connections::Connections::new("grpc");
+    let connections = crate::callers::connections::Connections::new("grpc");
     let held = cancel.clone();
     Ok(Box::pin(async move {
         let incoming = paced(tokio_stream::wrappers::UnixListenerStream::new(listener))
@@ -1238,15 +1244,15 @@ where
 }
 
 /// A gRPC connection that ends once its place is needed for a newer one
-/// ([`crate::connections`]): the server reads EOF, writes fail, and hyper drops it.
+/// ([`crate::callers::connections`]): the server reads EOF, writes fail, and hyper drops it.
 struct Held<T> {
     io: T,
     closed: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
-    _admitted: crate::connections::Admitted,
+    _admitted: crate::callers::connections::Admitted,
 }
 
 impl<T> Held<T> {
-    fn new(io: T, admitted: crate::connections::Admitted) -> Self {
+    fn new(io: T, admitted: crate::callers::connections::Admitted) -> Self {
         Held {
             io,
             closed: Box::pin(admitted.closing.clone().cancelled_owned()),

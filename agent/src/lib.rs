@@ -2,10 +2,10 @@
 //!
 //! # Theory of operation
 //!
-//! `main` parses the command line ([`cli`]), starts tracing, turns `run`'s arguments into
+//! `main` parses the command line ([`cli`](config::cli)), starts tracing, turns `run`'s arguments into
 //! [`Settings`] (refusing flags that cannot work together) and calls [`run`], which sees no
 //! parser type. [`run`] checks the rest of its input first
-//! ([`setup`]: bootstrap, admin address, Envoy binary) so that bad input fails with one line
+//! ([`setup`](config::setup): bootstrap, admin address, Envoy binary) so that bad input fails with one line
 //! and exit code [`exit_code::USAGE`] before anything starts. It then builds the proxy, one
 //! Envoy ([`envoy_agent_proxy::Envoy`]) or a hot-restart family
 //! ([`envoy_agent_hotrestart::EnvoyFamily`]), an [`Agent`] over it, the [`status`] server and
@@ -37,48 +37,32 @@ use opentelemetry::metrics::Meter;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-pub mod admin_view;
 pub mod agent;
-pub mod app_metrics;
-pub mod app_probe;
-pub mod budget;
-pub mod channel_link;
-pub mod cli;
+pub mod callers;
 pub mod client;
-mod connections;
-pub mod container;
+pub mod config;
 pub mod crash;
-pub mod defaults;
-pub mod duration;
 pub mod exit_code;
-pub mod exposition;
 pub mod grpc;
 pub mod log_level;
 pub mod notify;
-pub mod peer;
-pub mod scrape;
-pub mod settings;
-pub mod setup;
 pub mod signal;
-pub mod socket;
-pub mod stats_query;
 pub mod status;
 pub mod telemetry;
 pub mod termination;
 #[cfg(test)]
 mod testing;
-pub mod timeline;
 
 pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath, Status};
-pub use settings::Settings;
-pub use setup::SetupError;
+pub use config::settings::Settings;
+pub use config::setup::SetupError;
 pub use signal::{Intent, IntentSource, UnixSignals};
 
 /// How long the agent waits for its own tasks (the servers) once Envoy is gone.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// The agent's drain settings: a view of `settings` (whose defaults and budget are applied
-/// already, in [`cli::RunArgs::into_settings`]).
+/// already, in [`config::cli::RunArgs::into_settings`]).
 pub fn agent_config(settings: &Settings) -> AgentConfig {
     let drain = &settings.drain;
     let mut exclusions = Exclusions::with_ports(drain.exclude_listener_ports.iter().copied());
@@ -92,8 +76,8 @@ pub fn agent_config(settings: &Settings) -> AgentConfig {
         drain_delay: drain.drain_delay,
         not_ready_at: drain.timeline.not_ready,
         fail_health_checks_at: drain.timeline.fail_health_checks.map_or(
-            timeline::HealthCheckFailAt::Off,
-            timeline::HealthCheckFailAt::After,
+            config::timeline::HealthCheckFailAt::Off,
+            config::timeline::HealthCheckFailAt::After,
         ),
         exclusions,
         poll_interval: drain.poll_interval,
@@ -165,16 +149,17 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let envoy = &settings.envoy;
     let temp_dir = std::env::temp_dir();
-    let admin_socket = setup::admin_socket(settings, &runtime_dir, &temp_dir)?;
-    let (admin, extra_args, replaced) = setup::resolve_admin(
+    let admin_socket = config::setup::admin_socket(settings, &runtime_dir, &temp_dir)?;
+    let (admin, extra_args, replaced) = config::setup::resolve_admin(
         &envoy.config_path,
         envoy.admin_address,
         &envoy.extra_args,
         &runtime_dir,
         admin_socket,
     )?;
-    setup::check_status_address(settings.status_address, &admin)?;
-    let binary = setup::resolve_envoy(&envoy.envoy_path, std::env::var_os("PATH").as_deref())?;
+    config::setup::check_status_address(settings.status_address, &admin)?;
+    let binary =
+        config::setup::resolve_envoy(&envoy.envoy_path, std::env::var_os("PATH").as_deref())?;
 
     // PID 1 duties: orphans below us are ours to reap.
     if let Err(e) = envoy_agent_proxy::reaper::become_subreaper() {
@@ -199,22 +184,22 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     );
     // What GetStatus says is in force: the notice may be off because of the bootstrap.
     let settings = &Settings {
-        envoy: settings::EnvoySettings {
+        envoy: config::settings::EnvoySettings {
             drain_notice: proxy.drain_notice.is_some(),
             ..settings.envoy.clone()
         },
         ..settings.clone()
     };
-    setup::check_extra_args(&proxy)?;
+    config::setup::check_extra_args(&proxy)?;
     // Once the input is known good: a refusal is one line.
     warn_about(settings);
-    setup::log_admin(
+    config::setup::log_admin(
         &proxy.admin,
         replaced.as_ref(),
         settings.hot_restart.is_some(),
     );
     // Once the input is known good (a refusal is one line), before anything opens sockets.
-    setup::raise_fd_limit();
+    config::setup::raise_fd_limit();
     let own_runtime_dir = make_runtime_dir(settings, &proxy, &runtime_dir)?;
     let code = match &settings.hot_restart {
         // A refusal ends the run as any ending does: what it made is removed below.
@@ -257,11 +242,11 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     code
 }
 
-/// Fits Envoy into its container ([`container`]): decides from the cgroups and the open-file
+/// Fits Envoy into its container ([`container`](config::container)): decides from the cgroups and the open-file
 /// limit, logs it, and puts it into the proxy's config.
-fn fit_container(settings: &Settings, proxy: &mut ProxyConfig) -> container::Fit {
+fn fit_container(settings: &Settings, proxy: &mut ProxyConfig) -> config::container::Fit {
     let envoy = &settings.envoy;
-    let asked = container::Asked {
+    let asked = config::container::Asked {
         memory: envoy.memory_guard,
         shares: envoy.memory_guard_thresholds,
         connections: envoy.max_downstream_connections,
@@ -269,10 +254,10 @@ fn fit_container(settings: &Settings, proxy: &mut ProxyConfig) -> container::Fit
         extra_args: &proxy.extra_args,
         bootstrap: &envoy.config_path,
     };
-    let fit = container::fit(
+    let fit = config::container::fit(
         &asked,
         envoy_agent_proxy::cgroup::container(),
-        container::nofile(),
+        config::container::nofile(),
     );
     fit.log();
     proxy.memory_guard = fit.memory.on();
@@ -283,7 +268,7 @@ fn fit_container(settings: &Settings, proxy: &mut ProxyConfig) -> container::Fit
     fit
 }
 
-/// The proxy's config: [`setup::proxy_config`] with the hot-restart channel and the
+/// The proxy's config: [`config::setup::proxy_config`] with the hot-restart channel and the
 /// drain-notice directory.
 fn configure_proxy(
     settings: &Settings,
@@ -293,7 +278,8 @@ fn configure_proxy(
     runtime_dir: &Path,
     temp_dir: &Path,
 ) -> Result<ProxyConfig, SetupError> {
-    let (socket_path, extra_args) = setup::hot_restart_channel(settings, extra_args, temp_dir)?;
+    let (socket_path, extra_args) =
+        config::setup::hot_restart_channel(settings, extra_args, temp_dir)?;
     if settings.hot_restart.is_some() {
         tracing::info!(
             event = "hot_restart_channel",
@@ -302,7 +288,7 @@ fn configure_proxy(
             "hot-restart channel"
         );
     }
-    let mut proxy = setup::proxy_config(
+    let mut proxy = config::setup::proxy_config(
         settings,
         binary,
         admin,
@@ -310,7 +296,7 @@ fn configure_proxy(
         runtime_dir,
         socket_path,
     );
-    proxy.drain_notice = setup::drain_notice_dir(settings, runtime_dir)?;
+    proxy.drain_notice = config::setup::drain_notice_dir(settings, runtime_dir)?;
     Ok(proxy)
 }
 
@@ -355,7 +341,7 @@ fn make_runtime_dir(
             .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
     }
     if settings.hot_restart.is_none() && matches!(proxy.admin, AdminAddress::Socket(_)) {
-        setup::make_admin_socket_dir(settings, runtime_dir)?;
+        config::setup::make_admin_socket_dir(settings, runtime_dir)?;
     }
     Ok(own_runtime_dir)
 }
@@ -363,14 +349,14 @@ fn make_runtime_dir(
 /// The hot-restart family that serves in place of one Envoy.
 fn family(
     settings: &Settings,
-    hot: &settings::HotRestartSettings,
+    hot: &config::settings::HotRestartSettings,
     proxy: ProxyConfig,
     meter: Option<&Meter>,
 ) -> Result<envoy_agent_hotrestart::EnvoyFamily, SetupError> {
     let metrics = meter
         .map(envoy_agent_hotrestart::metrics::SupervisorMetrics::new)
         .unwrap_or_default();
-    let mut config = setup::family_config(hot, proxy);
+    let mut config = config::setup::family_config(hot, proxy);
     // Only a family that is restarted after a crash can hand a draining parent on.
     config.keep_draining_parent = settings.crash_recovery.is_some();
     tracing::info!(identity = %config.identity, "node identity");
@@ -387,7 +373,7 @@ async fn serve<P: Proxy>(
     intents: impl IntentSource,
     node_proxy: bool,
     log_level: log_level::EnvoyLogLevel,
-    fit: &container::Fit,
+    fit: &config::container::Fit,
 ) -> anyhow::Result<u8> {
     let config = agent_config(settings);
     // What GetStatus reports as the settings in force: taken once, here, from the same
@@ -475,7 +461,7 @@ fn status_server(
     let app_metrics = settings.app_metrics.clone();
     let app_probes = Arc::new(settings.app_probes.clone());
     // A node proxy's loopback is the node's (hostNetwork): its changes need the caller's uid.
-    let callers = node_proxy.then(|| peer::Callers {
+    let callers = node_proxy.then(|| callers::peer::Callers {
         uids: settings.control_allow_uids.clone(),
     });
     async move {
@@ -491,9 +477,10 @@ fn status_server(
             None => server,
         };
         let server = match app_metrics {
-            Some(target) => {
-                server.app_metrics(app_metrics::AppMetrics::new(target, Default::default()))
-            }
+            Some(target) => server.app_metrics(status::app_metrics::AppMetrics::new(
+                target,
+                Default::default(),
+            )),
             None => server,
         };
         let server = server.with_app_probes(app_probes);

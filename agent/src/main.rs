@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{CommandFactory, FromArgMatches};
-use envoy_agent::cli::{Cli, Command, LogFormat, SettingsError};
+use envoy_agent::config::cli::{Cli, Command, LogFormat, SettingsError};
 use envoy_agent::exit_code;
 use envoy_agent::{SetupError, UnixSignals};
 use envoy_agent_proxy::output;
@@ -33,7 +33,7 @@ fn main() -> ExitCode {
     };
     if let Command::Completions { shell } = &cli.command {
         use std::io::Write as _;
-        let script = envoy_agent::cli::completions(*shell);
+        let script = envoy_agent::config::cli::completions(*shell);
         return match std::io::stdout().write_all(&script) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

@@ -1,18 +1,24 @@
 //! The status HTTP server (default `127.0.0.1:15020`): readiness (`/healthz/ready`),
 //! `POST /drain` (a drain with `skip_exit`: Envoy keeps running, the next SIGTERM exits at
 //! once), `POST /quitquitquit`, `/stats/prometheus` and the app's own probes
-//! (`/app-health/<container>/livez|readyz|startupz`, [`crate::app_probe`]). What each answers,
+//! (`/app-health/<container>/livez|readyz|startupz`, [`crate::status::app_probe`]). What each answers,
 //! and to whom, is tabled in `docs/observability.md#status-server`.
 //!
 //! Mutating endpoints answer 405 to other methods and 403 to non-loopback peers, whatever
 //! address the server binds. In node-proxy mode ([`StatusServer::check_callers`]) the
 //! loopback is the node's (hostNetwork): they also answer 403 to a peer whose socket belongs
-//! to another user than the agent's, root or a `--control-allow-uid` ([`crate::peer`]). A
+//! to another user than the agent's, root or a `--control-allow-uid` ([`crate::callers::peer`]). A
 //! sidecar's loopback is its pod's, where an app container's `POST /quitquitquit` at the end
 //! of a Job is the point. The server stays up through the drain (readiness answers 503,
 //! `/quitquitquit` still works) and stops only when the agent has exited.
 //!
 //! Routes come from [`router`], so they are tested without a socket.
+
+pub mod app_metrics;
+pub mod app_probe;
+pub mod exposition;
+pub mod scrape;
+pub mod stats_query;
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
@@ -29,10 +35,10 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::agent::{AgentHandle, AgentState, DrainPhase, Via};
-use crate::app_metrics::AppMetrics;
-use crate::app_probe::AppProbes;
-use crate::scrape::{SharedBody, WalkFailure, WalkKey, Walks};
-use crate::stats_query::StatsQuery;
+use crate::status::app_metrics::AppMetrics;
+use crate::status::app_probe::AppProbes;
+use crate::status::scrape::{SharedBody, WalkFailure, WalkKey, Walks};
+use crate::status::stats_query::StatsQuery;
 
 /// Bound on the admin calls a status request makes to Envoy.
 const ENVOY_CALL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -83,7 +89,7 @@ pub fn router_with(
 pub struct StatusServer {
     listener: TcpListener,
     addr: SocketAddr,
-    callers: Option<crate::peer::Callers>,
+    callers: Option<crate::callers::peer::Callers>,
     app_metrics: Option<Arc<AppMetrics>>,
     app_probes: Arc<AppProbes>,
 }
@@ -93,7 +99,7 @@ pub struct StatusServer {
 #[derive(Debug, Clone)]
 struct Guard {
     local: SocketAddr,
-    callers: crate::peer::Callers,
+    callers: crate::callers::peer::Callers,
 }
 
 impl StatusServer {
@@ -122,12 +128,12 @@ impl StatusServer {
 
     /// Mutating endpoints also check the owner of the caller's socket: only the agent's own
     /// user, root and `callers` may (a node proxy's loopback is every process of the node).
-    pub fn check_callers(mut self, callers: crate::peer::Callers) -> Self {
+    pub fn check_callers(mut self, callers: crate::callers::peer::Callers) -> Self {
         self.callers = Some(callers);
         self
     }
 
-    /// `/stats/prometheus` merges the app's metrics ([`crate::app_metrics`]).
+    /// `/stats/prometheus` merges the app's metrics ([`crate::status::app_metrics`]).
     pub fn app_metrics(mut self, app: Arc<AppMetrics>) -> Self {
         self.app_metrics = Some(app);
         self
@@ -168,7 +174,7 @@ impl StatusServer {
         use hyper_util::rt::{TokioIo, TokioTimer};
         tracing::info!(addr = %self.addr, "status server listening");
         let app = router_with(agent, self.app_probes.clone(), self.app_metrics.clone());
-        let connections = crate::connections::Connections::new("status");
+        let connections = crate::callers::connections::Connections::new("status");
         let tracker = tokio_util::task::TaskTracker::new();
         let mut http = hyper::server::conn::http1::Builder::new();
         http.timer(TokioTimer::new())
@@ -220,7 +226,7 @@ impl StatusServer {
 
 /// The most connections the status server holds at once: far more than its clients, far fewer
 /// than the agent's open files; the oldest is closed to make room for a new one.
-pub const MAX_CONNECTIONS: usize = crate::connections::MAX_CONNECTIONS;
+pub const MAX_CONNECTIONS: usize = crate::callers::connections::MAX_CONNECTIONS;
 /// How long a client may take to send a request's headers (or, on a kept-alive connection,
 /// the next request's).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
@@ -427,8 +433,8 @@ async fn quit(
 }
 
 /// `/stats/prometheus[?query]`: the agent's own metrics, then Envoy's for `query` (see
-/// [`crate::stats_query`]), passed on as they arrive; scrapes of one query that arrive together
-/// share one walk of Envoy's stats ([`crate::scrape`]). A query Envoy does not take is refused
+/// [`crate::status::stats_query`]), passed on as they arrive; scrapes of one query that arrive together
+/// share one walk of Envoy's stats ([`crate::status::scrape`]). A query Envoy does not take is refused
 /// (400, naming the parameter) before Envoy is asked; one Envoy refuses (a bad regex) is
 /// refused with Envoy's words. Envoy's `filter` and `usedonly` apply to Envoy's stats only:
 /// the agent's own families are always there, so a scrape always says whether Envoy's stats
@@ -484,7 +490,7 @@ async fn prometheus(
     if let (Some(app), Some(scrape)) = (&app, app_scrape) {
         let answer = scrape.await.ok();
         let merged = answer.as_deref().and_then(|a| a.as_ref().ok());
-        body.push_str(&crate::app_metrics::families(app, merged.is_some()));
+        body.push_str(&crate::status::app_metrics::families(app, merged.is_some()));
         match (merged, answer.as_deref()) {
             (Some(lines), _) => body.push_str(lines),
             (None, Some(Err(e))) => {
@@ -853,7 +859,7 @@ mod tests {
             r#"{{"/app-health/app/livez": {{"tcpSocket": {{"port": {open}}}}},
                 "/app-health/app/readyz": {{"tcpSocket": {{"port": {closed}}}}}}}"#
         );
-        let probes = AppProbes::parse(&json, crate::app_probe::Input::Flag).unwrap();
+        let probes = AppProbes::parse(&json, crate::status::app_probe::Input::Flag).unwrap();
         let app = router_with(f.handle.clone(), Arc::new(probes), None)
             .layer(MockConnectInfo(REMOTE.parse::<SocketAddr>().unwrap()));
         let get = |path: &str| {

@@ -1,4 +1,4 @@
-//! `--drain-time 500ms`, `--stop-grace 1m30s`, ...: `envoy_agent::duration::parse_duration`
+//! `--drain-time 500ms`, `--stop-grace 1m30s`, ...: `envoy_agent::config::duration::parse_duration`
 //! on any UTF-8 text (flags and environment variables are text).
 //!
 //! Besides "no panic": for text made only of `<integer><unit>` parts (`1m30s`, `250ms`) adding
@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let parsed = envoy_agent::duration::parse_duration(text);
+    let parsed = envoy_agent::config::duration::parse_duration(text);
     // No sign, no exponent: a refusal, never a guess.
     if text.contains(['+', '-', 'e', 'E']) {
         assert!(parsed.is_err(), "{text:?} accepted as {parsed:?}");

@@ -27,9 +27,9 @@ use super::Agent;
 use super::handle::{AgentError, Command, Reply};
 use super::shutdown::{self, Answer, Counted, Ending, ListenersRead, Pace, Shutdown, Step, Tally};
 use super::state::{AgentConfig, AgentExit, AgentState, DrainPhase, DrainReason, ExitPath, Via};
+use crate::config::timeline::Step as TimelineStep;
 use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
 use crate::signal::{Intent, IntentSource};
-use crate::timeline::Step as TimelineStep;
 
 /// Bound on asking the proxy whether a successor takes over (it asks the admin API).
 const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);

@@ -2,7 +2,7 @@
 //! `Stop` with no successor pod taking over), holding the whole deadline rule and the calls it
 //! has out.
 //!
-//! Its life, from the signal, on the timeline the operator set ([`crate::timeline`]):
+//! Its life, from the signal, on the timeline the operator set ([`crate::config::timeline`]):
 //! readiness off (`--not-ready-at`); Envoy's health checks failing (`--healthcheck-fail-at`),
 //! asked again each [`DRAIN_RETRY`] until Envoy accepts, never holding up anything else; the
 //! drain request after the drain delay, sent again each [`DRAIN_RETRY`] until Envoy accepts
@@ -25,8 +25,8 @@ use envoy_agent_proxy::listeners::{Direction, Listener};
 use envoy_agent_proxy::{DrainOptions, DrainPlan, ProxyError};
 use tokio::time::Instant;
 
-use crate::defaults::{APP_LET_GO, APP_PROBE_EVERY};
-use crate::timeline::HealthCheckFailAt;
+use crate::config::defaults::{APP_LET_GO, APP_PROBE_EVERY};
+use crate::config::timeline::HealthCheckFailAt;
 
 use super::handle::{AgentError, Reply};
 use super::state::{AgentConfig, AppWatch, DrainPhase, DrainProgress, DrainReason, ExitPath};

@@ -15,7 +15,7 @@ use crate::signal::Intent;
 pub use crate::exit_code::SOFTWARE as EXIT_SOFTWARE;
 
 /// How the agent drains and stops: a view of [`crate::Settings`] (`agent_config`) for the
-/// actor. [`Default`] is `envoy-agent run`'s defaults, from [`crate::defaults`].
+/// actor. [`Default`] is `envoy-agent run`'s defaults, from [`crate::config::defaults`].
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     /// How long a shutdown drain lasts before Envoy is stopped; in exit-on-zero mode, the hard
@@ -32,7 +32,7 @@ pub struct AgentConfig {
     /// On SIGTERM, readiness goes off this long after the signal.
     pub not_ready_at: Duration,
     /// On SIGTERM, when Envoy fails its health checks.
-    pub fail_health_checks_at: crate::timeline::HealthCheckFailAt,
+    pub fail_health_checks_at: crate::config::timeline::HealthCheckFailAt,
     /// Listeners whose connections and requests do not count.
     pub exclusions: Exclusions,
     /// How often exit-on-zero counts.
@@ -54,14 +54,14 @@ pub struct AgentConfig {
 impl Default for AgentConfig {
     /// The defaults of `envoy-agent run` without flags (in sidecar mode).
     fn default() -> Self {
-        use crate::defaults;
+        use crate::config::defaults;
         AgentConfig {
             termination_drain_duration: defaults::TERMINATION_DRAIN_DURATION,
             minimum_drain_duration: defaults::MINIMUM_DRAIN_DURATION,
             exit_on_zero: None,
             drain_delay: Duration::ZERO,
             not_ready_at: Duration::ZERO,
-            fail_health_checks_at: crate::timeline::HealthCheckFailAt::Drain,
+            fail_health_checks_at: crate::config::timeline::HealthCheckFailAt::Drain,
             exclusions: Exclusions::with_ports(defaults::EXCLUDED_LISTENER_PORTS),
             poll_interval: defaults::DRAIN_POLL_INTERVAL,
             stats_timeout: defaults::STATS_TIMEOUT,
@@ -82,7 +82,7 @@ impl AgentConfig {
     /// termination drain duration caps it only when it is longer than the minimum (else
     /// nothing would ever be counted): then there is no deadline (Istio's behaviour).
     pub fn drain_deadline(&self) -> Option<Duration> {
-        crate::timeline::drain_deadline(
+        crate::config::timeline::drain_deadline(
             self.exit_on_zero,
             self.termination_drain_duration,
             self.minimum_drain_duration,

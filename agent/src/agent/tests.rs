@@ -6,10 +6,10 @@ use std::time::Duration;
 use envoy_agent_proxy::{Ended, ProxyPhase, ProxyState, RestartError};
 use tokio::time::Instant;
 
+use crate::config::timeline::HealthCheckFailAt;
 use crate::crash::{CrashAction, CrashRecovery};
 use crate::signal::Intent;
 use crate::testing::{Call, FakeProxy, epoch, exit};
-use crate::timeline::HealthCheckFailAt;
 use envoy_agent_proxy::{EpochState, FamilyState};
 
 struct Harness {

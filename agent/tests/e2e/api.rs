@@ -36,7 +36,7 @@ fn span(d: &Option<prost_types::Duration>) -> Duration {
 #[test]
 fn flag_reference_man_page_is_current() {
     let path = repo_root().join("docs/envoy-agent.1");
-    let generated = envoy_agent::cli::man_page().unwrap();
+    let generated = envoy_agent::config::cli::man_page().unwrap();
     if std::env::var_os("UPDATE_FLAG_DOCS").is_some() {
         std::fs::write(&path, &generated).unwrap();
     }

@@ -6,8 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::{CommandFactory, Parser as _};
-use envoy_agent::cli::Cli;
-use envoy_agent::duration::parse_duration;
+use envoy_agent::config::cli::Cli;
+use envoy_agent::config::duration::parse_duration;
 use serde::Deserialize as _;
 use serde_yaml::Value;
 
@@ -607,7 +607,9 @@ fn the_classic_sidecar_is_the_first_container_and_holds_the_app_with_wait() {
     assert!(
         matches!(
             parsed.command,
-            envoy_agent::cli::Command::Client(envoy_agent::cli::ClientCommand::Wait)
+            envoy_agent::config::cli::Command::Client(
+                envoy_agent::config::cli::ClientCommand::Wait
+            )
         ),
         "{command:?}"
     );
@@ -892,7 +894,7 @@ fn flag_reference_exit_code_table_is_current() {
 #[test]
 fn flag_reference_is_current() {
     let path = repo().join("docs/flags.md");
-    let generated = envoy_agent::cli::flag_reference();
+    let generated = envoy_agent::config::cli::flag_reference();
     if std::env::var_os("UPDATE_FLAG_DOCS").is_some() {
         std::fs::write(&path, &generated).unwrap();
     }
@@ -909,7 +911,7 @@ fn flag_reference_is_current() {
 /// goes to a port the app listens on, within the kubelet's own timeout.
 #[test]
 fn the_sidecar_examples_probe_the_app_through_the_agent() {
-    use envoy_agent::app_probe::{Action, AppProbes, Input};
+    use envoy_agent::status::app_probe::{Action, AppProbes, Input};
     let k = Kustomization::load(SIDECAR_EXAMPLE);
     for workload in ["Deployment/web", "Deployment/web-classic"] {
         let pod = pod_spec(k.object(workload));

@@ -2,7 +2,7 @@
 //! shutdown's phases at start. End to end with the real Envoy: the split is logged, the drain
 //! gets what the other phases leave (its deadline in the status), and a configured phase that
 //! cannot fit is refused at start with exit 64, naming the flags, from a flag or the
-//! environment. The split's arithmetic is unit-tested in `agent/src/budget.rs`.
+//! environment. The split's arithmetic is unit-tested in `agent/src/config/budget.rs`.
 
 use envoy_agent::client::connect;
 use envoy_agent::grpc::GrpcAddress;

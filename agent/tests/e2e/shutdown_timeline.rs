@@ -4,7 +4,7 @@
 //! `health_check` filter (`/hc`): after SIGTERM `/hc` answers 200 until the health-check step
 //! and 503 after it, while other requests still succeed; the steps are logged in the
 //! configured order; a timeline that cannot fit is refused at start. The fits and refusals
-//! are unit-tested in `agent/src/timeline.rs`, the clock in `agent/src/agent/shutdown.rs`.
+//! are unit-tested in `agent/src/config/timeline.rs`, the clock in `agent/src/agent/shutdown.rs`.
 
 use envoy_agent::client::connect;
 use envoy_agent::grpc::GrpcAddress;

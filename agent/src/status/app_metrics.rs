@@ -11,7 +11,7 @@
 //!   bound); nothing is kept past a fetch's end, so no answer is older than its scrape.
 //! - **Bounded**: the whole fetch (connect, head, body) by [`Limits::timeout`], the body by
 //!   [`Limits::max_bytes`]. The app's answer is held whole (it is checked before it is merged,
-//!   see [`crate::exposition`]), so the bound is the agent's memory's too.
+//!   see [`crate::status::exposition`]), so the bound is the agent's memory's too.
 //! - **An app that fails costs the scrape only its own families**: the scrape answers at once
 //!   with the agent's and Envoy's, `envoy_agent_app_metrics_up 0`, and
 //!   `envoy_agent_app_metrics_failures_total{reason}` counts why (`unreachable`, `timeout`,
@@ -404,7 +404,7 @@ impl AppMetrics {
             .to_bytes();
         let text =
             std::str::from_utf8(&body).map_err(|e| (Reason::Invalid, format!("not UTF-8: {e}")))?;
-        crate::exposition::merge_ready(text, openmetrics)
+        crate::status::exposition::merge_ready(text, openmetrics)
             .map_err(|e| (Reason::Invalid, e.to_string()))
     }
 }

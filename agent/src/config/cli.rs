@@ -13,19 +13,19 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use envoy_agent_proxy::Scope;
 
-use crate::app_probe::{self, AppProbes};
 use crate::client;
-use crate::crash::CrashRecovery;
-use crate::defaults;
-use crate::duration::{
+use crate::config::defaults;
+use crate::config::duration::{
     parse_duration, parse_positive_duration, parse_positive_whole_seconds, parse_whole_seconds,
 };
-use crate::exit_code;
-use crate::settings::{
+use crate::config::settings::{
     Counting, DrainSettings, DrainStrategy, EnvoyAdmin, EnvoySettings, GrpcAddress,
     HotRestartSettings, RunAs, Settings, TelemetrySettings,
 };
-use crate::timeline::{AppHold, HealthCheckFailAt};
+use crate::config::timeline::{AppHold, HealthCheckFailAt};
+use crate::crash::CrashRecovery;
+use crate::exit_code;
+use crate::status::app_probe::{self, AppProbes};
 
 /// Process manager for the Envoy proxy: starts Envoy, keeps it healthy, drains it on shutdown.
 #[derive(Debug, Parser)]
@@ -366,7 +366,7 @@ pub struct RunArgs {
         default_value = "auto",
         value_name = "auto|off|SIZE"
     )]
-    pub memory_guard: crate::container::MemoryGuardArg,
+    pub memory_guard: crate::config::container::MemoryGuardArg,
 
     /// The memory guard's shares: `heap` of the limit (Envoy's heap is about 80% of what the
     /// cgroup counts), then of that heap `shrink_heap`, `stop_accepting_requests` and
@@ -377,7 +377,7 @@ pub struct RunArgs {
         default_value = "heap=0.85,shrink_heap=0.8,stop_accepting_requests=0.9,reject_connections=0.95",
         value_name = "NAME=SHARE,..."
     )]
-    pub memory_guard_thresholds: crate::container::GuardShares,
+    pub memory_guard_thresholds: crate::config::container::GuardShares,
 
     /// A bound on Envoy's downstream connections (global_downstream_max_connections), so that
     /// a connection past it is refused cleanly instead of accept failing once descriptors run
@@ -390,7 +390,7 @@ pub struct RunArgs {
         default_value = "auto",
         value_name = "auto|off|N"
     )]
-    pub max_downstream_connections: crate::container::MaxConnectionsArg,
+    pub max_downstream_connections: crate::config::container::MaxConnectionsArg,
 
     /// How long Envoy drains (`--drain-time-s`: whole seconds; anything else is refused).
     #[arg(long, env = "ENVOY_AGENT_DRAIN_TIME", value_parser = parse_whole_seconds, default_value = "45s")]
@@ -632,7 +632,7 @@ pub struct RunArgs {
     /// Prometheus would refuse is left out of that scrape (envoy_agent_app_metrics_up 0), the
     /// rest answered. The app's names that begin with envoy_ get an app_ prefix. Empty: off.
     #[arg(long, env = "ENVOY_AGENT_APP_METRICS_URL", value_name = "URL")]
-    pub app_metrics_url: Option<crate::app_metrics::Flag>,
+    pub app_metrics_url: Option<crate::status::app_metrics::Flag>,
 
     /// Istio's description of the app's metrics (ISTIO_PROMETHEUS_ANNOTATIONS, as its
     /// injector sets it: {"scrape":"true","port":"8080","path":"/metrics"}), read from the
@@ -830,9 +830,9 @@ impl RunArgs {
         exit_on_zero: Option<Counting>,
     ) -> Result<Shutdown, SettingsError> {
         let budget = match self.shutdown_budget {
-            Some(budget) => Some(crate::budget::split(
+            Some(budget) => Some(crate::config::budget::split(
                 budget,
-                crate::budget::Phases {
+                crate::config::budget::Phases {
                     drain_delay: self.drain_delay,
                     termination_drain_duration: self.termination_drain_duration,
                     exit_on_zero_minimum: exit_on_zero.map(|_| self.minimum_drain_duration),
@@ -851,11 +851,11 @@ impl RunArgs {
                 let (handoff, parent_shutdown) = match hot_restart {
                     Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
                     None => (
-                        crate::defaults::HANDOFF_DEADLINE,
-                        crate::defaults::PARENT_SHUTDOWN_TIME,
+                        crate::config::defaults::HANDOFF_DEADLINE,
+                        crate::config::defaults::PARENT_SHUTDOWN_TIME,
                     ),
                 };
-                crate::defaults::handover_timeout(handoff, parent_shutdown)
+                crate::config::defaults::handover_timeout(handoff, parent_shutdown)
             }
         };
         let termination_drain_duration = match &budget {
@@ -875,11 +875,11 @@ impl RunArgs {
             (Some(split), Some(hold)) => Some(hold.min(split.drain_delay + split.drain)),
             (_, hold) => hold,
         };
-        let timeline = crate::timeline::fit(crate::timeline::Steps {
+        let timeline = crate::config::timeline::fit(crate::config::timeline::Steps {
             not_ready: self.not_ready_at,
             fail_health_checks: self.healthcheck_fail_at,
             drain: self.drain_delay,
-            drain_deadline: crate::timeline::drain_deadline(
+            drain_deadline: crate::config::timeline::drain_deadline(
                 exit_on_zero,
                 termination_drain_duration,
                 self.minimum_drain_duration,
@@ -944,10 +944,10 @@ impl RunArgs {
 
     /// The app probes: `--app-probers` (or its variable) wins over Istio's variable.
     /// The app's metrics: `--app-metrics-url` (empty: off), else Istio's annotations.
-    fn app_metrics(&self) -> Result<Option<crate::app_metrics::Target>, SettingsError> {
+    fn app_metrics(&self) -> Result<Option<crate::status::app_metrics::Target>, SettingsError> {
         match (&self.app_metrics_url, &self.istio_prometheus_annotations) {
             (Some(flag), _) => Ok(flag.0.clone()),
-            (None, Some(json)) => Ok(crate::app_metrics::from_istio_annotations(json)?),
+            (None, Some(json)) => Ok(crate::status::app_metrics::from_istio_annotations(json)?),
             (None, None) => Ok(None),
         }
     }
@@ -1025,13 +1025,13 @@ impl RunArgs {
 /// The shutdown's shape that the flags give, for [`RunArgs::into_settings`].
 struct Shutdown {
     /// `--shutdown-budget` split among the phases, when given.
-    budget: Option<crate::budget::Split>,
+    budget: Option<crate::config::budget::Split>,
     /// How long a stopping agent waits for a successor pod's Envoy to terminate its own.
     handover_timeout: Duration,
     /// How long the drain may last: the budget's share, else the flag or its default.
     termination_drain_duration: Duration,
     /// When each step of the shutdown happens.
-    timeline: crate::timeline::Timeline,
+    timeline: crate::config::timeline::Timeline,
     /// A sidecar's app rule's bound; none: off.
     app_hold: Option<Duration>,
 }
@@ -1057,10 +1057,10 @@ pub enum SettingsError {
     HotRestart(#[from] envoy_agent_hotrestart::ConfigError),
     /// A configured phase of the shutdown does not fit `--shutdown-budget`.
     #[error(transparent)]
-    Budget(#[from] crate::budget::BudgetError),
+    Budget(#[from] crate::config::budget::BudgetError),
     /// A step of the shutdown's timeline comes after Envoy's latest stop.
     #[error(transparent)]
-    Timeline(#[from] crate::timeline::TimelineError),
+    Timeline(#[from] crate::config::timeline::TimelineError),
     /// `--app-hold` with `--hot-restart`: a node proxy has no app beside it.
     #[error(
         "--app-hold is a sidecar's (the app beside Envoy): a node proxy (--hot-restart) has none"
@@ -1071,7 +1071,7 @@ pub enum SettingsError {
     AppProbes(#[from] app_probe::ConfigError),
     /// `ISTIO_PROMETHEUS_ANNOTATIONS` that names no app metrics endpoint.
     #[error(transparent)]
-    AppMetrics(#[from] crate::app_metrics::IstioAnnotationsError),
+    AppMetrics(#[from] crate::status::app_metrics::IstioAnnotationsError),
 }
 
 impl SettingsError {
@@ -1442,7 +1442,7 @@ mod tests {
 
     #[test]
     fn the_flags_defaults_are_the_settings_defaults() {
-        use crate::defaults;
+        use crate::config::defaults;
         // One table: what a run without flags gets is `defaults`, and the agent's
         // view of it is `AgentConfig::default()`.
         let none = settings(&[]).unwrap();
@@ -1466,7 +1466,9 @@ mod tests {
         // `--healthcheck-fail-at drain` comes resolved by the timeline: the drain's offset
         // (the drain delay, none by default).
         let expected = crate::AgentConfig {
-            fail_health_checks_at: crate::timeline::HealthCheckFailAt::After(Duration::ZERO),
+            fail_health_checks_at: crate::config::timeline::HealthCheckFailAt::After(
+                Duration::ZERO,
+            ),
             ..crate::AgentConfig::default()
         };
         assert_eq!(
@@ -1499,7 +1501,7 @@ mod tests {
 
     #[test]
     fn the_timeline_and_the_termination_message_take_their_flags() {
-        use crate::timeline::Timeline;
+        use crate::config::timeline::Timeline;
         let defaults = settings(&[]).unwrap();
         assert_eq!(defaults.drain.timeline, Timeline::default());
         assert!(

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use envoy_agent_drain::Counting;
 
-use crate::duration::parse_duration;
+use crate::config::duration::parse_duration;
 
 /// When Envoy is told to fail its health checks (`--healthcheck-fail-at`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,7 +137,7 @@ impl Default for Timeline {
             not_ready: Duration::ZERO,
             fail_health_checks: Some(Duration::ZERO),
             drain: Duration::ZERO,
-            stop_by: Some(crate::defaults::TERMINATION_DRAIN_DURATION),
+            stop_by: Some(crate::config::defaults::TERMINATION_DRAIN_DURATION),
         }
     }
 }

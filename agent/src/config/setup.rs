@@ -12,8 +12,8 @@ use envoy_agent_proxy::admin::Address;
 use envoy_agent_proxy::bootstrap::{self, BootstrapError};
 use envoy_agent_proxy::{AdminAddress, ProxyConfig, SocketPath};
 
+use crate::config::settings::{EnvoyAdmin, HotRestartSettings, Settings};
 use crate::exit_code;
-use crate::settings::{EnvoyAdmin, HotRestartSettings, Settings};
 
 /// Input the agent cannot start with. Each maps to an exit code: see [`SetupError::exit_code`].
 #[derive(Debug, thiserror::Error)]
@@ -90,7 +90,7 @@ pub enum SetupError {
         /// The directory.
         dir: PathBuf,
         /// Why.
-        why: crate::socket::Untrusted,
+        why: crate::grpc::socket::Untrusted,
     },
     /// The channel's socket names would not fit a Unix socket address.
     #[error(
@@ -117,9 +117,9 @@ pub enum SetupError {
         /// Its length.
         len: usize,
     },
-    /// The short link to the channel's directory cannot be made (`crate::channel_link`).
+    /// The short link to the channel's directory cannot be made (`crate::config::channel_link`).
     #[error(transparent)]
-    ChannelLink(#[from] crate::channel_link::LinkError),
+    ChannelLink(#[from] crate::config::channel_link::LinkError),
     /// An extra Envoy argument would break what the agent guarantees.
     #[error("envoy argument {arg} (after --) cannot be passed through: {instead}")]
     RefusedArg {
@@ -279,7 +279,7 @@ pub fn resolve_admin(
 
 /// Where Envoy's admin socket goes with `--envoy-admin socket`: a node proxy's
 /// `<temp dir>/envoy-agent-hr-<uid>/<base id>/envoy_admin_<base id>`, through the agent's link
-/// to `<state dir>/hot-restart` (the channel's private directory; [`crate::channel_link`] says
+/// to `<state dir>/hot-restart` (the channel's private directory; [`crate::config::channel_link`] says
 /// why a link), so that every epoch, a cold handover's family and a successor pod reach the
 /// same socket whatever path their state dir is mounted at; a sidecar's
 /// `<runtime dir>/admin/envoy.sock` ([`admin_socket_dir`]). `None` without it. Refused when the
@@ -294,8 +294,9 @@ pub fn admin_socket(
     }
     let (path, cold) = match &settings.hot_restart {
         Some(hot) => {
-            let links = crate::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
-            let link = crate::channel_link::link_path(&links, hot.base_id);
+            let links =
+                crate::config::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
+            let link = crate::config::channel_link::link_path(&links, hot.base_id);
             let path = link.join(format!("envoy_admin_{}", hot.base_id));
             (path, hot.cold_base_id)
         }
@@ -466,7 +467,7 @@ pub const CHANNEL_DIR: &str = "hot-restart";
 /// `docs/security.md#security-who-can-reach-what`): a user's own
 /// `--socket-path` (taken out of `extra_args`: the agent passes it to every epoch, and its
 /// stand-ins bind its names), else `<temp dir>/envoy-agent-hr-<uid>/<base id>/envoy`, through
-/// the agent's symlink to `<state dir>/hot-restart` (why: [`crate::channel_link`]): files of
+/// the agent's symlink to `<state dir>/hot-restart` (why: [`crate::config::channel_link`]): files of
 /// mode 600 in a directory only the agent's user (or, when the agent is root and runs Envoy as
 /// another user, Envoy's) can enter. An abstract one only with
 /// `--allow-abstract-hot-restart-socket`. Makes the state directory private too. Without hot
@@ -503,14 +504,14 @@ pub fn hot_restart_channel(
     let target = std::fs::canonicalize(&channel_dir).map_err(|error| SetupError::PrivateDir {
         what: "hot-restart socket directory",
         dir: channel_dir.clone(),
-        why: crate::socket::Untrusted::Unreadable { error },
+        why: crate::grpc::socket::Untrusted::Unreadable { error },
     })?;
-    let links = crate::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
+    let links = crate::config::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
     // Ours alone, so that nobody else can plant the link's name; Envoy running as another user
     // must traverse it.
     private_dir("hot-restart link directory", &links, state_mode, None, true)?;
-    let link = crate::channel_link::link_path(&links, hot.base_id);
-    crate::channel_link::ensure(&link, &target)?;
+    let link = crate::config::channel_link::link_path(&links, hot.base_id);
+    crate::config::channel_link::ensure(&link, &target)?;
     let path = match &given {
         Some(text) => SocketPath::parse(text),
         None => SocketPath::File(link.join("envoy")),
@@ -601,7 +602,7 @@ pub fn drain_notice_dir(
 /// The drain-notice files' directory in a node proxy's state directory.
 pub const DRAIN_NOTICE_DIR: &str = "drain-notice";
 
-/// [`crate::socket::trusted_dir`], as a setup error naming `what` the directory is.
+/// [`crate::grpc::socket::trusted_dir`], as a setup error naming `what` the directory is.
 fn private_dir(
     what: &'static str,
     dir: &Path,
@@ -609,7 +610,7 @@ fn private_dir(
     owner: Option<u32>,
     ours: bool,
 ) -> Result<(), SetupError> {
-    crate::socket::trusted_dir(dir, mode, owner, ours).map_err(|why| SetupError::PrivateDir {
+    crate::grpc::socket::trusted_dir(dir, mode, owner, ours).map_err(|why| SetupError::PrivateDir {
         what,
         dir: dir.to_owned(),
         why,
@@ -857,8 +858,8 @@ mod tests {
         ]);
         args.push("--");
         args.extend(envoy_args);
-        let cli = crate::cli::Cli::try_parse_from(args).unwrap();
-        let crate::cli::Command::Run(run) = cli.command else {
+        let cli = crate::config::cli::Cli::try_parse_from(args).unwrap();
+        let crate::config::cli::Command::Run(run) = cli.command else {
             panic!("run expected");
         };
         run.into_settings("unix:/run/test/grpc.sock".parse().ok())

@@ -1,5 +1,5 @@
 //! What `envoy-agent run` runs with: its command line and environment variables, parsed and
-//! checked once ([`crate::cli::RunArgs::into_settings`]) into domain types: durations, socket
+//! checked once ([`crate::config::cli::RunArgs::into_settings`]) into domain types: durations, socket
 //! addresses, enums of the crates that act on them. Everything below `main` takes these, never
 //! the parser's types, so that what a flag means is decided in one place and a combination that
 //! cannot work is refused before anything starts.
@@ -62,11 +62,11 @@ pub struct Settings {
     pub status_address: SocketAddr,
     /// The app's probes the status server runs at `/app-health/...` (`--app-probers`, else
     /// `ISTIO_KUBE_APP_PROBERS`).
-    pub app_probes: crate::app_probe::AppProbes,
+    pub app_probes: crate::status::app_probe::AppProbes,
     /// Where to write the status server's bound address (`--status-address-file`).
     pub status_address_file: Option<PathBuf>,
     /// The app's metrics, merged into the status server's scrape (`--app-metrics-url`).
-    pub app_metrics: Option<crate::app_metrics::Target>,
+    pub app_metrics: Option<crate::status::app_metrics::Target>,
     /// The gRPC server's address (`--grpc-address`, else the user's default socket).
     pub grpc_address: GrpcAddress,
     /// Mutating gRPC calls from any TCP peer (`--grpc-allow-remote`).
@@ -80,7 +80,7 @@ pub struct Settings {
     /// Crash recovery in place (`--restart-on-crash`); `None`: a crash ends the agent.
     pub crash_recovery: Option<CrashRecovery>,
     /// `--shutdown-budget` as split over the shutdown's phases; `None`: not set.
-    pub shutdown_budget: Option<crate::budget::Split>,
+    pub shutdown_budget: Option<crate::config::budget::Split>,
     /// Where the agent writes how it ended, for Kubernetes (`--termination-message-path`).
     pub termination_message: crate::termination::MessageFile,
 }
@@ -128,11 +128,11 @@ pub struct EnvoySettings {
     /// (`--concurrency`).
     pub concurrency: u32,
     /// Which memory limit Envoy sheds load below (`--memory-guard`).
-    pub memory_guard: crate::container::MemoryGuardArg,
+    pub memory_guard: crate::config::container::MemoryGuardArg,
     /// The memory guard's shares (`--memory-guard-thresholds`).
-    pub memory_guard_thresholds: crate::container::GuardShares,
+    pub memory_guard_thresholds: crate::config::container::GuardShares,
     /// The bound on Envoy's downstream connections (`--max-downstream-connections`).
-    pub max_downstream_connections: crate::container::MaxConnectionsArg,
+    pub max_downstream_connections: crate::config::container::MaxConnectionsArg,
     /// How long Envoy drains, whole seconds (`--drain-time`).
     pub drain_time: Duration,
     /// How Envoy closes connections during a drain (`--drain-strategy`).
@@ -181,9 +181,9 @@ pub struct DrainSettings {
     pub exclude_listener_prefixes: Vec<String>,
     /// The shutdown's steps, as offsets from the signal (`--not-ready-at`,
     /// `--healthcheck-fail-at`, `--drain-delay`, the drain's deadline).
-    pub timeline: crate::timeline::Timeline,
+    pub timeline: crate::config::timeline::Timeline,
     /// How long a stopping agent waits for a successor pod's Envoy to terminate its own
-    /// (`--shutdown-budget`'s share, else [`crate::defaults::handover_timeout`] of the mode's
+    /// (`--shutdown-budget`'s share, else [`crate::config::defaults::handover_timeout`] of the mode's
     /// deadlines).
     pub handover_timeout: Duration,
     /// A sidecar's app rule: how long after the signal, at most, Envoy keeps serving an app

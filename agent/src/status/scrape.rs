@@ -55,7 +55,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, PollSender};
 
-use crate::stats_query::EnvoyRefusal;
+use crate::status::stats_query::EnvoyRefusal;
 
 /// How many chunks a scrape's channel holds: the walk reads Envoy's next chunk once each
 /// scrape has taken the last one.
@@ -88,7 +88,7 @@ impl Default for Limits {
 }
 
 /// What a walk asks: of which Envoy (its admin address), which query (normalized, as
-/// [`crate::stats_query::StatsQuery::to_query_string`] gives it).
+/// [`crate::status::stats_query::StatsQuery::to_query_string`] gives it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct WalkKey {
     /// Envoy's admin address: after a hot restart, the newest epoch is asked.
