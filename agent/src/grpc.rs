@@ -39,7 +39,8 @@ use envoy_agent_proto::pb::agent_service_server::{AgentService, AgentServiceServ
 use envoy_agent_proxy::listeners::{Direction, Listener};
 use envoy_agent_proxy::state::{EpochState, FamilyState, HandoffKind, HandoffStage, Outcome};
 use envoy_agent_proxy::{
-    DrainOptions, DrainPlan, PlanNote, ProxyError, ProxyPhase, RestartError, Scope, WedgeReason,
+    DrainOptions, DrainPlan, PlanNote, ProxyConfig, ProxyError, ProxyPhase, RestartError, Scope,
+    WedgeReason,
 };
 use tokio_stream::{Stream, StreamExt};
 use tokio_util::sync::CancellationToken;
@@ -91,17 +92,18 @@ fn duration(d: Duration) -> Option<prost_types::Duration> {
     prost_types::Duration::try_from(d).ok()
 }
 
-/// The settings in force, from the command line (and its environment variables) and the agent
-/// configuration built from them: what `GetStatus` reports under `settings`. The node-proxy
-/// fields are absent in sidecar mode.
-pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
-    let (envoy, drain) = (&settings.envoy, &settings.drain);
+/// The settings in force: Envoy's from the config every Envoy is started with (after setup
+/// and the container's fit: the binary found, the admin address resolved, the workers and the
+/// drain notice as they are), the agent's from the configuration built from the command line.
+/// What `GetStatus` reports under `settings`. The node-proxy fields are absent in sidecar mode.
+pub fn settings(settings: &Settings, proxy: &ProxyConfig, config: &AgentConfig) -> pb::Settings {
+    let (envoy, drain) = (&proxy.options, &settings.drain);
     let hot = settings.hot_restart.as_ref();
     let path = |p: &std::path::Path| p.display().to_string();
     pb::Settings {
-        config_path: path(&envoy.config_path),
-        envoy_path: path(&envoy.envoy_path),
-        admin_address: envoy.admin_address.map(|a| a.to_string()),
+        config_path: path(&proxy.config_path),
+        envoy_path: path(&settings.envoy.envoy_path),
+        admin_address: settings.envoy.admin_address.map(|a| a.to_string()),
         status_address: settings.status_address.to_string(),
         grpc_address: settings.grpc_address.to_string(),
         drain_time: duration(envoy.drain_time),
@@ -117,7 +119,7 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
             Scope::All => pb::DrainScope::All,
         }
         .into(),
-        drain_notice: envoy.drain_notice,
+        drain_notice: proxy.drain_notice.is_some(),
         termination_drain_duration: duration(config.termination_drain_duration),
         minimum_drain_duration: duration(config.minimum_drain_duration),
         exit_on_zero_active_connections: config.exit_on_zero == Some(Counting::Connections),
@@ -136,7 +138,10 @@ pub fn settings(settings: &Settings, config: &AgentConfig) -> pb::Settings {
             .collect(),
         exclude_listener_prefixes: drain.exclude_listener_prefixes.clone(),
         stop_grace: duration(envoy.stop_grace),
-        parent_shutdown_time: hot.and_then(|h| duration(h.parent_shutdown_time)),
+        parent_shutdown_time: proxy
+            .hot_restart
+            .as_ref()
+            .and_then(|h| duration(h.parent_shutdown_time)),
         handoff_deadline: hot.and_then(|h| duration(h.handoff_deadline)),
         admin_unresponsive_deadline: duration(envoy.admin_unresponsive_deadline),
         handover_timeout: hot.and_then(|_| duration(config.handover_timeout)),

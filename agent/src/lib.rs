@@ -178,18 +178,13 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     // Shared with every clone of the proxy's config: a level set at run time reaches every
     // Envoy started later.
     let log_level = log_level::EnvoyLogLevel::new(
-        &proxy.log_level,
-        &proxy.component_log_level,
+        &proxy.options.log_level,
+        &proxy.options.component_log_level,
         proxy.log_level_set.clone(),
     );
-    // What GetStatus says is in force: the notice may be off because of the bootstrap.
-    let settings = &Settings {
-        envoy: config::settings::EnvoySettings {
-            drain_notice: proxy.drain_notice.is_some(),
-            ..settings.envoy.clone()
-        },
-        ..settings.clone()
-    };
+    // What GetStatus reports as in force: Envoy's settings from the config every Envoy gets.
+    let mut reported = grpc::settings(settings, &proxy, &agent_config(settings));
+    reported.container = Some(grpc::container(&fit));
     config::setup::check_extra_args(&proxy)?;
     // Once the input is known good: a refusal is one line.
     warn_about(settings);
@@ -212,7 +207,7 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
                     intents,
                     true,
                     log_level,
-                    &fit,
+                    reported,
                 )
                 .await
             }
@@ -226,7 +221,7 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
                 intents,
                 false,
                 log_level,
-                &fit,
+                reported,
             )
             .await
         }
@@ -250,7 +245,7 @@ fn fit_container(settings: &Settings, proxy: &mut ProxyConfig) -> config::contai
         memory: envoy.memory_guard,
         shares: envoy.memory_guard_thresholds,
         connections: envoy.max_downstream_connections,
-        concurrency: envoy.concurrency,
+        concurrency: envoy.options.concurrency,
         extra_args: &proxy.extra_args,
         bootstrap: &envoy.config_path,
     };
@@ -263,7 +258,7 @@ fn fit_container(settings: &Settings, proxy: &mut ProxyConfig) -> config::contai
     proxy.memory_guard = fit.memory.on();
     proxy.max_downstream_connections = fit.connections.on();
     if let Some(n) = fit.workers.concurrency {
-        proxy.concurrency = n;
+        proxy.options.concurrency = n;
     }
     fit
 }
@@ -373,13 +368,9 @@ async fn serve<P: Proxy>(
     intents: impl IntentSource,
     node_proxy: bool,
     log_level: log_level::EnvoyLogLevel,
-    fit: &config::container::Fit,
+    reported: envoy_agent_proto::pb::Settings,
 ) -> anyhow::Result<u8> {
     let config = agent_config(settings);
-    // What GetStatus reports as the settings in force: taken once, here, from the same
-    // settings the agent and the proxy were built from.
-    let mut reported = grpc::settings(settings, &config);
-    reported.container = Some(grpc::container(fit));
     let (agent, handle) = Agent::new(proxy, config);
     let agent = agent.with_metrics(metrics);
     let cancel = CancellationToken::new();

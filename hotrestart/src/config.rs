@@ -103,16 +103,12 @@ impl Config {
             .hot_restart
             .as_ref()
             .ok_or(ConfigError::NoHotRestart)?;
-        // Compared as Envoy gets them: whole seconds.
-        if hot.parent_shutdown_time.as_secs() <= self.proxy.drain_duration.as_secs() {
-            return Err(ConfigError::ParentShutdownTooShort {
-                drain: self.proxy.drain_duration,
-                parent_shutdown: hot.parent_shutdown_time,
-            });
-        }
-        if self.cold_base_id == Some(hot.base_id) {
-            return Err(ConfigError::ColdBaseIdSame(hot.base_id));
-        }
+        check(
+            self.proxy.options.drain_time,
+            hot.parent_shutdown_time,
+            hot.base_id,
+            self.cold_base_id,
+        )?;
         match self.proxy.admin.known() {
             Some(addr) if addr.tcp().is_none_or(|a| a.port() != 0) => Ok((addr, hot.base_id)),
             _ => Err(ConfigError::AdminPortZero),
@@ -168,6 +164,30 @@ fn random_suffix() -> String {
     );
     h.write_u32(std::process::id());
     format!("{:08x}", h.finish() as u32)
+}
+
+/// Refuses what a family could not run with: a parent-shutdown time that does not outlast the
+/// drain (the parent would be terminated before its drain could end), a cold base id that is
+/// the base id (a cold family would share the serving one's shared memory and sockets). The
+/// one check of these, called by the command line before anything is made on disk and by
+/// [`Config::validate`].
+pub fn check(
+    drain_time: Duration,
+    parent_shutdown_time: Duration,
+    base_id: u32,
+    cold_base_id: Option<u32>,
+) -> Result<(), ConfigError> {
+    if cold_base_id == Some(base_id) {
+        return Err(ConfigError::ColdBaseIdSame(base_id));
+    }
+    // Compared as Envoy gets them: whole seconds.
+    if parent_shutdown_time.as_secs() <= drain_time.as_secs() {
+        return Err(ConfigError::ParentShutdownTooShort {
+            drain: drain_time,
+            parent_shutdown: parent_shutdown_time,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

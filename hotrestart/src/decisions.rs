@@ -28,8 +28,8 @@ fn config() -> Config {
         "/fake/bootstrap.yaml".into(),
         AdminAddress::Fixed(std::net::SocketAddr::from(([127, 0, 0, 1], 9901)).into()),
     );
-    proxy.drain_duration = Duration::from_secs(1);
-    proxy.stop_grace = Duration::from_secs(5);
+    proxy.options.drain_time = Duration::from_secs(1);
+    proxy.options.stop_grace = Duration::from_secs(5);
     proxy.hot_restart = Some(HotRestart {
         base_id: 7,
         parent_shutdown_time: Duration::from_secs(2),
@@ -40,7 +40,7 @@ fn config() -> Config {
     let mut c = Config::new(proxy);
     c.identity = "pod-a-0000aaaa".to_owned();
     c.handoff_deadline = Duration::from_secs(10);
-    c.proxy.admin_unresponsive_deadline = Duration::from_secs(5);
+    c.proxy.options.admin_unresponsive_deadline = Duration::from_secs(5);
     c.cold_base_id = Some(8);
     c
 }

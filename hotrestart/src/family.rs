@@ -266,7 +266,7 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
     }
 
     fn cleanup(&self) {
-        if self.config.proxy.config_cleanup {
+        if self.config.proxy.options.config_cleanup {
             let _ = std::fs::remove_file(&self.config.proxy.config_path);
         }
         // Envoy removes neither its shared memory nor its hot-restart sockets. A family handed

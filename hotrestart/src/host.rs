@@ -312,6 +312,7 @@ impl RealHost {
     /// sockets are given to it, so that its Envoys can send there.
     fn envoy_owner(&self) -> Option<u32> {
         self.proxy
+            .options
             .run_as
             .filter(|_| self.proxy.agent_is_root)
             .map(|r| r.uid)
@@ -669,7 +670,7 @@ impl Host for RealHost {
     fn drain(&self, scope: Scope, skip_exit: bool) -> Task<Result<DrainPlan, AdminError>> {
         let admin = self.target().admin.with_timeout(DRAIN_TIMEOUT);
         let scope = match scope {
-            Scope::Auto => self.proxy.drain_scope,
+            Scope::Auto => self.proxy.options.drain_listeners,
             asked => asked,
         };
         let sidecar = self.proxy.sidecar;

@@ -560,7 +560,7 @@ impl<H: Host> Supervisor<H> {
             + self
                 .config
                 .parent_shutdown_time()
-                .max(self.config.proxy.drain_duration)
+                .max(self.config.proxy.options.drain_time)
     }
 
     /// Whether the supervisor is done: stopping with nothing left running.

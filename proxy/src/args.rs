@@ -86,7 +86,7 @@ pub fn refused_extra_arg(config: &ProxyConfig) -> Option<RefusedArg> {
         ),
         (
             &["--config-yaml"],
-            config.outlier_log_path.is_some(),
+            config.options.outlier_log_path.is_some(),
             "--outlier-log-path is an overlay too and envoy takes one: put the outlier log path in your overlay",
         ),
     ];
@@ -121,19 +121,19 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
     flags.set("-c", config.config_path.display().to_string());
     flags.set(
         "--drain-time-s",
-        config.drain_duration.as_secs().to_string(),
+        config.options.drain_time.as_secs().to_string(),
     );
     flags.set(
         "--drain-strategy",
-        config.drain_strategy.as_str().to_owned(),
+        config.options.drain_strategy.as_str().to_owned(),
     );
     flags.set(
         "--local-address-ip-version",
-        ip_version(&config.node_ips).to_owned(),
+        ip_version(&config.options.node_ips).to_owned(),
     );
     flags.set(
         "--file-flush-interval-msec",
-        config.file_flush_interval.as_millis().to_string(),
+        config.options.file_flush_interval.as_millis().to_string(),
     );
     hot_restart_flags(&mut flags, config, epoch);
     if !flags.theirs(&["--allow-unknown-static-fields"]) {
@@ -151,9 +151,9 @@ pub fn envoy_args(config: &ProxyConfig, epoch: u32) -> EnvoyArgs {
         flags.args.push("--config-yaml".to_owned());
         flags.args.push(overlay);
     }
-    if config.concurrency > 0 && !flags.theirs(&["--concurrency"]) {
+    if config.options.concurrency > 0 && !flags.theirs(&["--concurrency"]) {
         flags.args.push("--concurrency".to_owned());
-        flags.args.push(config.concurrency.to_string());
+        flags.args.push(config.options.concurrency.to_string());
     }
     if let Some(path) = admin_address_path(config, epoch) {
         flags.args.push("--admin-address-path".to_owned());
@@ -220,12 +220,12 @@ fn log_flags(flags: &mut Flags<'_>, config: &ProxyConfig, warnings: &mut Vec<Str
         match config.log_level_set.get() {
             Some(set) => (set.global_or_default().to_owned(), set.components_arg()),
             None => {
-                let levels = LogLevels::parse(&config.log_level);
+                let levels = LogLevels::parse(&config.options.log_level);
                 warnings.extend(levels.dropped.iter().map(|t| {
                     format!("log level token {t:?} has more than one ':' and is ignored")
                 }));
                 let components = if levels.components.is_empty() {
-                    config.component_log_level.clone()
+                    config.options.component_log_level.clone()
                 } else {
                     levels.components.join(",")
                 };
@@ -240,7 +240,7 @@ fn log_flags(flags: &mut Flags<'_>, config: &ProxyConfig, warnings: &mut Vec<Str
         flags.args.push("--component-log-level".to_owned());
         flags.args.push(components);
     }
-    if config.log_as_json && !flags.theirs(&["--log-format"]) {
+    if config.options.log_as_json && !flags.theirs(&["--log-format"]) {
         flags.args.push("--log-format".to_owned());
         flags.args.push(JSON_LOG_FORMAT.to_owned());
     }
@@ -253,7 +253,7 @@ fn log_flags(flags: &mut Flags<'_>, config: &ProxyConfig, warnings: &mut Vec<Str
 fn config_overlay(config: &ProxyConfig, epoch: u32) -> Option<String> {
     // Envoy takes one overlay: everything the agent overlays goes into it.
     let mut overlay = serde_json::Map::new();
-    if let Some(path) = &config.outlier_log_path {
+    if let Some(path) = &config.options.outlier_log_path {
         overlay.insert(
             "cluster_manager".to_owned(),
             serde_json::json!({ "outlier_detection": { "event_log_path": path } }),
@@ -402,14 +402,14 @@ mod tests {
     #[test]
     fn drain_time_is_truncated_to_whole_seconds() {
         let mut c = config();
-        c.drain_duration = Duration::from_millis(2_900);
+        c.options.drain_time = Duration::from_millis(2_900);
         assert_eq!(value(&args(&c), "--drain-time-s"), Some("2"));
     }
 
     #[test]
     fn drain_strategy_gradual() {
         let mut c = config();
-        c.drain_strategy = DrainStrategy::Gradual;
+        c.options.drain_strategy = DrainStrategy::Gradual;
         assert_eq!(value(&args(&c), "--drain-strategy"), Some("gradual"));
     }
 
@@ -425,14 +425,14 @@ mod tests {
         assert_eq!(ip_version(&ips(&["garbage"])), "v4");
 
         let mut c = config();
-        c.node_ips = ips(&["fd00::1"]);
+        c.options.node_ips = ips(&["fd00::1"]);
         assert_eq!(value(&args(&c), "--local-address-ip-version"), Some("v6"));
     }
 
     #[test]
     fn file_flush_interval_in_milliseconds() {
         let mut c = config();
-        c.file_flush_interval = Duration::from_millis(250);
+        c.options.file_flush_interval = Duration::from_millis(250);
         assert_eq!(value(&args(&c), "--file-flush-interval-msec"), Some("250"));
     }
 
@@ -576,7 +576,7 @@ mod tests {
     #[test]
     fn log_level_split_into_global_and_components() {
         let mut c = config();
-        c.log_level = "info,upstream:debug,debug,http:trace".to_owned();
+        c.options.log_level = "info,upstream:debug,debug,http:trace".to_owned();
         let a = args(&c);
         assert_eq!(value(&a, "-l"), Some("debug"), "last global token wins");
         assert_eq!(
@@ -588,7 +588,7 @@ mod tests {
     #[test]
     fn log_level_tokens_with_two_colons_are_dropped_with_a_warning() {
         let mut c = config();
-        c.log_level = "info,a:b:c".to_owned();
+        c.options.log_level = "info,a:b:c".to_owned();
         let built = envoy_args(&c, 0);
         assert_eq!(value(&built.args, "-l"), Some("info"));
         assert_eq!(value(&built.args, "--component-log-level"), None);
@@ -599,7 +599,7 @@ mod tests {
     #[test]
     fn component_only_log_level_keeps_default_global() {
         let mut c = config();
-        c.log_level = "upstream:debug".to_owned();
+        c.options.log_level = "upstream:debug".to_owned();
         let a = args(&c);
         assert_eq!(value(&a, "-l"), Some("warning"));
         assert_eq!(value(&a, "--component-log-level"), Some("upstream:debug"));
@@ -608,12 +608,12 @@ mod tests {
     #[test]
     fn deprecated_component_log_level_used_only_when_log_level_has_none() {
         let mut c = config();
-        c.component_log_level = "misc:error".to_owned();
+        c.options.component_log_level = "misc:error".to_owned();
         assert_eq!(
             value(&args(&c), "--component-log-level"),
             Some("misc:error")
         );
-        c.log_level = "info,http:debug".to_owned();
+        c.options.log_level = "info,http:debug".to_owned();
         assert_eq!(
             value(&args(&c), "--component-log-level"),
             Some("http:debug")
@@ -623,7 +623,7 @@ mod tests {
     #[test]
     fn a_level_set_at_run_time_wins_for_every_later_envoy() {
         let mut c = config();
-        c.log_level = "info,upstream:debug".to_owned();
+        c.options.log_level = "info,upstream:debug".to_owned();
         let later = c.clone();
         c.log_level_set
             .set(crate::log_level::LogLevel::parse("debug,http:trace").unwrap());
@@ -636,7 +636,7 @@ mod tests {
     fn log_as_json_sets_a_json_log_format() {
         let mut c = config();
         assert_eq!(value(&args(&c), "--log-format"), None);
-        c.log_as_json = true;
+        c.options.log_as_json = true;
         assert_eq!(value(&args(&c), "--log-format"), Some(JSON_LOG_FORMAT));
     }
 
@@ -653,7 +653,7 @@ mod tests {
     #[test]
     fn outlier_log_path_becomes_a_bootstrap_overlay() {
         let mut c = config();
-        c.outlier_log_path = Some(PathBuf::from("/var/log/outlier \"x\".log"));
+        c.options.outlier_log_path = Some(PathBuf::from("/var/log/outlier \"x\".log"));
         let a = args(&c);
         let overlay: serde_json::Value =
             serde_json::from_str(value(&a, "--config-yaml").unwrap()).unwrap();
@@ -667,7 +667,7 @@ mod tests {
     fn concurrency_only_when_positive() {
         let mut c = config();
         assert_eq!(value(&args(&c), "--concurrency"), None);
-        c.concurrency = 2;
+        c.options.concurrency = 2;
         assert_eq!(value(&args(&c), "--concurrency"), Some("2"));
     }
 
@@ -685,8 +685,8 @@ mod tests {
     #[test]
     fn extra_args_that_repeat_an_agent_flag_win() {
         let mut c = config();
-        c.log_as_json = true;
-        c.concurrency = 2;
+        c.options.log_as_json = true;
+        c.options.concurrency = 2;
         c.extra_args = vec![
             "-l".into(),
             "debug".into(),
@@ -750,7 +750,7 @@ mod tests {
         assert_eq!(refused_extra_arg(&c).unwrap().flag, "--disable-hot-restart");
         c.extra_args = vec!["--config-yaml".into(), "{}".into()];
         assert_eq!(refused_extra_arg(&c), None);
-        c.outlier_log_path = Some(PathBuf::from("/tmp/o"));
+        c.options.outlier_log_path = Some(PathBuf::from("/tmp/o"));
         assert_eq!(refused_extra_arg(&c).unwrap().flag, "--config-yaml");
     }
 

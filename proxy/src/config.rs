@@ -93,69 +93,109 @@ pub fn ephemeral_socket(configured: &std::path::Path, base_id: u32) -> PathBuf {
     PathBuf::from(path)
 }
 
-/// Everything needed to start Envoy. Mirrors Istio's `ProxyConfig` field by field, plus the
-/// restart-epoch machinery Istio removed.
+/// What the operator says of how Envoy runs: each value under its flag's name, built once from
+/// the command line (the agent's `RunArgs::into_settings`) and carried as it is into every
+/// [`ProxyConfig`]. What only the machine can say (the binary found on `PATH`, the admin address
+/// the bootstrap gives, the hot-restart channel, the container's limits) is [`ProxyConfig`]'s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvoyOptions {
+    /// `--proxy-log-level`: Envoy's log level string, Istio style: `info`, or
+    /// `warning,upstream:debug,http:trace`. A token without `:` is the global level (last
+    /// wins); `component:level` tokens become `--component-log-level`.
+    pub log_level: String,
+    /// `--proxy-component-log-level`: component levels (`a:b,c:d`) used when `log_level` names none
+    /// (Istio's deprecated flag).
+    pub component_log_level: String,
+    /// `--proxy-log-as-json`: Envoy's own log lines as JSON (`--log-format`).
+    pub log_as_json: bool,
+    /// `--node-ip`: the node's IP addresses: Envoy gets `--local-address-ip-version v6` only
+    /// when every parseable one is IPv6.
+    pub node_ips: Vec<String>,
+    /// `--concurrency`, when above 0 (at start, the container's CPU quota may set it). Keep it
+    /// constant across hot restarts.
+    pub concurrency: u32,
+    /// `--drain-time` (Envoy's `--drain-time-s`): how long a drain (shutdown or hot-restart
+    /// parent) lasts.
+    pub drain_time: Duration,
+    /// `--drain-strategy`: how connections are closed during a drain.
+    pub drain_strategy: DrainStrategy,
+    /// `--drain-listeners`: which listeners a drain reaches when the caller does not say.
+    pub drain_listeners: crate::listeners::Scope,
+    /// `--outlier-log-path`: the outlier-detection event log file, passed as a bootstrap
+    /// overlay (`--config-yaml`).
+    pub outlier_log_path: Option<PathBuf>,
+    /// `--file-flush-interval` (Envoy's `--file-flush-interval-msec`; Istio's default 1s,
+    /// Envoy's own 10s).
+    pub file_flush_interval: Duration,
+    /// `--config-cleanup`: delete the bootstrap file when Envoy has exited (for generated
+    /// bootstraps).
+    pub config_cleanup: bool,
+    /// `--run-as-uid`, `--run-as-gid`: the uid/gid Envoy runs as when the agent is root.
+    pub run_as: Option<RunAs>,
+    /// `--stop-grace`: how long a stopping Envoy gets between SIGTERM and SIGKILL.
+    pub stop_grace: Duration,
+    /// `--admin-unresponsive-deadline`: how long the serving Envoy's admin API may stay silent
+    /// before it is judged wedged (and killed); readiness turns off sooner (see
+    /// [`crate::watchdog`]).
+    pub admin_unresponsive_deadline: Duration,
+}
+
+impl Default for EnvoyOptions {
+    /// Istio's defaults.
+    fn default() -> Self {
+        EnvoyOptions {
+            log_level: "warning".to_owned(),
+            component_log_level: String::new(),
+            log_as_json: false,
+            node_ips: Vec::new(),
+            concurrency: 0,
+            drain_time: Duration::from_secs(45),
+            drain_strategy: DrainStrategy::Immediate,
+            drain_listeners: crate::listeners::Scope::Auto,
+            outlier_log_path: None,
+            file_flush_interval: Duration::from_secs(1),
+            config_cleanup: false,
+            run_as: None,
+            stop_grace: Duration::from_secs(5),
+            admin_unresponsive_deadline: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Everything needed to start Envoy: the operator's [`EnvoyOptions`] and what the agent found
+/// out before the start. Mirrors Istio's `ProxyConfig`, plus the restart-epoch machinery Istio
+/// removed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProxyConfig {
-    /// Envoy's log level string, Istio style: `info`, or `warning,upstream:debug,http:trace`.
-    /// A token without `:` is the global level (last wins); `component:level` tokens become
-    /// `--component-log-level`.
-    pub log_level: String,
-    /// Component levels (`a:b,c:d`) used when `log_level` names none (Istio's deprecated flag).
-    pub component_log_level: String,
+    /// What the operator said of how Envoy runs.
+    pub options: EnvoyOptions,
     /// The level set at run time (`envoy-agent log-level`), shared by every clone of this
-    /// config: when set, every Envoy started from then on gets it instead of the two above.
+    /// config: when set, every Envoy started from then on gets it instead of the options'.
     pub log_level_set: crate::log_level::LogLevelCell,
-    /// The node's IP addresses: Envoy gets `--local-address-ip-version v6` only when every
-    /// parseable one is IPv6.
-    pub node_ips: Vec<String>,
     /// A sidecar (one Envoy): its drains reach its inbound listeners by default; a node
     /// proxy's reach every listener (see [`crate::listeners::plan`]).
     pub sidecar: bool,
-    /// Which listeners a drain reaches when the caller does not say.
-    pub drain_scope: crate::listeners::Scope,
     /// Where each Envoy's drain-notice file lives ([`crate::drain_notice`]); `None`: no
     /// notice through Envoy's overload manager.
     pub drain_notice: Option<PathBuf>,
-    /// Envoy's own log lines as JSON (`--log-format`).
-    pub log_as_json: bool,
-    /// Outlier-detection event log file, passed as a bootstrap overlay (`--config-yaml`).
-    pub outlier_log_path: Option<PathBuf>,
     /// The Envoy binary.
     pub binary_path: PathBuf,
     /// The bootstrap file (`-c`).
     pub config_path: PathBuf,
-    /// Delete the bootstrap file when Envoy has exited (for generated bootstraps).
-    pub config_cleanup: bool,
     /// Envoy's admin API.
     pub admin: AdminAddress,
-    /// `--drain-time-s`: how long a drain (shutdown or hot-restart parent) lasts.
-    pub drain_duration: Duration,
-    /// How connections are closed during a drain.
-    pub drain_strategy: DrainStrategy,
-    /// `--concurrency`, when above 0. Keep it constant across hot restarts.
-    pub concurrency: u32,
-    /// `--file-flush-interval-msec` (Istio's default 1s; Envoy's own is 10s).
-    pub file_flush_interval: Duration,
     /// `--file-flush-min-size-kb`, when above 0.
     pub file_flush_min_size_kb: u32,
     /// `--skip-deprecated-logs`.
     pub skip_deprecated_logs: bool,
     /// `--enable-core-dump`.
     pub enable_core_dump: bool,
-    /// Whether the agent runs as root; `run_as` applies only then.
+    /// Whether the agent runs as root; `options.run_as` applies only then.
     pub agent_is_root: bool,
-    /// The uid/gid Envoy runs as when the agent is root.
-    pub run_as: Option<RunAs>,
     /// Hot restart, or `None` for `--disable-hot-restart`.
     pub hot_restart: Option<HotRestart>,
     /// Appended verbatim after everything else.
     pub extra_args: Vec<String>,
-    /// How long a stopping Envoy gets between SIGTERM and SIGKILL.
-    pub stop_grace: Duration,
-    /// How long the serving Envoy's admin API may stay silent before it is judged wedged (and
-    /// killed); readiness turns off sooner (see [`crate::watchdog`]).
-    pub admin_unresponsive_deadline: Duration,
     /// Envoy sheds load before its container's memory limit ([`crate::overload`]); none: off,
     /// no limit found, or the bootstrap's overload manager already has its parts.
     pub memory_guard: Option<crate::overload::MemoryGuard>,
@@ -168,32 +208,19 @@ impl ProxyConfig {
     /// A config with Istio's defaults for everything but the two paths and the admin address.
     pub fn new(binary_path: PathBuf, config_path: PathBuf, admin: AdminAddress) -> Self {
         ProxyConfig {
-            log_level: "warning".to_owned(),
-            component_log_level: String::new(),
+            options: EnvoyOptions::default(),
             log_level_set: crate::log_level::LogLevelCell::default(),
-            node_ips: Vec::new(),
             sidecar: true,
-            drain_scope: crate::listeners::Scope::Auto,
             drain_notice: None,
-            log_as_json: false,
-            outlier_log_path: None,
             binary_path,
             config_path,
-            config_cleanup: false,
             admin,
-            drain_duration: Duration::from_secs(45),
-            drain_strategy: DrainStrategy::Immediate,
-            concurrency: 0,
-            file_flush_interval: Duration::from_secs(1),
             file_flush_min_size_kb: 0,
             skip_deprecated_logs: true,
             enable_core_dump: false,
             agent_is_root: false,
-            run_as: None,
             hot_restart: None,
             extra_args: Vec::new(),
-            stop_grace: Duration::from_secs(5),
-            admin_unresponsive_deadline: Duration::from_secs(30),
             memory_guard: None,
             max_downstream_connections: None,
         }

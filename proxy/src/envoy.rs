@@ -148,7 +148,12 @@ impl Envoy {
         let publish = |health: AdminHealth| {
             self.state.send_modify(|s| s.admin = health);
         };
-        crate::watchdog::watch(check, self.config.admin_unresponsive_deadline, publish).await
+        crate::watchdog::watch(
+            check,
+            self.config.options.admin_unresponsive_deadline,
+            publish,
+        )
+        .await
     }
 
     /// Resolves once Envoy, having reported LIVE (published), is judged wedged, with what
@@ -290,7 +295,7 @@ impl Proxy for Envoy {
         .and_then(|r| r.ok().and_then(|a| a.clone()))
         .ok_or(ProxyError::AdminUnknown)?;
         let scope = match options.listeners {
-            crate::Scope::Auto => self.config.drain_scope,
+            crate::Scope::Auto => self.config.options.drain_listeners,
             asked => asked,
         };
         let plan = crate::listeners::drain(
@@ -358,7 +363,7 @@ impl Proxy for Envoy {
     }
 
     fn cleanup(&self) {
-        if self.config.config_cleanup {
+        if self.config.options.config_cleanup {
             remove_logged(&self.config.config_path);
         }
         if let AdminAddress::FromFile(path) = &self.config.admin {

@@ -67,7 +67,9 @@ pub mod watchdog;
 pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
 pub use candidate::{validate_candidate, validate_candidate_cached};
-pub use config::{AdminAddress, DrainStrategy, HotRestart, ProxyConfig, RunAs, ephemeral_socket};
+pub use config::{
+    AdminAddress, DrainStrategy, EnvoyOptions, HotRestart, ProxyConfig, RunAs, ephemeral_socket,
+};
 pub use config_file::{
     MAX_CONFIG_SIZE, read_config, replace_atomically, replace_config, replace_privately,
     write_atomically,

@@ -100,7 +100,7 @@ impl EnvoyProcess {
             pid,
             epoch,
             started: Instant::now(),
-            stop_grace: config.stop_grace,
+            stop_grace: config.options.stop_grace,
             tail,
             forwarders,
             oom_kills,
@@ -273,7 +273,7 @@ fn command(config: &ProxyConfig, epoch: u32) -> Command {
         .kill_on_drop(true);
     // If the agent dies, so does Envoy (the spawner thread is the parent that counts).
     crate::sys::die_with_parent(&mut command, Signal::SIGTERM);
-    if let (true, Some(run_as)) = (config.agent_is_root, config.run_as) {
+    if let (true, Some(run_as)) = (config.agent_is_root, config.options.run_as) {
         command.uid(run_as.uid).gid(run_as.gid);
     }
     tracing::info!(

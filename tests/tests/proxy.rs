@@ -37,8 +37,8 @@ impl Running {
             bootstrap,
             AdminAddress::FromFile(dir.join("admin-address")),
         );
-        config.concurrency = 1;
-        config.drain_duration = Duration::from_secs(2);
+        config.options.concurrency = 1;
+        config.options.drain_time = Duration::from_secs(2);
         Self::start_with(dir, config).await
     }
 

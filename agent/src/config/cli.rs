@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use envoy_agent_proxy::Scope;
+use envoy_agent_proxy::{EnvoyOptions, Scope};
 
 use crate::client;
 use crate::config::defaults;
@@ -799,26 +799,15 @@ impl RunArgs {
         })
     }
 
-    /// Refuses what the family could not run with, before anything is made on disk: a
-    /// parent-shutdown time that does not outlast the drain (the parent would be terminated
-    /// before its drain could end), a cold base id that is the base id (a cold family would
-    /// share the serving one's shared memory and sockets).
+    /// Refuses what the family could not run with before anything is made on disk: the
+    /// hot-restart crate's check ([`envoy_agent_hotrestart::check`]).
     fn check_hot_restart(&self, hot: &HotRestartSettings) -> Result<(), SettingsError> {
-        if hot.cold_base_id == Some(hot.base_id) {
-            return Err(envoy_agent_hotrestart::ConfigError::ColdBaseIdSame(hot.base_id).into());
-        }
-        // Compared as Envoy gets them: whole seconds.
-        let (drain, parent_shutdown) = (self.drain_time, hot.parent_shutdown_time);
-        if parent_shutdown.as_secs() <= drain.as_secs() {
-            return Err(
-                envoy_agent_hotrestart::ConfigError::ParentShutdownTooShort {
-                    drain,
-                    parent_shutdown,
-                }
-                .into(),
-            );
-        }
-        Ok(())
+        Ok(envoy_agent_hotrestart::check(
+            self.drain_time,
+            hot.parent_shutdown_time,
+            hot.base_id,
+            hot.cold_base_id,
+        )?)
     }
 
     /// The shutdown's shape: `--shutdown-budget` split among its phases (when given), the
@@ -909,35 +898,37 @@ impl RunArgs {
                 }
                 EnvoyAdminArg::Auto => EnvoyAdmin::Bootstrap,
             },
-            log_level: self.proxy_log_level.clone(),
-            component_log_level: self.proxy_component_log_level.clone(),
-            log_as_json: self.proxy_log_as_json,
-            node_ips: self.node_ips.clone(),
-            concurrency: self.concurrency,
+            options: EnvoyOptions {
+                log_level: self.proxy_log_level.clone(),
+                component_log_level: self.proxy_component_log_level.clone(),
+                log_as_json: self.proxy_log_as_json,
+                node_ips: self.node_ips.clone(),
+                concurrency: self.concurrency,
+                drain_time: self.drain_time,
+                drain_strategy: match self.drain_strategy {
+                    DrainStrategyArg::Immediate => DrainStrategy::Immediate,
+                    DrainStrategyArg::Gradual => DrainStrategy::Gradual,
+                },
+                drain_listeners: if self.drain_all_listeners {
+                    Scope::All
+                } else {
+                    self.drain_listeners.scope()
+                },
+                outlier_log_path: self.outlier_log_path.clone(),
+                file_flush_interval: self.file_flush_interval,
+                config_cleanup: self.config_cleanup,
+                // The parser requires each of the two with the other.
+                run_as: self
+                    .run_as_uid
+                    .zip(self.run_as_gid)
+                    .map(|(uid, gid)| RunAs { uid, gid }),
+                stop_grace: self.stop_grace,
+                admin_unresponsive_deadline: self.admin_unresponsive_deadline,
+            },
             memory_guard: self.memory_guard,
             memory_guard_thresholds: self.memory_guard_thresholds,
             max_downstream_connections: self.max_downstream_connections,
-            drain_time: self.drain_time,
-            drain_strategy: match self.drain_strategy {
-                DrainStrategyArg::Immediate => DrainStrategy::Immediate,
-                DrainStrategyArg::Gradual => DrainStrategy::Gradual,
-            },
-            drain_listeners: if self.drain_all_listeners {
-                Scope::All
-            } else {
-                self.drain_listeners.scope()
-            },
             drain_notice: self.drain_notice == Switch::On,
-            outlier_log_path: self.outlier_log_path.clone(),
-            file_flush_interval: self.file_flush_interval,
-            config_cleanup: self.config_cleanup,
-            // The parser requires each of the two with the other.
-            run_as: self
-                .run_as_uid
-                .zip(self.run_as_gid)
-                .map(|(uid, gid)| RunAs { uid, gid }),
-            stop_grace: self.stop_grace,
-            admin_unresponsive_deadline: self.admin_unresponsive_deadline,
             extra_args: self.envoy_args.clone(),
         }
     }
@@ -1392,8 +1383,8 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(sidecar.envoy.config_path, PathBuf::from("b.yaml"));
-        assert_eq!(sidecar.envoy.drain_strategy, DrainStrategy::Gradual);
-        assert_eq!(sidecar.envoy.run_as, Some(RunAs { uid: 1, gid: 2 }));
+        assert_eq!(sidecar.envoy.options.drain_strategy, DrainStrategy::Gradual);
+        assert_eq!(sidecar.envoy.options.run_as, Some(RunAs { uid: 1, gid: 2 }));
         assert_eq!(
             sidecar.grpc_address,
             "unix:/run/test/grpc.sock".parse().unwrap()
@@ -1402,7 +1393,7 @@ mod tests {
         assert_eq!(sidecar.hot_restart, None);
         assert_eq!(sidecar.crash_recovery, None);
         assert_eq!(
-            sidecar.envoy.admin_unresponsive_deadline,
+            sidecar.envoy.options.admin_unresponsive_deadline,
             Duration::from_secs(30),
             "the wedge watchdog runs in both modes"
         );

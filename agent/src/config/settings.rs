@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use envoy_agent_drain::Counting;
-pub use envoy_agent_proxy::{DrainStrategy, RunAs, Scope};
+pub use envoy_agent_proxy::{DrainStrategy, EnvoyOptions, RunAs, Scope};
 
 use crate::crash::CrashRecovery;
 
@@ -116,45 +116,18 @@ pub struct EnvoySettings {
     pub admin_address: Option<SocketAddr>,
     /// Where Envoy's admin API listens (`--envoy-admin`, `auto` resolved).
     pub admin: EnvoyAdmin,
-    /// Envoy's log level, Istio style (`--proxy-log-level`).
-    pub log_level: String,
-    /// Envoy's component log levels (`--proxy-component-log-level`).
-    pub component_log_level: String,
-    /// Envoy logs as JSON lines (`--proxy-log-as-json`).
-    pub log_as_json: bool,
-    /// The node's IPs (`--node-ip`).
-    pub node_ips: Vec<String>,
-    /// Envoy's worker threads; 0 lets the agent choose from the CPU quota, or Envoy
-    /// (`--concurrency`).
-    pub concurrency: u32,
+    /// How Envoy runs, each value under its flag's name, carried as it is into Envoy's
+    /// config (`--proxy-log-level`, `--drain-time`, `--concurrency`, ...).
+    pub options: EnvoyOptions,
     /// Which memory limit Envoy sheds load below (`--memory-guard`).
     pub memory_guard: crate::config::container::MemoryGuardArg,
     /// The memory guard's shares (`--memory-guard-thresholds`).
     pub memory_guard_thresholds: crate::config::container::GuardShares,
     /// The bound on Envoy's downstream connections (`--max-downstream-connections`).
     pub max_downstream_connections: crate::config::container::MaxConnectionsArg,
-    /// How long Envoy drains, whole seconds (`--drain-time`).
-    pub drain_time: Duration,
-    /// How Envoy closes connections during a drain (`--drain-strategy`).
-    pub drain_strategy: DrainStrategy,
-    /// Which listeners a drain reaches when the caller does not say (`--drain-listeners`).
-    pub drain_listeners: Scope,
     /// Tell idle and streaming clients of a drain through Envoy's overload manager
-    /// (`--drain-notice`).
+    /// (`--drain-notice`); off in force when the bootstrap's overload manager has its parts.
     pub drain_notice: bool,
-    /// Where Envoy writes outlier-detection events (`--outlier-log-path`).
-    pub outlier_log_path: Option<PathBuf>,
-    /// Envoy's access-log flush interval (`--file-flush-interval`).
-    pub file_flush_interval: Duration,
-    /// Delete the bootstrap once Envoy has exited (`--config-cleanup`).
-    pub config_cleanup: bool,
-    /// The user Envoy runs as when the agent is root (`--run-as-uid`, `--run-as-gid`).
-    pub run_as: Option<RunAs>,
-    /// Between SIGTERM and SIGKILL for a stopping Envoy (`--stop-grace`).
-    pub stop_grace: Duration,
-    /// How long the serving Envoy's admin API may stay silent before it is judged wedged
-    /// (`--admin-unresponsive-deadline`).
-    pub admin_unresponsive_deadline: Duration,
     /// Arguments passed to Envoy verbatim (after `--`).
     pub extra_args: Vec<String>,
 }

@@ -327,6 +327,7 @@ pub fn admin_socket_dir(runtime_dir: &Path) -> PathBuf {
 pub fn make_admin_socket_dir(settings: &Settings, runtime_dir: &Path) -> Result<(), SetupError> {
     let envoy_user = settings
         .envoy
+        .options
         .run_as
         .map(|run_as| run_as.uid)
         .filter(|_| nix::unistd::geteuid().is_root());
@@ -483,6 +484,7 @@ pub fn hot_restart_channel(
     let state_dir = hot.state_dir.as_path();
     let envoy_user = settings
         .envoy
+        .options
         .run_as
         .map(|run_as| run_as.uid)
         .filter(|_| nix::unistd::geteuid().is_root());
@@ -592,6 +594,7 @@ pub fn drain_notice_dir(
     let dir = hot.state_dir.join(DRAIN_NOTICE_DIR);
     let envoy_user = settings
         .envoy
+        .options
         .run_as
         .map(|run_as| run_as.uid)
         .filter(|_| nix::unistd::geteuid().is_root());
@@ -629,22 +632,9 @@ pub fn proxy_config(
 ) -> ProxyConfig {
     let envoy = &settings.envoy;
     let mut config = ProxyConfig::new(binary, envoy.config_path.clone(), admin);
-    config.log_level = envoy.log_level.clone();
-    config.component_log_level = envoy.component_log_level.clone();
-    config.log_as_json = envoy.log_as_json;
-    config.node_ips = envoy.node_ips.clone();
-    config.concurrency = envoy.concurrency;
-    config.drain_duration = envoy.drain_time;
-    config.drain_strategy = envoy.drain_strategy;
+    config.options = envoy.options.clone();
     config.sidecar = settings.hot_restart.is_none();
-    config.drain_scope = envoy.drain_listeners;
-    config.outlier_log_path = envoy.outlier_log_path.clone();
-    config.file_flush_interval = envoy.file_flush_interval;
-    config.config_cleanup = envoy.config_cleanup;
     config.agent_is_root = nix::unistd::geteuid().is_root();
-    config.run_as = envoy.run_as;
-    config.stop_grace = envoy.stop_grace;
-    config.admin_unresponsive_deadline = envoy.admin_unresponsive_deadline;
     config.hot_restart = settings
         .hot_restart
         .as_ref()
@@ -653,7 +643,7 @@ pub fn proxy_config(
             parent_shutdown_time: hot.parent_shutdown_time,
             // Envoy running as another user could not write into our private directory: the
             // supervisor then polls for LIVE without the hint.
-            admin_address_dir: match config.run_as {
+            admin_address_dir: match config.options.run_as {
                 Some(_) if config.agent_is_root => None,
                 _ => Some(runtime_dir.to_path_buf()),
             },

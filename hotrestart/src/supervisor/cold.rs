@@ -271,7 +271,7 @@ impl<H: Host> Supervisor<H> {
         };
         // The old family's listeners close when its drain time ends; a little later it goes.
         // Across pods its agent does that: from then on, look whether it is gone.
-        let until = now + self.config.proxy.drain_duration + RETIRE_MARGIN;
+        let until = now + self.config.proxy.options.drain_time + RETIRE_MARGIN;
         self.handoff = Handoff::Retiring {
             until,
             old: match foreign {
@@ -295,7 +295,7 @@ impl<H: Host> Supervisor<H> {
             to_base_id = self.base_id,
             tcp_migrate_req = migrate,
             "the new family is LIVE: the old one drains for {:?}, then stops",
-            self.config.proxy.drain_duration
+            self.config.proxy.options.drain_time
         );
         if !migrate {
             tracing::warn!(
@@ -453,13 +453,13 @@ impl<H: Host> Supervisor<H> {
             stage = "handed_over",
             %successor,
             "a successor's new family took over: draining ours for {:?}, then stopping it",
-            self.config.proxy.drain_duration
+            self.config.proxy.options.drain_time
         );
         self.drain_for_retirement();
         self.hand_over(successor);
         // Whatever handoff of ours was under way is moot: the whole family retires, with
         // what is left of an older family we retired ourselves.
-        let until = Instant::now() + self.config.proxy.drain_duration + RETIRE_MARGIN;
+        let until = Instant::now() + self.config.proxy.options.drain_time + RETIRE_MARGIN;
         let moot = std::mem::replace(&mut self.handoff, Handoff::Idle);
         let older = match moot {
             Handoff::Retiring {
@@ -516,7 +516,7 @@ impl<H: Host> Supervisor<H> {
 
     /// The cold handover's timers: the new family's deadline, the old family's retirement.
     pub(super) fn cold_timers(&mut self, now: Instant) {
-        let grace = self.config.proxy.stop_grace;
+        let grace = self.config.proxy.options.stop_grace;
         if let Handoff::Retiring {
             until,
             old: OldFamily::Foreign { look_at, .. },

@@ -275,7 +275,7 @@ impl<H: Host> Supervisor<H> {
             }
             let left: Vec<u32> = self.epochs.iter().map(|c| c.epoch).collect();
             for epoch in left {
-                tracing::warn!(epoch, grace = ?self.config.proxy.stop_grace, "envoy ignored SIGTERM; sending SIGKILL");
+                tracing::warn!(epoch, grace = ?self.config.proxy.options.stop_grace, "envoy ignored SIGTERM; sending SIGKILL");
                 self.epochs
                     .signal(epoch, Signal::SIGKILL, Some(Stop::Shutdown));
             }
@@ -358,8 +358,8 @@ impl<H: Host> Supervisor<H> {
         }
         self.life = Life::Stopping {
             outcome,
-            kill_at: now + self.config.proxy.stop_grace,
-            give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
+            kill_at: now + self.config.proxy.options.stop_grace,
+            give_up: now + self.config.proxy.options.stop_grace + STOP_BACKSTOP,
             live: self.life.live(),
             old,
         };

@@ -512,7 +512,7 @@ impl<H: Host> Supervisor<H> {
             }
             Err(e) => {
                 let silent = now - self.admin_ok;
-                let deadline = self.config.proxy.admin_unresponsive_deadline;
+                let deadline = self.config.proxy.options.admin_unresponsive_deadline;
                 tracing::warn!(error = %e, silent_for = ?silent, "envoy admin not answering");
                 // The same rules as a sidecar's (see `watchdog`): stale after a few seconds; a
                 // wedge only when a call sent once the deadline had passed failed too (one sent
