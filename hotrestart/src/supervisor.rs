@@ -33,6 +33,7 @@ mod commands;
 mod control_plane;
 mod exits;
 mod handoffs;
+mod history;
 mod kept;
 mod node_io;
 mod probes;
@@ -50,8 +51,6 @@ pub(crate) const LOCK_RETRY: Duration = Duration::from_millis(100);
 pub(crate) const FOREIGN_PARENT_CHECK: Duration = Duration::from_millis(500);
 /// Retries of a failed handoff whose parent lost its admin endpoint.
 pub(crate) const MAX_RETRIES: u32 = 3;
-/// Wedges kept in the published state.
-const WEDGES_KEPT: usize = 16;
 /// Beyond the stop grace: how long stopping may take before the supervisor gives up waiting.
 const STOP_BACKSTOP: Duration = Duration::from_secs(5);
 /// The reason of a first epoch started from nothing (not a handover).
@@ -352,6 +351,8 @@ pub(crate) struct Supervisor<H: Host> {
     /// period (readers allow four).
     heartbeat_written: Option<(Heartbeat, Instant)>,
     family: FamilyState,
+    /// What a fresh family inherits of this one.
+    history: history::History,
     phase_since: (ProxyPhase, SystemTime),
     /// Heartbeat files already reported as untrusted (each once).
     reported: BTreeSet<(std::path::PathBuf, String)>,
@@ -420,6 +421,7 @@ impl<H: Host> Supervisor<H> {
             heartbeat_due: now,
             heartbeat_written: None,
             family,
+            history: history::History::default(),
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
             reported: BTreeSet::new(),
             watch: None,
@@ -469,13 +471,6 @@ impl<H: Host> Supervisor<H> {
     /// unlinks and recreates the shared memory a crashed family left behind) or a takeover
     /// from whatever LIVE family answers on the admin port.
     pub(crate) fn into_fresh(self) -> Self {
-        let FamilyState {
-            exits,
-            handoffs,
-            wedges,
-            last_handoff,
-            ..
-        } = self.family;
         let mut fresh = Supervisor::new(
             self.config,
             self.base_id,
@@ -484,10 +479,7 @@ impl<H: Host> Supervisor<H> {
             self.state,
             self.metrics,
         );
-        fresh.family.exits = exits;
-        fresh.family.handoffs = handoffs;
-        fresh.family.wedges = wedges;
-        fresh.family.last_handoff = last_handoff;
+        fresh.history = self.history;
         if let kept::KeptParent::Handed { .. } = self.kept {
             fresh.kept = self.kept;
             kept::forward_exits(self.events, fresh.events_tx.clone());
@@ -861,6 +853,10 @@ impl<H: Host> Supervisor<H> {
         self.family.handoff = self.handoff_info();
         self.family.retiring = self.retired_infos();
         self.family.socket_path = self.host.socket_path().to_string();
+        self.family.handoffs = self.history.handoffs().to_vec();
+        self.family.exits = self.history.exits().to_vec();
+        self.family.wedges = self.history.wedges().to_vec();
+        self.family.last_handoff = self.history.last_handoff().cloned();
         let state = ProxyState {
             phase,
             since: self.phase_since.1,

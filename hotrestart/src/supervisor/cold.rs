@@ -376,7 +376,7 @@ impl<H: Host> Supervisor<H> {
         let kind = exit_kind(&result, false);
         self.metrics.exit(kind);
         self.record_exit(&child, &result, kind);
-        let last = self.family.exits.last();
+        let last = self.history.last_exit();
         tracing::info!(
             event = "epoch_exited",
             epoch = child.epoch,

@@ -34,7 +34,7 @@ impl<H: Host> Supervisor<H> {
         let kind = exit_kind(&result, child.state == EpochState::Draining);
         self.metrics.exit(kind);
         self.record_exit(&child, &result, kind);
-        if let Some(exit) = self.family.exits.last() {
+        if let Some(exit) = self.history.last_exit() {
             tracing::info!(
                 event = "epoch_exited",
                 epoch,
@@ -169,18 +169,15 @@ impl<H: Host> Supervisor<H> {
                 Err(e) => e.to_string(),
             },
         };
-        super::handoffs::push_bounded(
-            &mut self.family.exits,
-            envoy_agent_proxy::EpochExit {
-                epoch: child.epoch,
-                pid: child.pid,
-                state: child.state,
-                code,
-                signal,
-                how,
-                at: SystemTime::now(),
-            },
-        );
+        self.history.exit(envoy_agent_proxy::EpochExit {
+            epoch: child.epoch,
+            pid: child.pid,
+            state: child.state,
+            code,
+            signal,
+            how,
+            at: SystemTime::now(),
+        });
     }
 
     pub(super) fn stand_in_for(&mut self, parent_epoch: u32) {

@@ -646,14 +646,6 @@ impl<H: Host> Supervisor<H> {
             kind: attempt.kind,
             fresh_start,
         };
-        push_bounded(&mut self.family.handoffs, result.clone());
-        self.family.last_handoff = Some(result);
+        self.history.handoff(result);
     }
-}
-
-/// Appends `item`, dropping the oldest beyond [`envoy_agent_proxy::HISTORY_KEPT`].
-pub(super) fn push_bounded<T>(list: &mut Vec<T>, item: T) {
-    list.push(item);
-    let excess = list.len().saturating_sub(envoy_agent_proxy::HISTORY_KEPT);
-    list.drain(..excess);
 }

@@ -1,10 +1,9 @@
-//! The node and the pod: heartbeats (read and written), the readiness marker, wedge records.
+//! The node and the pod: heartbeats (read and written), the readiness marker.
 
-use envoy_agent_proxy::{HandoffKind, Outcome, Wedge, WedgeReason};
-use std::time::SystemTime;
+use envoy_agent_proxy::HandoffKind;
 use tokio::time::Instant;
 
-use super::{Life, Supervisor, WEDGES_KEPT};
+use super::{Life, Supervisor};
 use crate::handoff::Handoff;
 use crate::host::Host;
 use crate::node;
@@ -146,21 +145,13 @@ impl<H: Host> Supervisor<H> {
             parent_draining_until_unix_ms: parent_until,
             restart_in_flight: self.life.live().is_some() && self.handoff.attempt().is_some(),
             cold_takeover_of: self.handoff.cold_takeover_of().map(str::to_owned),
-            handover: self
-                .family
-                .handoffs
-                .iter()
-                .rev()
-                .find(|h| h.outcome == Outcome::Live)
-                // Told by how it started, not by its reason: a user's restart may say `start`.
-                .filter(|h| !h.fresh_start)
-                .map(|h| node::Handover {
-                    kind: h.kind.as_str().to_owned(),
-                    why: match &h.kind {
-                        HandoffKind::Cold { why, .. } => why.clone(),
-                        HandoffKind::Hot => String::new(),
-                    },
-                }),
+            handover: self.history.last_handover().map(|h| node::Handover {
+                kind: h.kind.as_str().to_owned(),
+                why: match &h.kind {
+                    HandoffKind::Cold { why, .. } => why.clone(),
+                    HandoffKind::Hot => String::new(),
+                },
+            }),
             socket_path: self.host.socket_path().to_string(),
             admin_address: self.admin_address(),
             generation: self.config.generation,
@@ -193,17 +184,5 @@ impl<H: Host> Supervisor<H> {
             tracing::info!(event = "ready_marker", ready = present, "readiness marker");
             self.marker = present;
         }
-    }
-
-    pub(super) fn record_wedge(&mut self, reason: WedgeReason, message: String) {
-        tracing::error!(event = "wedge", reason = %reason, error = %message, "hot restart wedge");
-        self.metrics.wedge(reason.as_str());
-        self.family.wedges.push(Wedge {
-            reason,
-            at: SystemTime::now(),
-            message,
-        });
-        let excess = self.family.wedges.len().saturating_sub(WEDGES_KEPT);
-        self.family.wedges.drain(..excess);
     }
 }
