@@ -36,6 +36,7 @@ mod handoffs;
 mod history;
 mod kept;
 mod node_io;
+mod pods;
 mod probes;
 mod retired;
 
@@ -192,6 +193,9 @@ enum Life {
         give_up: Instant,
         /// The epoch that served when the stop began, until it exits.
         live: Option<u32>,
+        /// The successor the family was handed over to before the stop, if it was: the
+        /// family's files are the successor's.
+        handed_over_to: Option<String>,
         /// Processes of ours outside the family that the stop took over from the handoff:
         /// a retiring old family, a cold family that never became ours (see `retired`).
         old: Epochs,
@@ -205,6 +209,15 @@ impl Life {
             Life::Serving { live } => Some(*live),
             Life::Stopping { live, .. } => *live,
             Life::Discovering { .. } | Life::Starting | Life::HandedOver { .. } => None,
+        }
+    }
+
+    /// The successor pod whose Envoy took over from ours, also once ours are being stopped.
+    fn handed_over_to(&self) -> Option<&str> {
+        match self {
+            Life::HandedOver { successor } => Some(successor),
+            Life::Stopping { handed_over_to, .. } => handed_over_to.as_deref(),
+            Life::Discovering { .. } | Life::Starting | Life::Serving { .. } => None,
         }
     }
 
@@ -292,12 +305,19 @@ impl std::fmt::Display for Waiting {
 }
 
 /// The running family's hot-restart version, as far as the supervisor knows it.
+///
+/// `before`: the version known before it was asked again (a cold handover's new family is
+/// asked anew), which the status shows until the answer; never one to decide on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Version {
     /// Not asked yet, or the last ask failed.
-    Unknown,
+    Unknown {
+        before: Option<String>,
+    },
     /// It is being asked (of our LIVE epoch, else of the binary).
-    Asking,
+    Asking {
+        before: Option<String>,
+    },
     Known(String),
 }
 
@@ -305,7 +325,39 @@ impl Version {
     fn known(&self) -> Option<&str> {
         match self {
             Version::Known(v) => Some(v),
-            Version::Unknown | Version::Asking => None,
+            Version::Unknown { .. } | Version::Asking { .. } => None,
+        }
+    }
+
+    fn is_unknown(&self) -> bool {
+        matches!(self, Version::Unknown { .. })
+    }
+
+    /// What the status shows: the version known, else the last one known, else nothing.
+    fn shown(&self) -> &str {
+        match self {
+            Version::Known(v) => v,
+            Version::Unknown { before } | Version::Asking { before } => {
+                before.as_deref().unwrap_or_default()
+            }
+        }
+    }
+
+    /// It is being asked (again).
+    fn ask(&mut self) {
+        let before = match std::mem::replace(self, Version::Unknown { before: None }) {
+            Version::Known(v) => Some(v),
+            Version::Unknown { before } | Version::Asking { before } => before,
+        };
+        *self = Version::Asking { before };
+    }
+
+    /// The ask under way failed.
+    fn ask_failed(&mut self) {
+        if let Version::Asking { before } = self {
+            *self = Version::Unknown {
+                before: before.take(),
+            };
         }
     }
 }
@@ -343,14 +395,14 @@ pub(crate) struct Supervisor<H: Host> {
     admin_ok: Instant,
     /// Whether the serving epoch answers the watchdog (readiness follows it).
     admin_health: AdminHealth,
-    /// Envoy was told to fail its health checks: an epoch that serves after a handoff settles
-    /// is told too (the failure is a process's own state, not handed over).
-    health_checks_failed: bool,
+    /// What the handle told the family for the rest of its life (drain, fail health checks).
+    orders: commands::Orders,
+    /// What the family knows of the node's other pods.
+    pods: pods::Pods,
     heartbeat_due: Instant,
     /// The heartbeat last written, and when: an unchanged one is rewritten only every other
     /// period (readers allow four).
     heartbeat_written: Option<(Heartbeat, Instant)>,
-    family: FamilyState,
     /// What a fresh family inherits of this one.
     history: history::History,
     phase_since: (ProxyPhase, SystemTime),
@@ -394,11 +446,6 @@ impl<H: Host> Supervisor<H> {
     ) -> Self {
         let (events_tx, events) = mpsc::unbounded_channel();
         let now = Instant::now();
-        let family = FamilyState {
-            base_id,
-            identity: config.identity.clone(),
-            ..FamilyState::default()
-        };
         Supervisor {
             life: Life::Starting,
             config,
@@ -412,15 +459,15 @@ impl<H: Host> Supervisor<H> {
             epochs: Epochs::default(),
             handoff: Handoff::Idle,
             queue: Queue::default(),
-            version: Version::Unknown,
+            version: Version::Unknown { before: None },
             stand_ins: Vec::new(),
             watchdog: Probing::default(),
             admin_ok: now,
             admin_health: AdminHealth::Answering,
-            health_checks_failed: false,
+            orders: commands::Orders::default(),
+            pods: pods::Pods::default(),
             heartbeat_due: now,
             heartbeat_written: None,
-            family,
             history: history::History::default(),
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
             reported: BTreeSet::new(),
@@ -461,7 +508,7 @@ impl<H: Host> Supervisor<H> {
     /// Whether the family that ended was ours to the end: an epoch of ours served and no
     /// successor took it over. Its files are then left to nobody but us.
     pub(crate) fn family_files_ours(&self) -> bool {
-        (self.served || self.created) && self.family.handed_over_to.is_none()
+        (self.served || self.created) && self.life.handed_over_to().is_none()
     }
 
     /// The supervisor of a fresh family after this one ended (crash recovery in place): the
@@ -747,7 +794,7 @@ impl<H: Host> Supervisor<H> {
             }
         }
         self.watchdog_timer(now);
-        if self.version == Version::Unknown && !self.queue.is_empty() && self.life.running() {
+        if self.version.is_unknown() && !self.queue.is_empty() && self.life.running() {
             // A restart waits for the running version; the last ask failed.
             self.ask_version();
         }
@@ -772,7 +819,7 @@ impl<H: Host> Supervisor<H> {
         // fresh for four).
         let steady = self.life.serving().is_some()
             && self.handoff.is_idle()
-            && self.family.successor_starting.is_none();
+            && self.pods.successor_starting().is_none();
         let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
         if self.host.has_node() && now + interval / 2 >= self.heartbeat_due {
             self.heartbeat_due = now + interval;
@@ -819,7 +866,7 @@ impl<H: Host> Supervisor<H> {
     /// disk ahead of the next restart); only while an epoch serves.
     fn watchdog_timer(&mut self, now: Instant) {
         // Early too, to share the heartbeat's wake-up (only at its steady pace).
-        let early = match self.family.successor_starting {
+        let early = match self.pods.successor_starting() {
             None => WATCHDOG_POLL / 4,
             Some(_) => Duration::ZERO,
         };
@@ -850,19 +897,12 @@ impl<H: Host> Supervisor<H> {
         if self.phase_since.0 != phase {
             self.phase_since = (phase, SystemTime::now());
         }
-        self.family.handoff = self.handoff_info();
-        self.family.retiring = self.retired_infos();
-        self.family.socket_path = self.host.socket_path().to_string();
-        self.family.handoffs = self.history.handoffs().to_vec();
-        self.family.exits = self.history.exits().to_vec();
-        self.family.wedges = self.history.wedges().to_vec();
-        self.family.last_handoff = self.history.last_handoff().cloned();
         let state = ProxyState {
             phase,
             since: self.phase_since.1,
             epochs: self.epochs.infos(),
             newest_live: self.life.live(),
-            family: Some(self.family.clone()),
+            family: Some(self.family_state()),
             config: self.config_status.clone(),
             admin: self.admin_health,
         };
@@ -874,6 +914,29 @@ impl<H: Host> Supervisor<H> {
                 true
             }
         });
+    }
+
+    /// The family's facts as the status shows them, all from the supervisor's own state:
+    /// what only events told (history, the other pods, standing orders) from the parts that
+    /// keep them, the rest derived here.
+    fn family_state(&self) -> FamilyState {
+        FamilyState {
+            base_id: self.base_id,
+            hot_restart_version: self.version.shown().to_owned(),
+            identity: self.config.identity.clone(),
+            handoff: self.handoff_info(),
+            last_handoff: self.history.last_handoff().cloned(),
+            wedges: self.history.wedges().to_vec(),
+            predecessor: self.pods.predecessor().map(str::to_owned),
+            foreign_parent_until: self.pods.foreign_parent_until(),
+            successor_starting: self.pods.successor_starting().map(str::to_owned),
+            handed_over_to: self.life.handed_over_to().map(str::to_owned),
+            drained: self.orders.drained(),
+            retiring: self.retired_infos(),
+            socket_path: self.host.socket_path().to_string(),
+            handoffs: self.history.handoffs().to_vec(),
+            exits: self.history.exits().to_vec(),
+        }
     }
 
     fn handoff_info(&self) -> Option<envoy_agent_proxy::Handoff> {
@@ -932,7 +995,7 @@ impl<H: Host> Supervisor<H> {
     /// Asks the running family's hot-restart version beside the loop: of our LIVE epoch when
     /// there is one (the binary on disk may be a newer one already), else of the binary.
     fn ask_version(&mut self) {
-        self.version = Version::Asking;
+        self.version.ask();
         let events = self.events_tx.clone();
         if self.life.live().is_some() {
             let ask = self.host.serving_version();
@@ -953,7 +1016,6 @@ impl<H: Host> Supervisor<H> {
         match result {
             Ok(version) => {
                 if self.version.known().is_none() {
-                    self.family.hot_restart_version = version.clone();
                     self.version = Version::Known(version);
                     self.write_heartbeat();
                     if self.can_restart() {
@@ -964,9 +1026,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Err(message) => {
-                if self.version == Version::Asking {
-                    self.version = Version::Unknown;
-                }
+                self.version.ask_failed();
                 tracing::error!(error = %message, "cannot learn the binary's hot-restart version");
                 match self.life {
                     Life::Discovering { .. } => self.begin_stop(
@@ -1046,6 +1106,7 @@ mod life_tests {
             kill_at: now,
             give_up: now,
             live,
+            handed_over_to: None,
             old: Epochs::default(),
         }
     }

@@ -252,7 +252,6 @@ impl<H: Host> Supervisor<H> {
         self.epochs.add(0, child.pid, child.signals);
         self.epochs.set_state(0, EpochState::Live);
         self.base_id = child.base_id;
-        self.family.base_id = child.base_id;
         self.life.went_live(0);
         self.served = true;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
@@ -414,7 +413,7 @@ impl<H: Host> Supervisor<H> {
 
     /// The old family is gone: a hot restart of ours takes the configured admin address.
     fn queue_settling_restart(&mut self) {
-        if !self.family.drained {
+        if !self.orders.drained() {
             self.queue.push(
                 "after a cold handover: the configured admin address".to_owned(),
                 None,

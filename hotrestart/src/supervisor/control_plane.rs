@@ -140,7 +140,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn refresh_marker(&mut self) {
         let present = self.life.running()
             && self.life.live().is_some()
-            && !self.family.drained
+            && !self.orders.drained()
             && self.config_status.ready().is_ok()
             && self.admin_health == envoy_agent_proxy::AdminHealth::Answering;
         if present || self.marker {

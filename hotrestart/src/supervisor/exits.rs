@@ -358,6 +358,7 @@ impl<H: Host> Supervisor<H> {
             kill_at: now + self.config.proxy.stop_grace,
             give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
             live: self.life.live(),
+            handed_over_to: self.life.handed_over_to().map(str::to_owned),
             old,
         };
         // Processes of ours outside the family: SIGTERM (none has a parent of ours to take

@@ -10,8 +10,8 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::{
-    Event, FOREIGN_PARENT_CHECK, LOCK_RETRY, Life, Probe, StandIn, Supervisor, Version,
-    WATCHDOG_POLL, kept, last_line,
+    Event, FOREIGN_PARENT_CHECK, LOCK_RETRY, Life, Probe, StandIn, Supervisor, WATCHDOG_POLL, kept,
+    last_line,
 };
 use crate::answers::Deferred;
 use crate::epochs::Stop;
@@ -285,7 +285,7 @@ impl<H: Host> Supervisor<H> {
                 self.host.tell_drain(self.base_id, *epoch);
                 // Until the child terminates it; a second of margin for its own timer.
                 let drains = self.config.parent_shutdown_time() + Duration::from_secs(1);
-                self.family.foreign_parent_until = Some(SystemTime::now() + drains);
+                self.pods.foreign_parent_drains(SystemTime::now() + drains);
                 Handoff::ParentDraining {
                     parent: DrainingParent::Foreign {
                         epoch: *epoch,
@@ -316,7 +316,7 @@ impl<H: Host> Supervisor<H> {
         self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
         self.settled(deferred);
-        if self.version == Version::Unknown {
+        if self.version.is_unknown() {
             self.ask_version();
         }
     }
@@ -429,7 +429,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn can_restart(&self) -> bool {
         self.life.running()
             && self.life.live().is_some()
-            && !self.family.drained
+            && !self.orders.drained()
             // What the next binary must match.
             && self.version.known().is_some()
             // A parent kept through its child's crash still runs beside the fresh family: a
@@ -515,7 +515,7 @@ impl<H: Host> Supervisor<H> {
                 }
                 if now >= until {
                     self.handoff = Handoff::Idle;
-                    self.family.foreign_parent_until = None;
+                    self.pods.foreign_parent_gone();
                     self.write_heartbeat();
                 }
             }
@@ -550,7 +550,7 @@ impl<H: Host> Supervisor<H> {
         // back (the soak saw it: a queued config change right after a successor's takeover).
         // The handover, once seen, refuses the queue; a successor that goes away lets it run.
         self.read_node();
-        if let Some(successor) = self.family.successor_starting.clone() {
+        if let Some(successor) = self.pods.successor_starting().map(str::to_owned) {
             drop(lock);
             if !matches!(self.queue.waiting_for, Some(QueueWait::Successor { .. })) {
                 tracing::info!(event = "restart_deferred", %successor, "a successor pod has a newer epoch: the queued restart waits (its handover refuses it)");

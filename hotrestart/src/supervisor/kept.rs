@@ -176,7 +176,6 @@ impl<H: Host> Supervisor<H> {
             return;
         };
         self.base_id = next_base_id;
-        self.family.base_id = next_base_id;
         self.host.switch_family(next_base_id, false);
         let (epoch, pid) = (child.epoch, child.pid);
         tracing::info!(

@@ -65,15 +65,14 @@ impl<H: Host> Supervisor<H> {
                         && h.newest_epoch > ours
                 })
                 .map(|h| h.identity.clone());
-            if successor != self.family.successor_starting {
-                if let Some(s) = &successor {
+            if self.pods.successor_seen(successor) {
+                if let Some(s) = self.pods.successor_starting() {
                     tracing::info!(successor = %s, "a successor pod is starting");
                     // See its takeover soon.
                     if self.life.live().is_some() && !self.watchdog.in_flight {
                         self.watchdog.next = Some(Instant::now());
                     }
                 }
-                self.family.successor_starting = successor;
             }
             let cold = others
                 .iter()

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::{
     DISCOVERY_POLL, Event, INCOMPATIBLE_REPORT, LOCK_RETRY, Life, MAX_RETRIES, Probe, START_REASON,
-    Supervisor, Version, WATCHDOG_POLL, WATCHDOG_POLL_SUCCESSOR, Waiting,
+    Supervisor, WATCHDOG_POLL, WATCHDOG_POLL_SUCCESSOR, Waiting,
 };
 use crate::discovery;
 use crate::discovery::Discovery;
@@ -31,7 +31,7 @@ impl<H: Host> Supervisor<H> {
                     next: Some(Instant::now() + LIVE_POLL),
                     in_flight: false,
                 };
-                if self.version == Version::Unknown {
+                if self.version.is_unknown() {
                     self.ask_version();
                 }
                 return;
@@ -83,7 +83,7 @@ impl<H: Host> Supervisor<H> {
                 let why = format!(
                     "the node's envoy ({who}) has hot-restart version {theirs}, ours {ours}"
                 );
-                self.family.predecessor = Some(who.clone());
+                self.pods.predecessor_is(who.clone());
                 self.begin_first_cold(base_id, who, why);
             }
             Discovery::Incompatible {
@@ -170,13 +170,12 @@ impl<H: Host> Supervisor<H> {
         if base_id != self.base_id {
             // The family went on under our other base id (a cold handover).
             self.base_id = base_id;
-            self.family.base_id = base_id;
             self.host.switch_family(base_id, false);
         }
         if let Err(why) = self.shm_usable() {
             // Our epoch could not attach to the family's segment: a family of our own
             // beside it instead.
-            self.family.predecessor = Some(who.clone());
+            self.pods.predecessor_is(who.clone());
             let why = format!("the node family's shared memory is unusable: {why}");
             self.begin_first_cold(base_id, who, why);
             return;
@@ -185,7 +184,7 @@ impl<H: Host> Supervisor<H> {
             self.use_parents_channel(info);
         }
         tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
-        self.family.predecessor = Some(who.clone());
+        self.pods.predecessor_is(who.clone());
         self.begin_first(
             epoch + 1,
             Some(Parent::Foreign {
@@ -230,7 +229,7 @@ impl<H: Host> Supervisor<H> {
         };
         // The watchdog's steady checks keep their connection; not while a successor starts
         // (its takeover is expected: a kept connection would go on reaching ours).
-        let kept = matches!(probe, Probe::Watchdog) && self.family.successor_starting.is_none();
+        let kept = matches!(probe, Probe::Watchdog) && self.pods.successor_starting().is_none();
         let call = self.host.newer_epoch(ours, kept);
         let events = self.events_tx.clone();
         let sent = Instant::now();
@@ -298,7 +297,7 @@ impl<H: Host> Supervisor<H> {
                 }
                 let answer = match &self.life {
                     Life::HandedOver { successor } => Some(successor.clone()),
-                    _ => self.family.successor_starting.clone(),
+                    _ => self.pods.successor_starting().map(str::to_owned),
                 };
                 tracing::info!(successor = ?answer, "asked whether a successor takes over");
                 // The asker reads the state next: publish first.
@@ -338,7 +337,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Probe::FailedChild { epoch, retries } => {
-                if !self.life.running() || self.family.drained {
+                if !self.life.running() || self.orders.drained() {
                     return;
                 }
                 // Only a LIVE child gives the family an admin endpoint back once a failed one
@@ -407,8 +406,7 @@ impl<H: Host> Supervisor<H> {
         self.life = Life::HandedOver {
             successor: successor.clone(),
         };
-        self.family.handed_over_to = Some(successor.clone());
-        self.family.successor_starting = None;
+        self.pods.successor_took_over();
         self.set_marker(false);
         self.queue.refuse(&RestartError::Refused(format!(
             "handed over to {successor}"
@@ -481,7 +479,7 @@ impl<H: Host> Supervisor<H> {
             return;
         }
         let now = Instant::now();
-        let period = if self.family.successor_starting.is_some() {
+        let period = if self.pods.successor_starting().is_some() {
             WATCHDOG_POLL_SUCCESSOR
         } else {
             WATCHDOG_POLL
@@ -489,7 +487,7 @@ impl<H: Host> Supervisor<H> {
         self.watchdog.next = Some(now + period);
         match result {
             Ok(_) => self.admin_answered(now),
-            Err(e) if self.family.successor_starting.is_some() => {
+            Err(e) if self.pods.successor_starting().is_some() => {
                 // Another pod's starting epoch may hold the admin listener: its handoff, not a
                 // wedge of ours.
                 tracing::debug!(error = %e, "admin silent while a successor starts");
@@ -499,7 +497,7 @@ impl<H: Host> Supervisor<H> {
                 // Our Envoy runs but its admin listener is gone: only a child (ours or another
                 // pod's) takes it, and that child has failed. Only a LIVE child gives it back.
                 self.admin_answered(now);
-                if self.handoff.is_idle() && self.queue.is_empty() && !self.family.drained {
+                if self.handoff.is_idle() && self.queue.is_empty() && !self.orders.drained() {
                     tracing::warn!(error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
                     self.queue
                         .push("recover the admin listener".to_owned(), None, now);
