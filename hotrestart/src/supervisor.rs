@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::{
-    AdminError, AdminHealth, DrainOptions, DrainPlan, Ended, Exit, FamilyState, HandoffKind,
-    HandoffStage, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
+    AdminError, DrainOptions, DrainPlan, Ended, Exit, FamilyState, HandoffKind, HandoffStage,
+    ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
@@ -39,6 +39,7 @@ mod node_io;
 mod pods;
 mod probes;
 mod retired;
+mod watchdog;
 
 /// How often the serving epoch's admin is checked by the watchdog.
 pub(crate) const WATCHDOG_POLL: Duration = Duration::from_secs(1);
@@ -391,10 +392,8 @@ pub(crate) struct Supervisor<H: Host> {
     version: Version,
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
-    watchdog: Probing,
-    admin_ok: Instant,
-    /// Whether the serving epoch answers the watchdog (readiness follows it).
-    admin_health: AdminHealth,
+    /// The serving epoch's admin checks, and whether it answers (readiness follows it).
+    watchdog: watchdog::Watchdog,
     /// What the handle told the family for the rest of its life (drain, fail health checks).
     orders: commands::Orders,
     /// What the family knows of the node's other pods.
@@ -461,9 +460,7 @@ impl<H: Host> Supervisor<H> {
             queue: Queue::default(),
             version: Version::Unknown { before: None },
             stand_ins: Vec::new(),
-            watchdog: Probing::default(),
-            admin_ok: now,
-            admin_health: AdminHealth::Answering,
+            watchdog: watchdog::Watchdog::new(now),
             orders: commands::Orders::default(),
             pods: pods::Pods::default(),
             heartbeat_due: now,
@@ -862,29 +859,6 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// Probes the serving epoch when the watchdog is due (and validates a binary changed on
-    /// disk ahead of the next restart); only while an epoch serves.
-    fn watchdog_timer(&mut self, now: Instant) {
-        // Early too, to share the heartbeat's wake-up (only at its steady pace).
-        let early = match self.pods.successor_starting() {
-            None => WATCHDOG_POLL / 4,
-            Some(_) => Duration::ZERO,
-        };
-        if self.watchdog.due(now + early) {
-            if self.life.serving().is_some() {
-                self.probe(Probe::Watchdog);
-                // A release copied over the binary: validate it with the config before a
-                // restart needs the answer.
-                if self.host.binary_changed() && self.can_restart() && self.handoff.is_idle() {
-                    tracing::info!(binary = %self.config.proxy.binary_path.display(), "the envoy binary changed on disk: validating it ahead of the next restart");
-                    self.prevalidate(None);
-                }
-            } else {
-                self.watchdog = Probing::default();
-            }
-        }
-    }
-
     fn publish(&mut self) {
         let phase = match &self.life {
             Life::Discovering { .. } => ProxyPhase::Starting,
@@ -904,7 +878,7 @@ impl<H: Host> Supervisor<H> {
             newest_live: self.life.live(),
             family: Some(self.family_state()),
             config: self.config_status.clone(),
-            admin: self.admin_health,
+            admin: self.watchdog.health(),
         };
         self.state.send_if_modified(|s| {
             if *s == state {

@@ -41,7 +41,6 @@ use crate::handoff::{
     Attempt, ColdChild, Deadline, Handoff, LiveChecks, LiveSign, NotLive, OldFamily,
 };
 use crate::host::{Guard, Host};
-use crate::probing::Probing;
 
 /// Where the kernel says whether a closing listener's queued connections migrate.
 const TCP_MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
@@ -264,10 +263,7 @@ impl<H: Host> Supervisor<H> {
         let now = Instant::now();
         self.want_xds(now);
         self.admin_answered(now);
-        self.watchdog = Probing {
-            next: Some(now + WATCHDOG_POLL),
-            in_flight: false,
-        };
+        self.watchdog.start(now + WATCHDOG_POLL);
         // The old family's listeners close when its drain time ends; a little later it goes.
         // Across pods its agent does that: from then on, look whether it is gone.
         let until = now + self.config.proxy.drain_duration + RETIRE_MARGIN;
@@ -361,7 +357,7 @@ impl<H: Host> Supervisor<H> {
             return;
         }
         self.settled(deferred);
-        self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+        self.watchdog.next_at(Instant::now() + WATCHDOG_POLL);
     }
 
     /// One of the old family's processes, the kept parent, or (when stopping) the new family

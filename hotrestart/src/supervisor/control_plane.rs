@@ -142,7 +142,7 @@ impl<H: Host> Supervisor<H> {
             && self.life.live().is_some()
             && !self.orders.drained()
             && self.config_status.ready().is_ok()
-            && self.admin_health == envoy_agent_proxy::AdminHealth::Answering;
+            && self.watchdog.answering();
         if present || self.marker {
             self.set_marker(present);
         }

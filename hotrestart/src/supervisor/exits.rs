@@ -12,7 +12,6 @@ use crate::epochs::{Epochs, Stop};
 use crate::handoff::{DrainingParent, Handoff, OldFamily};
 use crate::host::{Host, Repair};
 use crate::metrics::ExitKind;
-use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_exit(&mut self, epoch: u32, pid: u32, result: Result<Exit, ProxyError>) {
@@ -326,7 +325,7 @@ impl<H: Host> Supervisor<H> {
         if let Some(deferred) = deferred {
             deferred.not_serving();
         }
-        self.watchdog = Probing::default();
+        self.watchdog.stop();
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
         // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.
         let targets: Vec<(u32, EpochState)> = self

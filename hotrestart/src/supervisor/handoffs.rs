@@ -20,7 +20,6 @@ use crate::handoff::{
     QueueWait,
 };
 use crate::host::{Checked, Guard, Host, Refusal};
-use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     /// Our first epoch starts a new family beside the predecessor's (`from`, run by
@@ -307,10 +306,7 @@ impl<H: Host> Supervisor<H> {
         // What it has of its config: readiness waits for it (the previous epoch's reading
         // stands meanwhile).
         self.want_xds(now);
-        self.watchdog = Probing {
-            next: Some(now + WATCHDOG_POLL),
-            in_flight: false,
-        };
+        self.watchdog.start(now + WATCHDOG_POLL);
         // Whoever waits for this restart sees the new state at once; the files follow.
         self.publish();
         self.finish_at(attempt, Outcome::Live, String::new(), seen);
@@ -356,7 +352,7 @@ impl<H: Host> Supervisor<H> {
             let waiting = attempt.waiting_for_config.clone();
             self.config_wait_ended(attempt, &waiting);
             self.settled(deferred);
-            self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+            self.watchdog.next_at(Instant::now() + WATCHDOG_POLL);
             return;
         }
         let outcome = if timed_out {
@@ -388,7 +384,7 @@ impl<H: Host> Supervisor<H> {
         self.settled(deferred);
         // The child may have shut the serving epoch's admin listener before it failed.
         self.probe(Probe::FailedChild { epoch, retries });
-        self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+        self.watchdog.next_at(Instant::now() + WATCHDOG_POLL);
     }
 
     /// The starting epoch was not LIVE by the deadline, confirmed by a LIVE check sent after

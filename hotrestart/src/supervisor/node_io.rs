@@ -69,8 +69,8 @@ impl<H: Host> Supervisor<H> {
                 if let Some(s) = self.pods.successor_starting() {
                     tracing::info!(successor = %s, "a successor pod is starting");
                     // See its takeover soon.
-                    if self.life.live().is_some() && !self.watchdog.in_flight {
-                        self.watchdog.next = Some(Instant::now());
+                    if self.life.live().is_some() {
+                        self.watchdog.check_soon(Instant::now());
                     }
                 }
             }

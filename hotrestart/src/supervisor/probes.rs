@@ -1,19 +1,14 @@
-//! Admin probes and what their answers decide: discovery of a predecessor, LIVE, the watchdog
-//! (stale readiness, wedge, lost listener, takeover by a successor), the stop-time successor
-//! question.
-
-use envoy_agent_proxy::watchdog::{self, Silence};
+//! Admin probes and what their answers decide: discovery of a predecessor, LIVE, takeover by
+//! a successor, the stop-time successor question (the watchdog's answers: `watchdog`).
 
 use envoy_agent_proxy::admin::AdminState;
-use envoy_agent_proxy::{
-    AdminError, AdminHealth, Ended, EpochState, RestartError, ServerInfo, ServerState, WedgeReason,
-};
-use std::time::{Duration, SystemTime};
+use envoy_agent_proxy::{AdminError, Ended, EpochState, RestartError, ServerInfo, ServerState};
+use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{
     DISCOVERY_POLL, Event, INCOMPATIBLE_REPORT, LOCK_RETRY, Life, MAX_RETRIES, Probe, START_REASON,
-    Supervisor, WATCHDOG_POLL, WATCHDOG_POLL_SUCCESSOR, Waiting,
+    Supervisor, Waiting,
 };
 use crate::discovery;
 use crate::discovery::Discovery;
@@ -217,7 +212,7 @@ impl<H: Host> Supervisor<H> {
     /// Asks whether a newer epoch than ours answers on the admin address, beside the loop.
     pub(super) fn probe(&mut self, probe: Probe) {
         if matches!(probe, Probe::Watchdog) {
-            self.watchdog.in_flight = true;
+            self.watchdog.sent();
         }
         // The epoch each probe's answer is weighed against (see `takeover_seen`): only a newer
         // one's state matters.
@@ -287,7 +282,7 @@ impl<H: Host> Supervisor<H> {
     ) {
         match probe {
             Probe::Watchdog => {
-                self.watchdog.in_flight = false;
+                self.watchdog.returned();
                 self.on_watchdog(sent, result);
             }
             Probe::Successor(reply) => {
@@ -411,9 +406,8 @@ impl<H: Host> Supervisor<H> {
         self.queue.refuse(&RestartError::Refused(format!(
             "handed over to {successor}"
         )));
-        self.watchdog = Probing::default();
         // The successor's Envoy serves now: ours is no longer asked.
-        self.admin_health = AdminHealth::Answering;
+        self.watchdog.handed_over();
         self.write_heartbeat();
     }
 
@@ -464,105 +458,6 @@ impl<H: Host> Supervisor<H> {
             // Envoy answered "not LIVE" before this moment (and after `sent`).
             NotLive::Poll => checks.not_live_yet(Instant::now()),
         }
-    }
-
-    pub(super) fn on_watchdog(
-        &mut self,
-        sent: Instant,
-        result: Result<Option<AdminState>, AdminError>,
-    ) {
-        if self.life.serving().is_none() {
-            return;
-        }
-        if let Some(successor) = self.takeover_seen(&result, self.life.live()) {
-            self.hand_over(successor);
-            return;
-        }
-        let now = Instant::now();
-        let period = if self.pods.successor_starting().is_some() {
-            WATCHDOG_POLL_SUCCESSOR
-        } else {
-            WATCHDOG_POLL
-        };
-        self.watchdog.next = Some(now + period);
-        match result {
-            Ok(_) => self.admin_answered(now),
-            Err(e) if self.pods.successor_starting().is_some() => {
-                // Another pod's starting epoch may hold the admin listener: its handoff, not a
-                // wedge of ours.
-                tracing::debug!(error = %e, "admin silent while a successor starts");
-                self.admin_answered(now);
-            }
-            Err(e) if discovery::refused(&e) => {
-                // Our Envoy runs but its admin listener is gone: only a child (ours or another
-                // pod's) takes it, and that child has failed. Only a LIVE child gives it back.
-                self.admin_answered(now);
-                if self.handoff.is_idle() && self.queue.is_empty() && !self.orders.drained() {
-                    tracing::warn!(error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
-                    self.queue
-                        .push("recover the admin listener".to_owned(), None, now);
-                }
-            }
-            Err(e) if e.is_local_resource() => {
-                // The agent could not even try (no descriptor, no memory, no local port):
-                // nothing is known of Envoy. Silence counts only from calls that reached it.
-                tracing::error!(event = "agent_resources", error = %e, "the agent itself is out of a resource: cannot check envoy's admin (not counted as envoy being silent)");
-            }
-            Err(e) => {
-                let silent = now - self.admin_ok;
-                let deadline = self.config.proxy.admin_unresponsive_deadline;
-                tracing::warn!(error = %e, silent_for = ?silent, "envoy admin not answering");
-                // The same rules as a sidecar's (see `watchdog`): stale after a few seconds; a
-                // wedge only when a call sent once the deadline had passed failed too (one sent
-                // before it and answered late, the agent stalled or starved, is not the fresh
-                // fact a wedge, which stops the family, needs).
-                let silence = watchdog::judge(self.admin_ok, sent, now, deadline);
-                if silence != Silence::Brief && self.admin_health == AdminHealth::Answering {
-                    tracing::warn!(
-                        event = "admin_silent",
-                        epoch = self.life.live(),
-                        silent_for_ms = silent.as_millis() as u64,
-                        deadline_ms = deadline.as_millis() as u64,
-                        error = %e,
-                        "envoy's admin API does not answer: not ready"
-                    );
-                    let since = SystemTime::now().checked_sub(silent);
-                    self.admin_health = AdminHealth::Silent {
-                        since: since.unwrap_or_else(SystemTime::now),
-                    };
-                    // The marker is a node proxy's readiness (an exec probe): it follows too.
-                    self.refresh_marker();
-                }
-                if silence == Silence::Wedged {
-                    let message =
-                        format!("envoy admin silent for {silent:?} (deadline {deadline:?}): {e}");
-                    self.record_wedge(WedgeReason::AdminUnresponsive, message.clone());
-                    self.begin_stop(
-                        Ended::Wedged {
-                            reason: WedgeReason::AdminUnresponsive,
-                            message,
-                        },
-                        "wedged",
-                    );
-                }
-            }
-        }
-    }
-
-    /// The serving epoch answered (or its silence is explained) at `now`: readiness follows it
-    /// again.
-    pub(super) fn admin_answered(&mut self, now: Instant) {
-        if let AdminHealth::Silent { .. } = self.admin_health {
-            tracing::info!(
-                event = "admin_answering",
-                epoch = self.life.live(),
-                silent_for_ms = (now - self.admin_ok).as_millis() as u64,
-                "envoy's admin API answers again"
-            );
-            self.admin_health = AdminHealth::Answering;
-            self.refresh_marker();
-        }
-        self.admin_ok = now;
     }
 
     /// Discovery's next step: the node's epoch lock, then a look at the node.
