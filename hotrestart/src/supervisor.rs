@@ -6,7 +6,6 @@
 //! hanging admin API never delays a signal, a deadline or another event. See the crate docs
 //! for the rules the decisions follow.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -25,7 +24,6 @@ use crate::epochs::Epochs;
 use crate::handoff::{DrainingParent, Handoff, Queue, Waiter, type_list};
 use crate::host::{Checked, Guard, Host, Refusal};
 use crate::metrics::{ExitKind, SupervisorMetrics};
-use crate::node::Heartbeat;
 use crate::probing::Probing;
 
 mod cold;
@@ -398,18 +396,13 @@ pub(crate) struct Supervisor<H: Host> {
     orders: commands::Orders,
     /// What the family knows of the node's other pods.
     pods: pods::Pods,
-    heartbeat_due: Instant,
-    /// The heartbeat last written, and when: an unchanged one is rewritten only every other
-    /// period (readers allow four).
-    heartbeat_written: Option<(Heartbeat, Instant)>,
+    /// What the supervisor wrote to the node and the pod (heartbeat, readiness marker), and
+    /// the node's files it already reported as untrusted.
+    files: node_io::NodeFiles,
     /// What a fresh family inherits of this one.
     history: history::History,
     phase_since: (ProxyPhase, SystemTime),
-    /// Heartbeat files already reported as untrusted (each once).
-    reported: BTreeSet<(std::path::PathBuf, String)>,
     watch: Option<crate::watch::ConfigWatch>,
-    /// Whether the readiness marker is present, as last set.
-    marker: bool,
     /// What the newest LIVE epoch has of its config (readiness and the marker wait for it).
     config_status: envoy_agent_proxy::ConfigStatus,
     /// When the control plane is read next.
@@ -463,13 +456,10 @@ impl<H: Host> Supervisor<H> {
             watchdog: watchdog::Watchdog::new(now),
             orders: commands::Orders::default(),
             pods: pods::Pods::default(),
-            heartbeat_due: now,
-            heartbeat_written: None,
+            files: node_io::NodeFiles::new(now),
             history: history::History::default(),
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
-            reported: BTreeSet::new(),
             watch: None,
-            marker: false,
             config_status: envoy_agent_proxy::ConfigStatus::Unknown,
             xds: Probing::default(),
             xds_cost: Duration::ZERO,
@@ -753,7 +743,7 @@ impl<H: Host> Supervisor<H> {
             consider(Some(self.queue_retry_at()));
         }
         if self.host.has_node() {
-            consider(Some(self.heartbeat_due));
+            consider(Some(self.files.heartbeat_due()));
         }
         wake
     }
@@ -806,22 +796,6 @@ impl<H: Host> Supervisor<H> {
             && self.queue.not_before.is_none_or(|t| now >= t)
         {
             self.try_start_queued(now);
-        }
-    }
-
-    /// Reads the node and writes our heartbeat when it is due.
-    fn heartbeat_timer(&mut self, now: Instant) {
-        // Early rather than a wake-up of its own when something else woke us (each wake-up
-        // costs more than the work); every other period while nothing happens (a heartbeat is
-        // fresh for four).
-        let steady = self.life.serving().is_some()
-            && self.handoff.is_idle()
-            && self.pods.successor_starting().is_none();
-        let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
-        if self.host.has_node() && now + interval / 2 >= self.heartbeat_due {
-            self.heartbeat_due = now + interval;
-            self.read_node();
-            self.write_heartbeat();
         }
     }
 

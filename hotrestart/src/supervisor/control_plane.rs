@@ -143,7 +143,7 @@ impl<H: Host> Supervisor<H> {
             && !self.orders.drained()
             && self.config_status.ready().is_ok()
             && self.watchdog.answering();
-        if present || self.marker {
+        if present || self.files.marker() {
             self.set_marker(present);
         }
     }
