@@ -403,12 +403,9 @@ pub(crate) struct Supervisor<H: Host> {
     history: history::History,
     phase_since: (ProxyPhase, SystemTime),
     watch: Option<crate::watch::ConfigWatch>,
-    /// What the newest LIVE epoch has of its config (readiness and the marker wait for it).
-    config_status: envoy_agent_proxy::ConfigStatus,
-    /// When the control plane is read next.
-    xds: Probing,
-    /// How long the last reading took: the next ones are paced by it.
-    xds_cost: Duration,
+    /// The control plane's readings: when the next is due, and what the newest LIVE epoch has
+    /// of its config (readiness and the marker wait for it).
+    control_plane: control_plane::ControlPlane,
     /// A draining parent kept through its child's crash (see `kept`).
     kept: kept::KeptParent,
     /// An epoch of ours has served: the family's files (shared memory, sockets) are ours to
@@ -460,9 +457,7 @@ impl<H: Host> Supervisor<H> {
             history: history::History::default(),
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
             watch: None,
-            config_status: envoy_agent_proxy::ConfigStatus::Unknown,
-            xds: Probing::default(),
-            xds_cost: Duration::ZERO,
+            control_plane: control_plane::ControlPlane::default(),
             kept: kept::KeptParent::None,
             served: false,
             created: false,
@@ -625,10 +620,7 @@ impl<H: Host> Supervisor<H> {
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
-            Event::XdsRead { cold, took, result } => {
-                self.xds_cost = took;
-                self.on_xds(cold, result);
-            }
+            Event::XdsRead { cold, took, result } => self.on_xds(cold, took, result),
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, sent, result } => {
@@ -700,7 +692,7 @@ impl<H: Host> Supervisor<H> {
         }
         consider(self.handoff.live_checks().and_then(|l| l.probing.wake()));
         consider(self.watchdog.wake());
-        consider(self.xds.wake());
+        consider(self.control_plane.wake());
         match &self.handoff {
             Handoff::Starting {
                 attempt, deadline, ..
@@ -785,7 +777,7 @@ impl<H: Host> Supervisor<H> {
             // A restart waits for the running version; the last ask failed.
             self.ask_version();
         }
-        if self.xds.due(now) {
+        if self.control_plane.due(now) {
             self.xds_check();
         }
         self.handoff_timers(now);
@@ -851,7 +843,7 @@ impl<H: Host> Supervisor<H> {
             epochs: self.epochs.infos(),
             newest_live: self.life.live(),
             family: Some(self.family_state()),
-            config: self.config_status.clone(),
+            config: self.control_plane.status().clone(),
             admin: self.watchdog.health(),
         };
         self.state.send_if_modified(|s| {
