@@ -280,6 +280,16 @@ impl<H: Host> Supervisor<H> {
                 },
             },
         };
+        self.log_cold_live(from_base_id);
+        self.publish();
+        self.finish_at(attempt, Outcome::Live, String::new(), seen);
+        self.write_heartbeat();
+        self.settled(deferred);
+    }
+
+    /// Tells that the new family is LIVE, and what becomes of the connections still queued on
+    /// the old family's listen sockets.
+    fn log_cold_live(&self, from_base_id: u32) {
         let migrate = std::fs::read_to_string(TCP_MIGRATE_REQ)
             .map(|v| v.trim() == "1")
             .unwrap_or(false);
@@ -300,10 +310,6 @@ impl<H: Host> Supervisor<H> {
                  listen sockets when they close will be reset (set it to 1 to move them to the new family's)"
             );
         }
-        self.publish();
-        self.finish_at(attempt, Outcome::Live, String::new(), seen);
-        self.write_heartbeat();
-        self.settled(deferred);
     }
 
     /// The new family's Envoy exited before it was LIVE: the old family serves on.

@@ -288,8 +288,26 @@ impl<H: Host> Supervisor<H> {
         self.set_marker(false);
         let error = RestartError::Refused("stopping".to_owned());
         self.queue.refuse(&error);
-        // What of ours runs outside the family, the stop takes over from the handoff; an
-        // attempt under way fails, and what was asked of it is answered.
+        let old = self.end_handoff_for_stop();
+        self.watchdog.stop();
+        self.signal_for_stop(&outcome);
+        self.life = Life::Stopping {
+            outcome,
+            kill_at: now + self.config.proxy.stop_grace,
+            give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
+            live: self.life.live(),
+            handed_over_to: self.life.handed_over_to().map(str::to_owned),
+            old,
+        };
+        // Processes of ours outside the family: SIGTERM (none has a parent of ours to take
+        // with it).
+        self.stop_retired(Signal::SIGTERM);
+        self.write_heartbeat();
+    }
+
+    /// The stop ends the handoff: what of ours runs outside the family, the stop takes over
+    /// (returned); an attempt under way fails, and what was asked of it is answered.
+    fn end_handoff_for_stop(&mut self) -> Epochs {
         let mut old = Epochs::default();
         let (attempt, deferred) = match std::mem::replace(&mut self.handoff, Handoff::Idle) {
             Handoff::PreFlight { attempt, .. } => (Some(attempt), None),
@@ -325,7 +343,11 @@ impl<H: Host> Supervisor<H> {
         if let Some(deferred) = deferred {
             deferred.not_serving();
         }
-        self.watchdog.stop();
+        old
+    }
+
+    /// Signals every epoch of the family to stop (how hard depends on `outcome`).
+    fn signal_for_stop(&mut self, outcome: &Ended) {
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
         // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.
         let targets: Vec<(u32, EpochState)> = self
@@ -336,7 +358,7 @@ impl<H: Host> Supervisor<H> {
             .collect();
         // A silent serving epoch would not act on SIGTERM either (a stopped one keeps it
         // pending, a stuck main thread never runs Envoy's handler): SIGKILL at once.
-        let silent = match &outcome {
+        let silent = match outcome {
             Ended::Wedged {
                 reason: WedgeReason::AdminUnresponsive,
                 ..
@@ -352,17 +374,5 @@ impl<H: Host> Supervisor<H> {
             tracing::info!(epoch, %signal, "stopping epoch");
             self.epochs.signal(epoch, signal, Some(Stop::Shutdown));
         }
-        self.life = Life::Stopping {
-            outcome,
-            kill_at: now + self.config.proxy.stop_grace,
-            give_up: now + self.config.proxy.stop_grace + STOP_BACKSTOP,
-            live: self.life.live(),
-            handed_over_to: self.life.handed_over_to().map(str::to_owned),
-            old,
-        };
-        // Processes of ours outside the family: SIGTERM (none has a parent of ours to take
-        // with it).
-        self.stop_retired(Signal::SIGTERM);
-        self.write_heartbeat();
     }
 }

@@ -434,6 +434,8 @@ impl<H: Host> Supervisor<H> {
             && !matches!(self.kept, kept::KeptParent::Draining { .. })
     }
 
+    /// The timers of a handoff in flight: the starting epoch's deadline, an overdue parent,
+    /// the predecessor's Envoy draining as our first epoch's parent.
     pub(super) fn handoff_timers(&mut self, now: Instant) {
         match &self.handoff {
             Handoff::Starting {
@@ -458,64 +460,76 @@ impl<H: Host> Supervisor<H> {
                 until,
             } if now >= until.at + self.config.parent_overdue_grace => {
                 let p = *p;
-                let running = self.epochs.get(p).filter(|c| c.stopped.is_none());
-                // Fresh facts first: judged late (the agent stopped or starved past the
-                // deadline), a parent that exited in time is a zombie whose exit is on its way.
-                if running.is_some_and(|c| !self.host.still_runs(c.pid)) {
-                    tracing::debug!(
-                        epoch = p,
-                        "the overdue parent has exited; its exit is on its way"
-                    );
-                } else if running.is_some() {
-                    let message = format!(
-                        "draining parent epoch {p} still runs {:?} after its parent-shutdown \
-                         time: killed it (SIGKILL); a stand-in answers its child, and queued \
-                         restarts go on",
-                        self.config.parent_overdue_grace
-                    );
-                    self.epochs.signal(p, Signal::SIGKILL, Some(Stop::Overdue));
-                    self.record_wedge(WedgeReason::ParentOverdue, message);
-                }
+                self.parent_overdue(p);
             }
             Handoff::ParentDraining {
-                parent:
-                    DrainingParent::Foreign {
-                        epoch,
-                        identity,
-                        look_at,
-                    },
-                until,
-            } => {
-                let (epoch, identity, until) = (*epoch, identity.clone(), until.at);
-                if now >= *look_at {
-                    if let Handoff::ParentDraining {
-                        parent: DrainingParent::Foreign { look_at, .. },
-                        ..
-                    } = &mut self.handoff
-                    {
-                        *look_at = now + FOREIGN_PARENT_CHECK;
+                parent: DrainingParent::Foreign { .. },
+                ..
+            } => self.foreign_parent_timer(now),
+            _ => {}
+        }
+    }
+
+    /// Our draining parent `p` outlived its parent-shutdown time by the grace: killed, unless
+    /// it has exited already.
+    fn parent_overdue(&mut self, p: u32) {
+        let running = self.epochs.get(p).filter(|c| c.stopped.is_none());
+        // Fresh facts first: judged late (the agent stopped or starved past the deadline), a
+        // parent that exited in time is a zombie whose exit is on its way.
+        if running.is_some_and(|c| !self.host.still_runs(c.pid)) {
+            tracing::debug!(
+                epoch = p,
+                "the overdue parent has exited; its exit is on its way"
+            );
+        } else if running.is_some() {
+            let message = format!(
+                "draining parent epoch {p} still runs {:?} after its parent-shutdown \
+                 time: killed it (SIGKILL); a stand-in answers its child, and queued \
+                 restarts go on",
+                self.config.parent_overdue_grace
+            );
+            self.epochs.signal(p, Signal::SIGKILL, Some(Stop::Overdue));
+            self.record_wedge(WedgeReason::ParentOverdue, message);
+        }
+    }
+
+    /// While the predecessor's Envoy drains as our first epoch's parent: stands in for its
+    /// sockets once it is gone, and ends the handoff at its drain time.
+    fn foreign_parent_timer(&mut self, now: Instant) {
+        let Handoff::ParentDraining {
+            parent:
+                DrainingParent::Foreign {
+                    epoch,
+                    identity,
+                    look_at,
+                },
+            until,
+        } = &mut self.handoff
+        else {
+            return;
+        };
+        let (epoch, until) = (*epoch, until.at);
+        if now >= *look_at {
+            *look_at = now + FOREIGN_PARENT_CHECK;
+            let identity = identity.clone();
+            // The names come free only once the predecessor's Envoy is gone: then our child
+            // would abort on its next message to it. Hold them and answer.
+            if !self.stand_ins.iter().any(|s| s.parent_epoch == epoch) {
+                if let Ok(guard) = self.host.stand_in(epoch) {
+                    if now < until {
+                        tracing::warn!(event = "stand_in", epoch, predecessor = %identity, "the predecessor's envoy is gone before its time: standing in for its sockets");
                     }
-                    // The names come free only once the predecessor's Envoy is gone: then our
-                    // child would abort on its next message to it. Hold them and answer.
-                    if !self.stand_ins.iter().any(|s| s.parent_epoch == epoch) {
-                        if let Ok(guard) = self.host.stand_in(epoch) {
-                            if now < until {
-                                tracing::warn!(event = "stand_in", epoch, predecessor = %identity, "the predecessor's envoy is gone before its time: standing in for its sockets");
-                            }
-                            self.stand_ins.push(StandIn {
-                                parent_epoch: epoch,
-                                _guard: guard,
-                            });
-                        }
-                    }
-                }
-                if now >= until {
-                    self.handoff = Handoff::Idle;
-                    self.pods.foreign_parent_gone();
-                    self.write_heartbeat();
+                    self.stand_ins.push(StandIn {
+                        parent_epoch: epoch,
+                        _guard: guard,
+                    });
                 }
             }
-            _ => {}
+        }
+        if now >= until {
+            self.handoff = Handoff::Idle;
+            self.pods.foreign_parent_gone();
+            self.write_heartbeat();
         }
     }
 

@@ -2,8 +2,11 @@
 //! a successor, the stop-time successor question (the watchdog's answers: `watchdog`).
 
 use envoy_agent_proxy::admin::AdminState;
-use envoy_agent_proxy::{AdminError, Ended, EpochState, RestartError, ServerInfo, ServerState};
+use envoy_agent_proxy::{
+    AdminError, Ended, EpochState, Exit, RestartError, ServerInfo, ServerState,
+};
 use std::time::Duration;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::{
@@ -18,19 +21,8 @@ use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
-        if let Life::Discovering { look, .. } = &mut self.life {
-            if result.is_ok() && self.version.known().is_none() {
-                // Someone answers: only our own version tells whether we can take over. Ask
-                // it; look again once it is known.
-                *look = Probing {
-                    next: Some(Instant::now() + LIVE_POLL),
-                    in_flight: false,
-                };
-                if self.version.is_unknown() {
-                    self.ask_version();
-                }
-                return;
-            }
+        if result.is_ok() && self.wait_for_version() {
+            return;
         }
         let now_ms = self.host.now_unix_ms();
         let others = self.read_node();
@@ -61,13 +53,53 @@ impl<H: Host> Supervisor<H> {
             self.config.generation,
             now_ms,
         );
+        self.follow_discovery(
+            decision,
+            result.as_ref().ok(),
+            ours,
+            waiting.as_ref(),
+            reported_incompatible,
+        );
+    }
+
+    /// Someone answers on the admin address and our version is not known: only our own
+    /// version tells whether we can take over. Asks it, and looks again once it is known;
+    /// whether discovery waits for it.
+    fn wait_for_version(&mut self) -> bool {
+        let Life::Discovering { look, .. } = &mut self.life else {
+            return false;
+        };
+        if self.version.known().is_some() {
+            return false;
+        }
+        *look = Probing {
+            next: Some(Instant::now() + LIVE_POLL),
+            in_flight: false,
+        };
+        if self.version.is_unknown() {
+            self.ask_version();
+        }
+        true
+    }
+
+    /// Acts on discovery's `decision`. `answer`: what answered on the admin address; `ours`:
+    /// our version; `waiting`, `reported_incompatible`: why discovery waited until now, and
+    /// when an incompatible Envoy was last reported.
+    fn follow_discovery(
+        &mut self,
+        decision: Discovery,
+        answer: Option<&ServerInfo>,
+        ours: String,
+        waiting: Option<&Waiting>,
+        reported_incompatible: Option<Instant>,
+    ) {
         match decision {
             Discovery::Fresh => self.start_fresh(),
             Discovery::TakeOver {
                 epoch,
                 base_id,
                 identity,
-            } => self.take_over(epoch, base_id, identity, result.as_ref().ok()),
+            } => self.take_over(epoch, base_id, identity, answer),
             Discovery::Incompatible {
                 theirs,
                 base_id,
@@ -90,14 +122,14 @@ impl<H: Host> Supervisor<H> {
                     theirs,
                     ours: self.config.generation,
                 };
-                if waiting.as_ref() != Some(&why) {
+                if waiting != Some(&why) {
                     tracing::warn!(event = "newer_pod_serves", reason = %why, "not taking over");
                 }
                 self.set_waiting(why, reported_incompatible);
             }
             Discovery::Wait(why) => {
                 let why = Waiting::Node(why);
-                if waiting.as_ref() != Some(&why) {
+                if waiting != Some(&why) {
                     tracing::info!(reason = %why, "waiting to take over");
                 }
                 self.set_waiting(why, reported_incompatible);
@@ -285,80 +317,94 @@ impl<H: Host> Supervisor<H> {
                 self.watchdog.returned();
                 self.on_watchdog(sent, result);
             }
-            Probe::Successor(reply) => {
-                let ours = self.life.live().or(self.epochs.newest().map(|c| c.epoch));
-                if let Some(successor) = self.takeover_seen(&result, ours) {
-                    self.hand_over(successor);
-                }
-                let answer = match &self.life {
-                    Life::HandedOver { successor } => Some(successor.clone()),
-                    _ => self.pods.successor_starting().map(str::to_owned),
-                };
-                tracing::info!(successor = ?answer, "asked whether a successor takes over");
-                // The asker reads the state next: publish first.
-                self.publish();
-                let _ = reply.send(answer);
-            }
-            Probe::ServingExited(exit) => {
-                if let Some(successor) = self.takeover_seen(&result, Some(exit.epoch)) {
-                    tracing::info!(epoch = exit.epoch, %successor, "our envoy was terminated by the successor's");
-                    self.hand_over(successor);
-                    return;
-                }
-                if matches!(self.life, Life::Stopping { .. } | Life::HandedOver { .. }) {
-                    return;
-                }
-                // Nothing serves: the family stops. A draining parent may keep its in-flight
-                // requests through the crash (then it is not stopped with the rest).
-                self.keep_draining_parent();
-                let code = exit.code();
-                if code == 0 {
-                    let message = format!(
-                        "the serving envoy (epoch {}) exited with code 0 while no other epoch \
-                         serves and no successor took over: it was terminated from outside \
-                         (e.g. by another pod's failed epoch)",
-                        exit.epoch
-                    );
-                    tracing::error!(%message);
-                    self.begin_stop(Ended::Lost { exit, message }, "nothing serves");
-                } else {
-                    tracing::error!(
-                        epoch = exit.epoch,
-                        code,
-                        "the serving epoch exited\n{}",
-                        exit.stderr_tail.trim_end()
-                    );
-                    self.begin_stop(Ended::Exited(exit), "the serving epoch exited");
-                }
-            }
+            Probe::Successor(reply) => self.answer_successor(reply, &result),
+            Probe::ServingExited(exit) => self.on_serving_exited(exit, &result),
             Probe::FailedChild { epoch, retries } => {
-                if !self.life.running() || self.orders.drained() {
-                    return;
-                }
                 // Only a LIVE child gives the family an admin endpoint back once a failed one
                 // shut the serving epoch's.
-                if result.is_err() {
-                    let retries = retries + 1;
-                    if retries <= MAX_RETRIES {
-                        tracing::warn!(
-                            epoch,
-                            retries,
-                            "the serving epoch lost its admin endpoint to the failed child; retrying the same epoch"
-                        );
-                        self.queue.retries = self.queue.retries.max(retries);
-                        self.queue.push(
-                            format!("retry {retries} after failed epoch {epoch}"),
-                            None,
-                            Instant::now(),
-                        );
-                    } else {
-                        tracing::error!(
-                            epoch,
-                            "the serving epoch has no admin endpoint and the retries are used up"
-                        );
-                    }
+                if result.is_err() && self.life.running() && !self.orders.drained() {
+                    self.retry_for_admin(epoch, retries + 1);
                 }
             }
+        }
+    }
+
+    /// A stop is coming: tells the asker whether a successor takes over, from the probe's
+    /// `result` (a takeover it shows is a handover now).
+    fn answer_successor(
+        &mut self,
+        reply: oneshot::Sender<Option<String>>,
+        result: &Result<Option<AdminState>, AdminError>,
+    ) {
+        let ours = self.life.live().or(self.epochs.newest().map(|c| c.epoch));
+        if let Some(successor) = self.takeover_seen(result, ours) {
+            self.hand_over(successor);
+        }
+        let answer = match &self.life {
+            Life::HandedOver { successor } => Some(successor.clone()),
+            _ => self.pods.successor_starting().map(str::to_owned),
+        };
+        tracing::info!(successor = ?answer, "asked whether a successor takes over");
+        // The asker reads the state next: publish first.
+        self.publish();
+        let _ = reply.send(answer);
+    }
+
+    /// Our serving epoch exited and the probe's `result` says who serves now: a successor
+    /// (handed over), or nobody (the family stops).
+    fn on_serving_exited(&mut self, exit: Exit, result: &Result<Option<AdminState>, AdminError>) {
+        if let Some(successor) = self.takeover_seen(result, Some(exit.epoch)) {
+            tracing::info!(epoch = exit.epoch, %successor, "our envoy was terminated by the successor's");
+            self.hand_over(successor);
+            return;
+        }
+        if matches!(self.life, Life::Stopping { .. } | Life::HandedOver { .. }) {
+            return;
+        }
+        // Nothing serves: the family stops. A draining parent may keep its in-flight
+        // requests through the crash (then it is not stopped with the rest).
+        self.keep_draining_parent();
+        let code = exit.code();
+        if code == 0 {
+            let message = format!(
+                "the serving envoy (epoch {}) exited with code 0 while no other epoch \
+                 serves and no successor took over: it was terminated from outside \
+                 (e.g. by another pod's failed epoch)",
+                exit.epoch
+            );
+            tracing::error!(%message);
+            self.begin_stop(Ended::Lost { exit, message }, "nothing serves");
+        } else {
+            tracing::error!(
+                epoch = exit.epoch,
+                code,
+                "the serving epoch exited\n{}",
+                exit.stderr_tail.trim_end()
+            );
+            self.begin_stop(Ended::Exited(exit), "the serving epoch exited");
+        }
+    }
+
+    /// The serving epoch lost its admin endpoint to failed epoch `epoch`: the same epoch is
+    /// tried again (this is retry `retries`), up to [`MAX_RETRIES`].
+    fn retry_for_admin(&mut self, epoch: u32, retries: u32) {
+        if retries <= MAX_RETRIES {
+            tracing::warn!(
+                epoch,
+                retries,
+                "the serving epoch lost its admin endpoint to the failed child; retrying the same epoch"
+            );
+            self.queue.retries = self.queue.retries.max(retries);
+            self.queue.push(
+                format!("retry {retries} after failed epoch {epoch}"),
+                None,
+                Instant::now(),
+            );
+        } else {
+            tracing::error!(
+                epoch,
+                "the serving epoch has no admin endpoint and the retries are used up"
+            );
         }
     }
 
