@@ -17,6 +17,7 @@ use envoy_agent_proxy::{
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::answers::{DrainReply, FamilyError, HealthChecksReply};
 use crate::config::Config;
@@ -467,7 +468,19 @@ impl<H: Host> Supervisor<H> {
     /// Starts the first epoch and supervises until the family cannot serve anymore or `abort`
     /// is cancelled; every epoch has been stopped and reaped when it returns. Then
     /// [`Supervisor::into_fresh`] makes the supervisor of a fresh family.
+    ///
+    /// It runs in a `supervisor` span (its base id, kept current across a cold handover, and
+    /// identity), which every task it spawns carries too: a log line names its family.
     pub(crate) async fn run(&mut self, abort: CancellationToken) -> Ended {
+        let span = tracing::info_span!(
+            "supervisor",
+            base_id = self.base_id,
+            identity = %self.config.identity
+        );
+        self.run_in_span(abort).instrument(span).await
+    }
+
+    async fn run_in_span(&mut self, abort: CancellationToken) -> Ended {
         // The marker means "our newest epoch is LIVE": whatever a crashed predecessor in this
         // container left there is wrong now, before anything else happens.
         if let Err(e) = self.host.set_marker(false) {
@@ -573,6 +586,13 @@ impl<H: Host> Supervisor<H> {
             self.handle(event).await;
             self.publish();
         }
+    }
+
+    /// The family runs under `base_id` from now on (its log lines say so).
+    fn set_base_id(&mut self, base_id: u32) {
+        self.base_id = base_id;
+        // The supervisor's span, while the loop handles an event.
+        tracing::Span::current().record("base_id", base_id);
     }
 
     /// How long a starting supervisor may wait for its turn before it gives up.
@@ -939,16 +959,22 @@ impl<H: Host> Supervisor<H> {
         let events = self.events_tx.clone();
         if self.life.live().is_some() {
             let ask = self.host.serving_version();
-            tokio::spawn(async move {
-                let version = ask.await.map_err(|e| e.to_string());
-                let _ = events.send(Event::Version(version));
-            });
+            tokio::spawn(
+                async move {
+                    let version = ask.await.map_err(|e| e.to_string());
+                    let _ = events.send(Event::Version(version));
+                }
+                .in_current_span(),
+            );
         } else {
             let ask = self.host.hot_restart_version();
-            tokio::spawn(async move {
-                let version = ask.await.map_err(|e| e.to_string());
-                let _ = events.send(Event::Version(version));
-            });
+            tokio::spawn(
+                async move {
+                    let version = ask.await.map_err(|e| e.to_string());
+                    let _ = events.send(Event::Version(version));
+                }
+                .in_current_span(),
+            );
         }
     }
 
@@ -992,7 +1018,7 @@ impl<H: Host> Supervisor<H> {
     /// Validates ahead of a restart, beside the loop (the restart's pre-flight joins it).
     fn prevalidate(&mut self, content: Option<Vec<u8>>) {
         let running = self.version.known().map(str::to_owned);
-        tokio::spawn(self.host.prevalidate(content, running));
+        tokio::spawn(self.host.prevalidate(content, running).in_current_span());
     }
 }
 

@@ -20,6 +20,7 @@
 //!   configured address again.
 
 use envoy_agent_proxy::{HandoffKind, Scope};
+use tracing::Instrument;
 
 use envoy_agent_proxy::{AdminError, Ended, EpochState, Exit};
 
@@ -169,10 +170,13 @@ impl<H: Host> Supervisor<H> {
         let call = self.host.cold_live_check(child.base_id);
         let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(async move {
-            let result = call.await;
-            let _ = events.send(Event::ColdLiveChecked { pid, sent, result });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await;
+                let _ = events.send(Event::ColdLiveChecked { pid, sent, result });
+            }
+            .in_current_span(),
+        );
     }
 
     pub(super) fn on_cold_live_check(
@@ -250,7 +254,7 @@ impl<H: Host> Supervisor<H> {
         }
         self.epochs.add(0, child.pid, child.signals);
         self.epochs.set_state(0, EpochState::Live);
-        self.base_id = child.base_id;
+        self.set_base_id(child.base_id);
         self.life.went_live(0);
         self.served = true;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
@@ -434,13 +438,16 @@ impl<H: Host> Supervisor<H> {
             self.host.tell_drain(self.base_id, epoch);
         }
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let result = drain.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-            let _ = events.send(Event::Drained {
-                result,
-                replies: Vec::new(),
-            });
-        });
+        tokio::spawn(
+            async move {
+                let result = drain.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
+                let _ = events.send(Event::Drained {
+                    result,
+                    replies: Vec::new(),
+                });
+            }
+            .in_current_span(),
+        );
     }
 
     /// A successor pod's new family is LIVE beside ours and says it took over from us (a cold
@@ -530,9 +537,12 @@ impl<H: Host> Supervisor<H> {
                 // `live_check` asks the configured address.
                 let call = self.host.live_check(None);
                 let events = self.events_tx.clone();
-                tokio::spawn(async move {
-                    let _ = events.send(Event::ForeignAdmin(call.await));
-                });
+                tokio::spawn(
+                    async move {
+                        let _ = events.send(Event::ForeignAdmin(call.await));
+                    }
+                    .in_current_span(),
+                );
             }
             return;
         }

@@ -9,6 +9,7 @@ use envoy_agent_proxy::{
 };
 use std::sync::Arc;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{
     Command, DrainReply, Event, FamilyError, HealthChecksReply, Life, Probe, Supervisor, kept,
@@ -189,10 +190,13 @@ impl<H: Host> Supervisor<H> {
             self.host.tell_drain(self.base_id, epoch);
         }
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-            let _ = events.send(Event::Drained { result, replies });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
+                let _ = events.send(Event::Drained { result, replies });
+            }
+            .in_current_span(),
+        );
     }
 
     /// Makes whichever Envoy serves fail its health checks, and every epoch that serves
@@ -211,15 +215,18 @@ impl<H: Host> Supervisor<H> {
 
     fn send_health_checks_fail(&mut self, replies: Vec<HealthChecksReply>) {
         let call = self.host.fail_health_checks();
-        tokio::spawn(async move {
-            let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-            if let Err(e) = &result {
-                tracing::warn!(error = %e, "cannot fail envoy's health checks");
+        tokio::spawn(
+            async move {
+                let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
+                if let Err(e) = &result {
+                    tracing::warn!(error = %e, "cannot fail envoy's health checks");
+                }
+                for reply in replies {
+                    let _ = reply.send(result.clone());
+                }
             }
-            for reply in replies {
-                let _ = reply.send(result.clone());
-            }
-        });
+            .in_current_span(),
+        );
     }
 
     /// Once a handoff has settled: the drains and health-check failures asked meanwhile go to

@@ -14,6 +14,7 @@
 //!   instead of giving up.
 
 use envoy_agent_proxy::{ConfigStatus, XdsReading, XdsType};
+use tracing::Instrument;
 
 use envoy_agent_proxy::{AdminError, Outcome};
 use std::time::{Duration, SystemTime};
@@ -114,15 +115,18 @@ impl<H: Host> Supervisor<H> {
         };
         let call = self.host.xds(cold);
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let asked = Instant::now();
-            let result = call.await;
-            let _ = events.send(Event::XdsRead {
-                cold: cold.is_some(),
-                took: asked.elapsed(),
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let asked = Instant::now();
+                let result = call.await;
+                let _ = events.send(Event::XdsRead {
+                    cold: cold.is_some(),
+                    took: asked.elapsed(),
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
     }
 
     pub(super) fn on_xds(

@@ -8,6 +8,7 @@ use envoy_agent_proxy::{
 use std::time::{Duration, SystemTime};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{
     Event, FOREIGN_PARENT_CHECK, LOCK_RETRY, Life, Probe, StandIn, Supervisor, WATCHDOG_POLL, kept,
@@ -77,14 +78,17 @@ impl<H: Host> Supervisor<H> {
         let check = self.host.preflight(running, validate);
         let events = self.events_tx.clone();
         let epoch = attempt.epoch;
-        tokio::spawn(async move {
-            let (checked, result) = check.await;
-            let _ = events.send(Event::PreFlight {
-                epoch,
-                checked,
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let (checked, result) = check.await;
+                let _ = events.send(Event::PreFlight {
+                    epoch,
+                    checked,
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
         self.handoff = Handoff::PreFlight { attempt, lock };
         self.write_heartbeat();
     }
@@ -169,11 +173,18 @@ impl<H: Host> Supervisor<H> {
                 let sign = match spawned.admin_bound {
                     Some(bound) => {
                         let events = self.events_tx.clone();
-                        tokio::spawn(async move {
-                            if bound.await.is_ok() {
-                                let _ = events.send(Event::AdminBound(epoch));
+                        tokio::spawn(
+                            async move {
+                                if bound.await.is_ok() {
+                                    let _ = events.send(Event::AdminBound(epoch));
+                                }
                             }
-                        });
+                            .instrument(tracing::info_span!(
+                                "epoch",
+                                epoch,
+                                pid = spawned.pid
+                            )),
+                        );
                         LiveSign::Awaited
                     }
                     None => LiveSign::Blind,
@@ -211,7 +222,8 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// Reports the exit of `epoch`'s process `pid` as an event, once it comes.
+    /// Reports the exit of `epoch`'s process `pid` as an event, once it comes (a task of the
+    /// epoch's own span).
     pub(super) fn watch_exit(
         &self,
         epoch: u32,
@@ -219,10 +231,13 @@ impl<H: Host> Supervisor<H> {
         exit: oneshot::Receiver<Result<Exit, ProxyError>>,
     ) {
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
-            let _ = events.send(Event::Exited { epoch, pid, result });
-        });
+        tokio::spawn(
+            async move {
+                let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
+                let _ = events.send(Event::Exited { epoch, pid, result });
+            }
+            .instrument(tracing::info_span!("epoch", epoch, pid)),
+        );
     }
 
     /// The starting epoch's admin listener is bound: LIVE is near, look now and closely.

@@ -8,6 +8,7 @@ use envoy_agent_proxy::{
 use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{
     DISCOVERY_POLL, Event, INCOMPATIBLE_REPORT, LOCK_RETRY, Life, MAX_RETRIES, Probe, START_REASON,
@@ -196,7 +197,7 @@ impl<H: Host> Supervisor<H> {
             identity.unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
         if base_id != self.base_id {
             // The family went on under our other base id (a cold handover).
-            self.base_id = base_id;
+            self.set_base_id(base_id);
             self.host.switch_family(base_id, false);
         }
         if let Err(why) = self.shm_usable() {
@@ -260,14 +261,17 @@ impl<H: Host> Supervisor<H> {
         let call = self.host.newer_epoch(ours, kept);
         let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(async move {
-            let result = call.await;
-            let _ = events.send(Event::Probed {
-                probe,
-                sent,
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await;
+                let _ = events.send(Event::Probed {
+                    probe,
+                    sent,
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
     }
 
     /// Asks who answers on the admin address, in full (discovery), beside the loop.
@@ -277,9 +281,12 @@ impl<H: Host> Supervisor<H> {
         }
         let call = self.host.server_info();
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let _ = events.send(Event::Discovered(call.await));
-        });
+        tokio::spawn(
+            async move {
+                let _ = events.send(Event::Discovered(call.await));
+            }
+            .in_current_span(),
+        );
     }
 
     /// Asks whether the starting epoch is LIVE, beside the loop.
@@ -296,14 +303,17 @@ impl<H: Host> Supervisor<H> {
             .live_check(matches!(live.sign, LiveSign::Seen(_)).then_some(epoch));
         let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(async move {
-            let result = call.await;
-            let _ = events.send(Event::LiveChecked {
-                epoch,
-                sent,
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await;
+                let _ = events.send(Event::LiveChecked {
+                    epoch,
+                    sent,
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
     }
 
     pub(super) fn on_probe(
