@@ -5,6 +5,15 @@
 //! the loop: admin queries and pre-flight run as tasks beside it and come back as events, so a
 //! hanging admin API never delays a signal, a deadline or another event. See the crate docs
 //! for the rules the decisions follow.
+//!
+//! Its state is parts that own their data, each beside the decisions about it: the life
+//! ([`Life`], here) and the handoff (`crate::handoff`), enums whose variants hold what each
+//! state has; the watchdog's checks and whether the admin answers (`watchdog`); what it wrote
+//! to the node and the pod (`node_io`); the control plane's readings (`control_plane`); the
+//! other pods' facts (`pods`); the standing orders, a drain and a health-check failure
+//! (`commands`); the history a fresh family inherits (`history`); a parent kept through its
+//! child's crash (`kept`). The published [`ProxyState`] is built from them at each turn
+//! (`publish`, `family_state`): nothing is a stored copy of what it shows.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
