@@ -418,12 +418,10 @@ pub(crate) struct Supervisor<H: Host> {
     control_plane: control_plane::ControlPlane,
     /// A draining parent kept through its child's crash (see `kept`).
     kept: kept::KeptParent,
-    /// An epoch of ours has served: the family's files (shared memory, sockets) are ours to
-    /// remove once it is gone, unless a successor took it over.
-    served: bool,
-    /// Our epoch 0 started: the family's shared memory is ours (its epoch 0 made it), also
-    /// when that epoch never served (a bootstrap Envoy rejects).
-    created: bool,
+    /// The family's files (shared memory, sockets) are ours to remove once it is gone, unless
+    /// a successor took it over: an epoch of ours served, or our epoch 0 started (its epoch 0
+    /// made the shared memory, also when that epoch never served: a bootstrap Envoy rejects).
+    files_ours: bool,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -469,8 +467,7 @@ impl<H: Host> Supervisor<H> {
             watch: None,
             control_plane: control_plane::ControlPlane::default(),
             kept: kept::KeptParent::None,
-            served: false,
-            created: false,
+            files_ours: false,
         }
     }
 
@@ -512,7 +509,7 @@ impl<H: Host> Supervisor<H> {
     /// Whether the family that ended was ours to the end: an epoch of ours served and no
     /// successor took it over. Its files are then left to nobody but us.
     pub(crate) fn family_files_ours(&self) -> bool {
-        (self.served || self.created) && self.life.handed_over_to().is_none()
+        self.files_ours && self.life.handed_over_to().is_none()
     }
 
     /// The supervisor of a fresh family after this one ended (crash recovery in place): the

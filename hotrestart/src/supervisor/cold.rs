@@ -256,7 +256,7 @@ impl<H: Host> Supervisor<H> {
         self.epochs.set_state(0, EpochState::Live);
         self.set_base_id(child.base_id);
         self.life.went_live(0);
-        self.served = true;
+        self.files_ours = true;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
         // the next epoch must match, not the old family's: its binary may be another by now.
         self.ask_version();

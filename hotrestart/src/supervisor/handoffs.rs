@@ -168,7 +168,7 @@ impl<H: Host> Supervisor<H> {
         );
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
-                self.created |= epoch == 0;
+                self.files_ours |= epoch == 0;
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
                 let sign = match spawned.admin_bound {
                     Some(bound) => {
@@ -312,7 +312,7 @@ impl<H: Host> Supervisor<H> {
             _ => Handoff::Idle,
         };
         self.life.went_live(epoch);
-        self.served = true;
+        self.files_ours = true;
         // Our epoch is LIVE: the next successor (or restart) may allocate.
         drop(lock);
         self.metrics.epoch(epoch);
