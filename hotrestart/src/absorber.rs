@@ -43,6 +43,7 @@
 
 use std::os::fd::AsFd;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
+use tracing::Instrument;
 
 use envoy_agent_proxy::SocketPath;
 
@@ -240,17 +241,21 @@ fn absorb(
     let socket = bind(addr, owner)?;
     socket.set_nonblocking(true)?;
     let socket = tokio::net::UnixDatagram::from_std(socket)?;
-    Ok(tokio::spawn(async move {
-        // A forwarded QUIC packet is at most 64 KiB; a longer datagram is cut, which is fine
-        // for what is dropped.
-        let mut buf = vec![0u8; 8192];
-        while let Ok(n) = socket.recv(&mut buf).await {
-            if let (Some(to), Some(asked)) = (&reply_to, asked(&buf[..n])) {
-                // Best effort: a child that is gone needs no answer.
-                let _ = send_to(&socket, &reply(asked), to);
+    Ok(tokio::spawn(
+        async move {
+            // A forwarded QUIC packet is at most 64 KiB; a longer datagram is cut, which is fine
+            // for what is dropped.
+            let mut buf = vec![0u8; 8192];
+            while let Ok(n) = socket.recv(&mut buf).await {
+                if let (Some(to), Some(asked)) = (&reply_to, asked(&buf[..n])) {
+                    // Best effort: a child that is gone needs no answer.
+                    let _ = send_to(&socket, &reply(asked), to);
+                }
             }
         }
-    }))
+        // The stand-in's owner (the supervisor) names its family.
+        .in_current_span(),
+    ))
 }
 
 #[cfg(test)]

@@ -2288,3 +2288,50 @@ async fn without_crash_recovery_a_draining_parent_stops_with_its_crashed_child()
     assert_eq!(host.world().signals_to(0), [Signal::SIGTERM]);
     assert!(!host.world().alive_in(7, 0));
 }
+
+/// A writer the test reads back: the log lines as JSON.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_log_line_names_the_supervisor_and_its_family() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::registry().with(
+        tracing_subscriber::fmt::layer()
+            .json()
+            .with_span_list(true)
+            .with_writer(move || writer.clone()),
+    );
+    // This thread's: the test runtime runs every task on it.
+    let _default = tracing::subscriber::set_default(subscriber);
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.abort.cancel();
+    f.task.await.unwrap().unwrap();
+    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("\"epoch_starting\""))
+        .unwrap_or_else(|| panic!("no epoch_starting line in {text}"));
+    let json: serde_json::Value = serde_json::from_str(line).unwrap();
+    let spans = json["spans"].as_array().unwrap();
+    assert!(
+        spans.iter().any(|s| s["name"] == "supervisor"
+            && s["base_id"] == 7
+            && s["identity"] == "pod-a-0000aaaa"),
+        "{line}"
+    );
+}

@@ -5,19 +5,28 @@
 //! the loop: admin queries and pre-flight run as tasks beside it and come back as events, so a
 //! hanging admin API never delays a signal, a deadline or another event. See the crate docs
 //! for the rules the decisions follow.
+//!
+//! Its state is parts that own their data, each beside the decisions about it: the life
+//! ([`Life`], here) and the handoff (`crate::handoff`), enums whose variants hold what each
+//! state has; the watchdog's checks and whether the admin answers (`watchdog`); what it wrote
+//! to the node and the pod (`node_io`); the control plane's readings (`control_plane`); the
+//! other pods' facts (`pods`); the standing orders, a drain and a health-check failure
+//! (`commands`); the history a fresh family inherits (`history`); a parent kept through its
+//! child's crash (`kept`). The published [`ProxyState`] is built from them at each turn
+//! (`publish`, `family_state`): nothing is a stored copy of what it shows.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::{
-    AdminError, AdminHealth, DrainOptions, DrainPlan, Ended, Exit, FamilyState, HandoffKind,
-    HandoffStage, ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
+    AdminError, DrainOptions, DrainPlan, Ended, Exit, FamilyState, HandoffKind, HandoffStage,
+    ProxyError, ProxyPhase, ProxyState, RestartError, ServerInfo,
 };
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::answers::{DrainReply, FamilyError, HealthChecksReply};
 use crate::config::Config;
@@ -25,7 +34,6 @@ use crate::epochs::Epochs;
 use crate::handoff::{DrainingParent, Handoff, Queue, Waiter, type_list};
 use crate::host::{Checked, Guard, Host, Refusal};
 use crate::metrics::{ExitKind, SupervisorMetrics};
-use crate::node::Heartbeat;
 use crate::probing::Probing;
 
 mod cold;
@@ -33,10 +41,13 @@ mod commands;
 mod control_plane;
 mod exits;
 mod handoffs;
+mod history;
 mod kept;
 mod node_io;
+mod pods;
 mod probes;
 mod retired;
+mod watchdog;
 
 /// How often the serving epoch's admin is checked by the watchdog.
 pub(crate) const WATCHDOG_POLL: Duration = Duration::from_secs(1);
@@ -50,8 +61,6 @@ pub(crate) const LOCK_RETRY: Duration = Duration::from_millis(100);
 pub(crate) const FOREIGN_PARENT_CHECK: Duration = Duration::from_millis(500);
 /// Retries of a failed handoff whose parent lost its admin endpoint.
 pub(crate) const MAX_RETRIES: u32 = 3;
-/// Wedges kept in the published state.
-const WEDGES_KEPT: usize = 16;
 /// Beyond the stop grace: how long stopping may take before the supervisor gives up waiting.
 const STOP_BACKSTOP: Duration = Duration::from_secs(5);
 /// The reason of a first epoch started from nothing (not a handover).
@@ -193,6 +202,9 @@ enum Life {
         give_up: Instant,
         /// The epoch that served when the stop began, until it exits.
         live: Option<u32>,
+        /// The successor the family was handed over to before the stop, if it was: the
+        /// family's files are the successor's.
+        handed_over_to: Option<String>,
         /// Processes of ours outside the family that the stop took over from the handoff:
         /// a retiring old family, a cold family that never became ours (see `retired`).
         old: Epochs,
@@ -206,6 +218,15 @@ impl Life {
             Life::Serving { live } => Some(*live),
             Life::Stopping { live, .. } => *live,
             Life::Discovering { .. } | Life::Starting | Life::HandedOver { .. } => None,
+        }
+    }
+
+    /// The successor pod whose Envoy took over from ours, also once ours are being stopped.
+    fn handed_over_to(&self) -> Option<&str> {
+        match self {
+            Life::HandedOver { successor } => Some(successor),
+            Life::Stopping { handed_over_to, .. } => handed_over_to.as_deref(),
+            Life::Discovering { .. } | Life::Starting | Life::Serving { .. } => None,
         }
     }
 
@@ -293,12 +314,19 @@ impl std::fmt::Display for Waiting {
 }
 
 /// The running family's hot-restart version, as far as the supervisor knows it.
+///
+/// `before`: the version known before it was asked again (a cold handover's new family is
+/// asked anew), which the status shows until the answer; never one to decide on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Version {
     /// Not asked yet, or the last ask failed.
-    Unknown,
+    Unknown {
+        before: Option<String>,
+    },
     /// It is being asked (of our LIVE epoch, else of the binary).
-    Asking,
+    Asking {
+        before: Option<String>,
+    },
     Known(String),
 }
 
@@ -306,7 +334,39 @@ impl Version {
     fn known(&self) -> Option<&str> {
         match self {
             Version::Known(v) => Some(v),
-            Version::Unknown | Version::Asking => None,
+            Version::Unknown { .. } | Version::Asking { .. } => None,
+        }
+    }
+
+    fn is_unknown(&self) -> bool {
+        matches!(self, Version::Unknown { .. })
+    }
+
+    /// What the status shows: the version known, else the last one known, else nothing.
+    fn shown(&self) -> &str {
+        match self {
+            Version::Known(v) => v,
+            Version::Unknown { before } | Version::Asking { before } => {
+                before.as_deref().unwrap_or_default()
+            }
+        }
+    }
+
+    /// It is being asked (again).
+    fn ask(&mut self) {
+        let before = match std::mem::replace(self, Version::Unknown { before: None }) {
+            Version::Known(v) => Some(v),
+            Version::Unknown { before } | Version::Asking { before } => before,
+        };
+        *self = Version::Asking { before };
+    }
+
+    /// The ask under way failed.
+    fn ask_failed(&mut self) {
+        if let Version::Asking { before } = self {
+            *self = Version::Unknown {
+                before: before.take(),
+            };
         }
     }
 }
@@ -340,38 +400,28 @@ pub(crate) struct Supervisor<H: Host> {
     version: Version,
     /// Stand-ins for dead parents, one per dead parent whose child may still talk to it.
     stand_ins: Vec<StandIn>,
-    watchdog: Probing,
-    admin_ok: Instant,
-    /// Whether the serving epoch answers the watchdog (readiness follows it).
-    admin_health: AdminHealth,
-    /// Envoy was told to fail its health checks: an epoch that serves after a handoff settles
-    /// is told too (the failure is a process's own state, not handed over).
-    health_checks_failed: bool,
-    heartbeat_due: Instant,
-    /// The heartbeat last written, and when: an unchanged one is rewritten only every other
-    /// period (readers allow four).
-    heartbeat_written: Option<(Heartbeat, Instant)>,
-    family: FamilyState,
+    /// The serving epoch's admin checks, and whether it answers (readiness follows it).
+    watchdog: watchdog::Watchdog,
+    /// What the handle told the family for the rest of its life (drain, fail health checks).
+    orders: commands::Orders,
+    /// What the family knows of the node's other pods.
+    pods: pods::Pods,
+    /// What the supervisor wrote to the node and the pod (heartbeat, readiness marker), and
+    /// the node's files it already reported as untrusted.
+    files: node_io::NodeFiles,
+    /// What a fresh family inherits of this one.
+    history: history::History,
     phase_since: (ProxyPhase, SystemTime),
-    /// Heartbeat files already reported as untrusted (each once).
-    reported: BTreeSet<(std::path::PathBuf, String)>,
     watch: Option<crate::watch::ConfigWatch>,
-    /// Whether the readiness marker is present, as last set.
-    marker: bool,
-    /// What the newest LIVE epoch has of its config (readiness and the marker wait for it).
-    config_status: envoy_agent_proxy::ConfigStatus,
-    /// When the control plane is read next.
-    xds: Probing,
-    /// How long the last reading took: the next ones are paced by it.
-    xds_cost: Duration,
+    /// The control plane's readings: when the next is due, and what the newest LIVE epoch has
+    /// of its config (readiness and the marker wait for it).
+    control_plane: control_plane::ControlPlane,
     /// A draining parent kept through its child's crash (see `kept`).
     kept: kept::KeptParent,
-    /// An epoch of ours has served: the family's files (shared memory, sockets) are ours to
-    /// remove once it is gone, unless a successor took it over.
-    served: bool,
-    /// Our epoch 0 started: the family's shared memory is ours (its epoch 0 made it), also
-    /// when that epoch never served (a bootstrap Envoy rejects).
-    created: bool,
+    /// The family's files (shared memory, sockets) are ours to remove once it is gone, unless
+    /// a successor took it over: an epoch of ours served, or our epoch 0 started (its epoch 0
+    /// made the shared memory, also when that epoch never served: a bootstrap Envoy rejects).
+    files_ours: bool,
 }
 
 impl<H: Host> std::fmt::Debug for Supervisor<H> {
@@ -393,11 +443,6 @@ impl<H: Host> Supervisor<H> {
     ) -> Self {
         let (events_tx, events) = mpsc::unbounded_channel();
         let now = Instant::now();
-        let family = FamilyState {
-            base_id,
-            identity: config.identity.clone(),
-            ..FamilyState::default()
-        };
         Supervisor {
             life: Life::Starting,
             config,
@@ -411,32 +456,37 @@ impl<H: Host> Supervisor<H> {
             epochs: Epochs::default(),
             handoff: Handoff::Idle,
             queue: Queue::default(),
-            version: Version::Unknown,
+            version: Version::Unknown { before: None },
             stand_ins: Vec::new(),
-            watchdog: Probing::default(),
-            admin_ok: now,
-            admin_health: AdminHealth::Answering,
-            health_checks_failed: false,
-            heartbeat_due: now,
-            heartbeat_written: None,
-            family,
+            watchdog: watchdog::Watchdog::new(now),
+            orders: commands::Orders::default(),
+            pods: pods::Pods::default(),
+            files: node_io::NodeFiles::new(now),
+            history: history::History::default(),
             phase_since: (ProxyPhase::Starting, SystemTime::now()),
-            reported: BTreeSet::new(),
             watch: None,
-            marker: false,
-            config_status: envoy_agent_proxy::ConfigStatus::Unknown,
-            xds: Probing::default(),
-            xds_cost: Duration::ZERO,
+            control_plane: control_plane::ControlPlane::default(),
             kept: kept::KeptParent::None,
-            served: false,
-            created: false,
+            files_ours: false,
         }
     }
 
     /// Starts the first epoch and supervises until the family cannot serve anymore or `abort`
     /// is cancelled; every epoch has been stopped and reaped when it returns. Then
     /// [`Supervisor::into_fresh`] makes the supervisor of a fresh family.
+    ///
+    /// It runs in a `supervisor` span (its base id, kept current across a cold handover, and
+    /// identity), which every task it spawns carries too: a log line names its family.
     pub(crate) async fn run(&mut self, abort: CancellationToken) -> Ended {
+        let span = tracing::info_span!(
+            "supervisor",
+            base_id = self.base_id,
+            identity = %self.config.identity
+        );
+        self.run_in_span(abort).instrument(span).await
+    }
+
+    async fn run_in_span(&mut self, abort: CancellationToken) -> Ended {
         // The marker means "our newest epoch is LIVE": whatever a crashed predecessor in this
         // container left there is wrong now, before anything else happens.
         if let Err(e) = self.host.set_marker(false) {
@@ -459,7 +509,7 @@ impl<H: Host> Supervisor<H> {
     /// Whether the family that ended was ours to the end: an epoch of ours served and no
     /// successor took it over. Its files are then left to nobody but us.
     pub(crate) fn family_files_ours(&self) -> bool {
-        (self.served || self.created) && self.family.handed_over_to.is_none()
+        self.files_ours && self.life.handed_over_to().is_none()
     }
 
     /// The supervisor of a fresh family after this one ended (crash recovery in place): the
@@ -469,13 +519,6 @@ impl<H: Host> Supervisor<H> {
     /// unlinks and recreates the shared memory a crashed family left behind) or a takeover
     /// from whatever LIVE family answers on the admin port.
     pub(crate) fn into_fresh(self) -> Self {
-        let FamilyState {
-            exits,
-            handoffs,
-            wedges,
-            last_handoff,
-            ..
-        } = self.family;
         let mut fresh = Supervisor::new(
             self.config,
             self.base_id,
@@ -484,10 +527,7 @@ impl<H: Host> Supervisor<H> {
             self.state,
             self.metrics,
         );
-        fresh.family.exits = exits;
-        fresh.family.handoffs = handoffs;
-        fresh.family.wedges = wedges;
-        fresh.family.last_handoff = last_handoff;
+        fresh.history = self.history;
         if let kept::KeptParent::Handed { .. } = self.kept {
             fresh.kept = self.kept;
             kept::forward_exits(self.events, fresh.events_tx.clone());
@@ -554,6 +594,13 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
+    /// The family runs under `base_id` from now on (its log lines say so).
+    fn set_base_id(&mut self, base_id: u32) {
+        self.base_id = base_id;
+        // The supervisor's span, while the loop handles an event.
+        tracing::Span::current().record("base_id", base_id);
+    }
+
     /// How long a starting supervisor may wait for its turn before it gives up.
     fn discovery_bound(&self) -> Duration {
         self.config.handoff_deadline
@@ -599,10 +646,7 @@ impl<H: Host> Supervisor<H> {
                 self.on_live_check(epoch, sent, result);
             }
             Event::Version(result) => self.on_version(result),
-            Event::XdsRead { cold, took, result } => {
-                self.xds_cost = took;
-                self.on_xds(cold, result);
-            }
+            Event::XdsRead { cold, took, result } => self.on_xds(cold, took, result),
             Event::AdminBound(epoch) => self.on_admin_bound(epoch),
             Event::ForeignAdmin(result) => self.on_foreign_admin(result),
             Event::ColdLiveChecked { pid, sent, result } => {
@@ -674,7 +718,7 @@ impl<H: Host> Supervisor<H> {
         }
         consider(self.handoff.live_checks().and_then(|l| l.probing.wake()));
         consider(self.watchdog.wake());
-        consider(self.xds.wake());
+        consider(self.control_plane.wake());
         match &self.handoff {
             Handoff::Starting {
                 attempt, deadline, ..
@@ -717,7 +761,7 @@ impl<H: Host> Supervisor<H> {
             consider(Some(self.queue_retry_at()));
         }
         if self.host.has_node() {
-            consider(Some(self.heartbeat_due));
+            consider(Some(self.files.heartbeat_due()));
         }
         wake
     }
@@ -755,11 +799,11 @@ impl<H: Host> Supervisor<H> {
             }
         }
         self.watchdog_timer(now);
-        if self.version == Version::Unknown && !self.queue.is_empty() && self.life.running() {
+        if self.version.is_unknown() && !self.queue.is_empty() && self.life.running() {
             // A restart waits for the running version; the last ask failed.
             self.ask_version();
         }
-        if self.xds.due(now) {
+        if self.control_plane.due(now) {
             self.xds_check();
         }
         self.handoff_timers(now);
@@ -770,22 +814,6 @@ impl<H: Host> Supervisor<H> {
             && self.queue.not_before.is_none_or(|t| now >= t)
         {
             self.try_start_queued(now);
-        }
-    }
-
-    /// Reads the node and writes our heartbeat when it is due.
-    fn heartbeat_timer(&mut self, now: Instant) {
-        // Early rather than a wake-up of its own when something else woke us (each wake-up
-        // costs more than the work); every other period while nothing happens (a heartbeat is
-        // fresh for four).
-        let steady = self.life.serving().is_some()
-            && self.handoff.is_idle()
-            && self.family.successor_starting.is_none();
-        let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
-        if self.host.has_node() && now + interval / 2 >= self.heartbeat_due {
-            self.heartbeat_due = now + interval;
-            self.read_node();
-            self.write_heartbeat();
         }
     }
 
@@ -823,29 +851,6 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// Probes the serving epoch when the watchdog is due (and validates a binary changed on
-    /// disk ahead of the next restart); only while an epoch serves.
-    fn watchdog_timer(&mut self, now: Instant) {
-        // Early too, to share the heartbeat's wake-up (only at its steady pace).
-        let early = match self.family.successor_starting {
-            None => WATCHDOG_POLL / 4,
-            Some(_) => Duration::ZERO,
-        };
-        if self.watchdog.due(now + early) {
-            if self.life.serving().is_some() {
-                self.probe(Probe::Watchdog);
-                // A release copied over the binary: validate it with the config before a
-                // restart needs the answer.
-                if self.host.binary_changed() && self.can_restart() && self.handoff.is_idle() {
-                    tracing::info!(binary = %self.config.proxy.binary_path.display(), "the envoy binary changed on disk: validating it ahead of the next restart");
-                    self.prevalidate(None);
-                }
-            } else {
-                self.watchdog = Probing::default();
-            }
-        }
-    }
-
     fn publish(&mut self) {
         let phase = match &self.life {
             Life::Discovering { .. } => ProxyPhase::Starting,
@@ -858,17 +863,14 @@ impl<H: Host> Supervisor<H> {
         if self.phase_since.0 != phase {
             self.phase_since = (phase, SystemTime::now());
         }
-        self.family.handoff = self.handoff_info();
-        self.family.retiring = self.retired_infos();
-        self.family.socket_path = self.host.socket_path().to_string();
         let state = ProxyState {
             phase,
             since: self.phase_since.1,
             epochs: self.epochs.infos(),
             newest_live: self.life.live(),
-            family: Some(self.family.clone()),
-            config: self.config_status.clone(),
-            admin: self.admin_health,
+            family: Some(self.family_state()),
+            config: self.control_plane.status().clone(),
+            admin: self.watchdog.health(),
         };
         self.state.send_if_modified(|s| {
             if *s == state {
@@ -878,6 +880,29 @@ impl<H: Host> Supervisor<H> {
                 true
             }
         });
+    }
+
+    /// The family's facts as the status shows them, all from the supervisor's own state:
+    /// what only events told (history, the other pods, standing orders) from the parts that
+    /// keep them, the rest derived here.
+    fn family_state(&self) -> FamilyState {
+        FamilyState {
+            base_id: self.base_id,
+            hot_restart_version: self.version.shown().to_owned(),
+            identity: self.config.identity.clone(),
+            handoff: self.handoff_info(),
+            last_handoff: self.history.last_handoff().cloned(),
+            wedges: self.history.wedges().to_vec(),
+            predecessor: self.pods.predecessor().map(str::to_owned),
+            foreign_parent_until: self.pods.foreign_parent_until(),
+            successor_starting: self.pods.successor_starting().map(str::to_owned),
+            handed_over_to: self.life.handed_over_to().map(str::to_owned),
+            drained: self.orders.drained(),
+            retiring: self.retired_infos(),
+            socket_path: self.host.socket_path().to_string(),
+            handoffs: self.history.handoffs().to_vec(),
+            exits: self.history.exits().to_vec(),
+        }
     }
 
     fn handoff_info(&self) -> Option<envoy_agent_proxy::Handoff> {
@@ -936,20 +961,26 @@ impl<H: Host> Supervisor<H> {
     /// Asks the running family's hot-restart version beside the loop: of our LIVE epoch when
     /// there is one (the binary on disk may be a newer one already), else of the binary.
     fn ask_version(&mut self) {
-        self.version = Version::Asking;
+        self.version.ask();
         let events = self.events_tx.clone();
         if self.life.live().is_some() {
             let ask = self.host.serving_version();
-            tokio::spawn(async move {
-                let version = ask.await.map_err(|e| e.to_string());
-                let _ = events.send(Event::Version(version));
-            });
+            tokio::spawn(
+                async move {
+                    let version = ask.await.map_err(|e| e.to_string());
+                    let _ = events.send(Event::Version(version));
+                }
+                .in_current_span(),
+            );
         } else {
             let ask = self.host.hot_restart_version();
-            tokio::spawn(async move {
-                let version = ask.await.map_err(|e| e.to_string());
-                let _ = events.send(Event::Version(version));
-            });
+            tokio::spawn(
+                async move {
+                    let version = ask.await.map_err(|e| e.to_string());
+                    let _ = events.send(Event::Version(version));
+                }
+                .in_current_span(),
+            );
         }
     }
 
@@ -957,7 +988,6 @@ impl<H: Host> Supervisor<H> {
         match result {
             Ok(version) => {
                 if self.version.known().is_none() {
-                    self.family.hot_restart_version = version.clone();
                     self.version = Version::Known(version);
                     self.write_heartbeat();
                     if self.can_restart() {
@@ -968,9 +998,7 @@ impl<H: Host> Supervisor<H> {
                 }
             }
             Err(message) => {
-                if self.version == Version::Asking {
-                    self.version = Version::Unknown;
-                }
+                self.version.ask_failed();
                 tracing::error!(error = %message, "cannot learn the binary's hot-restart version");
                 match self.life {
                     Life::Discovering { .. } => self.begin_stop(
@@ -996,7 +1024,7 @@ impl<H: Host> Supervisor<H> {
     /// Validates ahead of a restart, beside the loop (the restart's pre-flight joins it).
     fn prevalidate(&mut self, content: Option<Vec<u8>>) {
         let running = self.version.known().map(str::to_owned);
-        tokio::spawn(self.host.prevalidate(content, running));
+        tokio::spawn(self.host.prevalidate(content, running).in_current_span());
     }
 }
 
@@ -1050,6 +1078,7 @@ mod life_tests {
             kill_at: now,
             give_up: now,
             live,
+            handed_over_to: None,
             old: Epochs::default(),
         }
     }

@@ -20,6 +20,7 @@
 //!   configured address again.
 
 use envoy_agent_proxy::{HandoffKind, Scope};
+use tracing::Instrument;
 
 use envoy_agent_proxy::{AdminError, Ended, EpochState, Exit};
 
@@ -41,7 +42,6 @@ use crate::handoff::{
     Attempt, ColdChild, Deadline, Handoff, LiveChecks, LiveSign, NotLive, OldFamily,
 };
 use crate::host::{Guard, Host};
-use crate::probing::Probing;
 
 /// Where the kernel says whether a closing listener's queued connections migrate.
 const TCP_MIGRATE_REQ: &str = "/proc/sys/net/ipv4/tcp_migrate_req";
@@ -170,10 +170,13 @@ impl<H: Host> Supervisor<H> {
         let call = self.host.cold_live_check(child.base_id);
         let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(async move {
-            let result = call.await;
-            let _ = events.send(Event::ColdLiveChecked { pid, sent, result });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await;
+                let _ = events.send(Event::ColdLiveChecked { pid, sent, result });
+            }
+            .in_current_span(),
+        );
     }
 
     pub(super) fn on_cold_live_check(
@@ -251,10 +254,9 @@ impl<H: Host> Supervisor<H> {
         }
         self.epochs.add(0, child.pid, child.signals);
         self.epochs.set_state(0, EpochState::Live);
-        self.base_id = child.base_id;
-        self.family.base_id = child.base_id;
+        self.set_base_id(child.base_id);
         self.life.went_live(0);
-        self.served = true;
+        self.files_ours = true;
         // What the new family's Envoy says of itself (now that it is LIVE and ours) is what
         // the next epoch must match, not the old family's: its binary may be another by now.
         self.ask_version();
@@ -265,10 +267,7 @@ impl<H: Host> Supervisor<H> {
         let now = Instant::now();
         self.want_xds(now);
         self.admin_answered(now);
-        self.watchdog = Probing {
-            next: Some(now + WATCHDOG_POLL),
-            in_flight: false,
-        };
+        self.watchdog.start(now + WATCHDOG_POLL);
         // The old family's listeners close when its drain time ends; a little later it goes.
         // Across pods its agent does that: from then on, look whether it is gone.
         let until = now + self.config.proxy.options.drain_time + RETIRE_MARGIN;
@@ -285,6 +284,16 @@ impl<H: Host> Supervisor<H> {
                 },
             },
         };
+        self.log_cold_live(from_base_id);
+        self.publish();
+        self.finish_at(attempt, Outcome::Live, String::new(), seen);
+        self.write_heartbeat();
+        self.settled(deferred);
+    }
+
+    /// Tells that the new family is LIVE, and what becomes of the connections still queued on
+    /// the old family's listen sockets.
+    fn log_cold_live(&self, from_base_id: u32) {
         let migrate = std::fs::read_to_string(TCP_MIGRATE_REQ)
             .map(|v| v.trim() == "1")
             .unwrap_or(false);
@@ -305,10 +314,6 @@ impl<H: Host> Supervisor<H> {
                  listen sockets when they close will be reset (set it to 1 to move them to the new family's)"
             );
         }
-        self.publish();
-        self.finish_at(attempt, Outcome::Live, String::new(), seen);
-        self.write_heartbeat();
-        self.settled(deferred);
     }
 
     /// The new family's Envoy exited before it was LIVE: the old family serves on.
@@ -362,7 +367,7 @@ impl<H: Host> Supervisor<H> {
             return;
         }
         self.settled(deferred);
-        self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+        self.watchdog.next_at(Instant::now() + WATCHDOG_POLL);
     }
 
     /// One of the old family's processes, the kept parent, or (when stopping) the new family
@@ -376,7 +381,7 @@ impl<H: Host> Supervisor<H> {
         let kind = exit_kind(&result, false);
         self.metrics.exit(kind);
         self.record_exit(&child, &result, kind);
-        let last = self.family.exits.last();
+        let last = self.history.last_exit();
         tracing::info!(
             event = "epoch_exited",
             epoch = child.epoch,
@@ -414,7 +419,7 @@ impl<H: Host> Supervisor<H> {
 
     /// The old family is gone: a hot restart of ours takes the configured admin address.
     fn queue_settling_restart(&mut self) {
-        if !self.family.drained {
+        if !self.orders.drained() {
             self.queue.push(
                 "after a cold handover: the configured admin address".to_owned(),
                 None,
@@ -433,13 +438,16 @@ impl<H: Host> Supervisor<H> {
             self.host.tell_drain(self.base_id, epoch);
         }
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let result = drain.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-            let _ = events.send(Event::Drained {
-                result,
-                replies: Vec::new(),
-            });
-        });
+        tokio::spawn(
+            async move {
+                let result = drain.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
+                let _ = events.send(Event::Drained {
+                    result,
+                    replies: Vec::new(),
+                });
+            }
+            .in_current_span(),
+        );
     }
 
     /// A successor pod's new family is LIVE beside ours and says it took over from us (a cold
@@ -529,9 +537,12 @@ impl<H: Host> Supervisor<H> {
                 // `live_check` asks the configured address.
                 let call = self.host.live_check(None);
                 let events = self.events_tx.clone();
-                tokio::spawn(async move {
-                    let _ = events.send(Event::ForeignAdmin(call.await));
-                });
+                tokio::spawn(
+                    async move {
+                        let _ = events.send(Event::ForeignAdmin(call.await));
+                    }
+                    .in_current_span(),
+                );
             }
             return;
         }

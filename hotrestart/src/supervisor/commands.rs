@@ -1,11 +1,15 @@
 //! Commands from the handle: hot restarts (queued), drains, log reopening, the successor
 //! question, expected config writes.
+//!
+//! Most commands are answered and forgotten; a drain and a health-check failure are standing
+//! orders ([`Orders`]): they hold for every epoch that serves after them, so they are kept.
 
 use envoy_agent_proxy::{
     DrainOptions, DrainPlan, Ended, EpochState, Outcome, RestartError, Signal,
 };
 use std::sync::Arc;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{
     Command, DrainReply, Event, FamilyError, HealthChecksReply, Life, Probe, Supervisor, kept,
@@ -13,6 +17,35 @@ use super::{
 use crate::answers::Deferred;
 use crate::handoff::{Handoff, Waiter};
 use crate::host::Host;
+
+/// What the handle told the family that holds for the rest of its life.
+#[derive(Debug, Default)]
+pub(super) struct Orders {
+    /// Told to drain: no further hot restart starts, the marker stays away.
+    drained: bool,
+    /// Envoy was told to fail its health checks: an epoch that serves after a handoff settles
+    /// is told too (the failure is a process's own state, not handed over).
+    health_checks_failed: bool,
+}
+
+impl Orders {
+    pub(super) fn drained(&self) -> bool {
+        self.drained
+    }
+
+    /// Told to drain; whether that is news.
+    pub(super) fn drain(&mut self) -> bool {
+        !std::mem::replace(&mut self.drained, true)
+    }
+
+    pub(super) fn health_checks_failed(&self) -> bool {
+        self.health_checks_failed
+    }
+
+    pub(super) fn fail_health_checks(&mut self) {
+        self.health_checks_failed = true;
+    }
+}
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_command(&mut self, command: Command) {
@@ -61,7 +94,7 @@ impl<H: Host> Supervisor<H> {
                 "handed over to {successor}: hot restarts are the successor's now"
             )),
             Life::Stopping { .. } => Some("stopping".to_owned()),
-            _ if self.family.drained => {
+            _ if self.orders.drained() => {
                 Some("draining: no new epoch starts after a drain".to_owned())
             }
             _ => None,
@@ -109,16 +142,15 @@ impl<H: Host> Supervisor<H> {
                 // a takeover now would only be undone. A starting epoch is killed (SIGKILL: its
                 // parent may be the predecessor pod's serving Envoy).
                 tracing::info!("told to drain before our first epoch serves: giving up the start");
-                self.family.drained = true;
+                self.orders.drain();
                 let _ = reply.send(Ok(DrainPlan::not_serving(options.listeners)));
                 self.begin_stop(Ended::Stopped { last: None }, "drained before serving");
                 return;
             }
             Life::Serving { .. } => {}
         }
-        if !self.family.drained {
+        if self.orders.drain() {
             tracing::info!("draining: no new epoch starts from here on");
-            self.family.drained = true;
             self.queue
                 .refuse(&RestartError::Refused("draining".to_owned()));
             self.set_marker(false);
@@ -158,17 +190,20 @@ impl<H: Host> Supervisor<H> {
             self.host.tell_drain(self.base_id, epoch);
         }
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-            let _ = events.send(Event::Drained { result, replies });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
+                let _ = events.send(Event::Drained { result, replies });
+            }
+            .in_current_span(),
+        );
     }
 
     /// Makes whichever Envoy serves fail its health checks, and every epoch that serves
     /// after it. During a handoff the new epoch may take the admin listener (or become the
     /// family): asked once it has settled.
     pub(super) fn fail_health_checks(&mut self, reply: HealthChecksReply) {
-        self.health_checks_failed = true;
+        self.orders.fail_health_checks();
         match &mut self.handoff {
             Handoff::Starting { deferred, .. } | Handoff::Cold { deferred, .. } => {
                 tracing::info!("a handoff is under way: health checks fail once it settles");
@@ -180,15 +215,18 @@ impl<H: Host> Supervisor<H> {
 
     fn send_health_checks_fail(&mut self, replies: Vec<HealthChecksReply>) {
         let call = self.host.fail_health_checks();
-        tokio::spawn(async move {
-            let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-            if let Err(e) = &result {
-                tracing::warn!(error = %e, "cannot fail envoy's health checks");
+        tokio::spawn(
+            async move {
+                let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
+                if let Err(e) = &result {
+                    tracing::warn!(error = %e, "cannot fail envoy's health checks");
+                }
+                for reply in replies {
+                    let _ = reply.send(result.clone());
+                }
             }
-            for reply in replies {
-                let _ = reply.send(result.clone());
-            }
-        });
+            .in_current_span(),
+        );
     }
 
     /// Once a handoff has settled: the drains and health-check failures asked meanwhile go to
@@ -199,7 +237,7 @@ impl<H: Host> Supervisor<H> {
             drains,
             health_checks,
         } = deferred;
-        if self.health_checks_failed {
+        if self.orders.health_checks_failed() {
             self.send_health_checks_fail(health_checks);
         }
         let Some(&(options, _)) = drains.first() else {

@@ -14,6 +14,7 @@
 //!   instead of giving up.
 
 use envoy_agent_proxy::{ConfigStatus, XdsReading, XdsType};
+use tracing::Instrument;
 
 use envoy_agent_proxy::{AdminError, Outcome};
 use std::time::{Duration, SystemTime};
@@ -44,38 +45,97 @@ pub(crate) fn config_wait_backoff(waits: u32) -> Duration {
         .min(CONFIG_WAIT_BACKOFF_MAX)
 }
 
+/// The readings of the control plane's stats, and what the newest LIVE epoch has of its
+/// config.
+#[derive(Debug, Default)]
+pub(super) struct ControlPlane {
+    /// When it is read next.
+    reads: Probing,
+    /// How long the last reading took: the next ones are paced by it.
+    cost: Duration,
+    /// What the newest LIVE epoch has of its config.
+    status: ConfigStatus,
+}
+
+impl ControlPlane {
+    pub(super) fn status(&self) -> &ConfigStatus {
+        &self.status
+    }
+
+    /// A reading no later than `at`.
+    fn want(&mut self, at: Instant) {
+        self.reads.next = Some(self.reads.next.map_or(at, |n| n.min(at)));
+    }
+
+    pub(super) fn due(&self, now: Instant) -> bool {
+        self.reads.due(now)
+    }
+
+    pub(super) fn wake(&self) -> Option<Instant> {
+        self.reads.wake()
+    }
+
+    /// A reading is out; the next is scheduled once it is back.
+    fn sent(&mut self) {
+        self.reads = Probing {
+            next: None,
+            in_flight: true,
+        };
+    }
+
+    /// The reading is back; it took `took`.
+    fn returned(&mut self, took: Duration) {
+        self.reads.in_flight = false;
+        self.cost = took;
+    }
+
+    /// The newest LIVE epoch's `reading`; whether its config status changed (logged).
+    fn observe(&mut self, epoch: u32, reading: &XdsReading) -> bool {
+        let changed = self.status.observe(epoch, reading, SystemTime::now());
+        if changed {
+            self.status.log_change();
+        }
+        changed
+    }
+}
+
 impl<H: Host> Supervisor<H> {
     /// Wants a reading of the control plane no later than `at`.
     pub(super) fn want_xds(&mut self, at: Instant) {
-        self.xds.next = Some(self.xds.next.map_or(at, |n| n.min(at)));
+        self.control_plane.want(at);
     }
 
     /// Asks whoever answers on the admin address what it has of its control plane, beside the
     /// loop.
     pub(super) fn xds_check(&mut self) {
-        self.xds = Probing {
-            next: None,
-            in_flight: true,
-        };
+        self.control_plane.sent();
         let cold = match &self.handoff {
             Handoff::Cold { child, .. } => Some(child.base_id),
             _ => None,
         };
         let call = self.host.xds(cold);
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let asked = Instant::now();
-            let result = call.await;
-            let _ = events.send(Event::XdsRead {
-                cold: cold.is_some(),
-                took: asked.elapsed(),
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let asked = Instant::now();
+                let result = call.await;
+                let _ = events.send(Event::XdsRead {
+                    cold: cold.is_some(),
+                    took: asked.elapsed(),
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
     }
 
-    pub(super) fn on_xds(&mut self, cold: bool, result: Result<XdsReading, AdminError>) {
-        self.xds.in_flight = false;
+    pub(super) fn on_xds(
+        &mut self,
+        cold: bool,
+        took: Duration,
+        result: Result<XdsReading, AdminError>,
+    ) {
+        self.control_plane.returned(took);
         let running = self.life.running();
         match result {
             Ok(reading) if cold => {
@@ -87,11 +147,7 @@ impl<H: Host> Supervisor<H> {
                 if running && reading.epoch.is_some() && reading.epoch == self.life.live() =>
             {
                 let epoch = reading.epoch.unwrap_or_default();
-                if self
-                    .config_status
-                    .observe(epoch, &reading, SystemTime::now())
-                {
-                    self.config_status.log_change();
+                if self.control_plane.observe(epoch, &reading) {
                     self.refresh_marker();
                 }
             }
@@ -117,9 +173,9 @@ impl<H: Host> Supervisor<H> {
     /// something waits on the answer, 1/100 when only the status does.
     pub(super) fn schedule_xds(&mut self, now: Instant) {
         use envoy_agent_proxy::admin::{BUSY_SHARE, IDLE_SHARE, paced};
-        let cost = self.xds_cost;
+        let cost = self.control_plane.cost;
         if self.life.serving().is_some() {
-            match &self.config_status {
+            match &self.control_plane.status {
                 ConfigStatus::Static => {}
                 status if status.waiting() => {
                     self.want_xds(now + paced(XDS_POLL, cost, BUSY_SHARE));
@@ -131,7 +187,7 @@ impl<H: Host> Supervisor<H> {
         // are costly to read while it loads).
         let starting =
             self.handoff.starting_epoch().is_some() || matches!(self.handoff, Handoff::Cold { .. });
-        if starting && self.config_status != ConfigStatus::Static {
+        if starting && self.control_plane.status != ConfigStatus::Static {
             self.want_xds(now + paced(XDS_START_POLL, cost, BUSY_SHARE));
         }
     }
@@ -140,10 +196,10 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn refresh_marker(&mut self) {
         let present = self.life.running()
             && self.life.live().is_some()
-            && !self.family.drained
-            && self.config_status.ready().is_ok()
-            && self.admin_health == envoy_agent_proxy::AdminHealth::Answering;
-        if present || self.marker {
+            && !self.orders.drained()
+            && self.control_plane.status.ready().is_ok()
+            && self.watchdog.answering();
+        if present || self.files.marker() {
             self.set_marker(present);
         }
     }

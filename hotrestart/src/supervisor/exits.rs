@@ -12,7 +12,6 @@ use crate::epochs::{Epochs, Stop};
 use crate::handoff::{DrainingParent, Handoff, OldFamily};
 use crate::host::{Host, Repair};
 use crate::metrics::ExitKind;
-use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_exit(&mut self, epoch: u32, pid: u32, result: Result<Exit, ProxyError>) {
@@ -34,7 +33,7 @@ impl<H: Host> Supervisor<H> {
         let kind = exit_kind(&result, child.state == EpochState::Draining);
         self.metrics.exit(kind);
         self.record_exit(&child, &result, kind);
-        if let Some(exit) = self.family.exits.last() {
+        if let Some(exit) = self.history.last_exit() {
             tracing::info!(
                 event = "epoch_exited",
                 epoch,
@@ -169,18 +168,15 @@ impl<H: Host> Supervisor<H> {
                 Err(e) => e.to_string(),
             },
         };
-        super::handoffs::push_bounded(
-            &mut self.family.exits,
-            envoy_agent_proxy::EpochExit {
-                epoch: child.epoch,
-                pid: child.pid,
-                state: child.state,
-                code,
-                signal,
-                how,
-                at: SystemTime::now(),
-            },
-        );
+        self.history.exit(envoy_agent_proxy::EpochExit {
+            epoch: child.epoch,
+            pid: child.pid,
+            state: child.state,
+            code,
+            signal,
+            how,
+            at: SystemTime::now(),
+        });
     }
 
     pub(super) fn stand_in_for(&mut self, parent_epoch: u32) {
@@ -292,8 +288,26 @@ impl<H: Host> Supervisor<H> {
         self.set_marker(false);
         let error = RestartError::Refused("stopping".to_owned());
         self.queue.refuse(&error);
-        // What of ours runs outside the family, the stop takes over from the handoff; an
-        // attempt under way fails, and what was asked of it is answered.
+        let old = self.end_handoff_for_stop();
+        self.watchdog.stop();
+        self.signal_for_stop(&outcome);
+        self.life = Life::Stopping {
+            outcome,
+            kill_at: now + self.config.proxy.options.stop_grace,
+            give_up: now + self.config.proxy.options.stop_grace + STOP_BACKSTOP,
+            live: self.life.live(),
+            handed_over_to: self.life.handed_over_to().map(str::to_owned),
+            old,
+        };
+        // Processes of ours outside the family: SIGTERM (none has a parent of ours to take
+        // with it).
+        self.stop_retired(Signal::SIGTERM);
+        self.write_heartbeat();
+    }
+
+    /// The stop ends the handoff: what of ours runs outside the family, the stop takes over
+    /// (returned); an attempt under way fails, and what was asked of it is answered.
+    fn end_handoff_for_stop(&mut self) -> Epochs {
         let mut old = Epochs::default();
         let (attempt, deferred) = match std::mem::replace(&mut self.handoff, Handoff::Idle) {
             Handoff::PreFlight { attempt, .. } => (Some(attempt), None),
@@ -329,7 +343,11 @@ impl<H: Host> Supervisor<H> {
         if let Some(deferred) = deferred {
             deferred.not_serving();
         }
-        self.watchdog = Probing::default();
+        old
+    }
+
+    /// Signals every epoch of the family to stop (how hard depends on `outcome`).
+    fn signal_for_stop(&mut self, outcome: &Ended) {
         // Newest first. An epoch that is not LIVE may have a living parent (here or in another
         // pod), which Envoy's SIGTERM handler would terminate too: it gets SIGKILL.
         let targets: Vec<(u32, EpochState)> = self
@@ -340,7 +358,7 @@ impl<H: Host> Supervisor<H> {
             .collect();
         // A silent serving epoch would not act on SIGTERM either (a stopped one keeps it
         // pending, a stuck main thread never runs Envoy's handler): SIGKILL at once.
-        let silent = match &outcome {
+        let silent = match outcome {
             Ended::Wedged {
                 reason: WedgeReason::AdminUnresponsive,
                 ..
@@ -356,16 +374,5 @@ impl<H: Host> Supervisor<H> {
             tracing::info!(epoch, %signal, "stopping epoch");
             self.epochs.signal(epoch, signal, Some(Stop::Shutdown));
         }
-        self.life = Life::Stopping {
-            outcome,
-            kill_at: now + self.config.proxy.options.stop_grace,
-            give_up: now + self.config.proxy.options.stop_grace + STOP_BACKSTOP,
-            live: self.life.live(),
-            old,
-        };
-        // Processes of ours outside the family: SIGTERM (none has a parent of ours to take
-        // with it).
-        self.stop_retired(Signal::SIGTERM);
-        self.write_heartbeat();
     }
 }

@@ -8,10 +8,11 @@ use envoy_agent_proxy::{
 use std::time::{Duration, SystemTime};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{
-    Event, FOREIGN_PARENT_CHECK, LOCK_RETRY, Life, Probe, StandIn, Supervisor, Version,
-    WATCHDOG_POLL, kept, last_line,
+    Event, FOREIGN_PARENT_CHECK, LOCK_RETRY, Life, Probe, StandIn, Supervisor, WATCHDOG_POLL, kept,
+    last_line,
 };
 use crate::answers::Deferred;
 use crate::epochs::Stop;
@@ -20,7 +21,6 @@ use crate::handoff::{
     QueueWait,
 };
 use crate::host::{Checked, Guard, Host, Refusal};
-use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     /// Our first epoch starts a new family beside the predecessor's (`from`, run by
@@ -78,14 +78,17 @@ impl<H: Host> Supervisor<H> {
         let check = self.host.preflight(running, validate);
         let events = self.events_tx.clone();
         let epoch = attempt.epoch;
-        tokio::spawn(async move {
-            let (checked, result) = check.await;
-            let _ = events.send(Event::PreFlight {
-                epoch,
-                checked,
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let (checked, result) = check.await;
+                let _ = events.send(Event::PreFlight {
+                    epoch,
+                    checked,
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
         self.handoff = Handoff::PreFlight { attempt, lock };
         self.write_heartbeat();
     }
@@ -165,16 +168,23 @@ impl<H: Host> Supervisor<H> {
         );
         match self.host.spawn(epoch).await {
             Ok(spawned) => {
-                self.created |= epoch == 0;
+                self.files_ours |= epoch == 0;
                 self.epochs.add(epoch, spawned.pid, spawned.signals);
                 let sign = match spawned.admin_bound {
                     Some(bound) => {
                         let events = self.events_tx.clone();
-                        tokio::spawn(async move {
-                            if bound.await.is_ok() {
-                                let _ = events.send(Event::AdminBound(epoch));
+                        tokio::spawn(
+                            async move {
+                                if bound.await.is_ok() {
+                                    let _ = events.send(Event::AdminBound(epoch));
+                                }
                             }
-                        });
+                            .instrument(tracing::info_span!(
+                                "epoch",
+                                epoch,
+                                pid = spawned.pid
+                            )),
+                        );
                         LiveSign::Awaited
                     }
                     None => LiveSign::Blind,
@@ -212,7 +222,8 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// Reports the exit of `epoch`'s process `pid` as an event, once it comes.
+    /// Reports the exit of `epoch`'s process `pid` as an event, once it comes (a task of the
+    /// epoch's own span).
     pub(super) fn watch_exit(
         &self,
         epoch: u32,
@@ -220,10 +231,13 @@ impl<H: Host> Supervisor<H> {
         exit: oneshot::Receiver<Result<Exit, ProxyError>>,
     ) {
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
-            let _ = events.send(Event::Exited { epoch, pid, result });
-        });
+        tokio::spawn(
+            async move {
+                let result = exit.await.unwrap_or(Err(ProxyError::NotRunning));
+                let _ = events.send(Event::Exited { epoch, pid, result });
+            }
+            .instrument(tracing::info_span!("epoch", epoch, pid)),
+        );
     }
 
     /// The starting epoch's admin listener is bound: LIVE is near, look now and closely.
@@ -285,7 +299,7 @@ impl<H: Host> Supervisor<H> {
                 self.host.tell_drain(self.base_id, *epoch);
                 // Until the child terminates it; a second of margin for its own timer.
                 let drains = self.config.parent_shutdown_time() + Duration::from_secs(1);
-                self.family.foreign_parent_until = Some(SystemTime::now() + drains);
+                self.pods.foreign_parent_drains(SystemTime::now() + drains);
                 Handoff::ParentDraining {
                     parent: DrainingParent::Foreign {
                         epoch: *epoch,
@@ -298,7 +312,7 @@ impl<H: Host> Supervisor<H> {
             _ => Handoff::Idle,
         };
         self.life.went_live(epoch);
-        self.served = true;
+        self.files_ours = true;
         // Our epoch is LIVE: the next successor (or restart) may allocate.
         drop(lock);
         self.metrics.epoch(epoch);
@@ -307,16 +321,13 @@ impl<H: Host> Supervisor<H> {
         // What it has of its config: readiness waits for it (the previous epoch's reading
         // stands meanwhile).
         self.want_xds(now);
-        self.watchdog = Probing {
-            next: Some(now + WATCHDOG_POLL),
-            in_flight: false,
-        };
+        self.watchdog.start(now + WATCHDOG_POLL);
         // Whoever waits for this restart sees the new state at once; the files follow.
         self.publish();
         self.finish_at(attempt, Outcome::Live, String::new(), seen);
         self.write_heartbeat();
         self.settled(deferred);
-        if self.version == Version::Unknown {
+        if self.version.is_unknown() {
             self.ask_version();
         }
     }
@@ -356,7 +367,7 @@ impl<H: Host> Supervisor<H> {
             let waiting = attempt.waiting_for_config.clone();
             self.config_wait_ended(attempt, &waiting);
             self.settled(deferred);
-            self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+            self.watchdog.next_at(Instant::now() + WATCHDOG_POLL);
             return;
         }
         let outcome = if timed_out {
@@ -388,7 +399,7 @@ impl<H: Host> Supervisor<H> {
         self.settled(deferred);
         // The child may have shut the serving epoch's admin listener before it failed.
         self.probe(Probe::FailedChild { epoch, retries });
-        self.watchdog.next = Some(Instant::now() + WATCHDOG_POLL);
+        self.watchdog.next_at(Instant::now() + WATCHDOG_POLL);
     }
 
     /// The starting epoch was not LIVE by the deadline, confirmed by a LIVE check sent after
@@ -429,7 +440,7 @@ impl<H: Host> Supervisor<H> {
     pub(super) fn can_restart(&self) -> bool {
         self.life.running()
             && self.life.live().is_some()
-            && !self.family.drained
+            && !self.orders.drained()
             // What the next binary must match.
             && self.version.known().is_some()
             // A parent kept through its child's crash still runs beside the fresh family: a
@@ -438,6 +449,8 @@ impl<H: Host> Supervisor<H> {
             && !matches!(self.kept, kept::KeptParent::Draining { .. })
     }
 
+    /// The timers of a handoff in flight: the starting epoch's deadline, an overdue parent,
+    /// the predecessor's Envoy draining as our first epoch's parent.
     pub(super) fn handoff_timers(&mut self, now: Instant) {
         match &self.handoff {
             Handoff::Starting {
@@ -462,64 +475,76 @@ impl<H: Host> Supervisor<H> {
                 until,
             } if now >= until.at + self.config.parent_overdue_grace => {
                 let p = *p;
-                let running = self.epochs.get(p).filter(|c| c.stopped.is_none());
-                // Fresh facts first: judged late (the agent stopped or starved past the
-                // deadline), a parent that exited in time is a zombie whose exit is on its way.
-                if running.is_some_and(|c| !self.host.still_runs(c.pid)) {
-                    tracing::debug!(
-                        epoch = p,
-                        "the overdue parent has exited; its exit is on its way"
-                    );
-                } else if running.is_some() {
-                    let message = format!(
-                        "draining parent epoch {p} still runs {:?} after its parent-shutdown \
-                         time: killed it (SIGKILL); a stand-in answers its child, and queued \
-                         restarts go on",
-                        self.config.parent_overdue_grace
-                    );
-                    self.epochs.signal(p, Signal::SIGKILL, Some(Stop::Overdue));
-                    self.record_wedge(WedgeReason::ParentOverdue, message);
-                }
+                self.parent_overdue(p);
             }
             Handoff::ParentDraining {
-                parent:
-                    DrainingParent::Foreign {
-                        epoch,
-                        identity,
-                        look_at,
-                    },
-                until,
-            } => {
-                let (epoch, identity, until) = (*epoch, identity.clone(), until.at);
-                if now >= *look_at {
-                    if let Handoff::ParentDraining {
-                        parent: DrainingParent::Foreign { look_at, .. },
-                        ..
-                    } = &mut self.handoff
-                    {
-                        *look_at = now + FOREIGN_PARENT_CHECK;
+                parent: DrainingParent::Foreign { .. },
+                ..
+            } => self.foreign_parent_timer(now),
+            _ => {}
+        }
+    }
+
+    /// Our draining parent `p` outlived its parent-shutdown time by the grace: killed, unless
+    /// it has exited already.
+    fn parent_overdue(&mut self, p: u32) {
+        let running = self.epochs.get(p).filter(|c| c.stopped.is_none());
+        // Fresh facts first: judged late (the agent stopped or starved past the deadline), a
+        // parent that exited in time is a zombie whose exit is on its way.
+        if running.is_some_and(|c| !self.host.still_runs(c.pid)) {
+            tracing::debug!(
+                epoch = p,
+                "the overdue parent has exited; its exit is on its way"
+            );
+        } else if running.is_some() {
+            let message = format!(
+                "draining parent epoch {p} still runs {:?} after its parent-shutdown \
+                 time: killed it (SIGKILL); a stand-in answers its child, and queued \
+                 restarts go on",
+                self.config.parent_overdue_grace
+            );
+            self.epochs.signal(p, Signal::SIGKILL, Some(Stop::Overdue));
+            self.record_wedge(WedgeReason::ParentOverdue, message);
+        }
+    }
+
+    /// While the predecessor's Envoy drains as our first epoch's parent: stands in for its
+    /// sockets once it is gone, and ends the handoff at its drain time.
+    fn foreign_parent_timer(&mut self, now: Instant) {
+        let Handoff::ParentDraining {
+            parent:
+                DrainingParent::Foreign {
+                    epoch,
+                    identity,
+                    look_at,
+                },
+            until,
+        } = &mut self.handoff
+        else {
+            return;
+        };
+        let (epoch, until) = (*epoch, until.at);
+        if now >= *look_at {
+            *look_at = now + FOREIGN_PARENT_CHECK;
+            let identity = identity.clone();
+            // The names come free only once the predecessor's Envoy is gone: then our child
+            // would abort on its next message to it. Hold them and answer.
+            if !self.stand_ins.iter().any(|s| s.parent_epoch == epoch) {
+                if let Ok(guard) = self.host.stand_in(epoch) {
+                    if now < until {
+                        tracing::warn!(event = "stand_in", epoch, predecessor = %identity, "the predecessor's envoy is gone before its time: standing in for its sockets");
                     }
-                    // The names come free only once the predecessor's Envoy is gone: then our
-                    // child would abort on its next message to it. Hold them and answer.
-                    if !self.stand_ins.iter().any(|s| s.parent_epoch == epoch) {
-                        if let Ok(guard) = self.host.stand_in(epoch) {
-                            if now < until {
-                                tracing::warn!(event = "stand_in", epoch, predecessor = %identity, "the predecessor's envoy is gone before its time: standing in for its sockets");
-                            }
-                            self.stand_ins.push(StandIn {
-                                parent_epoch: epoch,
-                                _guard: guard,
-                            });
-                        }
-                    }
-                }
-                if now >= until {
-                    self.handoff = Handoff::Idle;
-                    self.family.foreign_parent_until = None;
-                    self.write_heartbeat();
+                    self.stand_ins.push(StandIn {
+                        parent_epoch: epoch,
+                        _guard: guard,
+                    });
                 }
             }
-            _ => {}
+        }
+        if now >= until {
+            self.handoff = Handoff::Idle;
+            self.pods.foreign_parent_gone();
+            self.write_heartbeat();
         }
     }
 
@@ -550,7 +575,7 @@ impl<H: Host> Supervisor<H> {
         // back (the soak saw it: a queued config change right after a successor's takeover).
         // The handover, once seen, refuses the queue; a successor that goes away lets it run.
         self.read_node();
-        if let Some(successor) = self.family.successor_starting.clone() {
+        if let Some(successor) = self.pods.successor_starting().map(str::to_owned) {
             drop(lock);
             if !matches!(self.queue.waiting_for, Some(QueueWait::Successor { .. })) {
                 tracing::info!(event = "restart_deferred", %successor, "a successor pod has a newer epoch: the queued restart waits (its handover refuses it)");
@@ -646,14 +671,6 @@ impl<H: Host> Supervisor<H> {
             kind: attempt.kind,
             fresh_start,
         };
-        push_bounded(&mut self.family.handoffs, result.clone());
-        self.family.last_handoff = Some(result);
+        self.history.handoff(result);
     }
-}
-
-/// Appends `item`, dropping the oldest beyond [`envoy_agent_proxy::HISTORY_KEPT`].
-pub(super) fn push_bounded<T>(list: &mut Vec<T>, item: T) {
-    list.push(item);
-    let excess = list.len().saturating_sub(envoy_agent_proxy::HISTORY_KEPT);
-    list.drain(..excess);
 }

@@ -33,6 +33,7 @@
 use envoy_agent_proxy::Signal;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{Event, Supervisor};
 use crate::epochs::Stop;
@@ -175,8 +176,7 @@ impl<H: Host> Supervisor<H> {
         else {
             return;
         };
-        self.base_id = next_base_id;
-        self.family.base_id = next_base_id;
+        self.set_base_id(next_base_id);
         self.host.switch_family(next_base_id, false);
         let (epoch, pid) = (child.epoch, child.pid);
         tracing::info!(
@@ -259,11 +259,14 @@ pub(super) fn forward_exits(
     mut last_run: mpsc::UnboundedReceiver<Event>,
     next_run: mpsc::UnboundedSender<Event>,
 ) {
-    tokio::spawn(async move {
-        while let Some(event) = last_run.recv().await {
-            if matches!(event, Event::Exited { .. }) && next_run.send(event).is_err() {
-                return;
+    tokio::spawn(
+        async move {
+            while let Some(event) = last_run.recv().await {
+                if matches!(event, Event::Exited { .. }) && next_run.send(event).is_err() {
+                    return;
+                }
             }
         }
-    });
+        .instrument(tracing::info_span!("kept_parent_exits")),
+    );
 }

@@ -1,14 +1,111 @@
-//! The node and the pod: heartbeats (read and written), the readiness marker, wedge records.
+//! The node and the pod: heartbeats (read and written), the readiness marker.
+//!
+//! The node's files are the only way pods of the node know of each other, and each write is
+//! a syscall on every period: [`NodeFiles`] keeps what was written last, so an unchanged
+//! heartbeat is only touched (readers take the file's modification time as its freshness),
+//! a marker only changes when readiness does, and an untrusted file is reported once.
 
-use envoy_agent_proxy::{HandoffKind, Outcome, Wedge, WedgeReason};
-use std::time::SystemTime;
+use envoy_agent_proxy::HandoffKind;
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
 use tokio::time::Instant;
 
-use super::{Life, Supervisor, WEDGES_KEPT};
+use super::{Life, Supervisor};
 use crate::handoff::Handoff;
 use crate::host::Host;
 use crate::node;
 use crate::node::{Heartbeat, NodeState};
+
+/// What the supervisor wrote to the node and the pod, and what of the node's files it
+/// already reported.
+#[derive(Debug)]
+pub(super) struct NodeFiles {
+    /// When the node is read and our heartbeat written next.
+    heartbeat_due: Instant,
+    /// The heartbeat last written, and when: an unchanged one is rewritten only every other
+    /// period (readers allow four).
+    written: Option<(Heartbeat, Instant)>,
+    /// Whether the readiness marker is present, as last set.
+    marker: bool,
+    /// Heartbeat files already reported as untrusted (each once).
+    reported: BTreeSet<(PathBuf, String)>,
+}
+
+/// What writing a heartbeat takes, after the one last written.
+pub(super) enum Write {
+    /// It says the same and is fresh.
+    Nothing,
+    /// It says the same: touching the file makes it fresh.
+    Touch,
+    Whole,
+}
+
+impl NodeFiles {
+    /// A heartbeat due at `now`, the marker absent.
+    pub(super) fn new(now: Instant) -> Self {
+        NodeFiles {
+            heartbeat_due: now,
+            written: None,
+            marker: false,
+            reported: BTreeSet::new(),
+        }
+    }
+
+    pub(super) fn heartbeat_due(&self) -> Instant {
+        self.heartbeat_due
+    }
+
+    /// Whether the heartbeat's turn came at `now` (early by half an `interval`, to share a
+    /// wake-up); the next turn is then an `interval` away.
+    fn heartbeat_turn(&mut self, now: Instant, interval: Duration) -> bool {
+        let due = now + interval / 2 >= self.heartbeat_due;
+        if due {
+            self.heartbeat_due = now + interval;
+        }
+        due
+    }
+
+    /// What writing `heartbeat` at `now` takes (`period`: the heartbeat period).
+    fn heartbeat_write(&self, heartbeat: &Heartbeat, now: Instant, period: Duration) -> Write {
+        let Some((last, at)) = &self.written else {
+            return Write::Whole;
+        };
+        let same = Heartbeat {
+            updated_unix_ms: last.updated_unix_ms,
+            ..heartbeat.clone()
+        } == *last;
+        match same {
+            true if now < *at + period => Write::Nothing,
+            true => Write::Touch,
+            false => Write::Whole,
+        }
+    }
+
+    fn heartbeat_touched(&mut self, now: Instant) {
+        if let Some((_, at)) = &mut self.written {
+            *at = now;
+        }
+    }
+
+    fn heartbeat_written(&mut self, heartbeat: Heartbeat, now: Instant) {
+        self.written = Some((heartbeat, now));
+    }
+
+    pub(super) fn marker(&self) -> bool {
+        self.marker
+    }
+
+    /// The marker is `present` now; whether that changed.
+    fn marker_set(&mut self, present: bool) -> bool {
+        std::mem::replace(&mut self.marker, present) != present
+    }
+
+    /// Whether the untrusted file `path` is reported for `reason` for the first time.
+    fn first_report(&mut self, path: PathBuf, reason: String) -> bool {
+        self.reported.insert((path, reason))
+    }
+}
 
 impl<H: Host> Supervisor<H> {
     /// The node's other fresh heartbeats of our family; notes a starting successor and reports
@@ -19,7 +116,7 @@ impl<H: Host> Supervisor<H> {
         }
         let (heartbeats, rejected) = self.host.read_heartbeats(&self.config.identity);
         for r in rejected {
-            if self.reported.insert((r.path.clone(), r.reason.clone())) {
+            if self.files.first_report(r.path.clone(), r.reason.clone()) {
                 tracing::warn!(event = "heartbeat_rejected", path = %r.path.display(), reason = %r.reason, "ignoring a heartbeat file");
             }
         }
@@ -41,8 +138,8 @@ impl<H: Host> Supervisor<H> {
             // Fresh forever if trusted: never.
             let reason = "stamped in the future: not trusted".to_owned();
             if self
-                .reported
-                .insert((std::path::PathBuf::from(&identity), reason.clone()))
+                .files
+                .first_report(std::path::PathBuf::from(&identity), reason.clone())
             {
                 tracing::warn!(event = "heartbeat_rejected", %identity, %reason, "ignoring a heartbeat");
             }
@@ -66,15 +163,14 @@ impl<H: Host> Supervisor<H> {
                         && h.newest_epoch > ours
                 })
                 .map(|h| h.identity.clone());
-            if successor != self.family.successor_starting {
-                if let Some(s) = &successor {
+            if self.pods.successor_seen(successor) {
+                if let Some(s) = self.pods.successor_starting() {
                     tracing::info!(successor = %s, "a successor pod is starting");
                     // See its takeover soon.
-                    if self.life.live().is_some() && !self.watchdog.in_flight {
-                        self.watchdog.next = Some(Instant::now());
+                    if self.life.live().is_some() {
+                        self.watchdog.check_soon(Instant::now());
                     }
                 }
-                self.family.successor_starting = successor;
             }
             let cold = others
                 .iter()
@@ -101,38 +197,55 @@ impl<H: Host> Supervisor<H> {
             .unwrap_or_default()
     }
 
+    /// Reads the node and writes our heartbeat when it is due.
+    pub(super) fn heartbeat_timer(&mut self, now: Instant) {
+        // Early rather than a wake-up of its own when something else woke us (each wake-up
+        // costs more than the work); every other period while nothing happens (a heartbeat is
+        // fresh for four).
+        let steady = self.life.serving().is_some()
+            && self.handoff.is_idle()
+            && self.pods.successor_starting().is_none();
+        let interval = self.config.heartbeat_period * if steady { 2 } else { 1 };
+        if self.host.has_node() && self.files.heartbeat_turn(now, interval) {
+            self.read_node();
+            self.write_heartbeat();
+        }
+    }
+
+    /// Writes our heartbeat, unless the one last written says the same and is fresh (an
+    /// unchanged one is only touched, every period).
     pub(super) fn write_heartbeat(&mut self) {
         if !self.host.has_node() {
             return;
         }
-        let (state, newest) = match &self.life {
-            Life::Discovering { .. } => (NodeState::Waiting, 0),
-            Life::Starting | Life::Serving { .. } => {
-                match (self.life.live(), self.handoff.attempt()) {
-                    (Some(n), _) => (NodeState::Serving, n),
-                    (None, Some(a)) => (NodeState::Starting, a.epoch),
-                    (None, None) => (
-                        NodeState::Starting,
-                        self.epochs.newest().map_or(0, |c| c.epoch),
-                    ),
-                }
-            }
-            Life::HandedOver { .. } => (
-                NodeState::HandedOver,
-                self.epochs.newest().map_or(0, |c| c.epoch),
-            ),
-            Life::Stopping { .. } => (
-                NodeState::Stopping,
-                self.epochs.newest().map_or(0, |c| c.epoch),
-            ),
-        };
         let now = Instant::now();
-        let now_ms = self.host.now_unix_ms();
+        let heartbeat = self.heartbeat(now);
+        match self
+            .files
+            .heartbeat_write(&heartbeat, now, self.config.heartbeat_period)
+        {
+            Write::Nothing => return,
+            // Unchanged: readers take the file's modification time as its freshness.
+            Write::Touch if self.host.touch_heartbeat(&self.config.identity).is_ok() => {
+                self.files.heartbeat_touched(now);
+                return;
+            }
+            Write::Touch | Write::Whole => {}
+        }
+        match self.host.write_heartbeat(&heartbeat) {
+            Ok(()) => self.files.heartbeat_written(heartbeat, now),
+            Err(e) => tracing::error!(error = %e, "cannot write the heartbeat"),
+        }
+    }
+
+    /// Our heartbeat as of `now`.
+    fn heartbeat(&self, now: Instant) -> Heartbeat {
+        let (state, newest) = self.node_state();
         let parent_until = match &self.handoff {
             Handoff::ParentDraining { until, .. } if until.at > now => until.unix_ms(),
             _ => 0,
         };
-        let heartbeat = Heartbeat {
+        Heartbeat {
             format: node::FORMAT.to_owned(),
             identity: self.config.identity.clone(),
             pid: std::process::id(),
@@ -142,46 +255,37 @@ impl<H: Host> Supervisor<H> {
             newest_epoch: newest,
             envoy_pid: self.epochs.get(newest).map_or(0, |c| c.pid),
             state,
-            updated_unix_ms: now_ms,
+            updated_unix_ms: self.host.now_unix_ms(),
             parent_draining_until_unix_ms: parent_until,
             restart_in_flight: self.life.live().is_some() && self.handoff.attempt().is_some(),
             cold_takeover_of: self.handoff.cold_takeover_of().map(str::to_owned),
-            handover: self
-                .family
-                .handoffs
-                .iter()
-                .rev()
-                .find(|h| h.outcome == Outcome::Live)
-                // Told by how it started, not by its reason: a user's restart may say `start`.
-                .filter(|h| !h.fresh_start)
-                .map(|h| node::Handover {
-                    kind: h.kind.as_str().to_owned(),
-                    why: match &h.kind {
-                        HandoffKind::Cold { why, .. } => why.clone(),
-                        HandoffKind::Hot => String::new(),
-                    },
-                }),
+            handover: self.history.last_handover().map(|h| node::Handover {
+                kind: h.kind.as_str().to_owned(),
+                why: match &h.kind {
+                    HandoffKind::Cold { why, .. } => why.clone(),
+                    HandoffKind::Hot => String::new(),
+                },
+            }),
             socket_path: self.host.socket_path().to_string(),
             admin_address: self.admin_address(),
             generation: self.config.generation,
-        };
-        if let Some((last, at)) = &mut self.heartbeat_written {
-            let same = Heartbeat {
-                updated_unix_ms: last.updated_unix_ms,
-                ..heartbeat.clone()
-            } == *last;
-            if same && now < *at + self.config.heartbeat_period {
-                return;
-            }
-            // Unchanged: readers take the file's modification time as its freshness.
-            if same && self.host.touch_heartbeat(&self.config.identity).is_ok() {
-                *at = now;
-                return;
-            }
         }
-        match self.host.write_heartbeat(&heartbeat) {
-            Ok(()) => self.heartbeat_written = Some((heartbeat, now)),
-            Err(e) => tracing::error!(error = %e, "cannot write the heartbeat"),
+    }
+
+    /// What our heartbeat tells of our life, and of which epoch.
+    fn node_state(&self) -> (NodeState, u32) {
+        let newest = || self.epochs.newest().map_or(0, |c| c.epoch);
+        match &self.life {
+            Life::Discovering { .. } => (NodeState::Waiting, 0),
+            Life::Starting | Life::Serving { .. } => {
+                match (self.life.live(), self.handoff.attempt()) {
+                    (Some(n), _) => (NodeState::Serving, n),
+                    (None, Some(a)) => (NodeState::Starting, a.epoch),
+                    (None, None) => (NodeState::Starting, newest()),
+                }
+            }
+            Life::HandedOver { .. } => (NodeState::HandedOver, newest()),
+            Life::Stopping { .. } => (NodeState::Stopping, newest()),
         }
     }
 
@@ -189,21 +293,8 @@ impl<H: Host> Supervisor<H> {
         if let Err(e) = self.host.set_marker(present) {
             tracing::error!(error = %e, "cannot update the readiness marker");
         }
-        if self.marker != present {
+        if self.files.marker_set(present) {
             tracing::info!(event = "ready_marker", ready = present, "readiness marker");
-            self.marker = present;
         }
-    }
-
-    pub(super) fn record_wedge(&mut self, reason: WedgeReason, message: String) {
-        tracing::error!(event = "wedge", reason = %reason, error = %message, "hot restart wedge");
-        self.metrics.wedge(reason.as_str());
-        self.family.wedges.push(Wedge {
-            reason,
-            at: SystemTime::now(),
-            message,
-        });
-        let excess = self.family.wedges.len().saturating_sub(WEDGES_KEPT);
-        self.family.wedges.drain(..excess);
     }
 }

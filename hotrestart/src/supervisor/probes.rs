@@ -1,19 +1,18 @@
-//! Admin probes and what their answers decide: discovery of a predecessor, LIVE, the watchdog
-//! (stale readiness, wedge, lost listener, takeover by a successor), the stop-time successor
-//! question.
-
-use envoy_agent_proxy::watchdog::{self, Silence};
+//! Admin probes and what their answers decide: discovery of a predecessor, LIVE, takeover by
+//! a successor, the stop-time successor question (the watchdog's answers: `watchdog`).
 
 use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::{
-    AdminError, AdminHealth, Ended, EpochState, RestartError, ServerInfo, ServerState, WedgeReason,
+    AdminError, Ended, EpochState, Exit, RestartError, ServerInfo, ServerState,
 };
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use super::{
     DISCOVERY_POLL, Event, INCOMPATIBLE_REPORT, LOCK_RETRY, Life, MAX_RETRIES, Probe, START_REASON,
-    Supervisor, Version, WATCHDOG_POLL, WATCHDOG_POLL_SUCCESSOR, Waiting,
+    Supervisor, Waiting,
 };
 use crate::discovery;
 use crate::discovery::Discovery;
@@ -23,19 +22,8 @@ use crate::probing::Probing;
 
 impl<H: Host> Supervisor<H> {
     pub(super) fn on_discovery(&mut self, result: Result<ServerInfo, AdminError>) {
-        if let Life::Discovering { look, .. } = &mut self.life {
-            if result.is_ok() && self.version.known().is_none() {
-                // Someone answers: only our own version tells whether we can take over. Ask
-                // it; look again once it is known.
-                *look = Probing {
-                    next: Some(Instant::now() + LIVE_POLL),
-                    in_flight: false,
-                };
-                if self.version == Version::Unknown {
-                    self.ask_version();
-                }
-                return;
-            }
+        if result.is_ok() && self.wait_for_version() {
+            return;
         }
         let now_ms = self.host.now_unix_ms();
         let others = self.read_node();
@@ -66,13 +54,53 @@ impl<H: Host> Supervisor<H> {
             self.config.generation,
             now_ms,
         );
+        self.follow_discovery(
+            decision,
+            result.as_ref().ok(),
+            ours,
+            waiting.as_ref(),
+            reported_incompatible,
+        );
+    }
+
+    /// Someone answers on the admin address and our version is not known: only our own
+    /// version tells whether we can take over. Asks it, and looks again once it is known;
+    /// whether discovery waits for it.
+    fn wait_for_version(&mut self) -> bool {
+        let Life::Discovering { look, .. } = &mut self.life else {
+            return false;
+        };
+        if self.version.known().is_some() {
+            return false;
+        }
+        *look = Probing {
+            next: Some(Instant::now() + LIVE_POLL),
+            in_flight: false,
+        };
+        if self.version.is_unknown() {
+            self.ask_version();
+        }
+        true
+    }
+
+    /// Acts on discovery's `decision`. `answer`: what answered on the admin address; `ours`:
+    /// our version; `waiting`, `reported_incompatible`: why discovery waited until now, and
+    /// when an incompatible Envoy was last reported.
+    fn follow_discovery(
+        &mut self,
+        decision: Discovery,
+        answer: Option<&ServerInfo>,
+        ours: String,
+        waiting: Option<&Waiting>,
+        reported_incompatible: Option<Instant>,
+    ) {
         match decision {
             Discovery::Fresh => self.start_fresh(),
             Discovery::TakeOver {
                 epoch,
                 base_id,
                 identity,
-            } => self.take_over(epoch, base_id, identity, result.as_ref().ok()),
+            } => self.take_over(epoch, base_id, identity, answer),
             Discovery::Incompatible {
                 theirs,
                 base_id,
@@ -83,7 +111,7 @@ impl<H: Host> Supervisor<H> {
                 let why = format!(
                     "the node's envoy ({who}) has hot-restart version {theirs}, ours {ours}"
                 );
-                self.family.predecessor = Some(who.clone());
+                self.pods.predecessor_is(who.clone());
                 self.begin_first_cold(base_id, who, why);
             }
             Discovery::Incompatible {
@@ -95,14 +123,14 @@ impl<H: Host> Supervisor<H> {
                     theirs,
                     ours: self.config.generation,
                 };
-                if waiting.as_ref() != Some(&why) {
+                if waiting != Some(&why) {
                     tracing::warn!(event = "newer_pod_serves", reason = %why, "not taking over");
                 }
                 self.set_waiting(why, reported_incompatible);
             }
             Discovery::Wait(why) => {
                 let why = Waiting::Node(why);
-                if waiting.as_ref() != Some(&why) {
+                if waiting != Some(&why) {
                     tracing::info!(reason = %why, "waiting to take over");
                 }
                 self.set_waiting(why, reported_incompatible);
@@ -169,14 +197,13 @@ impl<H: Host> Supervisor<H> {
             identity.unwrap_or_else(|| "an envoy of the family without a heartbeat".to_owned());
         if base_id != self.base_id {
             // The family went on under our other base id (a cold handover).
-            self.base_id = base_id;
-            self.family.base_id = base_id;
+            self.set_base_id(base_id);
             self.host.switch_family(base_id, false);
         }
         if let Err(why) = self.shm_usable() {
             // Our epoch could not attach to the family's segment: a family of our own
             // beside it instead.
-            self.family.predecessor = Some(who.clone());
+            self.pods.predecessor_is(who.clone());
             let why = format!("the node family's shared memory is unusable: {why}");
             self.begin_first_cold(base_id, who, why);
             return;
@@ -185,7 +212,7 @@ impl<H: Host> Supervisor<H> {
             self.use_parents_channel(info);
         }
         tracing::info!(predecessor = %who, epoch = epoch + 1, "hot-restarting from the predecessor's envoy");
-        self.family.predecessor = Some(who.clone());
+        self.pods.predecessor_is(who.clone());
         self.begin_first(
             epoch + 1,
             Some(Parent::Foreign {
@@ -218,7 +245,7 @@ impl<H: Host> Supervisor<H> {
     /// Asks whether a newer epoch than ours answers on the admin address, beside the loop.
     pub(super) fn probe(&mut self, probe: Probe) {
         if matches!(probe, Probe::Watchdog) {
-            self.watchdog.in_flight = true;
+            self.watchdog.sent();
         }
         // The epoch each probe's answer is weighed against (see `takeover_seen`): only a newer
         // one's state matters.
@@ -230,18 +257,21 @@ impl<H: Host> Supervisor<H> {
         };
         // The watchdog's steady checks keep their connection; not while a successor starts
         // (its takeover is expected: a kept connection would go on reaching ours).
-        let kept = matches!(probe, Probe::Watchdog) && self.family.successor_starting.is_none();
+        let kept = matches!(probe, Probe::Watchdog) && self.pods.successor_starting().is_none();
         let call = self.host.newer_epoch(ours, kept);
         let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(async move {
-            let result = call.await;
-            let _ = events.send(Event::Probed {
-                probe,
-                sent,
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await;
+                let _ = events.send(Event::Probed {
+                    probe,
+                    sent,
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
     }
 
     /// Asks who answers on the admin address, in full (discovery), beside the loop.
@@ -251,9 +281,12 @@ impl<H: Host> Supervisor<H> {
         }
         let call = self.host.server_info();
         let events = self.events_tx.clone();
-        tokio::spawn(async move {
-            let _ = events.send(Event::Discovered(call.await));
-        });
+        tokio::spawn(
+            async move {
+                let _ = events.send(Event::Discovered(call.await));
+            }
+            .in_current_span(),
+        );
     }
 
     /// Asks whether the starting epoch is LIVE, beside the loop.
@@ -270,14 +303,17 @@ impl<H: Host> Supervisor<H> {
             .live_check(matches!(live.sign, LiveSign::Seen(_)).then_some(epoch));
         let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(async move {
-            let result = call.await;
-            let _ = events.send(Event::LiveChecked {
-                epoch,
-                sent,
-                result,
-            });
-        });
+        tokio::spawn(
+            async move {
+                let result = call.await;
+                let _ = events.send(Event::LiveChecked {
+                    epoch,
+                    sent,
+                    result,
+                });
+            }
+            .in_current_span(),
+        );
     }
 
     pub(super) fn on_probe(
@@ -288,83 +324,97 @@ impl<H: Host> Supervisor<H> {
     ) {
         match probe {
             Probe::Watchdog => {
-                self.watchdog.in_flight = false;
+                self.watchdog.returned();
                 self.on_watchdog(sent, result);
             }
-            Probe::Successor(reply) => {
-                let ours = self.life.live().or(self.epochs.newest().map(|c| c.epoch));
-                if let Some(successor) = self.takeover_seen(&result, ours) {
-                    self.hand_over(successor);
-                }
-                let answer = match &self.life {
-                    Life::HandedOver { successor } => Some(successor.clone()),
-                    _ => self.family.successor_starting.clone(),
-                };
-                tracing::info!(successor = ?answer, "asked whether a successor takes over");
-                // The asker reads the state next: publish first.
-                self.publish();
-                let _ = reply.send(answer);
-            }
-            Probe::ServingExited(exit) => {
-                if let Some(successor) = self.takeover_seen(&result, Some(exit.epoch)) {
-                    tracing::info!(epoch = exit.epoch, %successor, "our envoy was terminated by the successor's");
-                    self.hand_over(successor);
-                    return;
-                }
-                if matches!(self.life, Life::Stopping { .. } | Life::HandedOver { .. }) {
-                    return;
-                }
-                // Nothing serves: the family stops. A draining parent may keep its in-flight
-                // requests through the crash (then it is not stopped with the rest).
-                self.keep_draining_parent();
-                let code = exit.code();
-                if code == 0 {
-                    let message = format!(
-                        "the serving envoy (epoch {}) exited with code 0 while no other epoch \
-                         serves and no successor took over: it was terminated from outside \
-                         (e.g. by another pod's failed epoch)",
-                        exit.epoch
-                    );
-                    tracing::error!(%message);
-                    self.begin_stop(Ended::Lost { exit, message }, "nothing serves");
-                } else {
-                    tracing::error!(
-                        epoch = exit.epoch,
-                        code,
-                        "the serving epoch exited\n{}",
-                        exit.stderr_tail.trim_end()
-                    );
-                    self.begin_stop(Ended::Exited(exit), "the serving epoch exited");
-                }
-            }
+            Probe::Successor(reply) => self.answer_successor(reply, &result),
+            Probe::ServingExited(exit) => self.on_serving_exited(exit, &result),
             Probe::FailedChild { epoch, retries } => {
-                if !self.life.running() || self.family.drained {
-                    return;
-                }
                 // Only a LIVE child gives the family an admin endpoint back once a failed one
                 // shut the serving epoch's.
-                if result.is_err() {
-                    let retries = retries + 1;
-                    if retries <= MAX_RETRIES {
-                        tracing::warn!(
-                            epoch,
-                            retries,
-                            "the serving epoch lost its admin endpoint to the failed child; retrying the same epoch"
-                        );
-                        self.queue.retries = self.queue.retries.max(retries);
-                        self.queue.push(
-                            format!("retry {retries} after failed epoch {epoch}"),
-                            None,
-                            Instant::now(),
-                        );
-                    } else {
-                        tracing::error!(
-                            epoch,
-                            "the serving epoch has no admin endpoint and the retries are used up"
-                        );
-                    }
+                if result.is_err() && self.life.running() && !self.orders.drained() {
+                    self.retry_for_admin(epoch, retries + 1);
                 }
             }
+        }
+    }
+
+    /// A stop is coming: tells the asker whether a successor takes over, from the probe's
+    /// `result` (a takeover it shows is a handover now).
+    fn answer_successor(
+        &mut self,
+        reply: oneshot::Sender<Option<String>>,
+        result: &Result<Option<AdminState>, AdminError>,
+    ) {
+        let ours = self.life.live().or(self.epochs.newest().map(|c| c.epoch));
+        if let Some(successor) = self.takeover_seen(result, ours) {
+            self.hand_over(successor);
+        }
+        let answer = match &self.life {
+            Life::HandedOver { successor } => Some(successor.clone()),
+            _ => self.pods.successor_starting().map(str::to_owned),
+        };
+        tracing::info!(successor = ?answer, "asked whether a successor takes over");
+        // The asker reads the state next: publish first.
+        self.publish();
+        let _ = reply.send(answer);
+    }
+
+    /// Our serving epoch exited and the probe's `result` says who serves now: a successor
+    /// (handed over), or nobody (the family stops).
+    fn on_serving_exited(&mut self, exit: Exit, result: &Result<Option<AdminState>, AdminError>) {
+        if let Some(successor) = self.takeover_seen(result, Some(exit.epoch)) {
+            tracing::info!(epoch = exit.epoch, %successor, "our envoy was terminated by the successor's");
+            self.hand_over(successor);
+            return;
+        }
+        if matches!(self.life, Life::Stopping { .. } | Life::HandedOver { .. }) {
+            return;
+        }
+        // Nothing serves: the family stops. A draining parent may keep its in-flight
+        // requests through the crash (then it is not stopped with the rest).
+        self.keep_draining_parent();
+        let code = exit.code();
+        if code == 0 {
+            let message = format!(
+                "the serving envoy (epoch {}) exited with code 0 while no other epoch \
+                 serves and no successor took over: it was terminated from outside \
+                 (e.g. by another pod's failed epoch)",
+                exit.epoch
+            );
+            tracing::error!(%message);
+            self.begin_stop(Ended::Lost { exit, message }, "nothing serves");
+        } else {
+            tracing::error!(
+                epoch = exit.epoch,
+                code,
+                "the serving epoch exited\n{}",
+                exit.stderr_tail.trim_end()
+            );
+            self.begin_stop(Ended::Exited(exit), "the serving epoch exited");
+        }
+    }
+
+    /// The serving epoch lost its admin endpoint to failed epoch `epoch`: the same epoch is
+    /// tried again (this is retry `retries`), up to [`MAX_RETRIES`].
+    fn retry_for_admin(&mut self, epoch: u32, retries: u32) {
+        if retries <= MAX_RETRIES {
+            tracing::warn!(
+                epoch,
+                retries,
+                "the serving epoch lost its admin endpoint to the failed child; retrying the same epoch"
+            );
+            self.queue.retries = self.queue.retries.max(retries);
+            self.queue.push(
+                format!("retry {retries} after failed epoch {epoch}"),
+                None,
+                Instant::now(),
+            );
+        } else {
+            tracing::error!(
+                epoch,
+                "the serving epoch has no admin endpoint and the retries are used up"
+            );
         }
     }
 
@@ -407,15 +457,13 @@ impl<H: Host> Supervisor<H> {
         self.life = Life::HandedOver {
             successor: successor.clone(),
         };
-        self.family.handed_over_to = Some(successor.clone());
-        self.family.successor_starting = None;
+        self.pods.successor_took_over();
         self.set_marker(false);
         self.queue.refuse(&RestartError::Refused(format!(
             "handed over to {successor}"
         )));
-        self.watchdog = Probing::default();
         // The successor's Envoy serves now: ours is no longer asked.
-        self.admin_health = AdminHealth::Answering;
+        self.watchdog.handed_over();
         self.write_heartbeat();
     }
 
@@ -466,105 +514,6 @@ impl<H: Host> Supervisor<H> {
             // Envoy answered "not LIVE" before this moment (and after `sent`).
             NotLive::Poll => checks.not_live_yet(Instant::now()),
         }
-    }
-
-    pub(super) fn on_watchdog(
-        &mut self,
-        sent: Instant,
-        result: Result<Option<AdminState>, AdminError>,
-    ) {
-        if self.life.serving().is_none() {
-            return;
-        }
-        if let Some(successor) = self.takeover_seen(&result, self.life.live()) {
-            self.hand_over(successor);
-            return;
-        }
-        let now = Instant::now();
-        let period = if self.family.successor_starting.is_some() {
-            WATCHDOG_POLL_SUCCESSOR
-        } else {
-            WATCHDOG_POLL
-        };
-        self.watchdog.next = Some(now + period);
-        match result {
-            Ok(_) => self.admin_answered(now),
-            Err(e) if self.family.successor_starting.is_some() => {
-                // Another pod's starting epoch may hold the admin listener: its handoff, not a
-                // wedge of ours.
-                tracing::debug!(error = %e, "admin silent while a successor starts");
-                self.admin_answered(now);
-            }
-            Err(e) if discovery::refused(&e) => {
-                // Our Envoy runs but its admin listener is gone: only a child (ours or another
-                // pod's) takes it, and that child has failed. Only a LIVE child gives it back.
-                self.admin_answered(now);
-                if self.handoff.is_idle() && self.queue.is_empty() && !self.family.drained {
-                    tracing::warn!(error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
-                    self.queue
-                        .push("recover the admin listener".to_owned(), None, now);
-                }
-            }
-            Err(e) if e.is_local_resource() => {
-                // The agent could not even try (no descriptor, no memory, no local port):
-                // nothing is known of Envoy. Silence counts only from calls that reached it.
-                tracing::error!(event = "agent_resources", error = %e, "the agent itself is out of a resource: cannot check envoy's admin (not counted as envoy being silent)");
-            }
-            Err(e) => {
-                let silent = now - self.admin_ok;
-                let deadline = self.config.proxy.options.admin_unresponsive_deadline;
-                tracing::warn!(error = %e, silent_for = ?silent, "envoy admin not answering");
-                // The same rules as a sidecar's (see `watchdog`): stale after a few seconds; a
-                // wedge only when a call sent once the deadline had passed failed too (one sent
-                // before it and answered late, the agent stalled or starved, is not the fresh
-                // fact a wedge, which stops the family, needs).
-                let silence = watchdog::judge(self.admin_ok, sent, now, deadline);
-                if silence != Silence::Brief && self.admin_health == AdminHealth::Answering {
-                    tracing::warn!(
-                        event = "admin_silent",
-                        epoch = self.life.live(),
-                        silent_for_ms = silent.as_millis() as u64,
-                        deadline_ms = deadline.as_millis() as u64,
-                        error = %e,
-                        "envoy's admin API does not answer: not ready"
-                    );
-                    let since = SystemTime::now().checked_sub(silent);
-                    self.admin_health = AdminHealth::Silent {
-                        since: since.unwrap_or_else(SystemTime::now),
-                    };
-                    // The marker is a node proxy's readiness (an exec probe): it follows too.
-                    self.refresh_marker();
-                }
-                if silence == Silence::Wedged {
-                    let message =
-                        format!("envoy admin silent for {silent:?} (deadline {deadline:?}): {e}");
-                    self.record_wedge(WedgeReason::AdminUnresponsive, message.clone());
-                    self.begin_stop(
-                        Ended::Wedged {
-                            reason: WedgeReason::AdminUnresponsive,
-                            message,
-                        },
-                        "wedged",
-                    );
-                }
-            }
-        }
-    }
-
-    /// The serving epoch answered (or its silence is explained) at `now`: readiness follows it
-    /// again.
-    pub(super) fn admin_answered(&mut self, now: Instant) {
-        if let AdminHealth::Silent { .. } = self.admin_health {
-            tracing::info!(
-                event = "admin_answering",
-                epoch = self.life.live(),
-                silent_for_ms = (now - self.admin_ok).as_millis() as u64,
-                "envoy's admin API answers again"
-            );
-            self.admin_health = AdminHealth::Answering;
-            self.refresh_marker();
-        }
-        self.admin_ok = now;
     }
 
     /// Discovery's next step: the node's epoch lock, then a look at the node.
