@@ -142,13 +142,15 @@ pub fn settings(settings: &Settings, proxy: &ProxyConfig, config: &AgentConfig) 
             .hot_restart
             .as_ref()
             .and_then(|h| duration(h.parent_shutdown_time)),
-        handoff_deadline: hot.and_then(|h| duration(h.handoff_deadline)),
+        handoff_deadline: hot.and_then(|h| duration(h.options.handoff_deadline)),
         admin_unresponsive_deadline: duration(envoy.admin_unresponsive_deadline),
         handover_timeout: hot.and_then(|_| duration(config.handover_timeout)),
         base_id: hot.map(|h| h.base_id),
         state_dir: hot.map(|h| path(&h.state_dir)),
-        ready_marker: hot.and_then(|h| h.ready_marker.as_deref()).map(path),
-        watch_config: hot.is_some_and(|h| h.watch_config),
+        ready_marker: hot
+            .and_then(|h| h.options.ready_marker.as_deref())
+            .map(path),
+        watch_config: hot.is_some_and(|h| h.options.watch_config),
         grpc_allow_remote: settings.grpc_allow_remote,
         control_allow_uids: settings.control_allow_uids.clone(),
         shutdown_budget: settings

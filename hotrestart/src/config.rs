@@ -38,13 +38,47 @@ pub enum ConfigError {
     AdminPortZero,
 }
 
+/// What the operator says of the family: each value under its flag's name, built once from the
+/// command line (the agent's `RunArgs::into_settings`) and carried whole into [`Config`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FamilyOptions {
+    /// `--watch-config`: hot-restart when the bootstrap changes.
+    pub watch_config: bool,
+    /// `--ready-marker`: a file that exists exactly while this supervisor's newest epoch is
+    /// LIVE.
+    pub ready_marker: Option<PathBuf>,
+    /// `--pod-generation`: its pod's place in a rollout, a later pod's is larger (the
+    /// DaemonSet's `pod-template-generation`, else the agent's start time in Unix ms). It never
+    /// takes over from, nor starts a family beside, a family run by a newer pod.
+    pub generation: u64,
+    /// `--handoff-deadline`: how long a new epoch may take from spawn to LIVE.
+    pub handoff_deadline: Duration,
+    /// `--cold-base-id`: the base id a cold handover's new family takes when the family runs
+    /// under the configured one (and the configured one when it runs under this): families
+    /// alternate between the two. `None` (`--no-cold-handover`): no cold handover; a restart
+    /// hot restart cannot do is refused.
+    pub cold_base_id: Option<u32>,
+}
+
+impl Default for FamilyOptions {
+    fn default() -> Self {
+        FamilyOptions {
+            watch_config: false,
+            ready_marker: None,
+            generation: 0,
+            handoff_deadline: Duration::from_secs(60),
+            cold_base_id: None,
+        }
+    }
+}
+
 /// The supervisor's settings.
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Envoy's settings; `hot_restart` must be set. Its drain duration is `--drain-time`.
     pub proxy: ProxyConfig,
-    /// Hot-restart when the bootstrap changes.
-    pub watch_config: bool,
+    /// What the operator said of the family.
+    pub options: FamilyOptions,
     /// Debounce of the config watch.
     pub watch_debounce: Duration,
     /// The per-node state directory (shared between pods of a node): heartbeats and the
@@ -52,23 +86,11 @@ pub struct Config {
     pub state_dir: Option<PathBuf>,
     /// This supervisor's name on the node, unique per agent instance (see [`unique_identity`]).
     pub identity: String,
-    /// Its pod's place in a rollout: a later pod's is larger (the DaemonSet's
-    /// `pod-template-generation`, else the agent's start time in Unix ms). It never takes over
-    /// from, nor starts a family beside, a family run by a newer pod.
-    pub generation: u64,
     /// How often the heartbeat is rewritten (and the node's other heartbeats read).
     pub heartbeat_period: Duration,
-    /// A file that exists exactly while this supervisor's newest epoch is LIVE.
-    pub ready_marker: Option<PathBuf>,
-    /// How long a new epoch may take from spawn to LIVE.
-    pub handoff_deadline: Duration,
     /// How long after its parent-shutdown time a draining parent may still run before it is
     /// killed as overdue.
     pub parent_overdue_grace: Duration,
-    /// The base id a cold handover's new family takes when the family runs under the
-    /// configured one (and the configured one when it runs under this): families alternate
-    /// between the two. `None`: no cold handover; a restart hot restart cannot do is refused.
-    pub cold_base_id: Option<u32>,
     /// When the serving epoch dies while its parent drains and the family ends (a crash),
     /// leave that parent running, to finish its in-flight requests by its own deadline, and
     /// hand it to the next run, which starts beside it under the other base id. Only for a
@@ -82,16 +104,12 @@ impl Config {
     pub fn new(proxy: ProxyConfig) -> Self {
         Config {
             proxy,
-            watch_config: false,
+            options: FamilyOptions::default(),
             watch_debounce: Duration::from_millis(200),
             state_dir: None,
             identity: unique_identity(None),
-            generation: 0,
             heartbeat_period: Duration::from_millis(500),
-            ready_marker: None,
-            handoff_deadline: Duration::from_secs(60),
             parent_overdue_grace: Duration::from_secs(5),
-            cold_base_id: None,
             keep_draining_parent: false,
         }
     }
@@ -107,7 +125,7 @@ impl Config {
             self.proxy.options.drain_time,
             hot.parent_shutdown_time,
             hot.base_id,
-            self.cold_base_id,
+            self.options.cold_base_id,
         )?;
         match self.proxy.admin.known() {
             Some(addr) if addr.tcp().is_none_or(|a| a.port() != 0) => Ok((addr, hot.base_id)),

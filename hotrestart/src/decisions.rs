@@ -39,9 +39,9 @@ fn config() -> Config {
     });
     let mut c = Config::new(proxy);
     c.identity = "pod-a-0000aaaa".to_owned();
-    c.handoff_deadline = Duration::from_secs(10);
+    c.options.handoff_deadline = Duration::from_secs(10);
     c.proxy.options.admin_unresponsive_deadline = Duration::from_secs(5);
-    c.cold_base_id = Some(8);
+    c.options.cold_base_id = Some(8);
     c
 }
 
@@ -1665,7 +1665,7 @@ async fn unusable_shared_memory_is_handed_over_cold_with_the_same_version() {
 #[tokio::test(start_paused = true)]
 async fn without_cold_handovers_an_incompatible_binary_is_refused() {
     let mut c = config();
-    c.cold_base_id = None;
+    c.options.cold_base_id = None;
     let f = start(FakeHost::default(), c);
     f.serving_at(0).await;
     f.host.world().preflights.push_back(Err(incompatible()));

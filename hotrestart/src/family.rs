@@ -126,7 +126,7 @@ impl EnvoyFamily<RealHost> {
             AdminClient::new(admin).with_timeout(ADMIN_TIMEOUT),
             base_id,
             config.state_dir.clone(),
-            config.ready_marker.clone(),
+            config.options.ready_marker.clone(),
             cache.clone(),
         );
         let mut family = Self::with_host(config, Arc::new(host), metrics)?;
@@ -282,7 +282,7 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
             .iter()
             .map(|h| h.base_id)
             .collect();
-        base_ids.extend(self.config.cold_base_id);
+        base_ids.extend(self.config.options.cold_base_id);
         match self.host.remove_family_files(&base_ids) {
             Ok(removed) => tracing::info!(
                 event = "family_files_removed",

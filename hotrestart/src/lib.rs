@@ -81,7 +81,7 @@ mod testing;
 pub mod watch;
 
 pub use answers::FamilyError;
-pub use config::{Config, ConfigError, check, unique_identity};
+pub use config::{Config, ConfigError, FamilyOptions, check, unique_identity};
 pub use envoy_agent_proxy::{EXIT_WEDGED, RestartError};
 pub use family::{EnvoyFamily, SupervisorHandle};
 pub use host::{Host, RealHost};

@@ -552,7 +552,7 @@ impl<H: Host> Supervisor<H> {
         } else {
             self.begin_first(0, None, START_REASON.to_owned());
         }
-        if self.config.watch_config {
+        if self.config.options.watch_config {
             match crate::watch::ConfigWatch::start(
                 &self.config.proxy.config_path,
                 self.config.watch_debounce,
@@ -603,7 +603,7 @@ impl<H: Host> Supervisor<H> {
 
     /// How long a starting supervisor may wait for its turn before it gives up.
     fn discovery_bound(&self) -> Duration {
-        self.config.handoff_deadline
+        self.config.options.handoff_deadline
             + self
                 .config
                 .parent_shutdown_time()

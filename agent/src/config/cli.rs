@@ -19,7 +19,7 @@ use crate::config::duration::{
     parse_duration, parse_positive_duration, parse_positive_whole_seconds, parse_whole_seconds,
 };
 use crate::config::settings::{
-    Counting, DrainSettings, DrainStrategy, EnvoyAdmin, EnvoySettings, GrpcAddress,
+    Counting, DrainSettings, DrainStrategy, EnvoyAdmin, EnvoySettings, FamilyOptions, GrpcAddress,
     HotRestartSettings, RunAs, Settings, TelemetrySettings,
 };
 use crate::config::timeline::{AppHold, HealthCheckFailAt};
@@ -806,7 +806,7 @@ impl RunArgs {
             self.drain_time,
             hot.parent_shutdown_time,
             hot.base_id,
-            hot.cold_base_id,
+            hot.options.cold_base_id,
         )?)
     }
 
@@ -838,7 +838,7 @@ impl RunArgs {
             Some(share) => share,
             None => {
                 let (handoff, parent_shutdown) = match hot_restart {
-                    Some(hot) => (hot.handoff_deadline, hot.parent_shutdown_time),
+                    Some(hot) => (hot.options.handoff_deadline, hot.parent_shutdown_time),
                     None => (
                         crate::config::defaults::HANDOFF_DEADLINE,
                         crate::config::defaults::PARENT_SHUTDOWN_TIME,
@@ -964,27 +964,29 @@ impl RunArgs {
         let base_id = self.base_id.ok_or(SettingsError::MissingBaseId)?;
         Ok(Some(HotRestartSettings {
             base_id,
-            cold_base_id: match (self.no_cold_handover, self.cold_base_id) {
-                (true, _) => None,
-                (false, Some(cold)) => Some(cold),
-                // The last base id has no next one: no cold handover then.
-                (false, None) => base_id.checked_add(1),
+            options: FamilyOptions {
+                watch_config: self.watch_config,
+                ready_marker: self.ready_marker.clone(),
+                // A later agent starts later: the fallback order when the pods do not say.
+                generation: self.pod_generation.unwrap_or_else(|| {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis() as u64)
+                }),
+                handoff_deadline: self.handoff_deadline.unwrap_or(defaults::HANDOFF_DEADLINE),
+                cold_base_id: match (self.no_cold_handover, self.cold_base_id) {
+                    (true, _) => None,
+                    (false, Some(cold)) => Some(cold),
+                    // The last base id has no next one: no cold handover then.
+                    (false, None) => base_id.checked_add(1),
+                },
             },
             allow_abstract_socket: self.allow_abstract_hot_restart_socket,
             parent_shutdown_time: self
                 .parent_shutdown_time
                 .unwrap_or(defaults::PARENT_SHUTDOWN_TIME),
-            watch_config: self.watch_config,
-            ready_marker: self.ready_marker.clone(),
             state_dir,
             identity: self.identity.clone(),
-            // A later agent starts later: the fallback order when the pods do not say.
-            generation: self.pod_generation.unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_millis() as u64)
-            }),
-            handoff_deadline: self.handoff_deadline.unwrap_or(defaults::HANDOFF_DEADLINE),
         }))
     }
 
@@ -1400,14 +1402,19 @@ mod tests {
 
         let hot = settings(&HOT).unwrap().hot_restart.unwrap();
         assert_eq!(hot.base_id, 7);
-        assert_eq!(hot.cold_base_id, Some(8));
+        assert_eq!(hot.options.cold_base_id, Some(8));
         assert_eq!(hot.state_dir, PathBuf::from("/st"));
         assert_eq!(hot.parent_shutdown_time, defaults::PARENT_SHUTDOWN_TIME);
-        assert_eq!(hot.handoff_deadline, defaults::HANDOFF_DEADLINE);
+        assert_eq!(hot.options.handoff_deadline, defaults::HANDOFF_DEADLINE);
 
         let cold = |extra: &[&str]| {
             let args: Vec<&str> = HOT.iter().chain(extra).copied().collect();
-            settings(&args).unwrap().hot_restart.unwrap().cold_base_id
+            settings(&args)
+                .unwrap()
+                .hot_restart
+                .unwrap()
+                .options
+                .cold_base_id
         };
         assert_eq!(cold(&["--cold-base-id", "100"]), Some(100));
         assert_eq!(cold(&["--no-cold-handover"]), None);
@@ -1419,7 +1426,12 @@ mod tests {
             "/st",
         ];
         assert_eq!(
-            settings(&last).unwrap().hot_restart.unwrap().cold_base_id,
+            settings(&last)
+                .unwrap()
+                .hot_restart
+                .unwrap()
+                .options
+                .cold_base_id,
             None
         );
 

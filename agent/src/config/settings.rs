@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 pub use envoy_agent_drain::Counting;
+pub use envoy_agent_hotrestart::FamilyOptions;
 pub use envoy_agent_proxy::{DrainStrategy, EnvoyOptions, RunAs, Scope};
 
 use crate::crash::CrashRecovery;
@@ -180,27 +181,18 @@ pub struct TelemetrySettings {
 pub struct HotRestartSettings {
     /// Envoy's `--base-id` (`--base-id`).
     pub base_id: u32,
-    /// The base id of a cold handover's second family; `None`: no cold handover, a restart hot
-    /// restart cannot do is refused (`--cold-base-id`, else `--base-id` + 1;
-    /// `--no-cold-handover`).
-    pub cold_base_id: Option<u32>,
+    /// The family's own settings, carried whole into the hot-restart crate's config
+    /// (`--watch-config`, `--ready-marker`, `--pod-generation`, `--handoff-deadline`,
+    /// `--cold-base-id`: else `--base-id` + 1, none with `--no-cold-handover`).
+    pub options: FamilyOptions,
     /// An abstract hot-restart channel is allowed (`--allow-abstract-hot-restart-socket`).
     pub allow_abstract_socket: bool,
     /// When a new epoch terminates its draining parent, whole seconds, longer than the drain
     /// time (`--parent-shutdown-time`).
     pub parent_shutdown_time: Duration,
-    /// Hot-restart when the bootstrap changes (`--watch-config`).
-    pub watch_config: bool,
-    /// The file that exists while the newest epoch is LIVE (`--ready-marker`).
-    pub ready_marker: Option<PathBuf>,
     /// The per-node state directory (`--state-dir`).
     pub state_dir: PathBuf,
     /// This agent's name on the node as given (`--identity`); the agent adds `$POD_NAME` or the
     /// host name and a unique suffix when it starts.
     pub identity: Option<String>,
-    /// This pod's place in a rollout (`--pod-generation`, else the agent's start time in Unix
-    /// ms): it never takes over from a newer pod's family.
-    pub generation: u64,
-    /// How long a new epoch may take from spawn to LIVE (`--handoff-deadline`).
-    pub handoff_deadline: Duration,
 }

@@ -148,7 +148,7 @@ pub fn family_config(
     proxy: ProxyConfig,
 ) -> envoy_agent_hotrestart::Config {
     let mut config = envoy_agent_hotrestart::Config::new(proxy);
-    config.watch_config = hot.watch_config;
+    config.options = hot.options.clone();
     config.state_dir = Some(hot.state_dir.clone());
     let name = hot
         .identity
@@ -156,10 +156,6 @@ pub fn family_config(
         .or_else(|| std::env::var("POD_NAME").ok())
         .filter(|s| !s.trim().is_empty());
     config.identity = envoy_agent_hotrestart::unique_identity(name.as_deref());
-    config.ready_marker = hot.ready_marker.clone();
-    config.generation = hot.generation;
-    config.handoff_deadline = hot.handoff_deadline;
-    config.cold_base_id = hot.cold_base_id;
     config
 }
 
@@ -298,7 +294,7 @@ pub fn admin_socket(
                 crate::config::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
             let link = crate::config::channel_link::link_path(&links, hot.base_id);
             let path = link.join(format!("envoy_admin_{}", hot.base_id));
-            (path, hot.cold_base_id)
+            (path, hot.options.cold_base_id)
         }
         None => (admin_socket_dir(runtime_dir).join("envoy.sock"), None),
     };
@@ -540,7 +536,7 @@ pub fn hot_restart_channel(
                     false,
                 )?;
             }
-            let base_ids = [Some(hot.base_id), hot.cold_base_id];
+            let base_ids = [Some(hot.base_id), hot.options.cold_base_id];
             if let Some(longest) = too_long(prefix, base_ids.into_iter().flatten()) {
                 return Err(SetupError::ChannelTooLong {
                     path: prefix.clone(),

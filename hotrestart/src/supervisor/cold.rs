@@ -53,7 +53,7 @@ impl<H: Host> Supervisor<H> {
         let configured = self.config.proxy.hot_restart.as_ref().map(|h| h.base_id);
         configured
             .into_iter()
-            .chain(self.config.cold_base_id)
+            .chain(self.config.options.cold_base_id)
             .chain(std::iter::once(self.base_id))
             .fold(Vec::new(), |mut ids, id| {
                 if !ids.contains(&id) {
@@ -72,7 +72,7 @@ impl<H: Host> Supervisor<H> {
     /// The base id a cold handover from a family under `from` starts the new family under,
     /// when cold handovers are on and possible here.
     pub(super) fn other_base_id(&self, from: u32) -> Option<u32> {
-        let cold = self.config.cold_base_id?;
+        let cold = self.config.options.cold_base_id?;
         if !self.host.cold_possible() {
             return None;
         }
@@ -97,7 +97,7 @@ impl<H: Host> Supervisor<H> {
             let off = if attempt.settles {
                 "the restart after a cold handover does not hand over cold again; the admin \
                  stays on its ephemeral port until a restart works"
-            } else if self.config.cold_base_id.is_none() {
+            } else if self.config.options.cold_base_id.is_none() {
                 "--no-cold-handover"
             } else {
                 "envoy runs as another user and cannot tell the agent its admin address"
@@ -138,7 +138,7 @@ impl<H: Host> Supervisor<H> {
                 attempt.spawned = Some(now);
                 self.handoff = Handoff::Cold {
                     attempt,
-                    deadline: Deadline::At(now + self.config.handoff_deadline),
+                    deadline: Deadline::At(now + self.config.options.handoff_deadline),
                     lock,
                     child: ColdChild {
                         pid,
@@ -341,7 +341,7 @@ impl<H: Host> Supervisor<H> {
                 Outcome::TimedOut,
                 format!(
                     "the new family was not LIVE within the handoff deadline ({:?})",
-                    self.config.handoff_deadline
+                    self.config.options.handoff_deadline
                 ),
             )
         } else {
@@ -609,7 +609,7 @@ impl<H: Host> Supervisor<H> {
     /// The new family was not LIVE by the deadline, confirmed by a LIVE check sent after it:
     /// killed (SIGKILL); the old family serves on.
     fn give_up_cold(&mut self) {
-        let deadline = self.config.handoff_deadline;
+        let deadline = self.config.options.handoff_deadline;
         let Handoff::Cold {
             deadline: state,
             child,

@@ -216,7 +216,7 @@ impl<H: Host> Supervisor<H> {
         let message = format!(
             "epoch {} waited for its control plane ({types}) for the whole handoff deadline \
              ({:?}); the serving epoch keeps serving, and the restart is retried in {backoff:?}",
-            attempt.epoch, self.config.handoff_deadline
+            attempt.epoch, self.config.options.handoff_deadline
         );
         if first_of_streak {
             tracing::warn!(event = "control_plane_wait", epoch = attempt.epoch, waiting_for = %types, retry_in = ?backoff, "{message}");

@@ -196,7 +196,7 @@ impl<H: Host> Supervisor<H> {
                 attempt.spawned = Some(now);
                 self.handoff = Handoff::Starting {
                     attempt,
-                    deadline: Deadline::At(now + self.config.handoff_deadline),
+                    deadline: Deadline::At(now + self.config.options.handoff_deadline),
                     lock,
                     live: LiveChecks::new(now, sign),
                     serving_exited: None,
@@ -338,7 +338,7 @@ impl<H: Host> Supervisor<H> {
         let message = if timed_out {
             format!(
                 "not LIVE within the handoff deadline ({:?})",
-                self.config.handoff_deadline
+                self.config.options.handoff_deadline
             )
         } else {
             format!("exited with code {code}: {}", last_line(tail))
@@ -422,7 +422,7 @@ impl<H: Host> Supervisor<H> {
             let message = format!(
                 "epoch {epoch} not LIVE within the handoff deadline ({:?}); killed it \
                  (SIGKILL), the serving epoch keeps serving",
-                self.config.handoff_deadline
+                self.config.options.handoff_deadline
             );
             self.record_wedge(WedgeReason::HandoffDeadline, message);
         }

@@ -155,7 +155,7 @@ impl<H: Host> Supervisor<H> {
     /// The base id a family beside the running one takes (the families alternate between
     /// `--base-id` and `--cold-base-id`).
     fn base_id_beside(&self) -> Option<u32> {
-        let cold = self.config.cold_base_id?;
+        let cold = self.config.options.cold_base_id?;
         let configured = self.config.proxy.hot_restart.as_ref()?.base_id;
         Some(if self.base_id == cold {
             configured

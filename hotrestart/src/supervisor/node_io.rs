@@ -268,7 +268,7 @@ impl<H: Host> Supervisor<H> {
             }),
             socket_path: self.host.socket_path().to_string(),
             admin_address: self.admin_address(),
-            generation: self.config.generation,
+            generation: self.config.options.generation,
         }
     }
 

@@ -51,7 +51,7 @@ impl<H: Host> Supervisor<H> {
             &self.admin_address(),
             &self.base_ids(),
             &ours,
-            self.config.generation,
+            self.config.options.generation,
             now_ms,
         );
         self.follow_discovery(
@@ -121,7 +121,7 @@ impl<H: Host> Supervisor<H> {
                 let why = Waiting::NewerPod {
                     identity,
                     theirs,
-                    ours: self.config.generation,
+                    ours: self.config.options.generation,
                 };
                 if waiting != Some(&why) {
                     tracing::warn!(event = "newer_pod_serves", reason = %why, "not taking over");
