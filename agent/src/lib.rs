@@ -36,6 +36,7 @@ use envoy_agent_proxy::{AdminAddress, Envoy, Proxy, ProxyConfig};
 use opentelemetry::metrics::Meter;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument as _;
 
 pub mod agent;
 pub mod callers;
@@ -166,7 +167,10 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
         tracing::warn!(error = %e, "cannot become a subreaper; orphans may linger as zombies");
     }
     let reaper_stop = CancellationToken::new();
-    let reaper = tokio::spawn(envoy_agent_proxy::reaper::run(reaper_stop.clone()));
+    let reaper = tokio::spawn(
+        envoy_agent_proxy::reaper::run(reaper_stop.clone())
+            .instrument(tracing::info_span!("reaper")),
+    );
     let telemetry = start_telemetry(settings)?;
     let meter = telemetry.as_ref().map(telemetry::Telemetry::meter);
     let agent_metrics = meter
@@ -377,17 +381,23 @@ async fn serve<P: Proxy>(
     let tracker = TaskTracker::new();
 
     let status = bind_status(settings, node_proxy).await?;
-    tracker.spawn(status_server(
-        settings,
-        status,
-        node_proxy,
-        handle.clone(),
-        cancel.clone(),
-    ));
+    // Each long-lived task runs in a span of its own: a JSON log line names the task it came
+    // from (`span`, `spans`).
+    tracker.spawn(
+        status_server(settings, status, node_proxy, handle.clone(), cancel.clone())
+            .instrument(tracing::info_span!("status_server")),
+    );
     if notify::enabled() {
-        tracker.spawn(notify::run(handle.status(), cancel.clone()));
+        tracker.spawn(
+            notify::run(handle.status(), cancel.clone()).instrument(tracing::info_span!("notify")),
+        );
     }
-    tracker.spawn(log_level.clone().follow(handle.clone(), cancel.clone()));
+    tracker.spawn(
+        log_level
+            .clone()
+            .follow(handle.clone(), cancel.clone())
+            .instrument(tracing::info_span!("log_level")),
+    );
     tracker.spawn(
         grpc_server(
             settings,
@@ -397,11 +407,16 @@ async fn serve<P: Proxy>(
             log_level,
             cancel.clone(),
         )
-        .await?,
+        .await?
+        .instrument(tracing::info_span!("grpc_server")),
     );
     tracker.close();
 
-    let exit = agent.run(intents).await;
+    let mode = if node_proxy { "node" } else { "sidecar" };
+    let exit = agent
+        .run(intents)
+        .instrument(tracing::info_span!("agent", mode))
+        .await;
 
     cancel.cancel();
     if tokio::time::timeout(SHUTDOWN_GRACE, tracker.wait())

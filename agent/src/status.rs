@@ -33,6 +33,7 @@ use axum::routing::{get, post};
 use envoy_agent_proxy::{ConfigStatus, HandoffKind, ProxyPhase};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::agent::{AgentHandle, AgentState, DrainPhase, Via};
 use crate::status::app_metrics::AppMetrics;
@@ -203,20 +204,23 @@ impl StatusServer {
                     .layer(axum::Extension(ConnectInfo(peer))),
             );
             let connection = http.serve_connection(TokioIo::new(stream), service);
-            tracker.spawn(async move {
-                let mut connection = std::pin::pin!(connection);
-                let ended = tokio::select! {
-                    r = connection.as_mut() => Some(r),
-                    () = admitted.closing.cancelled() => None,
-                    () = tokio::time::sleep(MAX_CONNECTION_AGE) => None,
-                };
-                if ended.is_none() {
-                    // Finish a request in flight, then close (bounded); an idle one closes now.
-                    connection.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(HEADER_READ_TIMEOUT, connection).await;
+            tracker.spawn(
+                async move {
+                    let mut connection = std::pin::pin!(connection);
+                    let ended = tokio::select! {
+                        r = connection.as_mut() => Some(r),
+                        () = admitted.closing.cancelled() => None,
+                        () = tokio::time::sleep(MAX_CONNECTION_AGE) => None,
+                    };
+                    if ended.is_none() {
+                        // Finish a request in flight, then close (bounded); an idle one closes now.
+                        connection.as_mut().graceful_shutdown();
+                        let _ = tokio::time::timeout(HEADER_READ_TIMEOUT, connection).await;
+                    }
+                    drop(admitted);
                 }
-                drop(admitted);
-            });
+                .in_current_span(),
+            );
         }
         tracker.close();
         let _ = tokio::time::timeout(HEADER_READ_TIMEOUT, tracker.wait()).await;

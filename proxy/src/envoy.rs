@@ -9,6 +9,7 @@
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
+use tracing::Instrument as _;
 
 use nix::sys::signal::Signal;
 use tokio::sync::watch;
@@ -250,10 +251,15 @@ impl Proxy for Envoy {
             // Never resolves: the select below ends with Envoy's exit.
             std::future::pending::<Result<Exit, ProxyError>>().await
         };
-        let result = tokio::select! {
-            result = process.run_or_kill(abort, kill.cancelled()) => result,
-            result = watch_admin => result,
-        };
+        // Every line logged while this Envoy runs (its watchers', its exit's) names it.
+        let result = async {
+            tokio::select! {
+                result = process.run_or_kill(abort, kill.cancelled()) => result,
+                result = watch_admin => result,
+            }
+        }
+        .instrument(tracing::info_span!("envoy", epoch = 0, pid))
+        .await;
         self.pid.send_replace(None);
         let served = self.state.borrow().phase == ProxyPhase::Serving;
         self.publish(ProxyPhase::Exited, None);

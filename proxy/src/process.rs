@@ -12,6 +12,7 @@ use std::path::Path;
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tracing::Instrument as _;
 
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
@@ -89,11 +90,15 @@ impl EnvoyProcess {
         let tail = Arc::new(Mutex::new(Tail::default()));
         let mut forwarders = Vec::with_capacity(2);
         if let Some(stdout) = child.stdout.take() {
-            forwarders.push(tokio::spawn(forward(stdout, crate::output::stdout(), None)));
+            forwarders.push(tokio::spawn(
+                forward(stdout, crate::output::stdout(), None).in_current_span(),
+            ));
         }
         if let Some(stderr) = child.stderr.take() {
             let tail = Some(tail.clone());
-            forwarders.push(tokio::spawn(forward(stderr, crate::output::stderr(), tail)));
+            forwarders.push(tokio::spawn(
+                forward(stderr, crate::output::stderr(), tail).in_current_span(),
+            ));
         }
         Ok(EnvoyProcess {
             child,
