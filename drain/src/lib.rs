@@ -53,12 +53,20 @@
 //! The connection part is a difference of gauges read one after another; it saturates at zero
 //! (a connection closing between the two reads).
 //!
+//! How one exit-on-zero count is taken (which of the two sources, how much it asks, whether
+//! its zero is believed) and how it paces the next is the [`count`] module's policy; when
+//! counts are due is the caller's (the agent's shutdown clock).
+//!
 //! Nothing here holds state or spawns tasks: cancelling a call drops its connection.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use envoy_agent_proxy::admin::DrainListeners;
 use envoy_agent_proxy::{AdminClient, AdminError};
+
+pub mod count;
+
+pub use count::{Count, Pace, Tally};
 
 /// The stats filter that selects the active-connection gauges.
 pub const ACTIVE_CONNECTIONS_FILTER: &str = "downstream_cx_active$";

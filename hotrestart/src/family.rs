@@ -11,7 +11,6 @@
 use envoy_agent_proxy::admin::Address;
 use std::sync::{Arc, Mutex};
 
-use envoy_agent_proxy::preflight::cache::PreflightCache;
 use envoy_agent_proxy::{
     AdminClient, ConfigApplied, DrainOptions, DrainPlan, Ended, Proxy, ProxyError, ProxyState,
     RestartError,
@@ -23,6 +22,7 @@ use crate::answers::FamilyError;
 use crate::config::{Config, ConfigError};
 use crate::host::{Host, RealHost};
 use crate::metrics::SupervisorMetrics;
+use crate::preflight_cache::{PreflightCache, validate_candidate_cached};
 use crate::supervisor::{Command, Supervisor};
 
 /// Bound on one admin call of the supervisor.
@@ -234,8 +234,7 @@ impl<H: Host> Proxy for EnvoyFamily<H> {
         let _one_at_a_time = self.updates.lock().await;
         let path = self.config.proxy.config_path.clone();
         // Through the cache: the restart below then finds these bytes validated.
-        envoy_agent_proxy::validate_candidate_cached(&self.config.proxy, &config, &self.cache)
-            .await?;
+        validate_candidate_cached(&self.config.proxy, &config, &self.cache).await?;
         self.handle.expect(config.clone()).await;
         envoy_agent_proxy::replace_config(&path, config).await?;
         tracing::info!(path = %path.display(), %reason, "config updated; hot-restarting onto it");

@@ -8,7 +8,7 @@
 //!
 //! The real host keeps pre-flight verdicts in a [`PreflightCache`] shared with the family's
 //! config updates: a (binary, config) pair is validated once, and an epoch that reached LIVE
-//! proves its pair good (see `envoy_agent_proxy::preflight::cache`).
+//! proves its pair good (see [`crate::preflight_cache`]).
 
 use std::any::Any;
 use std::future::Future;
@@ -18,7 +18,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use envoy_agent_proxy::admin::AdminState;
-use envoy_agent_proxy::preflight::cache::{FileId, Lookup, PairKey, PreflightCache};
 use envoy_agent_proxy::preflight::{self, PreflightError};
 use envoy_agent_proxy::{
     AdminClient, AdminError, DrainPlan, EnvoyProcess, Exit, KeptConnection, ProxyConfig,
@@ -28,6 +27,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::admin_files::AdminFiles;
 use crate::node::{self, EpochLock, Heartbeat, Rejected};
+use crate::preflight_cache::{FileId, Lookup, PairKey, PreflightCache};
 use crate::shm::ShmError;
 
 /// A future the supervisor runs beside its loop.
@@ -459,7 +459,7 @@ async fn check(
         }
         let (lookup, result) = match content {
             Some(bytes) => {
-                match envoy_agent_proxy::validate_candidate_cached(proxy, bytes, cache).await {
+                match crate::preflight_cache::validate_candidate_cached(proxy, bytes, cache).await {
                     Ok(lookup) => (lookup, Ok(())),
                     Err(e) => (Lookup::Miss, Err(e.to_string())),
                 }

@@ -23,7 +23,9 @@
 //!   exist; every trigger queued meanwhile is coalesced into that one restart.
 //! - **Pre-flight**: the binary's `--hot-restart-version` must equal the running one, and
 //!   `envoy --mode validate` must accept the config. A failure rejects the restart with
-//!   Envoy's own words; nothing is started, the serving epoch keeps serving.
+//!   Envoy's own words; nothing is started, the serving epoch keeps serving. Verdicts are kept
+//!   per (binary, config) pair ([`preflight_cache`], shared with the family's config updates),
+//!   so a pair already judged, or already serving, execs nothing before Envoy itself.
 //! - **Handoff** ([`handoff`]): the next epoch is exactly the newest LIVE epoch + 1 (a failed
 //!   attempt is retried with the same number). It is LIVE when the shared admin port reports
 //!   LIVE at that epoch, from a process no older than ours; its parent then drains and is
@@ -73,6 +75,7 @@ pub mod handoff;
 pub mod host;
 pub mod metrics;
 pub mod node;
+pub mod preflight_cache;
 mod probing;
 pub mod shm;
 mod supervisor;

@@ -767,7 +767,7 @@ impl Host for FakeHost {
             }
             let checked = Checked {
                 key: None,
-                lookup: validate.then_some(envoy_agent_proxy::preflight::cache::Lookup::Miss),
+                lookup: validate.then_some(crate::preflight_cache::Lookup::Miss),
             };
             (checked, answer)
         })

@@ -1,6 +1,11 @@
 //! A bootstrap checked before it is written: `envoy --mode validate` on a private candidate
 //! file beside the real one. Apart from config_file.rs, which the pre-flight checks read
 //! configs with: this module runs them.
+//!
+//! [`validate_candidate`] is the whole check. Its two steps, [`Candidate::write`] and
+//! [`Candidate::validate`], are public too, for a check that keeps Envoy's verdicts (the
+//! hot-restart crate's pre-flight cache): it decides whether the check runs at all, and must
+//! tell a candidate that could not be written (no verdict) from a config Envoy rejects.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write;
@@ -8,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::preflight::PreflightError;
-use crate::preflight::cache::{Lookup, PairKey, PreflightCache};
 use crate::{ProxyConfig, ProxyError};
 
 /// Validates `bytes` as the bootstrap of `config` with `envoy --mode validate`, on a candidate
@@ -17,85 +21,57 @@ use crate::{ProxyConfig, ProxyError};
 /// candidate is created exclusively and removed afterwards: concurrent calls never validate
 /// each other's bytes. Nothing else on disk changes.
 pub async fn validate_candidate(config: &ProxyConfig, bytes: &[u8]) -> Result<(), ProxyError> {
-    let mut unwritten = None;
-    let validated = validate_bytes(config, bytes, &mut unwritten).await;
-    match unwritten {
-        Some(e) => Err(e),
-        None => validated.map_err(|e| rejected(config, e)),
-    }
+    Candidate::write(config, bytes)?
+        .validate()
+        .await
+        .map_err(|e| e.rejecting(&config.config_path))
 }
 
-/// [`validate_candidate`] through `cache`: bytes already judged with this binary (and these
-/// named files and arguments) are answered without an exec, and concurrent calls on the same
-/// bytes share one. Keyed by content, so the hot restart that follows writing them finds the
-/// verdict ready. Says whether it ran `--mode validate`.
-pub async fn validate_candidate_cached(
-    config: &ProxyConfig,
-    bytes: &[u8],
-    cache: &PreflightCache,
-) -> Result<Lookup, ProxyError> {
-    let key = PairKey::of(config, Some(bytes)).map_err(|e| rejected(config, e))?;
-    let mut unwritten = None;
-    let (validated, lookup) = cache
-        .validate(key, &config.config_path, || {
-            validate_bytes(config, bytes, &mut unwritten)
-        })
-        .await;
-    match unwritten {
-        Some(e) => Err(e),
-        None => validated.map(|()| lookup).map_err(|e| rejected(config, e)),
-    }
+/// A bootstrap written to a candidate file of its own beside `config`'s (see
+/// [`validate_candidate`]), not checked yet. Public for checks that go through a cache of
+/// Envoy's verdicts (the hot-restart crate's), which write a candidate only when no verdict is
+/// known. [`Candidate::validate`] removes the file; a `Candidate` dropped unchecked leaves it.
+#[derive(Debug)]
+pub struct Candidate {
+    /// `config` with the candidate as its bootstrap.
+    check: ProxyConfig,
 }
 
-fn rejected(config: &ProxyConfig, e: PreflightError) -> ProxyError {
-    let message = match e {
-        PreflightError::Invalid { message, .. } => message,
-        other => other.to_string(),
-    };
-    ProxyError::ConfigRejected {
-        path: config.config_path.clone(),
-        message,
+impl Candidate {
+    /// Writes `bytes` to a new candidate file beside `config`'s bootstrap, 0600. A write that
+    /// fails removes what it wrote and is [`ProxyError::ConfigWrite`] naming the candidate.
+    pub fn write(config: &ProxyConfig, bytes: &[u8]) -> Result<Candidate, ProxyError> {
+        let candidate = candidate_path(&config.config_path);
+        let write = (|| {
+            use std::os::unix::fs::OpenOptionsExt;
+            // 0600: the config may hold secrets, and a candidate is nobody else's business.
+            let mut file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&candidate)?;
+            file.write_all(bytes)?;
+            file.sync_all()
+        })();
+        if let Err(source) = write {
+            let _ = fs::remove_file(&candidate);
+            return Err(ProxyError::ConfigWrite {
+                path: candidate,
+                source,
+            });
+        }
+        let mut check = config.clone();
+        check.config_path = candidate;
+        Ok(Candidate { check })
     }
-}
 
-/// `--mode validate` on `bytes` written to a candidate file. A candidate that cannot be written
-/// goes to `unwritten` (and the check counts as not run).
-async fn validate_bytes(
-    config: &ProxyConfig,
-    bytes: &[u8],
-    unwritten: &mut Option<ProxyError>,
-) -> Result<(), PreflightError> {
-    let path = &config.config_path;
-    let candidate = candidate_path(path);
-    let write = (|| {
-        use std::os::unix::fs::OpenOptionsExt;
-        // 0600: the config may hold secrets, and a candidate is nobody else's business.
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&candidate)?;
-        file.write_all(bytes)?;
-        file.sync_all()
-    })();
-    if let Err(source) = write {
-        let _ = fs::remove_file(&candidate);
-        let message = source.to_string();
-        *unwritten = Some(ProxyError::ConfigWrite {
-            path: candidate,
-            source,
-        });
-        return Err(PreflightError::Run {
-            binary: config.binary_path.clone(),
-            what: "--mode validate",
-            message: format!("cannot write the candidate config: {message}"),
-        });
+    /// `envoy --mode validate` on the candidate ([`crate::preflight::validate`]), then removes
+    /// it. A rejection names the candidate file.
+    pub async fn validate(self) -> Result<(), PreflightError> {
+        let validated = crate::preflight::validate(&self.check).await;
+        let _ = fs::remove_file(&self.check.config_path);
+        validated
     }
-    let mut check = config.clone();
-    check.config_path = candidate.clone();
-    let validated = crate::preflight::validate(&check).await;
-    let _ = fs::remove_file(&candidate);
-    validated
 }
 
 /// `.<stem>.candidate.<pid>.<n><.ext>` beside `path`: hidden, unique per call, same extension.

@@ -30,7 +30,9 @@
 //!   The policy around it (how long to wait, when to stop) is the agent's.
 //! - **Config updates** are validated on a private candidate file first ([`validate_candidate`])
 //!   and replace the bootstrap atomically: readers see the old file or the new one, never a
-//!   mix, and a rejected config or a failed write leaves the old file in place.
+//!   mix, and a rejected config or a failed write leaves the old file in place. Each check
+//!   ([`preflight`], [`Candidate`]) runs Envoy and keeps nothing: keeping its verdicts for a
+//!   hot restart's pre-flight is the `hotrestart` crate's.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -66,7 +68,7 @@ pub mod watchdog;
 
 pub use admin::{AdminClient, AdminError, KeptConnection, ServerInfo, ServerState};
 pub use args::{EnvoyArgs, RefusedArg, envoy_args, refused_extra_arg};
-pub use candidate::{validate_candidate, validate_candidate_cached};
+pub use candidate::{Candidate, validate_candidate};
 pub use config::{
     AdminAddress, DrainStrategy, EnvoyOptions, HotRestart, ProxyConfig, RunAs, ephemeral_socket,
 };

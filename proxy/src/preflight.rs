@@ -12,8 +12,6 @@ use crate::admin::Address;
 use crate::config::ProxyConfig;
 use crate::spawner;
 
-pub mod cache;
-
 /// Bound on one pre-flight command (`--mode validate` takes ~50 ms; a broken binary may hang).
 pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long its output is still read once it has exited: what it wrote is in the pipe by
@@ -52,6 +50,23 @@ pub enum PreflightError {
         /// Why.
         message: String,
     },
+}
+
+impl PreflightError {
+    /// A config update's error for a candidate of `config_path` that failed this check:
+    /// [`ProxyError::ConfigRejected`](crate::ProxyError::ConfigRejected), in Envoy's own words
+    /// where it gave some. Public for the hot-restart crate's cached check, which answers
+    /// config updates as [`validate_candidate`](crate::validate_candidate) does.
+    pub fn rejecting(self, config_path: &Path) -> crate::ProxyError {
+        let message = match self {
+            PreflightError::Invalid { message, .. } => message,
+            other => other.to_string(),
+        };
+        crate::ProxyError::ConfigRejected {
+            path: config_path.to_owned(),
+            message,
+        }
+    }
 }
 
 struct Output {

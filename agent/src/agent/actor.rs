@@ -14,7 +14,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_drain::{Counting, DrainError};
+use envoy_agent_drain::{Count, Counting, DrainError, Pace, Tally};
 use envoy_agent_proxy::{
     AdminClient, DrainOptions, DrainPlan, Ended, PlanNote, Proxy, ProxyError, ProxyPhase,
     ProxyState, RestartError,
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Agent;
 use super::handle::{AgentError, Command, Reply};
-use super::shutdown::{self, Answer, Counted, Ending, ListenersRead, Pace, Shutdown, Step, Tally};
+use super::shutdown::{Answer, Counted, Ending, ListenersRead, Shutdown, Step};
 use super::state::{AgentConfig, AgentExit, AgentState, DrainPhase, DrainReason, ExitPath, Via};
 use crate::config::timeline::Step as TimelineStep;
 use crate::crash::{Crash, CrashAction, CrashLoop, Crashes};
@@ -33,12 +33,6 @@ use crate::signal::{Intent, IntentSource};
 
 /// Bound on asking the proxy whether a successor takes over (it asks the admin API).
 const SUCCESSOR_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// The share of a core a drain's quick counts from the kernel (is any connection left?) may
-/// take of the agent: 1/100. Each asks about one connection found before (a dump only when
-/// none is left), so at the poll interval they cost far less; the whole counts take 1/400 at
-/// most ([`shutdown::WHOLE_COUNT_SHARE`]): the wait costs at most 1.25% of a core.
-const KERNEL_PROBE_SHARE: u32 = 100;
 
 /// Why nothing runs while the agent recovers from a crash.
 const RECOVERING: &str = "no envoy runs: the agent is recovering from a crash";
@@ -993,8 +987,9 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
     fn counts_from_kernel(&self) -> bool {
         let config = &self.agent.config;
         self.agent.counter.is_none()
-            && config.exit_on_zero == Some(Counting::Connections)
-            && config.exclusions.by_port_only()
+            && config.exit_on_zero.is_some_and(|c| {
+                envoy_agent_drain::count::counts_from_kernel(c, &config.exclusions)
+            })
     }
 
     /// One exit-on-zero count, with what it took and how it paces the next: Envoy's main
@@ -1050,110 +1045,39 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
     }
 
     /// A count as `tally` asks where the kernel counts (Envoy's stats count whole); answers
-    /// the count and how it paces the next.
+    /// the count and how it paces the next (the policy: `envoy_agent_drain::count`).
     fn count_future(&self, tally: Tally) -> Call<(Result<u64, DrainError>, Pace)> {
-        const STATS: Pace = Pace::Every(envoy_agent_proxy::admin::BUSY_SHARE);
         if let Some(counter) = &self.agent.counter {
             let count = counter();
-            return Box::pin(async move { (count.await, STATS) });
+            return Box::pin(async move { (count.await, Pace::STATS) });
         }
         let config: &AgentConfig = &self.agent.config;
-        let admin = self
-            .agent
-            .proxy
-            .admin_address()
-            .map(|a| AdminClient::new(a).with_timeout(config.stats_timeout));
-        let drained = self.drained();
-        let exclusions = match &drained {
-            Some(plan) => config
-                .exclusions
-                .only(plan.drained.iter().map(|l| l.stat_name.clone())),
-            None => config.exclusions.clone(),
-        };
-        let what = config.exit_on_zero.unwrap_or(Counting::Connections);
-        if !self.counts_from_kernel() {
-            return Box::pin(async move {
-                let count = match admin {
-                    Some(admin) => envoy_agent_drain::active(&admin, what, &exclusions).await,
-                    None => Err(DrainError::AdminUnknown),
-                };
-                (count, STATS)
-            });
-        }
-        // Connections from the kernel: nothing asked of Envoy's main thread, but for a zero.
-        let pids: Vec<u32> = self
-            .agent
-            .proxy
-            .state()
-            .borrow()
-            .epochs
-            .iter()
-            .map(|e| e.pid)
-            .collect();
-        // A Unix admin socket holds no TCP connection to leave out of the count.
-        let admin_port = admin
-            .as_ref()
-            .and_then(|a| a.addr().tcp())
-            .map(|a| a.port());
-        let confirm = drained.is_some();
-        // The drained TCP listeners' ports; a QUIC listener's connections only the stats see.
-        let ports = drained.as_ref().map(|plan| {
-            plan.drained
+        let count = Count {
+            admin: self
+                .agent
+                .proxy
+                .admin_address()
+                .map(|a| AdminClient::new(a).with_timeout(config.stats_timeout)),
+            exclusions: config.exclusions.clone(),
+            drained: self.drained(),
+            pids: self
+                .agent
+                .proxy
+                .state()
+                .borrow()
+                .epochs
                 .iter()
-                .filter(|l| !l.udp)
-                .filter_map(|l| l.port)
-                .collect()
-        });
-        // Without the ports the count is whole (it finds Envoy's listening sockets first).
-        let known = match &self.mode {
-            Mode::ShuttingDown(s) => Some(s.known()),
-            _ => None,
+                .map(|e| e.pid)
+                .collect(),
+            counting: config.exit_on_zero.unwrap_or(Counting::Connections),
+            tally,
+            known: match &self.mode {
+                Mode::ShuttingDown(s) => Some(s.known()),
+                _ => None,
+            },
+            kernel: self.counts_from_kernel(),
         };
-        let (quick, pace) = match (tally, &ports) {
-            (Tally::Any, Some(_)) => (known, Pace::Quick(KERNEL_PROBE_SHARE)),
-            (_, Some(_)) => (None, Pace::Whole(shutdown::WHOLE_COUNT_SHARE)),
-            // Before Envoy answered the drain, or never (a silent admin API): the old way, at
-            // a busy share (the exit on zero depends on it alone).
-            (_, None) => (None, Pace::Every(envoy_agent_proxy::admin::BUSY_SHARE)),
-        };
-        Box::pin(async move {
-            let kernel = envoy_agent_drain::active_connections_from_kernel(
-                pids,
-                admin_port,
-                &exclusions,
-                ports,
-                quick,
-            )
-            .await;
-            // Without a plan (Envoy has not answered the drain: its admin API may be silent)
-            // there is nothing to confirm against, and the kernel's zero stands.
-            if !matches!(kernel, Ok(0)) || !confirm {
-                return (kernel, pace);
-            }
-            // Zero stops Envoy: the stats must agree (a QUIC connection, a listener the kernel
-            // cannot tie to a port). Where they do not, the larger count is trusted.
-            let Some(admin) = admin else {
-                return (kernel, pace);
-            };
-            match envoy_agent_drain::active_connections(&admin, &exclusions).await {
-                Ok(0) => (Ok(0), STATS),
-                Ok(n) => {
-                    tracing::info!(
-                        event = "count_disagreement",
-                        kernel = 0,
-                        stats = n,
-                        "the kernel sees no connection on the drained listeners, envoy's stats see some: trusting the stats"
-                    );
-                    (Ok(n), STATS)
-                }
-                // The kernel's zero stands for TCP: a silent admin API (a stopped Envoy) must
-                // not hold the exit.
-                Err(e) => {
-                    tracing::debug!(error = %e, "cannot confirm a zero count from envoy's stats: the kernel's stands");
-                    (kernel, STATS)
-                }
-            }
-        })
+        Box::pin(count.take())
     }
 
     /// Runs a proxy call beside the loop and answers `reply` with its result.

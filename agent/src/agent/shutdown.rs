@@ -20,7 +20,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, SystemTime};
 
-use envoy_agent_drain::{Counting, DrainError, ListenerActivity};
+use envoy_agent_drain::{Counting, DrainError, ListenerActivity, Pace, Tally};
 use envoy_agent_proxy::listeners::{Direction, Listener};
 use envoy_agent_proxy::{DrainOptions, DrainPlan, ProxyError};
 use tokio::time::Instant;
@@ -60,37 +60,10 @@ pub(super) struct Counted {
     pub(super) pace: Pace,
 }
 
-/// What a count asks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Tally {
-    /// How many: for the status, and the first count.
-    Whole,
-    /// Whether any is left: the kernel's asks about a connection it found before, and looks
-    /// further only when none of those is left.
-    Any,
-}
-
-/// What kind of count answered, and the share of a core (its `1/n`) such counts may take:
-/// the cadence of their kind is stretched to keep to it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Pace {
-    /// Every count of its source is whole (Envoy's stats): the next count waits.
-    Every(u32),
-    /// A quick count (whether any is left): a zero is a whole answer, anything else says
-    /// "at least this many". The next quick count waits.
-    Quick(u32),
-    /// A whole count between quick ones: the next whole count waits; quick ones go on.
-    Whole(u32),
-}
-
 /// How often, at most, a whole count is taken while the quick ones tell zero from not zero
 /// (the status's number is refreshed this often); its cost stretches it further, to
-/// [`WHOLE_COUNT_SHARE`].
+/// [`WHOLE_COUNT_SHARE`](envoy_agent_drain::count::WHOLE_COUNT_SHARE).
 pub(super) const WHOLE_COUNT_EVERY: Duration = Duration::from_secs(2);
-/// Whole counts take at most 1/400 of a core. Whatever it finds, a dump walks the kernel's
-/// whole table of connections (on a node of 262,144 buckets and ~40,000 sockets, ~4 ms a
-/// family): only its answer is filtered.
-pub(super) const WHOLE_COUNT_SHARE: u32 = 400;
 
 /// How often, at most, exit-on-zero reads what each listener holds (for the status; Envoy
 /// visits every stat to answer, so the reading is also paced by its cost).
@@ -1143,6 +1116,8 @@ pub fn describe_listener(l: &ListenerActivity) -> String {
 
 #[cfg(test)]
 mod tests {
+    use envoy_agent_drain::count::WHOLE_COUNT_SHARE;
+
     use super::*;
     use crate::signal::Intent;
 

@@ -26,6 +26,10 @@
 //!   run, so a watch's early validation, a SIGHUP and an `UpdateConfig` racing on the same
 //!   bytes exec `--mode validate` once. `--hot-restart-version` is kept the same way, per
 //!   binary. A caller dropped mid-run (its task aborted) leaves the cell empty for the next.
+//! - **Config updates.** A new config's bytes are keyed before they are written anywhere, and
+//!   checked on a candidate file ([`validate_candidate_cached`], on the `proxy` crate's
+//!   [`Candidate`]) only when no verdict is known: the hot restart that follows writing them
+//!   finds the verdict ready.
 //! - **Bounded.** At most [`PAIRS_KEPT`] pairs and [`BINARIES_KEPT`] binaries; the oldest go
 //!   first. The cache lives in memory, one per family: a new agent validates once.
 
@@ -37,8 +41,8 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::OnceCell;
 
-use super::PreflightError;
-use crate::ProxyConfig;
+use envoy_agent_proxy::preflight::PreflightError;
+use envoy_agent_proxy::{Candidate, ProxyConfig, ProxyError};
 
 /// Pairs whose verdicts are kept.
 pub const PAIRS_KEPT: usize = 64;
@@ -306,7 +310,7 @@ impl PairKey {
         let parsed = match known {
             Some(m) => m.parsed.clone(),
             None => {
-                let bytes = crate::read_config(&config.config_path).map_err(read)?;
+                let bytes = envoy_agent_proxy::read_config(&config.config_path).map_err(read)?;
                 let parsed = Parsed::of(&extension, &bytes, &config.extra_args);
                 // The identity read before the bytes: a write in between changes it again,
                 // and the next look parses anew.
@@ -522,6 +526,46 @@ impl PreflightCache {
     }
 }
 
+/// [`envoy_agent_proxy::validate_candidate`] through `cache`: bytes already judged with this
+/// binary (and these named files and arguments) are answered without an exec, and concurrent
+/// calls on the same bytes share one. Keyed by content, so the hot restart that follows writing
+/// them finds the verdict ready. Says whether it ran `--mode validate`.
+pub async fn validate_candidate_cached(
+    config: &ProxyConfig,
+    bytes: &[u8],
+    cache: &PreflightCache,
+) -> Result<Lookup, ProxyError> {
+    let rejected = |e: PreflightError| e.rejecting(&config.config_path);
+    let key = PairKey::of(config, Some(bytes)).map_err(rejected)?;
+    // A candidate that cannot be written is answered with the write's error; to the cache it
+    // is a check that could not run, which it does not keep.
+    let mut unwritten = None;
+    let slot = &mut unwritten;
+    let (validated, lookup) = cache
+        .validate(key, &config.config_path, move || async move {
+            match Candidate::write(config, bytes) {
+                Ok(candidate) => candidate.validate().await,
+                Err(e) => {
+                    let message = match &e {
+                        ProxyError::ConfigWrite { source, .. } => source.to_string(),
+                        other => other.to_string(),
+                    };
+                    *slot = Some(e);
+                    Err(PreflightError::Run {
+                        binary: config.binary_path.clone(),
+                        what: "--mode validate",
+                        message: format!("cannot write the candidate config: {message}"),
+                    })
+                }
+            }
+        })
+        .await;
+    match unwritten {
+        Some(e) => Err(e),
+        None => validated.map(|()| lookup).map_err(rejected),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -641,10 +685,10 @@ mod tests {
         let bootstrap = dir.path().join("bootstrap.yaml");
         let doc = |n: u32| format!("n: {n}\nsecret: {{filename: {}}}\n", cert.display());
         std::fs::write(&bootstrap, doc(1)).unwrap();
-        let config = crate::ProxyConfig::new(
+        let config = ProxyConfig::new(
             dir.path().join("envoy"),
             bootstrap.clone(),
-            crate::AdminAddress::FromFile(dir.path().join("admin")),
+            envoy_agent_proxy::AdminAddress::FromFile(dir.path().join("admin")),
         );
         std::fs::write(dir.path().join("envoy"), "").unwrap();
         let first = PairKey::of(&config, None).unwrap();
