@@ -8,6 +8,7 @@
 # cargo command line; CI runs the same script on a clean copy of the repository and checks the
 # binary (`scripts/docker-build-stage.sh`), since no Docker engine runs there.
 
+# rust-toolchain.toml's channel: scripts/check-deploy.sh fails when the two differ.
 ARG RUST_VERSION=1.95.0
 
 # --- build: on Ubuntu 22.04, the distribution envoyproxy/envoy:v1.40.0 is built on (Envoy's

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Checks the deployment artefacts offline, without a cluster or a Docker engine:
+#   0. the Dockerfile builds with rust-toolchain.toml's Rust (its RUST_VERSION is the channel);
 #   1. hadolint lints the Dockerfile (a rule ignored there says why in a comment);
 #   2. every kustomization under deploy/kubernetes/ renders (`kubectl kustomize`);
 #   3. every rendered object validates against the Kubernetes API schemas, strictly (an
@@ -52,6 +53,12 @@ fi
 command -v kubectl >/dev/null 2>&1 || die "kubectl not found on PATH: it renders the kustomizations (install kubectl; no cluster is needed)"
 
 # --- 1. Dockerfile
+# One Rust version: the image builds with the toolchain CI builds with.
+toolchain="$(sed -n 's/^channel = "\(.*\)"$/\1/p' rust-toolchain.toml)"
+dockerfile_rust="$(sed -n 's/^ARG RUST_VERSION=\(.*\)$/\1/p' Dockerfile)"
+[ -n "$toolchain" ] && [ "$toolchain" = "$dockerfile_rust" ] \
+  || die "the Dockerfile's RUST_VERSION (${dockerfile_rust:-none}) is not rust-toolchain.toml's channel (${toolchain:-none}): move both together"
+say "Rust $toolchain: rust-toolchain.toml and the Dockerfile agree"
 say "hadolint $("$venv/bin/hadolint" --version | awk '{ print $NF }') Dockerfile"
 "$venv/bin/hadolint" --failure-threshold style Dockerfile \
   || die "hadolint reports the findings above in Dockerfile: fix them, or ignore a rule with '# hadolint ignore=RULE' and a comment saying why"
