@@ -5,6 +5,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use clap::{CommandFactory, FromArgMatches};
 use envoy_agent::config::cli::{Cli, Command, LogFormat, SettingsError};
 use envoy_agent::exit_code;
@@ -16,34 +17,60 @@ use tracing_subscriber::EnvFilter;
 const OUTPUT_FLUSH: Duration = Duration::from_secs(2);
 
 fn main() -> ExitCode {
+    let (cli, matches) = match parse() {
+        Ok(parsed) => parsed,
+        Err(code) => return code,
+    };
+    if let Command::Completions { shell } = &cli.command {
+        return completions(*shell);
+    }
+    start_tracing(&cli, &matches);
+    let code = match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            let said = format!("envoy-agent: {}\n", one_line(&e));
+            output::stderr().write_lines(said.as_bytes());
+            exit_code_of(&e)
+        }
+    };
+    // The last lines (the exit's) are worth a moment, not a hang on a reader that stopped.
+    output::flush(OUTPUT_FLUSH);
+    ExitCode::from(code)
+}
+
+/// The command line, or the exit code of one that says no more (help, version, a usage error).
+fn parse() -> Result<(Cli, clap::ArgMatches), ExitCode> {
     let parsed = Cli::command()
         .try_get_matches()
         .and_then(|m| Cli::from_arg_matches(&m).map(|cli| (cli, m)));
-    let (cli, matches) = match parsed {
-        Ok(parsed) => parsed,
-        Err(e) => {
-            let _ = e.print();
-            // Help and version are not errors; a bad flag or value is a usage error.
-            return if e.use_stderr() {
-                ExitCode::from(exit_code::USAGE)
-            } else {
-                ExitCode::SUCCESS
-            };
+    parsed.map_err(|e| {
+        let _ = e.print();
+        // Help and version are not errors; a bad flag or value is a usage error.
+        if e.use_stderr() {
+            ExitCode::from(exit_code::USAGE)
+        } else {
+            ExitCode::SUCCESS
         }
-    };
-    if let Command::Completions { shell } = &cli.command {
-        use std::io::Write as _;
-        let script = envoy_agent::config::cli::completions(*shell);
-        return match std::io::stdout().write_all(&script) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("envoy-agent completions: cannot write: {e}");
-                ExitCode::from(exit_code::SOFTWARE)
-            }
-        };
+    })
+}
+
+/// `envoy-agent completions SHELL`: the script on stdout.
+fn completions(shell: clap_complete::Shell) -> ExitCode {
+    use std::io::Write as _;
+    let script = envoy_agent::config::cli::completions(shell);
+    match std::io::stdout().write_all(&script) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("envoy-agent completions: cannot write: {e}");
+            ExitCode::from(exit_code::SOFTWARE)
+        }
     }
+}
+
+/// The agent's log, at the level and in the format asked.
+fn start_tracing(cli: &Cli, matches: &clap::ArgMatches) {
     // An explicit --log-level (or ENVOY_AGENT_LOG_LEVEL) wins; RUST_LOG beats the default.
-    let explicit = given(&matches, "log_level");
+    let explicit = given(matches, "log_level");
     let filter = if explicit {
         EnvFilter::try_new(&cli.log_level)
     } else {
@@ -59,21 +86,18 @@ fn main() -> ExitCode {
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
         LogFormat::Json => logs.json().flatten_event(true).init(),
     }
+}
 
+/// Runs the command on the agent's runtime: the exit code, or why the run failed.
+fn run(cli: Cli) -> anyhow::Result<u8> {
     // One thread: the agent waits on Envoy, timers and a few sockets, never on its own CPU,
     // and every wakeup that stays on its thread saves two context switches (idle CPU, and
     // the latency between Envoy's LIVE and the supervisor acting on it).
-    let runtime = match tokio::runtime::Builder::new_current_thread()
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("envoy-agent: cannot start the async runtime: {e}");
-            return ExitCode::from(exit_code::SOFTWARE);
-        }
-    };
-    let code = runtime.block_on(async {
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
         match cli.command {
             Command::Run(args) => {
                 let settings = args.into_settings(cli.client.grpc_address)?;
@@ -89,21 +113,10 @@ fn main() -> ExitCode {
                 let call = envoy_agent::client::Call::from(command);
                 Ok(envoy_agent::client::run(&call, &addr, cli.client.timeout).await)
             }
-            // Answered above, before the runtime.
+            // Answered before the runtime.
             Command::Completions { .. } => Ok(0),
         }
-    });
-    let code = match code {
-        Ok(code) => code,
-        Err(e) => {
-            let said = format!("envoy-agent: {}\n", one_line(&e));
-            output::stderr().write_lines(said.as_bytes());
-            exit_code_of(&e)
-        }
-    };
-    // The last lines (the exit's) are worth a moment, not a hang on a reader that stopped.
-    output::flush(OUTPUT_FLUSH);
-    ExitCode::from(code)
+    })
 }
 
 /// The exit code of a failed run: bad input says which; anything else is the agent's failure.

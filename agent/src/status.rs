@@ -457,30 +457,9 @@ async fn prometheus(
     let app_scrape = app
         .clone()
         .map(|app| tokio::spawn(async move { app.scrape().await }));
-    let envoy = match agent.admin() {
-        Some(admin) => {
-            let query = query.to_query_string();
-            let key = WalkKey {
-                // After a hot restart the newest epoch answers: its walk is another.
-                envoy: admin.addr().to_string(),
-                query: query.clone(),
-            };
-            let mut share = walks.join(key, move || async move {
-                admin
-                    .with_timeout(ENVOY_CALL_TIMEOUT)
-                    .prometheus_stream(&query)
-                    .await
-                    .map_err(WalkFailure::from)
-            });
-            match share.head().await {
-                Ok(()) => Ok(share.into_body()),
-                Err(WalkFailure::Refused(refusal)) => {
-                    return text(StatusCode::BAD_REQUEST, refusal.to_string());
-                }
-                Err(e) => Err(e.to_string()),
-            }
-        }
-        None => Err("envoy admin address unknown".to_owned()),
+    let envoy = match envoy_walk(&agent, &walks, &query).await {
+        Ok(envoy) => envoy,
+        Err(refused) => return refused,
     };
     let state = agent.state();
     let mut body = agent_metrics(&state);
@@ -492,20 +471,7 @@ async fn prometheus(
          # TYPE envoy_agent_envoy_stats_up gauge\nenvoy_agent_envoy_stats_up {up}"
     );
     if let (Some(app), Some(scrape)) = (&app, app_scrape) {
-        let answer = scrape.await.ok();
-        let merged = answer.as_deref().and_then(|a| a.as_ref().ok());
-        body.push_str(&crate::status::app_metrics::families(app, merged.is_some()));
-        match (merged, answer.as_deref()) {
-            (Some(lines), _) => body.push_str(lines),
-            (None, Some(Err(e))) => {
-                let _ = writeln!(
-                    body,
-                    "# app metrics left out: {}",
-                    e.to_string().replace('\n', " ")
-                );
-            }
-            (None, _) => {}
-        }
+        app_lines(&mut body, app, scrape.await.ok());
     }
     let envoy = match envoy {
         Ok(stats) => Some(stats),
@@ -527,6 +493,61 @@ async fn prometheus(
         axum::body::Body::new(scrape),
     )
         .into_response()
+}
+
+/// Envoy's stats for `query`, from the walk scrapes of that query share: its body, or why
+/// Envoy's stats cannot be read this time. A query Envoy refuses is the scrape's answer (400,
+/// Envoy's words).
+async fn envoy_walk(
+    agent: &AgentHandle,
+    walks: &Arc<Walks>,
+    query: &StatsQuery,
+) -> Result<Result<SharedBody, String>, Response> {
+    let Some(admin) = agent.admin() else {
+        return Ok(Err("envoy admin address unknown".to_owned()));
+    };
+    let query = query.to_query_string();
+    let key = WalkKey {
+        // After a hot restart the newest epoch answers: its walk is another.
+        envoy: admin.addr().to_string(),
+        query: query.clone(),
+    };
+    let mut share = walks.join(key, move || async move {
+        admin
+            .with_timeout(ENVOY_CALL_TIMEOUT)
+            .prometheus_stream(&query)
+            .await
+            .map_err(WalkFailure::from)
+    });
+    match share.head().await {
+        Ok(()) => Ok(Ok(share.into_body())),
+        Err(WalkFailure::Refused(refusal)) => {
+            Err(text(StatusCode::BAD_REQUEST, refusal.to_string()))
+        }
+        Err(e) => Ok(Err(e.to_string())),
+    }
+}
+
+/// The app's metrics, merged into the scrape's `body` after their families' help; a scrape of
+/// the app that failed is said in a comment.
+fn app_lines(
+    body: &mut String,
+    app: &AppMetrics,
+    answer: Option<Arc<Result<String, crate::status::app_metrics::FetchError>>>,
+) {
+    let merged = answer.as_deref().and_then(|a| a.as_ref().ok());
+    body.push_str(&crate::status::app_metrics::families(app, merged.is_some()));
+    match (merged, answer.as_deref()) {
+        (Some(lines), _) => body.push_str(lines),
+        (None, Some(Err(e))) => {
+            let _ = writeln!(
+                body,
+                "# app metrics left out: {}",
+                e.to_string().replace('\n', " ")
+            );
+        }
+        (None, _) => {}
+    }
 }
 
 /// A scrape's answer: the agent's own metrics, then Envoy's as its walk passes them on (on a

@@ -9,11 +9,11 @@
 
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
-use tracing::Instrument as _;
 
 use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use crate::admin::Address;
 use crate::admin::{AdminClient, KeptConnection, Readiness};
@@ -195,8 +195,10 @@ impl Envoy {
     }
 }
 
-impl Proxy for Envoy {
-    async fn run(&self, abort: CancellationToken) -> Result<Ended, ProxyError> {
+impl Envoy {
+    /// Spawns Envoy (epoch 0) and publishes it as starting: its process, its epoch's facts and
+    /// the file its admin address will be written to (a bootstrap asking for port 0).
+    async fn start(&self) -> Result<(EnvoyProcess, EpochInfo, Option<PathBuf>), ProxyError> {
         let admin_file = match &self.config.admin {
             AdminAddress::FromFile(path) => {
                 // A stale file would hand out the previous Envoy's address.
@@ -229,33 +231,67 @@ impl Proxy for Envoy {
             s.admin = AdminHealth::Answering;
         });
         self.publish(ProxyPhase::Starting, Some(info.clone()));
+        Ok((process, info, admin_file))
+    }
+
+    /// Learns Envoy's admin address (from `admin_file`, when it is written there), then
+    /// watches it until it is wedged: says why on `wedged` and kills it through `kill`. Never
+    /// resolves: Envoy's exit ends the run.
+    async fn watch_admin(
+        &self,
+        admin_file: Option<PathBuf>,
+        info: EpochInfo,
+        wedged: tokio::sync::oneshot::Sender<String>,
+        kill: &CancellationToken,
+    ) -> Result<Exit, ProxyError> {
+        if let Some(path) = admin_file {
+            let addr = wait_admin_file(&path).await;
+            tracing::info!(%addr, "envoy admin address");
+            self.admin.send_replace(Some(addr));
+        }
+        let pid = info.pid;
+        let message = self.watch_live(info).await;
+        tracing::error!(
+            event = "wedge",
+            reason = %WedgeReason::AdminUnresponsive,
+            pid,
+            error = %message,
+            "envoy is wedged: killing it"
+        );
+        let _ = wedged.send(message);
+        kill.cancel();
+        // Never resolves: the run ends with Envoy's exit.
+        std::future::pending().await
+    }
+}
+
+/// How a run that was not wedged ended, from Envoy's exit.
+fn ended(exit: Exit, served: bool) -> Ended {
+    if exit.aborted {
+        Ended::Stopped { last: Some(exit) }
+    } else if !served && exit.oom.is_none() {
+        // Never LIVE: a start that failed (a bootstrap Envoy rejects), as a node proxy's
+        // first epoch says it, with Envoy's reason.
+        Ended::StartFailed {
+            code: exit.code(),
+            message: start_failure(&exit.stderr_tail),
+        }
+    } else {
+        Ended::Exited(exit)
+    }
+}
+
+impl Proxy for Envoy {
+    async fn run(&self, abort: CancellationToken) -> Result<Ended, ProxyError> {
+        let (process, info, admin_file) = self.start().await?;
         let pid = info.pid;
         let (wedged_tx, wedged_rx) = tokio::sync::oneshot::channel::<String>();
         let kill = CancellationToken::new();
-        let watch_admin = async {
-            if let Some(path) = admin_file {
-                let addr = wait_admin_file(&path).await;
-                tracing::info!(%addr, "envoy admin address");
-                self.admin.send_replace(Some(addr));
-            }
-            let message = self.watch_live(info).await;
-            tracing::error!(
-                event = "wedge",
-                reason = %WedgeReason::AdminUnresponsive,
-                pid,
-                error = %message,
-                "envoy is wedged: killing it"
-            );
-            let _ = wedged_tx.send(message);
-            kill.cancel();
-            // Never resolves: the select below ends with Envoy's exit.
-            std::future::pending::<Result<Exit, ProxyError>>().await
-        };
         // Every line logged while this Envoy runs (its watchers', its exit's) names it.
         let result = async {
             tokio::select! {
                 result = process.run_or_kill(abort, kill.cancelled()) => result,
-                result = watch_admin => result,
+                result = self.watch_admin(admin_file, info, wedged_tx, &kill) => result,
             }
         }
         .instrument(tracing::info_span!("envoy", epoch = 0, pid))
@@ -270,18 +306,7 @@ impl Proxy for Envoy {
                 message,
             });
         }
-        Ok(if exit.aborted {
-            Ended::Stopped { last: Some(exit) }
-        } else if !served && exit.oom.is_none() {
-            // Never LIVE: a start that failed (a bootstrap Envoy rejects), as a node proxy's
-            // first epoch says it, with Envoy's reason.
-            Ended::StartFailed {
-                code: exit.code(),
-                message: start_failure(&exit.stderr_tail),
-            }
-        } else {
-            Ended::Exited(exit)
-        })
+        Ok(ended(exit, served))
     }
 
     fn state(&self) -> watch::Receiver<ProxyState> {

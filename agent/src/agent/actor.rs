@@ -675,18 +675,7 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                         s.not_ready_said();
                     }
                 }
-                Step::FailHealthChecks => {
-                    let proxy = self.agent.proxy.clone();
-                    let call: Call<Result<(), ProxyError>> =
-                        Box::pin(async move { proxy.fail_health_checks().await });
-                    let first = match &mut self.mode {
-                        Mode::ShuttingDown(s) => s.health_checks_sent(call),
-                        _ => false,
-                    };
-                    if first {
-                        step_taken(TimelineStep::FailHealthChecks, offset_ms);
-                    }
-                }
+                Step::FailHealthChecks => self.fail_health_checks(offset_ms),
                 Step::SendDrain => {
                     let first = !s.drain_asked();
                     let options = s.drain_options(now);
@@ -710,41 +699,18 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                         s.listeners_sent(now, call);
                     }
                 }
-                Step::TellNotice => {
-                    tracing::info!(
-                        event = "drain_notice_released",
-                        "the app let go of envoy's outbound listeners: telling the drain notice"
-                    );
-                    self.agent.proxy.tell_drain_notice();
-                    if let Mode::ShuttingDown(s) = &mut self.mode {
-                        s.notice_told();
-                    }
-                }
+                Step::TellNotice => self.tell_notice(),
                 Step::ReadOutbound => {
-                    let admin = self.agent.proxy.admin_address().map(AdminClient::new);
-                    let call: Call<_> = Box::pin(async move {
-                        match admin {
-                            Some(admin) => envoy_agent_proxy::listeners::read(&admin)
-                                .await
-                                .map_err(|e| e.to_string()),
-                            None => Err("envoy's admin address is not known".to_owned()),
-                        }
-                    });
+                    let call = self.outbound_call();
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.outbound_sent(call);
                     }
                 }
                 Step::ProbeApp => {
-                    let pid = self.proxy_state.borrow().epochs.first().map(|e| e.pid);
                     let Some((ports, known)) = s.probe() else {
                         return;
                     };
-                    let call: Call<_> = Box::pin(async move {
-                        match pid {
-                            Some(pid) => envoy_agent_drain::any_held(pid, ports, known).await,
-                            None => Err(DrainError::NoProcess),
-                        }
-                    });
+                    let call = self.probe_call(ports, known);
                     if let Mode::ShuttingDown(s) = &mut self.mode {
                         s.probe_sent(now, call);
                     }
@@ -759,6 +725,60 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
                 }
             }
         }
+    }
+
+    /// Tells Envoy to fail its health checks (the timeline's step, said the first time).
+    fn fail_health_checks(&mut self, offset_ms: u64) {
+        let proxy = self.agent.proxy.clone();
+        let call: Call<Result<(), ProxyError>> =
+            Box::pin(async move { proxy.fail_health_checks().await });
+        let first = match &mut self.mode {
+            Mode::ShuttingDown(s) => s.health_checks_sent(call),
+            _ => false,
+        };
+        if first {
+            step_taken(TimelineStep::FailHealthChecks, offset_ms);
+        }
+    }
+
+    /// The app rule let go: the drain notice held back for it is told now.
+    fn tell_notice(&mut self) {
+        tracing::info!(
+            event = "drain_notice_released",
+            "the app let go of envoy's outbound listeners: telling the drain notice"
+        );
+        self.agent.proxy.tell_drain_notice();
+        if let Mode::ShuttingDown(s) = &mut self.mode {
+            s.notice_told();
+        }
+    }
+
+    /// One reading of Envoy's listeners, for the app rule (which are outbound).
+    fn outbound_call(&self) -> Call<Result<Vec<envoy_agent_proxy::listeners::Listener>, String>> {
+        let admin = self.agent.proxy.admin_address().map(AdminClient::new);
+        Box::pin(async move {
+            match admin {
+                Some(admin) => envoy_agent_proxy::listeners::read(&admin)
+                    .await
+                    .map_err(|e| e.to_string()),
+                None => Err("envoy's admin address is not known".to_owned()),
+            }
+        })
+    }
+
+    /// The kernel's question of the app rule: does Envoy hold a connection on these ports.
+    fn probe_call(
+        &self,
+        ports: std::collections::BTreeSet<u16>,
+        known: envoy_agent_drain::Known,
+    ) -> Call<Result<bool, DrainError>> {
+        let pid = self.proxy_state.borrow().epochs.first().map(|e| e.pid);
+        Box::pin(async move {
+            match pid {
+                Some(pid) => envoy_agent_drain::any_held(pid, ports, known).await,
+                None => Err(DrainError::NoProcess),
+            }
+        })
     }
 
     /// A handover ends when our Envoy is gone, or falls back to our own drain when the

@@ -514,7 +514,19 @@ pub fn hot_restart_channel(
         Some(text) => SocketPath::parse(text),
         None => SocketPath::File(link.join("envoy")),
     };
-    match &path {
+    check_channel(&path, given.is_some(), hot, envoy_user)?;
+    Ok((path, rest))
+}
+
+/// Refuses a hot-restart channel the family could not use: an abstract one unless allowed, a
+/// directory of the user's (`given`) that others can enter, names too long for a socket.
+fn check_channel(
+    path: &SocketPath,
+    given: bool,
+    hot: &HotRestartSettings,
+    envoy_user: Option<u32>,
+) -> Result<(), SetupError> {
+    match path {
         SocketPath::Abstract(_) if !hot.allow_abstract_socket => {
             return Err(SetupError::AbstractChannel {
                 path: path.to_string(),
@@ -522,7 +534,7 @@ pub fn hot_restart_channel(
         }
         SocketPath::Abstract(_) => {}
         SocketPath::File(prefix) => {
-            if given.is_some() {
+            if given {
                 let dir = match prefix.parent() {
                     Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
                     _ => PathBuf::from("."),
@@ -541,7 +553,7 @@ pub fn hot_restart_channel(
                 return Err(SetupError::ChannelTooLong {
                     path: prefix.clone(),
                     longest,
-                    fix: if given.is_some() {
+                    fix: if given {
                         "use a shorter --socket-path"
                     } else {
                         "use a shorter temp dir (TMPDIR)"
@@ -550,7 +562,7 @@ pub fn hot_restart_channel(
             }
         }
     }
-    Ok((path, rest))
+    Ok(())
 }
 
 /// The longest socket name Envoy binds below `prefix` for families on `base_ids`
