@@ -20,7 +20,7 @@
 //!   0, Envoy writes the bound address to a file and `run` picks it up as soon as it appears.
 //! - **Stopping.** Cancelling the `abort` token stops Envoy gracefully: SIGTERM (Envoy
 //!   flushes its logs and exits at once, no drain), then SIGKILL to its process group once
-//!   [`ProxyConfig::stop_grace`] has passed. `run` still waits for the exit status, so no
+//!   [`EnvoyOptions::stop_grace`] has passed. `run` still waits for the exit status, so no
 //!   zombie is left. Dropping the `run` future SIGKILLs Envoy (a safety net, not a way to stop
 //!   it). [`EnvoyProcess::supervise`] delivers signals only while the process is unreaped, so
 //!   a signal never reaches a process that got its pid since.

@@ -22,6 +22,7 @@ use envoy_agent_proxy::{
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 use super::Agent;
 use super::handle::{AgentError, Command, Reply};
@@ -1108,12 +1109,15 @@ impl<P: Proxy, I: IntentSource> Actor<P, I> {
         Fut: Future<Output = Result<T, AgentError>> + Send + 'static,
     {
         let future = call(self.agent.proxy.clone());
-        tokio::spawn(async move {
-            let result = future.await;
-            if let Some(reply) = reply {
-                let _ = reply.send(result);
+        tokio::spawn(
+            async move {
+                let result = future.await;
+                if let Some(reply) = reply {
+                    let _ = reply.send(result);
+                }
             }
-        });
+            .in_current_span(),
+        );
     }
 }
 

@@ -26,6 +26,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use envoy_agent_proxy::{AdminClient, AdminError};
 use http_body_util::BodyExt;
+use tracing::Instrument as _;
 
 /// Envoy's admin endpoints that only read, which a view may `GET`.
 pub const ALLOWED: [&str; 11] = [
@@ -199,12 +200,15 @@ pub fn stream(
     bounds: Bounds,
 ) -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, ViewError>> {
     let (tx, rx) = tokio::sync::mpsc::channel(1);
-    tokio::spawn(async move {
-        tokio::select! {
-            () = read(admin, view.endpoint, bounds, &tx) => {}
-            () = tx.closed() => {}
+    tokio::spawn(
+        async move {
+            tokio::select! {
+                () = read(admin, view.endpoint, bounds, &tx) => {}
+                () = tx.closed() => {}
+            }
         }
-    });
+        .in_current_span(),
+    );
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 

@@ -32,6 +32,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::rt::TokioIo;
 use tokio::sync::watch;
+use tracing::Instrument as _;
 
 /// What `Accept` says to the app: Prometheus' text format first, OpenMetrics second.
 const ACCEPT: &str =
@@ -297,13 +298,16 @@ impl AppMetrics {
                     *flight = Some(rx.clone());
                     self.fetches.fetch_add(1, Ordering::Relaxed);
                     let this = Arc::clone(self);
-                    tokio::spawn(async move {
-                        let result = this.fetch().await;
-                        this.record(&result);
-                        // Scrapes from now on start the next fetch: no answer outlives its fetch.
-                        *this.flight.lock().unwrap_or_else(PoisonError::into_inner) = None;
-                        let _ = tx.send(Some(Arc::new(result)));
-                    });
+                    tokio::spawn(
+                        async move {
+                            let result = this.fetch().await;
+                            this.record(&result);
+                            // Scrapes from now on start the next fetch: no answer outlives its fetch.
+                            *this.flight.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                            let _ = tx.send(Some(Arc::new(result)));
+                        }
+                        .in_current_span(),
+                    );
                     rx
                 }
             }

@@ -54,6 +54,7 @@ use hyper::body::{Body, Bytes, Frame};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::{CancellationToken, PollSender};
+use tracing::Instrument as _;
 
 use crate::status::stats_query::EnvoyRefusal;
 
@@ -295,7 +296,7 @@ impl Walks {
             bytes: 0,
             dropped: 0,
         };
-        tokio::spawn(walk.run(after, start));
+        tokio::spawn(walk.run(after, start).in_current_span());
         subscription
     }
 

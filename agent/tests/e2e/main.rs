@@ -34,6 +34,7 @@ mod security;
 mod shipped;
 mod shutdown_budget;
 mod shutdown_timeline;
+mod spans;
 mod stalled_log;
 mod status;
 mod systemd;
