@@ -90,35 +90,7 @@ pub fn overlay(file: &Path) -> serde_json::Value {
 /// Why a bootstrap's own overload manager leaves no room for the notice (Envoy refuses a
 /// duplicate monitor or action), if it does not.
 pub fn conflict(bootstrap: &serde_yaml::Value) -> Option<String> {
-    let manager = bootstrap.get("overload_manager")?;
-    let names = |list: &str| -> Vec<String> {
-        manager
-            .get(list)
-            .and_then(serde_yaml::Value::as_sequence)
-            .map(|items| {
-                items
-                    .iter()
-                    .filter_map(|i| i.get("name").and_then(serde_yaml::Value::as_str))
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let taken: Vec<String> = names("resource_monitors")
-        .into_iter()
-        .filter(|n| n == MONITOR)
-        .chain(
-            names("actions")
-                .into_iter()
-                .filter(|n| n == KEEPALIVE || n == TIMEOUTS),
-        )
-        .collect();
-    (!taken.is_empty()).then(|| {
-        format!(
-            "the bootstrap's overload_manager already has {}",
-            taken.join(", ")
-        )
-    })
+    crate::overload::ManagerNames::of(bootstrap).taken(&[MONITOR], &[KEEPALIVE, TIMEOUTS], &[])
 }
 
 /// [`conflict`] of the bootstrap file at `path` (YAML or JSON); none when it cannot be read
@@ -126,12 +98,10 @@ pub fn conflict(bootstrap: &serde_yaml::Value) -> Option<String> {
 /// monitor or actions at all: a large bootstrap parsed whole costs the agent tens of MiB
 /// (a 1.9 MB one: 18 MiB more resident for good), and almost none has them.
 pub fn conflict_in(path: &Path) -> Option<String> {
-    let bytes = std::fs::read(path).ok()?;
-    let mentions = |name: &str| bytes.windows(name.len()).any(|w| w == name.as_bytes());
-    if ![MONITOR, KEEPALIVE, TIMEOUTS].iter().any(|n| mentions(n)) {
-        return None;
-    }
-    conflict(&serde_yaml::from_slice(&bytes).ok()?)
+    conflict(&crate::overload::bootstrap_naming(
+        path,
+        &[MONITOR, KEEPALIVE, TIMEOUTS],
+    )?)
 }
 
 /// Before the Envoy of `epoch` starts: its file reads 0 (a stale 1 would make it start told).

@@ -31,6 +31,8 @@ pub const DOWNSTREAM_CONNECTIONS: &str =
 const SHRINK_HEAP: &str = "envoy.overload_actions.shrink_heap";
 const STOP_ACCEPTING_REQUESTS: &str = "envoy.overload_actions.stop_accepting_requests";
 const LISTENER_ACCEPT: &str = "envoy.load_shed_points.tcp_listener_accept";
+/// The runtime key that bounds downstream connections the older way.
+const RUNTIME_BOUND: &str = "overload.global_downstream_max_connections";
 
 /// Envoy sheds load before its container's memory limit.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -168,86 +170,126 @@ pub struct Conflicts {
     pub connections: Option<String>,
 }
 
+/// The names a bootstrap's `overload_manager` already uses, by list: Envoy refuses a second
+/// monitor, action or load-shed point of a name, so every part the agent merges into the
+/// overlay (the drain notice, the memory guard, the connections' bound) is checked against
+/// these.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ManagerNames {
+    /// `resource_monitors`' names.
+    pub monitors: Vec<String>,
+    /// `actions`' names.
+    pub actions: Vec<String>,
+    /// `loadshed_points`' names.
+    pub loadshed_points: Vec<String>,
+}
+
+impl ManagerNames {
+    /// The names of `bootstrap`'s overload manager (none without one).
+    pub fn of(bootstrap: &serde_yaml::Value) -> Self {
+        let manager = bootstrap.get("overload_manager");
+        let names = |list: &str| -> Vec<String> {
+            manager
+                .and_then(|m| m.get(list))
+                .and_then(serde_yaml::Value::as_sequence)
+                .map(|items| {
+                    items
+                        .iter()
+                        .filter_map(|i| i.get("name").and_then(serde_yaml::Value::as_str))
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        ManagerNames {
+            monitors: names("resource_monitors"),
+            actions: names("actions"),
+            loadshed_points: names("loadshed_points"),
+        }
+    }
+
+    /// Which of `monitors`, `actions` and `loadshed_points` the bootstrap already has, in that
+    /// order; with why the part is left out when any.
+    pub fn taken(
+        &self,
+        monitors: &[&str],
+        actions: &[&str],
+        loadshed_points: &[&str],
+    ) -> Option<String> {
+        let of = |have: &[String], ours: &[&str]| -> Vec<String> {
+            have.iter()
+                .filter(|n| ours.contains(&n.as_str()))
+                .cloned()
+                .collect()
+        };
+        let taken: Vec<String> = [
+            of(&self.monitors, monitors),
+            of(&self.actions, actions),
+            of(&self.loadshed_points, loadshed_points),
+        ]
+        .concat();
+        (!taken.is_empty()).then(|| {
+            format!(
+                "the bootstrap's overload_manager already has {}",
+                taken.join(", ")
+            )
+        })
+    }
+}
+
+/// The bootstrap file at `path` (YAML or JSON), parsed only when it names one of `names` at
+/// all: a large bootstrap parsed whole costs the agent tens of MiB (a 1.9 MB one: 18 MiB more
+/// resident for good), and almost none has them. None when it cannot be read (setup has
+/// checked it already) or names none.
+pub fn bootstrap_naming(path: &std::path::Path, names: &[&str]) -> Option<serde_yaml::Value> {
+    let bytes = std::fs::read(path).ok()?;
+    let mentions = |name: &str| bytes.windows(name.len()).any(|w| w == name.as_bytes());
+    if !names.iter().any(|n| mentions(n)) {
+        return None;
+    }
+    serde_yaml::from_slice(&bytes).ok()
+}
+
 /// [`Conflicts`] of a bootstrap: its overload manager's names, and a runtime layer's
 /// `overload.global_downstream_max_connections` (the older way to bound connections).
 pub fn conflicts(bootstrap: &serde_yaml::Value) -> Conflicts {
-    let manager = bootstrap.get("overload_manager");
-    let names = |list: &str| -> Vec<String> {
-        manager
-            .and_then(|m| m.get(list))
-            .and_then(serde_yaml::Value::as_sequence)
-            .map(|items| {
-                items
-                    .iter()
-                    .filter_map(|i| i.get("name").and_then(serde_yaml::Value::as_str))
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let monitors = names("resource_monitors");
-    let taken: Vec<String> = monitors
-        .iter()
-        .filter(|n| *n == FIXED_HEAP)
-        .cloned()
-        .chain(
-            names("actions")
-                .into_iter()
-                .filter(|n| n == SHRINK_HEAP || n == STOP_ACCEPTING_REQUESTS),
-        )
-        .chain(
-            names("loadshed_points")
-                .into_iter()
-                .filter(|n| n == LISTENER_ACCEPT),
-        )
-        .collect();
+    let names = ManagerNames::of(bootstrap);
     let runtime_bound = serde_yaml::to_string(
         bootstrap
             .get("layered_runtime")
             .unwrap_or(&serde_yaml::Value::Null),
     )
-    .is_ok_and(|text| text.contains("overload.global_downstream_max_connections"));
+    .is_ok_and(|text| text.contains(RUNTIME_BOUND));
     Conflicts {
-        memory: (!taken.is_empty()).then(|| {
-            format!(
-                "the bootstrap's overload_manager already has {}",
-                taken.join(", ")
-            )
-        }),
-        connections: if monitors.iter().any(|n| n == DOWNSTREAM_CONNECTIONS) {
+        memory: names.taken(
+            &[FIXED_HEAP],
+            &[SHRINK_HEAP, STOP_ACCEPTING_REQUESTS],
+            &[LISTENER_ACCEPT],
+        ),
+        connections: if names.monitors.iter().any(|n| n == DOWNSTREAM_CONNECTIONS) {
             Some(format!(
                 "the bootstrap's overload_manager has its own {DOWNSTREAM_CONNECTIONS}"
             ))
         } else if runtime_bound {
-            Some(
-                "the bootstrap's runtime sets overload.global_downstream_max_connections"
-                    .to_owned(),
-            )
+            Some(format!("the bootstrap's runtime sets {RUNTIME_BOUND}"))
         } else {
             None
         },
     }
 }
 
-/// [`conflicts`] of the bootstrap file at `path`; parsed only when it names one of the
-/// monitors, actions or the runtime key at all (a large bootstrap parsed whole is costly).
+/// [`conflicts`] of the bootstrap file at `path` ([`bootstrap_naming`] the monitors, actions
+/// and the runtime key).
 pub fn conflicts_in(path: &std::path::Path) -> Conflicts {
-    let Ok(bytes) = std::fs::read(path) else {
-        return Conflicts::default();
-    };
-    let mentions = |name: &str| bytes.windows(name.len()).any(|w| w == name.as_bytes());
     let names = [
         FIXED_HEAP,
         SHRINK_HEAP,
         STOP_ACCEPTING_REQUESTS,
         LISTENER_ACCEPT,
         DOWNSTREAM_CONNECTIONS,
-        "overload.global_downstream_max_connections",
+        RUNTIME_BOUND,
     ];
-    if !names.iter().any(|n| mentions(n)) {
-        return Conflicts::default();
-    }
-    serde_yaml::from_slice(&bytes)
+    bootstrap_naming(path, &names)
         .map(|b| conflicts(&b))
         .unwrap_or_default()
 }
