@@ -84,7 +84,14 @@ fn start_tracing(cli: &Cli, matches: &clap::ArgMatches) {
         .with_writer(output::stderr);
     match cli.log_format {
         LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
-        LogFormat::Json => logs.json().flatten_event(true).init(),
+        // Each line names the task that wrote it (its innermost span, with the span's fields);
+        // the path of spans around it would double every line's size for little.
+        LogFormat::Json => logs
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .init(),
     }
 }
 
