@@ -6,8 +6,9 @@
 //! its last few entries, oldest first, so a long life costs no more than a short one. The
 //! last handoff is the newest entry of the handoffs, not a second record of it.
 
-use envoy_agent_proxy::{EpochExit, HandoffResult, Outcome, Wedge, WedgeReason};
 use std::time::SystemTime;
+
+use envoy_agent_proxy::{EpochExit, HandoffResult, Outcome, Wedge, WedgeReason};
 
 use super::Supervisor;
 use crate::host::Host;

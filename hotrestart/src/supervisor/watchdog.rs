@@ -8,10 +8,11 @@
 //! are `envoy_agent_proxy::watchdog`'s, shared with a sidecar's; what a refused check, a
 //! successor's start or the agent's own lack of a resource mean is decided here.
 
+use std::time::{Duration, SystemTime};
+
 use envoy_agent_proxy::admin::AdminState;
 use envoy_agent_proxy::watchdog::{self as rules, Silence};
 use envoy_agent_proxy::{AdminError, AdminHealth, Ended, WedgeReason};
-use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
 use super::{Probe, Supervisor, WATCHDOG_POLL, WATCHDOG_POLL_SUCCESSOR};
