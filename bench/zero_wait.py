@@ -157,6 +157,10 @@ def one_run(args, mode, n, workdir, run):
            "--exit-on-zero", "connections", "--minimum-drain-duration", "0s",
            # The idle clients are held through the drain, not told to go.
            "--drain-notice", "off",
+           # N idle clients and no upstream: the container's default bound on downstream
+           # connections (half the open-file limit, for a downstream and its upstream each)
+           # would turn most of 15,000 away.
+           "--max-downstream-connections", "off",
            "--termination-drain-duration", f"{int(args.wait_s) + 60}s"]
     if mode == "node":
         cmd += ["--hot-restart", "--base-id", str(40000 + os.getpid() % 1000 + run),
