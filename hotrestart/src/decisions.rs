@@ -480,6 +480,34 @@ async fn a_refused_admin_is_a_lost_listener_recovered_by_a_restart_not_a_wedge()
     f.stop().await;
 }
 
+/// CI's crash streak: the serving Envoy was SIGKILLed, and a watchdog check reached its
+/// admin socket after the process had closed it but before its exit was reaped. The refusal
+/// was taken for a listener lost to a failed epoch and answered with a hot restart: the new
+/// epoch took over, and the crash was never reported (nor counted toward the give-up). An
+/// epoch that no longer runs has lost nothing: its exit is waited for.
+#[tokio::test(start_paused = true)]
+async fn a_refused_admin_of_a_serving_envoy_that_died_is_its_crash_not_a_lost_listener() {
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    let serving = f.host.world().pid_of(0).unwrap();
+    {
+        let mut w = f.host.world();
+        w.unreaped.insert(serving);
+        w.admin = Admin::Refused;
+    }
+    // Several watchdog periods with the exit not yet seen.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        f.host.world().spawns,
+        [0],
+        "no epoch 1 for a listener that was not lost"
+    );
+    f.host.world().exit(0, killed(9));
+    let (ended, host) = f.ended().await;
+    assert_eq!(ended.code(), 137, "the crash ends the family: {ended:?}");
+    assert_eq!(host.world().spawns, [0]);
+}
+
 #[tokio::test(start_paused = true)]
 async fn stopping_kills_a_starting_epoch_and_terminates_the_serving_one() {
     let f = start(FakeHost::default(), config());

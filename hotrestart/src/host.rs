@@ -230,9 +230,9 @@ pub trait Host: Send + Sync + 'static {
     fn binary_changed(&self) -> bool;
     /// Clears a stale INITIALIZING flag. Only called when no Envoy of the family initializes.
     fn repair_initializing(&self, hot_restart_version: &str) -> Repair;
-    /// Whether process `pid` still runs: `false` once it has exited, even before it is reaped
-    /// (a zombie), so that a deadline judged late (the agent itself was stopped or starved)
-    /// does not blame a process whose exit is on its way.
+    /// Whether process `pid` still runs: `false` once it is exiting or has exited, even before
+    /// it is reaped (a zombie), so that a deadline judged late (the agent itself was stopped or
+    /// starved) or a listener refusing does not blame a process whose exit is on its way.
     fn still_runs(&self, pid: u32) -> bool;
     /// Binds the hot-restart socket names of dead (or gone) `parent_epoch` and answers its
     /// child's requests. Fails while the parent still holds them.
@@ -499,6 +499,24 @@ async fn check(
 }
 
 /// A started Envoy, supervised (signals in, its exit out) by a task of its own.
+/// Whether a process runs, by its `/proc/<pid>/stat`: `pid (comm) state ppid pgrp session
+/// tty_nr tpgid flags ...` (the comm may hold spaces and parentheses). Not a zombie or dead,
+/// nor on its way out (PF_EXITING: its descriptors closing, its listeners refusing, before it
+/// is a zombie).
+fn runs_by_stat(stat: &str) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next();
+    let exiting = fields
+        .nth(5)
+        .and_then(|f| f.parse::<u64>().ok())
+        .is_some_and(|flags| flags & PF_EXITING != 0);
+    !exiting && !matches!(state, Some("Z" | "X" | "x") | None)
+}
+
 fn supervised(process: EnvoyProcess, admin_bound: Option<oneshot::Receiver<()>>) -> Spawned {
     let pid = process.pid();
     let (signals, receiver) = mpsc::unbounded_channel();
@@ -822,14 +840,7 @@ impl Host for RealHost {
     }
 
     fn still_runs(&self, pid: u32) -> bool {
-        // `/proc/<pid>/stat`: `pid (comm) state ...`; the comm may hold spaces and parentheses.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            return false;
-        };
-        let state = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().next());
-        !matches!(state, Some("Z" | "X" | "x") | None)
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| runs_by_stat(&stat))
     }
 
     fn stand_in(&self, parent_epoch: u32) -> std::io::Result<Guard> {
@@ -1003,6 +1014,22 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    /// The stat line's state and flags: running, sleeping; a zombie, dead, or exiting (its
+    /// listeners already refusing) does not run.
+    #[test]
+    fn a_process_runs_unless_its_stat_says_dead_zombie_or_exiting() {
+        let stat = |state: &str, flags: u64| {
+            format!("42 (envoy (main) x) {state} 1 42 42 0 -1 {flags} 100 0 0 0 5 3 0 0 20 0 8")
+        };
+        assert!(runs_by_stat(&stat("S", 0x400100)));
+        assert!(runs_by_stat(&stat("R", 0x400040)));
+        assert!(!runs_by_stat(&stat("R", 0x400044)), "PF_EXITING");
+        assert!(!runs_by_stat(&stat("D", 0x4)), "PF_EXITING");
+        assert!(!runs_by_stat(&stat("Z", 0x400104)));
+        assert!(!runs_by_stat(&stat("X", 0)));
+        assert!(!runs_by_stat(""));
+    }
 
     /// A zombie (exited, not reaped) no longer runs; a running child does; a gone pid not.
     #[test]

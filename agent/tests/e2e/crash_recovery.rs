@@ -210,6 +210,48 @@ async fn a_wedge_is_recovered_in_place_with_restart_on_crash() {
     assert_eq!(agent.exit().await.code(), Some(0));
 }
 
+/// CI's crash streak (design note 23): a watchdog check that reaches a SIGKILLed Envoy's admin
+/// socket before its exit is taken is refused. That refusal was read as a listener lost to a
+/// failed epoch and answered with a hot restart, and the crash was never reported. Here the
+/// agent is stopped across the kill and past its watchdog's period, so that when it runs again
+/// its check and the exit are due together.
+#[tokio::test]
+async fn a_serving_envoy_killed_while_the_agent_was_stopped_is_its_crash() {
+    let agent = agent_in(Mode::NodeProxy)
+        .args(&["--restart-on-crash"])
+        .start()
+        .await;
+    let agent_pid = Pid::from_raw(agent.agent_pid() as i32);
+    let envoy = live_envoy(&agent, None).await.epochs[0].pid;
+    kill(agent_pid, Signal::SIGSTOP).unwrap();
+    kill(Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
+    // Frozen: nothing to wait on but the clock (the watchdog's period and its renewal's, 5 s).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    kill(agent_pid, Signal::SIGCONT).unwrap();
+
+    let crashed = agent.wait_event("envoy_crashed", "signal", "9").await;
+    assert_eq!(crashed["pid"], envoy, "{crashed}");
+    assert_eq!(crashed["action"], "restart", "{crashed}");
+    assert_eq!(crashed["attempt"], 1, "{crashed}");
+    let after = live_envoy(&agent, Some(envoy)).await;
+    assert_eq!(
+        after.newest_live_epoch,
+        Some(0),
+        "a fresh family, not a hot restart"
+    );
+    assert_eq!(
+        agent.events("admin_listener_lost"),
+        Vec::<serde_json::Value>::new(),
+        "a dead envoy's refusal is not a listener lost"
+    );
+    assert!(
+        agent
+            .events_with("handoff", "reason", "recover the admin listener")
+            .is_empty(),
+        "no restart for a listener that was not lost"
+    );
+}
+
 /// SIGHUP to a node proxy serving epoch 0; once epoch 1 is LIVE (its parent draining), the
 /// pids of epoch 0 and epoch 1.
 async fn hot_restart_to_epoch_1(agent: &AgentProcess) -> (u32, u32) {

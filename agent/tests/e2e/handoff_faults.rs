@@ -201,6 +201,10 @@ async fn a_predecessor_recovers_the_admin_listener_a_failed_successor_took() {
     })
     .await;
     assert!(
+        !a.events("admin_listener_lost").is_empty(),
+        "the restart was for the lost listener"
+    );
+    assert!(
         a.events_with("wedge", "reason", "admin_unresponsive")
             .is_empty(),
         "never a wedge for another pod's handoff"

@@ -188,12 +188,18 @@ impl<H: Host> Supervisor<H> {
                 tracing::debug!(error = %e, "admin silent while a successor starts");
                 self.admin_answered(now);
             }
+            Err(e) if discovery::refused(&e) && !self.serving_runs() => {
+                // The serving Envoy closed its listener by dying: its exit, not reaped yet, is
+                // its crash, reported when it arrives. A restart now would hide it (a crash
+                // loop would never give up) behind a new epoch.
+                tracing::debug!(error = %e, "admin refused by a serving envoy that no longer runs: waiting for its exit");
+            }
             Err(e) if discovery::refused(&e) => {
                 // Our Envoy runs but its admin listener is gone: only a child (ours or another
                 // pod's) takes it, and that child has failed. Only a LIVE child gives it back.
                 self.admin_answered(now);
                 if self.handoff.is_idle() && self.queue.is_empty() && !self.orders.drained() {
-                    tracing::warn!(error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
+                    tracing::warn!(event = "admin_listener_lost", error = %e, "the serving epoch's admin listener is gone (taken by a failed epoch?): hot-restarting to get it back");
                     self.queue
                         .push("recover the admin listener".to_owned(), None, now);
                 }
@@ -205,6 +211,15 @@ impl<H: Host> Supervisor<H> {
             }
             Err(e) => self.admin_silent(sent, now, &e),
         }
+    }
+
+    /// Whether the serving epoch's process still runs (not exited, nor exiting, nor a zombie
+    /// whose exit is yet to be seen).
+    fn serving_runs(&self) -> bool {
+        self.life
+            .serving()
+            .and_then(|epoch| self.epochs.get(epoch))
+            .is_some_and(|c| self.host.still_runs(c.pid))
     }
 
     /// A check sent at `sent` reached Envoy and failed (`e`), at `now`: readiness goes off
