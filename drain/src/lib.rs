@@ -57,7 +57,12 @@
 //! its zero is believed) and how it paces the next is the [`count`] module's policy; when
 //! counts are due is the caller's (the agent's shutdown clock).
 //!
-//! Nothing here holds state or spawns tasks: cancelling a call drops its connection.
+//! Nothing here holds state between calls (the quick counts' [`Known`] connections are the
+//! caller's) or spawns tasks that outlive a call, with one exception by necessity: the
+//! kernel's socket table is read with blocking calls (`sock_diag`, `/proc`) on a blocking
+//! thread (`spawn_blocking`). Cancelling a call drops its admin connection at once; a table
+//! read already under way runs to its end on that thread (milliseconds, filtered to the ports
+//! asked) and its answer is dropped.
 
 use std::collections::{BTreeMap, BTreeSet};
 

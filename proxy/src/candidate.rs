@@ -30,7 +30,8 @@ pub async fn validate_candidate(config: &ProxyConfig, bytes: &[u8]) -> Result<()
 /// A bootstrap written to a candidate file of its own beside `config`'s (see
 /// [`validate_candidate`]), not checked yet. Public for checks that go through a cache of
 /// Envoy's verdicts (the hot-restart crate's), which write a candidate only when no verdict is
-/// known. [`Candidate::validate`] removes the file; a `Candidate` dropped unchecked leaves it.
+/// known. The file goes with the `Candidate`: after [`Candidate::validate`], or when it is
+/// dropped unchecked, or with a validation cancelled mid-run (a restart given up, a stop).
 #[derive(Debug)]
 pub struct Candidate {
     /// `config` with the candidate as its bootstrap.
@@ -68,9 +69,14 @@ impl Candidate {
     /// `envoy --mode validate` on the candidate ([`crate::preflight::validate`]), then removes
     /// it. A rejection names the candidate file.
     pub async fn validate(self) -> Result<(), PreflightError> {
-        let validated = crate::preflight::validate(&self.check).await;
+        crate::preflight::validate(&self.check).await
+    }
+}
+
+impl Drop for Candidate {
+    fn drop(&mut self) {
+        // Envoy's validation (killed on drop) is done with it by now, or gone.
         let _ = fs::remove_file(&self.check.config_path);
-        validated
     }
 }
 
@@ -90,4 +96,65 @@ fn candidate_path(path: &Path) -> PathBuf {
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::os::unix::fs::PermissionsExt;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The candidate files beside `dir`'s bootstrap.
+    fn candidates(dir: &Path) -> Vec<PathBuf> {
+        fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.to_string_lossy().contains(".candidate."))
+            .collect()
+    }
+
+    /// A config whose "Envoy" validates for as long as `seconds`.
+    fn config_validating_for(dir: &Path, seconds: u32) -> ProxyConfig {
+        let bin = dir.join("envoy");
+        fs::write(&bin, format!("#!/bin/sh\nsleep {seconds}\n")).unwrap();
+        fs::set_permissions(&bin, fs::Permissions::from_mode(0o755)).unwrap();
+        ProxyConfig::new(
+            bin,
+            dir.join("bootstrap.yaml"),
+            crate::AdminAddress::FromFile(dir.join("admin")),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_validation_cancelled_mid_run_leaves_no_candidate() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_validating_for(dir.path(), 30);
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(200),
+            validate_candidate(&config, b"admin: {}\n"),
+        )
+        .await;
+        assert!(cancelled.is_err(), "still validating when cancelled");
+        assert_eq!(candidates(dir.path()), Vec::<PathBuf>::new());
+    }
+
+    #[tokio::test]
+    async fn a_candidate_dropped_unchecked_or_validated_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = config_validating_for(dir.path(), 0);
+        let candidate = Candidate::write(&config, b"admin: {}\n").unwrap();
+        assert_eq!(candidates(dir.path()).len(), 1, "written");
+        drop(candidate);
+        assert_eq!(candidates(dir.path()), Vec::<PathBuf>::new());
+        Candidate::write(&config, b"admin: {}\n")
+            .unwrap()
+            .validate()
+            .await
+            .unwrap();
+        assert_eq!(candidates(dir.path()), Vec::<PathBuf>::new());
+    }
 }
