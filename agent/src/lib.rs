@@ -34,6 +34,7 @@ use anyhow::Context;
 use envoy_agent_drain::Exclusions;
 use envoy_agent_proxy::{AdminAddress, Envoy, Proxy, ProxyConfig};
 use opentelemetry::metrics::Meter;
+use runtime_dir::RuntimeDir;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument as _;
@@ -47,6 +48,7 @@ pub mod exit_code;
 pub mod grpc;
 pub mod log_level;
 pub mod notify;
+pub mod runtime_dir;
 pub mod signal;
 pub mod status;
 pub mod telemetry;
@@ -146,10 +148,10 @@ fn warn_about(settings: &Settings) {
 /// `envoy-agent run`: returns the process exit code. Errors of type [`SetupError`] mean bad
 /// input (exit [`SetupError::exit_code`]); others are failures of the agent itself.
 pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Result<u8> {
-    let runtime_dir = runtime_dir();
     // The bootstrap first: it is what the operator wrote, so its errors are the most telling.
     let envoy = &settings.envoy;
     let temp_dir = std::env::temp_dir();
+    let runtime_dir = RuntimeDir::path_in(&temp_dir);
     let admin_socket = config::setup::admin_socket(settings, &runtime_dir, &temp_dir)?;
     let (admin, extra_args, replaced) = config::setup::resolve_admin(
         &envoy.config_path,
@@ -200,6 +202,7 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
     // Once the input is known good (a refusal is one line), before anything opens sockets.
     config::setup::raise_fd_limit();
     let own_runtime_dir = make_runtime_dir(settings, &proxy, &runtime_dir)?;
+    sweep_runtime_dirs(&temp_dir, &runtime_dir);
     let code = match &settings.hot_restart {
         // A refusal ends the run as any ending does: what it made is removed below.
         Some(hot) => match family(settings, hot, proxy, meter.as_ref()) {
@@ -230,8 +233,8 @@ pub async fn run(settings: &Settings, intents: impl IntentSource) -> anyhow::Res
             .await
         }
     };
-    if own_runtime_dir {
-        remove_dir(&runtime_dir);
+    if let Some(dir) = own_runtime_dir {
+        dir.remove();
     }
     if let Some(telemetry) = telemetry {
         telemetry.shutdown().await;
@@ -299,19 +302,6 @@ fn configure_proxy(
     Ok(proxy)
 }
 
-/// This run's private directory (not made yet) under the temporary directory.
-fn runtime_dir() -> PathBuf {
-    // Unique to this run, not only to this pid: every agent that is PID 1 of its container
-    // has pid 1, and two of them may share a /tmp (pods of a test, a shared volume); one
-    // removing its directory on exit must not take the other's. (The `.` keeps it apart from
-    // the gRPC socket's `envoy-agent-<uid>` directory too.)
-    let started = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
-    std::env::temp_dir().join(format!("envoy-agent-{}.{started:x}", std::process::id()))
-}
-
 /// The OTLP export pipeline, when an endpoint is configured.
 fn start_telemetry(
     settings: &Settings,
@@ -326,23 +316,35 @@ fn start_telemetry(
 }
 
 /// Makes the runtime directory when something of this run lives in it (and the admin
-/// socket's directory under it); true when made, so that the run removes it at its end.
+/// socket's directory under it); the directory made, held until the run removes it at its end.
 fn make_runtime_dir(
     settings: &Settings,
     proxy: &ProxyConfig,
     runtime_dir: &Path,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Option<RuntimeDir>> {
     let own_runtime_dir = settings.hot_restart.is_some()
         || matches!(&proxy.admin, AdminAddress::FromFile(p) | AdminAddress::Socket(p) if p.starts_with(runtime_dir))
         || proxy.drain_notice.as_deref() == Some(runtime_dir);
-    if own_runtime_dir {
-        std::fs::create_dir_all(runtime_dir)
-            .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
-    }
+    let made = own_runtime_dir
+        .then(|| RuntimeDir::make(runtime_dir))
+        .transpose()
+        .with_context(|| format!("creating runtime dir {}", runtime_dir.display()))?;
     if settings.hot_restart.is_none() && matches!(proxy.admin, AdminAddress::Socket(_)) {
         config::setup::make_admin_socket_dir(settings, runtime_dir)?;
     }
-    Ok(own_runtime_dir)
+    Ok(made)
+}
+
+/// Removes what killed runs of this user left in the temporary directory ([`runtime_dir`]).
+fn sweep_runtime_dirs(temp_dir: &Path, own: &Path) {
+    let removed = runtime_dir::sweep(temp_dir, nix::unistd::geteuid().as_raw(), Some(own));
+    if !removed.is_empty() {
+        tracing::info!(
+            event = "runtime_dirs_removed",
+            removed = ?removed,
+            "removed the runtime directories of agents that were killed"
+        );
+    }
 }
 
 /// The hot-restart family that serves in place of one Envoy.
@@ -550,12 +552,6 @@ fn end(settings: &Settings, exit: AgentExit) -> anyhow::Result<u8> {
     match exit.error {
         Some(e) => Err(e).context("running envoy"),
         None => Ok(exit.code()),
-    }
-}
-
-fn remove_dir(dir: &Path) {
-    if let Err(e) = std::fs::remove_dir_all(dir) {
-        tracing::debug!(dir = %dir.display(), error = %e, "cannot remove runtime dir");
     }
 }
 

@@ -3,6 +3,8 @@
 //! - a node proxy stopped by SIGTERM removes its hot-restart channel's link
 //!   (`<temp dir>/envoy-agent-hr-<uid>/<base id>`) and its family's shared memory
 //!   (`/dev/shm/envoy_shared_memory_<base id × 10>`), and its runtime directory;
+//! - a sidecar SIGKILLed cannot remove its runtime directory; the next agent on the same
+//!   temporary directory removes it at its start, and never a live agent's;
 //! - a first start that Envoy rejects (a `direct_response` status of 99) ends the same way in
 //!   both modes (`start_failed`, exit 1), the termination message and the exit event give
 //!   Envoy's reason, and a node proxy leaves neither link nor segment behind.
@@ -33,7 +35,12 @@ fn leftovers(base_id: u32) -> Vec<PathBuf> {
 
 /// This agent's runtime directories (`<temp dir>/envoy-agent-<pid>.<start>`).
 fn runtime_dirs(pid: u32) -> Vec<PathBuf> {
-    std::fs::read_dir(std::env::temp_dir())
+    runtime_dirs_in(&std::env::temp_dir(), pid)
+}
+
+/// ... under `temp_dir`.
+fn runtime_dirs_in(temp_dir: &std::path::Path, pid: u32) -> Vec<PathBuf> {
+    std::fs::read_dir(temp_dir)
         .unwrap()
         .flatten()
         .map(|e| e.path())
@@ -63,6 +70,49 @@ async fn a_node_proxy_stopped_by_sigterm_leaves_nothing_behind() {
     assert_eq!(agent.exit().await.code(), Some(0));
     assert_eq!(leftovers(base_id), Vec::<PathBuf>::new());
     assert_eq!(runtime_dirs(pid), Vec::<PathBuf>::new());
+}
+
+#[tokio::test]
+async fn a_killed_agents_runtime_dir_is_removed_by_the_next_start_and_a_live_ones_is_kept() {
+    // A temporary directory of this test's own: other tests' agents sweep the shared one.
+    let tmp = envoy_agent_tests::TestDir::new();
+    let tmp_arg = tmp.path().display().to_string();
+    let in_tmp = || agent_in(Mode::Sidecar).env("TMPDIR", &tmp_arg);
+    let mut live = in_tmp().start().await;
+    let mut killed = in_tmp().start().await;
+    let (live_pid, killed_pid) = (live.agent_pid(), killed.agent_pid());
+    killed.signal_agent(Signal::SIGKILL);
+    assert_eq!(killed.exit().await.code(), None, "killed");
+    let left = runtime_dirs_in(tmp.path(), killed_pid);
+    assert_eq!(
+        left.len(),
+        1,
+        "a killed agent cannot remove its own: {left:?}"
+    );
+
+    let mut next = in_tmp().start().await;
+    let removed = next
+        .wait_event("runtime_dirs_removed", "level", "INFO")
+        .await;
+    assert_eq!(
+        removed["removed"],
+        format!("[{:?}]", left[0]),
+        "the killed agent's, and no other: {removed}"
+    );
+    assert_eq!(
+        runtime_dirs_in(tmp.path(), killed_pid),
+        Vec::<PathBuf>::new()
+    );
+    assert_eq!(
+        runtime_dirs_in(tmp.path(), live_pid).len(),
+        1,
+        "the live one's kept"
+    );
+    assert!(live.running());
+    let next_pid = next.agent_pid();
+    next.signal(Signal::SIGTERM);
+    assert_eq!(next.exit().await.code(), Some(0));
+    assert_eq!(runtime_dirs_in(tmp.path(), next_pid), Vec::<PathBuf>::new());
 }
 
 both_modes!(a_rejected_first_start_is_said_as_it_is_and_leaves_nothing_behind);
