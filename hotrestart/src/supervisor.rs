@@ -962,26 +962,31 @@ impl<H: Host> Supervisor<H> {
     /// there is one (the binary on disk may be a newer one already), else of the binary.
     fn ask_version(&mut self) {
         self.version.ask();
-        let events = self.events_tx.clone();
         if self.life.live().is_some() {
             let ask = self.host.serving_version();
-            tokio::spawn(
-                async move {
-                    let version = ask.await.map_err(|e| e.to_string());
-                    let _ = events.send(Event::Version(version));
-                }
-                .in_current_span(),
-            );
+            self.beside(ask, |v| Event::Version(v.map_err(|e| e.to_string())));
         } else {
             let ask = self.host.hot_restart_version();
-            tokio::spawn(
-                async move {
-                    let version = ask.await.map_err(|e| e.to_string());
-                    let _ = events.send(Event::Version(version));
-                }
-                .in_current_span(),
-            );
+            self.beside(ask, |v| Event::Version(v.map_err(|e| e.to_string())));
         }
+    }
+
+    /// Runs `call` beside the loop (in the current span) and sends the loop what `event`
+    /// makes of its answer. The loop never waits on Envoy, the node or a process: it hears
+    /// back. Dropped with the supervisor's channel, an answer goes nowhere.
+    fn beside<T: Send + 'static>(
+        &self,
+        call: impl Future<Output = T> + Send + 'static,
+        event: impl FnOnce(T) -> Event + Send + 'static,
+    ) {
+        let events = self.events_tx.clone();
+        tokio::spawn(
+            async move {
+                let answer = call.await;
+                let _ = events.send(event(answer));
+            }
+            .in_current_span(),
+        );
     }
 
     fn on_version(&mut self, result: Result<String, String>) {

@@ -20,7 +20,6 @@
 //!   configured address again.
 
 use envoy_agent_proxy::{HandoffKind, Scope};
-use tracing::Instrument;
 
 use envoy_agent_proxy::{AdminError, Ended, EpochState, Exit};
 
@@ -168,15 +167,12 @@ impl<H: Host> Supervisor<H> {
         live.probing.in_flight = true;
         let pid = child.pid;
         let call = self.host.cold_live_check(child.base_id);
-        let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(
-            async move {
-                let result = call.await;
-                let _ = events.send(Event::ColdLiveChecked { pid, sent, result });
-            }
-            .in_current_span(),
-        );
+        self.beside(call, move |result| Event::ColdLiveChecked {
+            pid,
+            sent,
+            result,
+        });
     }
 
     pub(super) fn on_cold_live_check(
@@ -437,17 +433,10 @@ impl<H: Host> Supervisor<H> {
         for epoch in self.epochs.iter().map(|c| c.epoch).collect::<Vec<_>>() {
             self.host.tell_drain(self.base_id, epoch);
         }
-        let events = self.events_tx.clone();
-        tokio::spawn(
-            async move {
-                let result = drain.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-                let _ = events.send(Event::Drained {
-                    result,
-                    replies: Vec::new(),
-                });
-            }
-            .in_current_span(),
-        );
+        self.beside(drain, |result| Event::Drained {
+            result: result.map_err(|e| FamilyError::Admin(Arc::new(e))),
+            replies: Vec::new(),
+        });
     }
 
     /// A successor pod's new family is LIVE beside ours and says it took over from us (a cold
@@ -536,13 +525,7 @@ impl<H: Host> Supervisor<H> {
                 *look_at = Some(now + STOP_BACKSTOP);
                 // `live_check` asks the configured address.
                 let call = self.host.live_check(None);
-                let events = self.events_tx.clone();
-                tokio::spawn(
-                    async move {
-                        let _ = events.send(Event::ForeignAdmin(call.await));
-                    }
-                    .in_current_span(),
-                );
+                self.beside(call, Event::ForeignAdmin);
             }
             return;
         }

@@ -189,14 +189,10 @@ impl<H: Host> Supervisor<H> {
         for epoch in self.epochs.iter().map(|c| c.epoch).collect::<Vec<_>>() {
             self.host.tell_drain(self.base_id, epoch);
         }
-        let events = self.events_tx.clone();
-        tokio::spawn(
-            async move {
-                let result = call.await.map_err(|e| FamilyError::Admin(Arc::new(e)));
-                let _ = events.send(Event::Drained { result, replies });
-            }
-            .in_current_span(),
-        );
+        self.beside(call, |result| Event::Drained {
+            result: result.map_err(|e| FamilyError::Admin(Arc::new(e))),
+            replies,
+        });
     }
 
     /// Makes whichever Envoy serves fail its health checks, and every epoch that serves

@@ -14,7 +14,6 @@
 //!   instead of giving up.
 
 use envoy_agent_proxy::{ConfigStatus, XdsReading, XdsType};
-use tracing::Instrument;
 
 use envoy_agent_proxy::{AdminError, Outcome};
 use std::time::{Duration, SystemTime};
@@ -114,19 +113,12 @@ impl<H: Host> Supervisor<H> {
             _ => None,
         };
         let call = self.host.xds(cold);
-        let events = self.events_tx.clone();
-        tokio::spawn(
-            async move {
-                let asked = Instant::now();
-                let result = call.await;
-                let _ = events.send(Event::XdsRead {
-                    cold: cold.is_some(),
-                    took: asked.elapsed(),
-                    result,
-                });
-            }
-            .in_current_span(),
-        );
+        let asked = Instant::now();
+        self.beside(call, move |result| Event::XdsRead {
+            cold: cold.is_some(),
+            took: asked.elapsed(),
+            result,
+        });
     }
 
     pub(super) fn on_xds(

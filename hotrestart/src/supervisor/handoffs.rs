@@ -76,19 +76,12 @@ impl<H: Host> Supervisor<H> {
         let validate =
             attempt.parent.is_some() || self.life.live().is_some() || attempt.cold_from.is_some();
         let check = self.host.preflight(running, validate);
-        let events = self.events_tx.clone();
         let epoch = attempt.epoch;
-        tokio::spawn(
-            async move {
-                let (checked, result) = check.await;
-                let _ = events.send(Event::PreFlight {
-                    epoch,
-                    checked,
-                    result,
-                });
-            }
-            .in_current_span(),
-        );
+        self.beside(check, move |(checked, result)| Event::PreFlight {
+            epoch,
+            checked,
+            result,
+        });
         self.handoff = Handoff::PreFlight { attempt, lock };
         self.write_heartbeat();
     }

@@ -8,7 +8,6 @@ use envoy_agent_proxy::{
 use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
-use tracing::Instrument;
 
 use super::{
     DISCOVERY_POLL, Event, INCOMPATIBLE_REPORT, LOCK_RETRY, Life, MAX_RETRIES, Probe, START_REASON,
@@ -259,19 +258,12 @@ impl<H: Host> Supervisor<H> {
         // (its takeover is expected: a kept connection would go on reaching ours).
         let kept = matches!(probe, Probe::Watchdog) && self.pods.successor_starting().is_none();
         let call = self.host.newer_epoch(ours, kept);
-        let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(
-            async move {
-                let result = call.await;
-                let _ = events.send(Event::Probed {
-                    probe,
-                    sent,
-                    result,
-                });
-            }
-            .in_current_span(),
-        );
+        self.beside(call, move |result| Event::Probed {
+            probe,
+            sent,
+            result,
+        });
     }
 
     /// Asks who answers on the admin address, in full (discovery), beside the loop.
@@ -280,13 +272,7 @@ impl<H: Host> Supervisor<H> {
             look.in_flight = true;
         }
         let call = self.host.server_info();
-        let events = self.events_tx.clone();
-        tokio::spawn(
-            async move {
-                let _ = events.send(Event::Discovered(call.await));
-            }
-            .in_current_span(),
-        );
+        self.beside(call, Event::Discovered);
     }
 
     /// Asks whether the starting epoch is LIVE, beside the loop.
@@ -301,19 +287,12 @@ impl<H: Host> Supervisor<H> {
         let call = self
             .host
             .live_check(matches!(live.sign, LiveSign::Seen(_)).then_some(epoch));
-        let events = self.events_tx.clone();
         let sent = Instant::now();
-        tokio::spawn(
-            async move {
-                let result = call.await;
-                let _ = events.send(Event::LiveChecked {
-                    epoch,
-                    sent,
-                    result,
-                });
-            }
-            .in_current_span(),
-        );
+        self.beside(call, move |result| Event::LiveChecked {
+            epoch,
+            sent,
+            result,
+        });
     }
 
     pub(super) fn on_probe(
