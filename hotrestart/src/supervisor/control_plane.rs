@@ -184,18 +184,6 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
-    /// The readiness marker: our newest epoch LIVE with its config, answering, not drained.
-    pub(super) fn refresh_marker(&mut self) {
-        let present = self.life.running()
-            && self.life.live().is_some()
-            && !self.orders.drained()
-            && self.control_plane.status.ready().is_ok()
-            && self.watchdog.answering();
-        if present || self.files.marker() {
-            self.set_marker(present);
-        }
-    }
-
     /// Epoch `epoch` waited for its control plane (`waiting`) for the whole handoff deadline
     /// and was stopped: the restart is queued again after a back-off (its callers are told),
     /// no wedge, the serving epoch serves on.

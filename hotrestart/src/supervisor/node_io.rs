@@ -289,6 +289,19 @@ impl<H: Host> Supervisor<H> {
         }
     }
 
+    /// The readiness marker: our newest epoch LIVE with its config (the control plane's word),
+    /// answering (the watchdog's), not drained (an order).
+    pub(super) fn refresh_marker(&mut self) {
+        let present = self.life.running()
+            && self.life.live().is_some()
+            && !self.orders.drained()
+            && self.control_plane.status().ready().is_ok()
+            && self.watchdog.answering();
+        if present || self.files.marker() {
+            self.set_marker(present);
+        }
+    }
+
     pub(super) fn set_marker(&mut self, present: bool) {
         if let Err(e) = self.host.set_marker(present) {
             tracing::error!(error = %e, "cannot update the readiness marker");
