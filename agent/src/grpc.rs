@@ -1093,7 +1093,12 @@ pub async fn serve(
     let served = match &addr {
         GrpcAddress::Tcp(a) => serve_tcp(*a, router, cancel, node_proxy)
             .await
-            .map_err(|e| fail(e.to_string()))?,
+            .map_err(|e| GrpcBindError {
+                // May come free (another process's): retried by a supervisor, as the status
+                // address is. A Unix socket another agent serves on is the operator's to fix.
+                in_use: e.kind() == std::io::ErrorKind::AddrInUse,
+                ..fail(e.to_string())
+            })?,
         GrpcAddress::Unix(path) => {
             serve_unix(path, router, cancel).map_err(|e| fail(e.to_string()))?
         }

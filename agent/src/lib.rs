@@ -55,6 +55,7 @@ pub mod telemetry;
 pub mod termination;
 #[cfg(test)]
 mod testing;
+pub mod trusted_dir;
 
 pub use agent::{Agent, AgentConfig, AgentExit, AgentHandle, AgentState, ExitPath, Status};
 pub use config::settings::Settings;
@@ -142,6 +143,32 @@ fn warn_about(settings: &Settings) {
              (Istio's behaviour); \
              set it longer than the minimum for a hard deadline"
         );
+    }
+}
+
+/// The exit code of a failed run: bad input says which ([`SetupError`], the flags'
+/// [`SettingsError`](config::cli::SettingsError)); a server's address in use, which may come
+/// free, is [`exit_code::UNAVAILABLE`] (a supervisor, systemd or the kubelet, should retry);
+/// anything else is the agent's failure.
+pub fn exit_code_of(e: &anyhow::Error) -> u8 {
+    if let Some(setup) = e.downcast_ref::<SetupError>() {
+        setup.exit_code()
+    } else if let Some(flags) = e.downcast_ref::<config::cli::SettingsError>() {
+        flags.exit_code()
+    } else if let Some(bind) = e.downcast_ref::<status::BindError>() {
+        if bind.in_use() {
+            exit_code::UNAVAILABLE
+        } else {
+            exit_code::USAGE
+        }
+    } else if let Some(bind) = e.downcast_ref::<grpc::GrpcBindError>() {
+        if bind.in_use {
+            exit_code::UNAVAILABLE
+        } else {
+            exit_code::USAGE
+        }
+    } else {
+        exit_code::SOFTWARE
     }
 }
 
@@ -438,7 +465,7 @@ async fn serve<P: Proxy>(
 async fn bind_status(
     settings: &Settings,
     node_proxy: bool,
-) -> Result<Option<status::StatusServer>, SetupError> {
+) -> Result<Option<status::StatusServer>, status::BindError> {
     match status::StatusServer::bind(settings.status_address).await {
         Ok(server) => Ok(Some(server)),
         Err(e) if node_proxy && e.in_use() => {
@@ -451,7 +478,7 @@ async fn bind_status(
             );
             Ok(None)
         }
-        Err(e) => Err(SetupError::from(e)),
+        Err(e) => Err(e),
     }
 }
 
@@ -517,14 +544,14 @@ async fn grpc_server(
     reported: envoy_agent_proto::pb::Settings,
     log_level: log_level::EnvoyLogLevel,
     cancel: CancellationToken,
-) -> Result<impl std::future::Future<Output = ()> + use<>, SetupError> {
+) -> Result<impl std::future::Future<Output = ()> + use<>, grpc::GrpcBindError> {
     let mode = if node_proxy {
         envoy_agent_proto::pb::Mode::NodeProxy
     } else {
         envoy_agent_proto::pb::Mode::Sidecar
     };
     let service = grpc::Service::new(handle, mode, reported, log_level);
-    Ok(grpc::serve(settings.grpc_address.clone(), service, cancel, node_proxy).await?)
+    grpc::serve(settings.grpc_address.clone(), service, cancel, node_proxy).await
 }
 
 /// The agent's end: logged, written to the termination message, and turned into the exit

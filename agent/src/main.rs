@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{CommandFactory, FromArgMatches};
-use envoy_agent::config::cli::{Cli, Command, LogFormat, SettingsError};
+use envoy_agent::UnixSignals;
+use envoy_agent::config::cli::{Cli, Command, LogFormat};
 use envoy_agent::exit_code;
-use envoy_agent::{SetupError, UnixSignals};
 use envoy_agent_proxy::output;
 use tracing_subscriber::EnvFilter;
 
@@ -30,7 +30,7 @@ fn main() -> ExitCode {
         Err(e) => {
             let said = format!("envoy-agent: {}\n", one_line(&e));
             output::stderr().write_lines(said.as_bytes());
-            exit_code_of(&e)
+            envoy_agent::exit_code_of(&e)
         }
     };
     // The last lines (the exit's) are worth a moment, not a hang on a reader that stopped.
@@ -124,17 +124,6 @@ fn run(cli: Cli) -> anyhow::Result<u8> {
             Command::Completions { .. } => Ok(0),
         }
     })
-}
-
-/// The exit code of a failed run: bad input says which; anything else is the agent's failure.
-fn exit_code_of(e: &anyhow::Error) -> u8 {
-    if let Some(setup) = e.downcast_ref::<SetupError>() {
-        setup.exit_code()
-    } else if let Some(flags) = e.downcast_ref::<SettingsError>() {
-        flags.exit_code()
-    } else {
-        exit_code::SOFTWARE
-    }
 }
 
 /// Whether argument `id` was given (command line or its environment variable), here or in the

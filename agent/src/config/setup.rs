@@ -53,15 +53,9 @@ pub enum SetupError {
         /// Envoy's admin address.
         admin: SocketAddr,
     },
-    /// The status server's address cannot be bound.
-    #[error(transparent)]
-    StatusBind(#[from] crate::status::BindError),
     /// The metrics pipeline cannot be built.
     #[error(transparent)]
     Telemetry(#[from] crate::telemetry::TelemetryError),
-    /// The gRPC server cannot start.
-    #[error(transparent)]
-    GrpcBind(#[from] crate::grpc::GrpcBindError),
     /// The hot-restart settings cannot work.
     #[error(transparent)]
     HotRestart(#[from] envoy_agent_hotrestart::ConfigError),
@@ -90,7 +84,7 @@ pub enum SetupError {
         /// The directory.
         dir: PathBuf,
         /// Why.
-        why: crate::grpc::socket::Untrusted,
+        why: crate::trusted_dir::Untrusted,
     },
     /// The channel's socket names would not fit a Unix socket address.
     #[error(
@@ -160,15 +154,11 @@ pub fn family_config(
 }
 
 impl SetupError {
-    /// The exit code this error means: [`exit_code::USAGE`] for what the user can fix in the
-    /// command line or files; [`exit_code::UNAVAILABLE`] for a resource that may come back (a
-    /// busy port), which a supervisor (systemd, the kubelet) should retry.
+    /// The exit code this error means: [`exit_code::USAGE`], what the user can fix in the
+    /// command line or files. (A server's address that is busy, which may come free, is the
+    /// server's own error: see [`crate::exit_code_of`].)
     pub fn exit_code(&self) -> u8 {
-        match self {
-            SetupError::StatusBind(e) if e.in_use() => exit_code::UNAVAILABLE,
-            SetupError::GrpcBind(e) if e.in_use => exit_code::UNAVAILABLE,
-            _ => exit_code::USAGE,
-        }
+        exit_code::USAGE
     }
 }
 
@@ -502,7 +492,7 @@ pub fn hot_restart_channel(
     let target = std::fs::canonicalize(&channel_dir).map_err(|error| SetupError::PrivateDir {
         what: "hot-restart socket directory",
         dir: channel_dir.clone(),
-        why: crate::grpc::socket::Untrusted::Unreadable { error },
+        why: crate::trusted_dir::Untrusted::Unreadable { error },
     })?;
     let links = crate::config::channel_link::link_dir(temp_dir, nix::unistd::geteuid().as_raw());
     // Ours alone, so that nobody else can plant the link's name; Envoy running as another user
@@ -613,7 +603,7 @@ pub fn drain_notice_dir(
 /// The drain-notice files' directory in a node proxy's state directory.
 pub const DRAIN_NOTICE_DIR: &str = "drain-notice";
 
-/// [`crate::grpc::socket::trusted_dir`], as a setup error naming `what` the directory is.
+/// [`crate::trusted_dir::ensure`], as a setup error naming `what` the directory is.
 fn private_dir(
     what: &'static str,
     dir: &Path,
@@ -621,7 +611,7 @@ fn private_dir(
     owner: Option<u32>,
     ours: bool,
 ) -> Result<(), SetupError> {
-    crate::grpc::socket::trusted_dir(dir, mode, owner, ours).map_err(|why| SetupError::PrivateDir {
+    crate::trusted_dir::ensure(dir, mode, owner, ours).map_err(|why| SetupError::PrivateDir {
         what,
         dir: dir.to_owned(),
         why,

@@ -310,6 +310,29 @@ async fn a_status_address_in_use_exits_69_naming_it() {
 }
 
 #[tokio::test]
+async fn a_grpc_address_in_use_exits_69_naming_it() {
+    let dir = TestDir::new();
+    let good = dir.bootstrap("good.yaml", "x");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let envoy = envoy_path();
+    let (code, stderr) = run_to_exit(&[
+        os("run"),
+        os("-c"),
+        good.as_os_str(),
+        os("--envoy-path"),
+        envoy.as_os_str(),
+        os("--status-address"),
+        os("127.0.0.1:0"),
+        os("--grpc-address"),
+        os(&addr),
+    ])
+    .await;
+    assert_eq!(code, Some(69), "{stderr}");
+    assert!(stderr.contains(&addr), "{stderr}");
+}
+
+#[tokio::test]
 async fn a_config_envoy_rejects_passes_envoys_code_and_reason_on() {
     let dir = TestDir::new();
     let bad = dir.write(
