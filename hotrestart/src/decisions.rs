@@ -2363,3 +2363,50 @@ async fn a_log_line_names_the_supervisor_and_its_family() {
         "{line}"
     );
 }
+
+/// The supervisor's span follows the family across a cold handover: the lines of the new
+/// family's restarts carry its base id, not the one the supervisor started with.
+#[tokio::test(start_paused = true)]
+async fn after_a_cold_handover_the_log_lines_carry_the_new_familys_base_id() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::registry().with(
+        tracing_subscriber::fmt::layer()
+            .json()
+            .with_span_list(false)
+            .with_writer(move || writer.clone()),
+    );
+    let _default = tracing::subscriber::set_default(subscriber);
+    let f = start(FakeHost::default(), config());
+    f.serving_at(0).await;
+    f.host.world().shm = Err("its header says 3735928559.104".to_owned());
+    assert_eq!(
+        f.restart("SIGHUP").await.unwrap(),
+        Ok(0),
+        "cold, to base id 8"
+    );
+    f.host.world().shm = Ok(());
+    assert_eq!(f.restart("again").await.unwrap(), Ok(1), "hot, within 8");
+    f.stop().await;
+    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let starting: Vec<serde_json::Value> = text
+        .lines()
+        .filter(|l| l.contains("\"epoch_starting\""))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let base_ids: Vec<_> = starting
+        .iter()
+        .map(|j| (j["fields"]["epoch"].clone(), j["span"]["base_id"].clone()))
+        .collect();
+    assert_eq!(
+        base_ids.last(),
+        Some(&(serde_json::json!(1), serde_json::json!(8))),
+        "{base_ids:?}"
+    );
+    assert_eq!(
+        base_ids.first(),
+        Some(&(serde_json::json!(0), serde_json::json!(7))),
+        "{base_ids:?}"
+    );
+}
