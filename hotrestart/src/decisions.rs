@@ -2332,19 +2332,26 @@ impl std::io::Write for Captured {
     }
 }
 
+impl Captured {
+    /// Captures this thread's log lines as JSON (the test runtime runs every task on it),
+    /// with the list of spans when `span_list`, until the guard is dropped.
+    fn json(span_list: bool) -> (Captured, tracing::subscriber::DefaultGuard) {
+        use tracing_subscriber::layer::SubscriberExt;
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::registry().with(
+            tracing_subscriber::fmt::layer()
+                .json()
+                .with_span_list(span_list)
+                .with_writer(move || writer.clone()),
+        );
+        (captured, tracing::subscriber::set_default(subscriber))
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_log_line_names_the_supervisor_and_its_family() {
-    use tracing_subscriber::layer::SubscriberExt;
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::registry().with(
-        tracing_subscriber::fmt::layer()
-            .json()
-            .with_span_list(true)
-            .with_writer(move || writer.clone()),
-    );
-    // This thread's: the test runtime runs every task on it.
-    let _default = tracing::subscriber::set_default(subscriber);
+    let (captured, _default) = Captured::json(true);
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;
     f.abort.cancel();
@@ -2368,16 +2375,7 @@ async fn a_log_line_names_the_supervisor_and_its_family() {
 /// family's restarts carry its base id, not the one the supervisor started with.
 #[tokio::test(start_paused = true)]
 async fn after_a_cold_handover_the_log_lines_carry_the_new_familys_base_id() {
-    use tracing_subscriber::layer::SubscriberExt;
-    let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::registry().with(
-        tracing_subscriber::fmt::layer()
-            .json()
-            .with_span_list(false)
-            .with_writer(move || writer.clone()),
-    );
-    let _default = tracing::subscriber::set_default(subscriber);
+    let (captured, _default) = Captured::json(false);
     let f = start(FakeHost::default(), config());
     f.serving_at(0).await;
     f.host.world().shm = Err("its header says 3735928559.104".to_owned());
