@@ -680,6 +680,9 @@ fn settings_lines(s: &pb::Settings, family: bool) -> Vec<String> {
             s.admin_address.as_deref().unwrap_or("not known yet")
         ),
     ));
+    if !s.envoy_binary.is_empty() {
+        lines.push(row("envoy:", &s.envoy_binary));
+    }
     if !s.proxy_log_level.is_empty() {
         lines.push(row("envoy log level:", &s.proxy_log_level));
     }
@@ -1148,6 +1151,7 @@ mod tests {
                     nanos: 250_000_000,
                 }),
                 config_path: "/etc/envoy/envoy.yaml".into(),
+                envoy_binary: "/usr/local/bin/envoy".into(),
                 proxy_log_level: "warning,upstream:debug".into(),
                 exit_on_zero: pb::ExitOnZero::Requests.into(),
                 minimum_drain_duration: Some(prost_types::Duration {
@@ -1246,6 +1250,7 @@ mod tests {
         assert!(!text.contains("epoch 1 live"), "only the last 3: {text}");
         has("wedge:              stale_initializing: cleared");
         has("envoy log level:    warning,upstream:debug");
+        has("envoy:              /usr/local/bin/envoy");
         has("memory:             limit 160 MiB: envoy sheds load before it (heap 136 MiB)");
         has("connection bound:   unbounded by the agent: --max-downstream-connections off");
         has("workers:            1 (the container's CPU quota (1.00 CPUs))");

@@ -103,6 +103,7 @@ pub fn settings(settings: &Settings, proxy: &ProxyConfig, config: &AgentConfig) 
     pb::Settings {
         config_path: path(&proxy.config_path),
         envoy_path: path(&settings.envoy.envoy_path),
+        envoy_binary: path(&proxy.binary_path),
         admin_address: settings.envoy.admin_address.map(|a| a.to_string()),
         status_address: settings.status_address.to_string(),
         grpc_address: settings.grpc_address.to_string(),

@@ -31,6 +31,30 @@ fn span(d: &Option<prost_types::Duration>) -> Duration {
     Duration::try_from(d.expect("a duration")).unwrap()
 }
 
+/// A bare `--envoy-path` is looked up on PATH: `GetStatus` says both what was given and the
+/// binary that runs.
+#[tokio::test]
+async fn get_status_names_the_envoy_binary_found_on_path() {
+    let envoy = envoy_agent_tests::envoy_path();
+    let name = envoy.file_name().unwrap().to_str().unwrap().to_owned();
+    let search = format!(
+        "{}:{}",
+        envoy.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let agent = agent()
+        .envoy_path(std::path::PathBuf::from(&name))
+        .env("PATH", &search)
+        .start()
+        .await;
+    let s = get_status(&mut client(&agent).await)
+        .await
+        .settings
+        .expect("settings");
+    assert_eq!(s.envoy_path, name, "as given");
+    assert_eq!(std::path::PathBuf::from(&s.envoy_binary), envoy, "as found");
+}
+
 /// `docs/envoy-agent.1` is the man page generated from the CLI; the filter `flag_reference`
 /// runs this test with the flag reference's, and `UPDATE_FLAG_DOCS=1` rewrites both.
 #[test]
@@ -168,6 +192,7 @@ async fn get_status_reports_typed_fields(node_proxy: bool, transport: Transport)
         std::path::PathBuf::from(&s.envoy_path),
         envoy_agent_tests::envoy_path()
     );
+    assert_eq!(s.envoy_binary, s.envoy_path, "a path is run as given");
     assert_eq!(s.admin_address, Some(agent.admin.addr().to_string()));
     assert_eq!(s.status_address, "127.0.0.1:0", "as configured");
     assert_eq!(s.grpc_address, agent.grpc);
