@@ -539,14 +539,14 @@ impl AgentProcess {
 
     /// The agent's children (Envoy epochs).
     pub fn children(&self) -> Vec<u32> {
-        children_of(self.pid())
+        children_of(self.agent_pid())
     }
 
     /// Envoy's pid: the agent's one child that runs Envoy. A pre-flight (`--mode validate`,
     /// `--hot-restart-version`, run ahead of a restart) or a fork not yet exec'd may be there
     /// beside it for a moment: those are waited out (bounded).
     pub fn envoy_pid(&self) -> u32 {
-        let agent_exe = std::fs::read_link(format!("/proc/{}/exe", self.pid())).ok();
+        let agent_exe = std::fs::read_link(format!("/proc/{}/exe", self.agent_pid())).ok();
         let serving = |child: &u32| {
             let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).unwrap_or_default();
             let preflight = cmdline

@@ -217,14 +217,28 @@ async fn a_wedge_is_recovered_in_place_with_restart_on_crash() {
 /// its check and the exit are due together.
 #[tokio::test]
 async fn a_serving_envoy_killed_while_the_agent_was_stopped_is_its_crash() {
-    let agent = agent_in(Mode::NodeProxy)
-        .args(&["--restart-on-crash"])
-        .start()
-        .await;
+    killed_while_the_agent_was_stopped(false).await;
+}
+
+/// The same with the agent as PID 1 of its own PID namespace and `/proc`, as in a pod: the
+/// check reads the process by the pid the agent knows it by.
+#[tokio::test]
+async fn as_pid_1_a_serving_envoy_killed_while_the_agent_was_stopped_is_its_crash() {
+    killed_while_the_agent_was_stopped(true).await;
+}
+
+async fn killed_while_the_agent_was_stopped(pod: bool) {
+    let mut builder = agent_in(Mode::NodeProxy).args(&["--restart-on-crash"]);
+    if pod {
+        builder = builder.wrapper(envoy_agent_tests::POD);
+    }
+    let agent = builder.start().await;
     let agent_pid = Pid::from_raw(agent.agent_pid() as i32);
+    // The agent's pid for it (its namespace's), and ours to signal it by.
     let envoy = live_envoy(&agent, None).await.epochs[0].pid;
+    let envoy_here = agent.envoy_pid();
     kill(agent_pid, Signal::SIGSTOP).unwrap();
-    kill(Pid::from_raw(envoy as i32), Signal::SIGKILL).unwrap();
+    kill(Pid::from_raw(envoy_here as i32), Signal::SIGKILL).unwrap();
     // Frozen: nothing to wait on but the clock (the watchdog's period and its renewal's, 5 s).
     tokio::time::sleep(Duration::from_secs(6)).await;
     kill(agent_pid, Signal::SIGCONT).unwrap();
