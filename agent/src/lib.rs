@@ -151,22 +151,18 @@ fn warn_about(settings: &Settings) {
 /// free, is [`exit_code::UNAVAILABLE`] (a supervisor, systemd or the kubelet, should retry);
 /// anything else is the agent's failure.
 pub fn exit_code_of(e: &anyhow::Error) -> u8 {
+    let bind = |in_use: bool| match in_use {
+        true => exit_code::UNAVAILABLE,
+        false => exit_code::USAGE,
+    };
     if let Some(setup) = e.downcast_ref::<SetupError>() {
         setup.exit_code()
     } else if let Some(flags) = e.downcast_ref::<config::cli::SettingsError>() {
         flags.exit_code()
-    } else if let Some(bind) = e.downcast_ref::<status::BindError>() {
-        if bind.in_use() {
-            exit_code::UNAVAILABLE
-        } else {
-            exit_code::USAGE
-        }
-    } else if let Some(bind) = e.downcast_ref::<grpc::GrpcBindError>() {
-        if bind.in_use {
-            exit_code::UNAVAILABLE
-        } else {
-            exit_code::USAGE
-        }
+    } else if let Some(status) = e.downcast_ref::<status::BindError>() {
+        bind(status.in_use())
+    } else if let Some(grpc) = e.downcast_ref::<grpc::GrpcBindError>() {
+        bind(grpc.in_use)
     } else {
         exit_code::SOFTWARE
     }
